@@ -1,0 +1,109 @@
+/* KV shape, tensor-parallel layout and the transfer plan (SPEC sections 1 and 2).
+ * Everything here is a pure function of its arguments. */
+#ifndef KVSTAGE_LAYOUT_H
+#define KVSTAGE_LAYOUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstage/status.h"
+
+#define KVS_MAX_TP      64  /* largest TP size on either side */
+#define KVS_MAX_WRITERS 64  /* most writers one decode rank can have for one slot */
+#define KVS_REGION_ALIGN 256 /* writer regions in a slot start at multiples of this */
+
+typedef enum {
+    KVS_ATTN_MHA = 0, /* MHA or GQA: K and V per KV head, sharded by head */
+    KVS_ATTN_MLA = 1, /* one latent per token and layer, held whole by every rank */
+} kvs_attn_t;
+
+typedef struct {
+    uint32_t layers;     /* L */
+    uint32_t kv_heads;   /* H; must be 1 for MLA */
+    uint32_t head_dim_k; /* Dk elements; for MLA the latent width */
+    uint32_t head_dim_v; /* Dv elements; must be 0 for MLA */
+    uint32_t elem_bytes; /* E: 1, 2 or 4 */
+    kvs_attn_t attn;
+} kvs_kv_shape_t;
+
+/* Checks ranges (layers, heads, dims > 0, E in {1,2,4}, MLA rules); logs what is wrong. */
+kvs_status_t kvs_kv_shape_validate(const kvs_kv_shape_t *shape);
+
+/* Number of K/V components per layer: 2 for MHA, 1 for MLA. */
+uint32_t kvs_kv_shape_components(const kvs_kv_shape_t *shape);
+/* Element count of one head of component c (0 = K or latent, 1 = V). */
+uint32_t kvs_kv_shape_dim(const kvs_kv_shape_t *shape, uint32_t component);
+
+/* One side's attention tensor-parallel layout. */
+typedef struct {
+    uint32_t tp_size;
+    uint32_t tp_rank;
+} kvs_tp_t;
+
+/* Validates that tp_size is in [1, KVS_MAX_TP], tp_rank < tp_size, and that for MHA either
+ * H % T == 0 or T % H == 0 (e.g. 3 heads over TP 2 is refused with a clear error). */
+kvs_status_t kvs_tp_validate(const kvs_kv_shape_t *shape, const kvs_tp_t *tp);
+
+/* h = max(1, H/T): heads held by each rank (1 for MLA). */
+uint32_t kvs_tp_heads_per_rank(const kvs_kv_shape_t *shape, uint32_t tp_size);
+/* R = max(1, T/H): how many ranks hold the same head group (T for MLA). */
+uint32_t kvs_tp_replication(const kvs_kv_shape_t *shape, uint32_t tp_size);
+/* First global head held by rank r: (r / R) * h (0 for MLA). */
+uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32_t rank);
+
+/* One writer of a decode rank's slot: a run of consecutive heads from one prefill rank. */
+typedef struct {
+    uint32_t prefill_rank;
+    uint32_t src_head; /* head offset within the prefill rank's heads */
+    uint32_t dst_head; /* head offset within the decode rank's heads */
+    uint32_t heads;    /* head count (1 for MLA: the latent) */
+    uint64_t bytes_per_token; /* L * heads * (Dk + Dv) * E, or L * Dk * E for MLA */
+} kvs_writer_t;
+
+/* One destination of a prefill rank: it is writer number `writer` of decode rank
+ * `decode_rank`. */
+typedef struct {
+    uint32_t decode_rank;
+    uint32_t writer; /* index into that decode rank's writer list */
+    kvs_writer_t w;
+} kvs_dest_t;
+
+/* Writers of decode rank d, in writer order (ascending dst_head). Replicated prefill heads
+ * ship once, from the replica chosen by room id; MLA has one writer per decode rank, chosen
+ * by room id. writers_p needs KVS_MAX_WRITERS entries. */
+kvs_status_t kvs_plan_writers(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
+                              uint32_t decode_tp, uint32_t decode_rank, uint64_t room,
+                              kvs_writer_t *writers_p, uint32_t *count_p);
+
+/* Destinations of prefill rank p, ascending decode rank. dests_p needs KVS_MAX_TP entries.
+ * A rank may have none (a replica not chosen for this room): it still reports status. */
+kvs_status_t kvs_plan_destinations(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
+                                   uint32_t decode_tp, uint32_t prefill_rank, uint64_t room,
+                                   kvs_dest_t *dests_p, uint32_t *count_p);
+
+/* Prefill ranks that decode rank d exchanges room metadata and status with: every prefill
+ * rank holding at least one head that d needs (for MLA: every prefill rank), ascending.
+ * ranks_p needs KVS_MAX_TP entries. */
+kvs_status_t kvs_plan_peers(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
+                            uint32_t decode_tp, uint32_t decode_rank, uint32_t *ranks_p,
+                            uint32_t *count_p);
+
+/* The converse: decode ranks that prefill rank p expects metadata from and reports status
+ * to, ascending. ranks_p needs KVS_MAX_TP entries. */
+kvs_status_t kvs_plan_decode_peers(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
+                                   uint32_t decode_tp, uint32_t prefill_rank, uint32_t *ranks_p,
+                                   uint32_t *count_p);
+
+/* Slot layout for `tokens` tokens: writer i's region starts at offsets_p[i] (multiples of
+ * KVS_REGION_ALIGN, in writer order) and holds tokens * bytes_per_token bytes laid out as
+ * [K layer 0..L-1][V layer 0..L-1], each layer block [tokens][heads][D]. Returns the slot's
+ * total size (end of the last region rounded up to KVS_REGION_ALIGN). offsets_p may be NULL. */
+uint64_t kvs_slot_layout(const kvs_writer_t *writers, uint32_t count, uint64_t tokens,
+                         uint64_t *offsets_p);
+
+/* Byte offset, inside one writer region of `tokens` tokens, of the block for (layer,
+ * component): component 0 = K (or latent), 1 = V. */
+uint64_t kvs_region_block_offset(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens,
+                                 uint32_t layer, uint32_t component);
+
+#endif

@@ -31,8 +31,7 @@ uint64_t kvs_grid_total_pages(uint64_t prompt_len, uint64_t base, uint64_t page)
 uint64_t kvs_grid_chunk_count(uint64_t total_pages, uint64_t grid, uint64_t page);
 
 /* Pages in chunk k: min((k+1)F, total) - kF, or 0 past the end. */
-uint64_t kvs_grid_chunk_pages(uint64_t chunk, uint64_t total_pages, uint64_t grid,
-                              uint64_t page);
+uint64_t kvs_grid_chunk_pages(uint64_t chunk, uint64_t total_pages, uint64_t grid, uint64_t page);
 
 /* Chunk index of a sub-send that starts at suffix page `suffix_page_start`. */
 uint64_t kvs_grid_chunk_of(uint64_t suffix_page_start, uint64_t grid, uint64_t page);

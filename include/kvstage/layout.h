@@ -8,8 +8,8 @@
 
 #include "kvstage/status.h"
 
-#define KVS_MAX_TP      64  /* largest TP size on either side */
-#define KVS_MAX_WRITERS 64  /* most writers one decode rank can have for one slot */
+#define KVS_MAX_TP       64  /* largest TP size on either side */
+#define KVS_MAX_WRITERS  64  /* most writers one decode rank can have for one slot */
 #define KVS_REGION_ALIGN 256 /* writer regions in a slot start at multiples of this */
 
 typedef enum {
@@ -54,9 +54,9 @@ uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32
 /* One writer of a decode rank's slot: a run of consecutive heads from one prefill rank. */
 typedef struct {
     uint32_t prefill_rank;
-    uint32_t src_head; /* head offset within the prefill rank's heads */
-    uint32_t dst_head; /* head offset within the decode rank's heads */
-    uint32_t heads;    /* head count (1 for MLA: the latent) */
+    uint32_t src_head;        /* head offset within the prefill rank's heads */
+    uint32_t dst_head;        /* head offset within the decode rank's heads */
+    uint32_t heads;           /* head count (1 for MLA: the latent) */
     uint64_t bytes_per_token; /* L * heads * (Dk + Dv) * E, or L * Dk * E for MLA */
 } kvs_writer_t;
 
@@ -71,9 +71,9 @@ typedef struct {
 /* Writers of decode rank d, in writer order (ascending dst_head). Replicated prefill heads
  * ship once, from the replica chosen by room id; MLA has one writer per decode rank, chosen
  * by room id. writers_p needs KVS_MAX_WRITERS entries. */
-kvs_status_t kvs_plan_writers(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
-                              uint32_t decode_tp, uint32_t decode_rank, uint64_t room,
-                              kvs_writer_t *writers_p, uint32_t *count_p);
+kvs_status_t kvs_plan_writers(const kvs_kv_shape_t *shape, uint32_t prefill_tp, uint32_t decode_tp,
+                              uint32_t decode_rank, uint64_t room, kvs_writer_t *writers_p,
+                              uint32_t *count_p);
 
 /* Destinations of prefill rank p, ascending decode rank. dests_p needs KVS_MAX_TP entries.
  * A rank may have none (a replica not chosen for this room): it still reports status. */
@@ -84,9 +84,8 @@ kvs_status_t kvs_plan_destinations(const kvs_kv_shape_t *shape, uint32_t prefill
 /* Prefill ranks that decode rank d exchanges room metadata and status with: every prefill
  * rank holding at least one head that d needs (for MLA: every prefill rank), ascending.
  * ranks_p needs KVS_MAX_TP entries. */
-kvs_status_t kvs_plan_peers(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
-                            uint32_t decode_tp, uint32_t decode_rank, uint32_t *ranks_p,
-                            uint32_t *count_p);
+kvs_status_t kvs_plan_peers(const kvs_kv_shape_t *shape, uint32_t prefill_tp, uint32_t decode_tp,
+                            uint32_t decode_rank, uint32_t *ranks_p, uint32_t *count_p);
 
 /* The converse: decode ranks that prefill rank p expects metadata from and reports status
  * to, ascending. ranks_p needs KVS_MAX_TP entries. */

@@ -13,12 +13,12 @@
 #include "kvstage/layout.h"
 #include "kvstage/status.h"
 
-#define KVS_MSG_MAGIC       0x3153564bu
-#define KVS_MSG_VERSION     1
-#define KVS_MSG_HEADER_SIZE 12
-#define KVS_MSG_MAX_SIZE    1024 /* no valid message is larger */
-#define KVS_MSG_FINAL_MAX   64   /* bytes of final metadata (e.g. the first generated token) */
-#define KVS_MSG_ENDPOINT_MAX 128 /* bytes of an endpoint string, without terminator */
+#define KVS_MSG_MAGIC        0x3153564bu
+#define KVS_MSG_VERSION      1
+#define KVS_MSG_HEADER_SIZE  12
+#define KVS_MSG_MAX_SIZE     1024 /* no valid message is larger */
+#define KVS_MSG_FINAL_MAX    64   /* bytes of final metadata (e.g. the first generated token) */
+#define KVS_MSG_ENDPOINT_MAX 128  /* bytes of an endpoint string, without terminator */
 
 typedef enum {
     KVS_MSG_ROOM_META = 1,     /* decode -> prefill: a room's geometry */
@@ -87,9 +87,9 @@ typedef struct {
     uint64_t room;
     uint32_t prefill_rank;
     uint32_t decode_rank;
-    int32_t status;         /* kvs_room_status_t: SUCCESS or FAILED */
-    int32_t reason;         /* kvs_status_t explaining a failure, KVS_OK otherwise */
-    uint32_t final_len;     /* <= KVS_MSG_FINAL_MAX */
+    int32_t status;     /* kvs_room_status_t: SUCCESS or FAILED */
+    int32_t reason;     /* kvs_status_t explaining a failure, KVS_OK otherwise */
+    uint32_t final_len; /* <= KVS_MSG_FINAL_MAX */
     uint8_t final[KVS_MSG_FINAL_MAX];
 } kvs_msg_status_t;
 
@@ -121,8 +121,8 @@ typedef struct {
 } kvs_msg_register_t;
 
 typedef struct {
-    uint32_t rank;  /* QUERY: which prefill rank */
-    int32_t found;  /* QUERY_REPLY: 1 if reg is valid */
+    uint32_t rank; /* QUERY: which prefill rank */
+    int32_t found; /* QUERY_REPLY: 1 if reg is valid */
     kvs_msg_register_t reg;
 } kvs_msg_query_t;
 

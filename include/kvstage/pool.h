@@ -17,8 +17,8 @@ typedef struct {
     uint64_t page_stride;
     uint64_t token_stride;
     uint64_t head_stride;
-    uint32_t heads;      /* heads this rank holds */
-    uint32_t dim;        /* elements per head */
+    uint32_t heads; /* heads this rank holds */
+    uint32_t dim;   /* elements per head */
     uint32_t elem_bytes;
 } kvs_region_t;
 
@@ -44,8 +44,8 @@ typedef enum {
 
 typedef struct {
     kvs_kv_shape_t shape;
-    kvs_tp_t tp;          /* which heads this rank holds */
-    uint32_t page_size;   /* P tokens per page */
+    kvs_tp_t tp;        /* which heads this rank holds */
+    uint32_t page_size; /* P tokens per page */
     uint32_t num_pages;
     kvs_pool_layout_t layout;
     kvs_mem_kind_t mem;

@@ -40,8 +40,7 @@ kvs_status_t kvs_radix_match(kvs_radix_t *radix, uint64_t ns, const int32_t *tok
  * (and should free) its pages for [0, present); the cache owns the rest. node_p (optional)
  * receives the node ending the inserted key. */
 kvs_status_t kvs_radix_insert(kvs_radix_t *radix, uint64_t ns, const int32_t *tokens, size_t len,
-                              const uint32_t *pages, size_t *present_p,
-                              kvs_radix_node_t **node_p);
+                              const uint32_t *pages, size_t *present_p, kvs_radix_node_t **node_p);
 
 /* Lock protects node and every ancestor from eviction; calls nest. */
 void kvs_radix_lock(kvs_radix_t *radix, kvs_radix_node_t *node);

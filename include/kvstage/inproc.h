@@ -1,0 +1,45 @@
+/* The in-process transport: every prefill and decode rank of one deployment lives in this
+ * process, control messages are encoded bytes moved between queues, and data writes are
+ * memcpy into the decode rings. A seeded adversarial scheduler delays, reorders, duplicates
+ * and drops control messages and delays write completion, so tests can drive the protocol
+ * through hostile schedules reproducibly. Time is whatever the given clock says. */
+#ifndef KVSTAGE_INPROC_H
+#define KVSTAGE_INPROC_H
+
+#include <stdint.h>
+
+#include "kvstage/clock.h"
+#include "kvstage/link.h"
+#include "kvstage/status.h"
+
+typedef struct {
+    uint64_t seed;
+    uint64_t delay_max_ns;       /* control messages arrive after a uniform delay in [0, max] */
+    uint32_t drop_permille;      /* chance that a control message is lost */
+    uint32_t dup_permille;       /* chance that a control message is delivered twice */
+    uint64_t write_delay_max_ns; /* data writes land (and complete) after up to this */
+} kvs_inproc_faults_t;
+
+typedef struct kvs_inproc_net kvs_inproc_net_t;
+
+typedef struct {
+    uint64_t sent, delivered, dropped, duplicated, in_flight;
+    uint64_t writes, write_bytes, writes_in_flight;
+} kvs_inproc_stats_t;
+
+/* faults may be NULL (reliable, immediate). The clock must outlive the net. */
+kvs_status_t kvs_inproc_net_create(uint32_t prefill_tp, uint32_t decode_tp,
+                                   const kvs_inproc_faults_t *faults, const kvs_clock_t *clock,
+                                   kvs_inproc_net_t **net_p);
+/* All links must be destroyed first. */
+void kvs_inproc_net_destroy(kvs_inproc_net_t *net);
+/* Changes the fault mix from now on (e.g. heal the network at the end of a test). */
+void kvs_inproc_net_set_faults(kvs_inproc_net_t *net, const kvs_inproc_faults_t *faults);
+void kvs_inproc_net_stats(const kvs_inproc_net_t *net, kvs_inproc_stats_t *stats_p);
+/* Earliest time at which something queued becomes due (UINT64_MAX when idle). */
+uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net);
+
+kvs_status_t kvs_inproc_link_create(kvs_inproc_net_t *net, kvs_side_t side, uint32_t rank,
+                                    kvs_link_t **link_p);
+
+#endif

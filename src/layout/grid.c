@@ -1,0 +1,86 @@
+/* Grid arithmetic of SPEC section 1: slot size, splitting sends at slot boundaries, flooring a
+ * non-last send, and chunk numbering. Degenerate inputs (page or grid 0) give the neutral
+ * answer documented per function instead of dividing by zero. */
+#include "kvstage/grid.h"
+
+uint64_t kvs_grid_tokens(uint64_t chunk, uint64_t page)
+{
+    if (page == 0) return 0;
+    uint64_t pages = chunk / page;
+    return (pages > 0 ? pages : 1) * page;
+}
+
+/* End of the segment that starts at cur: the next boundary base + k*G after cur, or end.
+ * The grid is anchored at base for every integer k, so a start below base is still split
+ * consistently; G == 0 means "no grid" and never splits. */
+static uint64_t segment_end(uint64_t cur, uint64_t end, uint64_t base, uint64_t grid)
+{
+    if (grid == 0) return end;
+    uint64_t into = (cur % grid + grid - base % grid) % grid; /* tokens since last boundary */
+    uint64_t left = grid - into;
+    return left >= end - cur ? end : cur + left;
+}
+
+size_t kvs_grid_segment_count(uint64_t start, uint64_t end, uint64_t base, uint64_t grid)
+{
+    return kvs_grid_segments(start, end, base, grid, NULL, 0);
+}
+
+size_t kvs_grid_segments(uint64_t start, uint64_t end, uint64_t base, uint64_t grid,
+                         kvs_segment_t *segs, size_t max)
+{
+    if (end <= start) {
+        if (max > 0) segs[0] = (kvs_segment_t){start, start};
+        return 1;
+    }
+    size_t n = 0;
+    for (uint64_t cur = start; cur < end; n++) {
+        uint64_t next = segment_end(cur, end, base, grid);
+        if (n < max) segs[n] = (kvs_segment_t){cur, next};
+        cur = next;
+    }
+    return n;
+}
+
+uint64_t kvs_grid_floor(uint64_t end, uint64_t base, uint64_t grid, uint64_t page)
+{
+    if (end <= base || grid == 0) return base;
+    uint64_t paged = page > 0 ? end - end % page : end;
+    if (paged <= base) return base;
+    return base + (paged - base) / grid * grid;
+}
+
+uint64_t kvs_grid_total_pages(uint64_t prompt_len, uint64_t base, uint64_t page)
+{
+    if (page == 0 || prompt_len <= base) return 0;
+    uint64_t tokens = prompt_len - base;
+    return tokens / page + (tokens % page != 0);
+}
+
+/* F = G / P pages per slot; 0 for a degenerate grid. */
+static uint64_t pages_per_slot(uint64_t grid, uint64_t page)
+{
+    return page > 0 ? grid / page : 0;
+}
+
+uint64_t kvs_grid_chunk_count(uint64_t total_pages, uint64_t grid, uint64_t page)
+{
+    uint64_t f = pages_per_slot(grid, page);
+    if (f == 0) return 0;
+    return total_pages / f + (total_pages % f != 0);
+}
+
+uint64_t kvs_grid_chunk_pages(uint64_t chunk, uint64_t total_pages, uint64_t grid, uint64_t page)
+{
+    uint64_t f = pages_per_slot(grid, page);
+    if (chunk >= kvs_grid_chunk_count(total_pages, grid, page)) return 0;
+    uint64_t first = chunk * f; /* < total_pages, so no overflow */
+    uint64_t left = total_pages - first;
+    return left < f ? left : f;
+}
+
+uint64_t kvs_grid_chunk_of(uint64_t suffix_page_start, uint64_t grid, uint64_t page)
+{
+    uint64_t f = pages_per_slot(grid, page);
+    return f > 0 ? suffix_page_start / f : 0;
+}

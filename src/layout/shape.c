@@ -1,0 +1,131 @@
+/* KV shape validation and the tensor-parallel head layout of one side (SPEC section 1). */
+#include "kvstage/layout.h"
+
+#include "kvstage/log.h"
+
+/* a * b, or 0 with *overflow set when the product does not fit in 64 bits. */
+static uint64_t mul_checked(uint64_t a, uint64_t b, int *overflow)
+{
+    if (a != 0 && b > UINT64_MAX / a) {
+        *overflow = 1;
+        return 0;
+    }
+    return a * b;
+}
+
+kvs_status_t kvs_kv_shape_validate(const kvs_kv_shape_t *shape)
+{
+    if (shape == NULL) {
+        kvs_error("KV shape is NULL");
+        return KVS_ERR_INVALID;
+    }
+    if (shape->attn != KVS_ATTN_MHA && shape->attn != KVS_ATTN_MLA) {
+        kvs_error("KV shape: attn = %d is neither MHA (0) nor MLA (1)", (int) shape->attn);
+        return KVS_ERR_INVALID;
+    }
+    if (shape->layers == 0) {
+        kvs_error("KV shape: layers = 0, need at least 1");
+        return KVS_ERR_INVALID;
+    }
+    if (shape->kv_heads == 0) {
+        kvs_error("KV shape: kv_heads = 0, need at least 1");
+        return KVS_ERR_INVALID;
+    }
+    if (shape->head_dim_k == 0) {
+        kvs_error("KV shape: head_dim_k = 0, need at least 1");
+        return KVS_ERR_INVALID;
+    }
+    if (shape->elem_bytes != 1 && shape->elem_bytes != 2 && shape->elem_bytes != 4) {
+        kvs_error("KV shape: elem_bytes = %u, must be 1, 2 or 4", shape->elem_bytes);
+        return KVS_ERR_INVALID;
+    }
+    if (shape->attn == KVS_ATTN_MHA) {
+        if (shape->head_dim_v == 0) {
+            kvs_error("KV shape: head_dim_v = 0, MHA needs a V head dim of at least 1");
+            return KVS_ERR_INVALID;
+        }
+    } else {
+        if (shape->kv_heads != 1) {
+            kvs_error("KV shape: kv_heads = %u, MLA has exactly one latent (kv_heads = 1)",
+                      shape->kv_heads);
+            return KVS_ERR_INVALID;
+        }
+        if (shape->head_dim_v != 0) {
+            kvs_error("KV shape: head_dim_v = %u, MLA has no V (head_dim_v = 0)",
+                      shape->head_dim_v);
+            return KVS_ERR_INVALID;
+        }
+    }
+    /* Every byte count downstream (writer bytes_per_token, slot sizes) derives from the
+     * whole model's bytes per token; refusing an overflow here keeps them all exact. */
+    int overflow = 0;
+    uint64_t dims = (uint64_t) shape->head_dim_k + shape->head_dim_v;
+    uint64_t per_token = mul_checked(shape->layers, shape->kv_heads, &overflow);
+    per_token = mul_checked(per_token, dims, &overflow);
+    per_token = mul_checked(per_token, shape->elem_bytes, &overflow);
+    if (overflow || per_token > UINT32_MAX * (uint64_t) 1024) {
+        kvs_error("KV shape: %u layers x %u heads x (%u + %u) dims x %u bytes per token is "
+                  "too large",
+                  shape->layers, shape->kv_heads, shape->head_dim_k, shape->head_dim_v,
+                  shape->elem_bytes);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+uint32_t kvs_kv_shape_components(const kvs_kv_shape_t *shape)
+{
+    return shape->attn == KVS_ATTN_MLA ? 1 : 2;
+}
+
+uint32_t kvs_kv_shape_dim(const kvs_kv_shape_t *shape, uint32_t component)
+{
+    if (component == 0) return shape->head_dim_k;
+    if (component == 1 && shape->attn == KVS_ATTN_MHA) return shape->head_dim_v;
+    return 0;
+}
+
+kvs_status_t kvs_tp_validate(const kvs_kv_shape_t *shape, const kvs_tp_t *tp)
+{
+    kvs_status_t st = kvs_kv_shape_validate(shape);
+    if (st != KVS_OK) return st;
+    if (tp == NULL) {
+        kvs_error("TP layout is NULL");
+        return KVS_ERR_INVALID;
+    }
+    if (tp->tp_size == 0 || tp->tp_size > KVS_MAX_TP) {
+        kvs_error("TP size %u is out of range [1, %d]", tp->tp_size, KVS_MAX_TP);
+        return KVS_ERR_INVALID;
+    }
+    if (tp->tp_rank >= tp->tp_size) {
+        kvs_error("TP rank %u is out of range for TP size %u", tp->tp_rank, tp->tp_size);
+        return KVS_ERR_INVALID;
+    }
+    uint32_t h = shape->kv_heads, t = tp->tp_size;
+    if (shape->attn == KVS_ATTN_MHA && h % t != 0 && t % h != 0) {
+        kvs_error("%u KV heads cannot be split over TP %u: need H %% T == 0 or T %% H == 0", h, t);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+uint32_t kvs_tp_heads_per_rank(const kvs_kv_shape_t *shape, uint32_t tp_size)
+{
+    if (shape->attn == KVS_ATTN_MLA || tp_size == 0) return 1;
+    uint32_t h = shape->kv_heads / tp_size;
+    return h > 0 ? h : 1;
+}
+
+uint32_t kvs_tp_replication(const kvs_kv_shape_t *shape, uint32_t tp_size)
+{
+    if (tp_size == 0) return 1;
+    if (shape->attn == KVS_ATTN_MLA) return tp_size;
+    uint32_t r = shape->kv_heads > 0 ? tp_size / shape->kv_heads : 1;
+    return r > 0 ? r : 1;
+}
+
+uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32_t rank)
+{
+    if (shape->attn == KVS_ATTN_MLA) return 0;
+    return (rank / kvs_tp_replication(shape, tp_size)) * kvs_tp_heads_per_rank(shape, tp_size);
+}

@@ -1,0 +1,75 @@
+/* Geometry checks, default timeouts and message I/O shared by sender and receiver. */
+#include "pd/pd_internal.h"
+
+#include "kvstage/grid.h"
+#include "kvstage/log.h"
+
+kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
+{
+    kvs_status_t st = kvs_kv_shape_validate(&geo->shape);
+    if (st != KVS_OK) return st;
+    kvs_tp_t p = {geo->prefill_tp, 0}, d = {geo->decode_tp, 0};
+    if ((st = kvs_tp_validate(&geo->shape, &p)) != KVS_OK) return st;
+    if ((st = kvs_tp_validate(&geo->shape, &d)) != KVS_OK) return st;
+    if (geo->page_size == 0) {
+        kvs_error("page size must be > 0");
+        return KVS_ERR_INVALID;
+    }
+    if (geo->chunk_tokens == 0 || geo->chunk_tokens % geo->page_size != 0) {
+        kvs_error("chunk size %u must be a positive multiple of the page size %u",
+                  geo->chunk_tokens, geo->page_size);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+void kvs_pd_timeouts_default(kvs_pd_timeouts_t *timeouts_p)
+{
+    const uint64_t ms = 1000000ull;
+    timeouts_p->retry_ns = 200 * ms;
+    timeouts_p->bootstrap_timeout_ns = 30000 * ms;
+    timeouts_p->transfer_timeout_ns = 60000 * ms;
+    timeouts_p->waiting_timeout_ns = 300000 * ms;
+    timeouts_p->completion_timeout_ns = 30000 * ms;
+    timeouts_p->release_timeout_ns = 30000 * ms;
+}
+
+void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg)
+{
+    uint8_t buf[KVS_MSG_MAX_SIZE];
+    size_t len;
+    kvs_status_t st = kvs_msg_encode(msg, buf, sizeof(buf), &len);
+    if (st != KVS_OK) {
+        kvs_error("cannot encode %s: %s", kvs_msg_type_str(msg->type), kvs_status_str(st));
+        return;
+    }
+    st = link->ops->send(link->ctx, peer, buf, len);
+    if (st != KVS_OK) {
+        kvs_warn("sending %s to rank %u failed: %s (will retry)", kvs_msg_type_str(msg->type), peer,
+                 kvs_status_str(st));
+        return;
+    }
+    metrics->msgs_sent++;
+}
+
+kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p)
+{
+    uint8_t buf[KVS_MSG_MAX_SIZE];
+    for (;;) {
+        size_t len = 0;
+        kvs_status_t st = link->ops->recv(link->ctx, buf, sizeof(buf), &len);
+        if (st == KVS_INPROGRESS) return st;
+        metrics->msgs_received++;
+        if (st == KVS_OK) st = kvs_msg_decode(buf, len, msg_p);
+        if (st == KVS_OK) return KVS_OK;
+        metrics->rejected++;
+        kvs_warn("rejected a %zu-byte control message: %s", len, kvs_status_str(st));
+    }
+}
+
+int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (ranks[i] == rank) return (int) i;
+    return -1;
+}

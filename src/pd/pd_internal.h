@@ -1,0 +1,35 @@
+/* Pieces shared by the sender and the receiver state machines (internal). */
+#ifndef KVSTAGE_PD_INTERNAL_H
+#define KVSTAGE_PD_INTERNAL_H
+
+#include <stdint.h>
+
+#include "kvstage/msg.h"
+#include "kvstage/pd.h"
+#include "transport/link.h"
+
+/* Bit i of a rank set (TP sizes are at most KVS_MAX_TP = 64). */
+#define KVS_BIT(i) (1ull << (i))
+static inline uint64_t kvs_all_bits(uint32_t n)
+{
+    return n >= 64 ? ~0ull : KVS_BIT(n) - 1;
+}
+
+/* Encodes and sends one control message to rank `peer` of the other side; counts it. A send
+ * failure is logged and otherwise ignored: every message that matters is retried on a timer. */
+void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg);
+
+/* Takes the next received message that decodes: KVS_OK, or KVS_INPROGRESS when none waits.
+ * Messages that fail to decode are counted as rejected and skipped. */
+kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p);
+
+/* Index of rank in ranks[0, n), or -1. */
+int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank);
+
+/* Sets a timer: *timer = min(*timer, t). */
+static inline void kvs_pd_arm(uint64_t *timer, uint64_t t)
+{
+    if (t < *timer) *timer = t;
+}
+
+#endif

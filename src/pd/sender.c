@@ -1,0 +1,898 @@
+/* The prefill-side room state machine (SPEC section 4): waits for room metadata from every
+ * decode peer, floors sends to the grid and splits them per slot, requests slots within a
+ * bounded window, gathers each destination's head slice into a staging buffer, writes it into
+ * the granted slot, announces it with CHUNK_READY, and reports STATUS. One sender per prefill
+ * rank, driven by kvs_sender_progress(). */
+#include <string.h>
+
+#include "base/map.h"
+#include "kvstage/alloc.h"
+#include "kvstage/grid.h"
+#include "kvstage/log.h"
+#include "pd/pd_internal.h"
+#include "staging/copy.h"
+
+typedef enum {
+    SD_IDLE = 0,   /* nothing asked yet */
+    SD_REQUESTED,  /* STAGING_REQ sent, waiting for the grant */
+    SD_GRANTED,    /* slot granted; waiting for the chunk's KV or a staging buffer */
+    SD_WRITING,    /* gathered; the transport write reads the staging buffer */
+    SD_READY_SENT, /* written; CHUNK_READY sent, waiting for its ACK */
+    SD_DONE,
+} sdest_state_t;
+
+typedef struct {
+    sdest_state_t state;
+    uint64_t offset, size; /* the grant */
+    uint64_t ticket;       /* transport write */
+    int buffer;            /* staging buffer held while SD_WRITING */
+    uint64_t retry_at;
+} sdest_t;
+
+/* Room metadata from one decode rank, possibly before the engine added the room. */
+typedef struct {
+    uint64_t base, prompt_len, total_pages, grid;
+} smeta_t;
+
+/* Messages about rooms the engine has not added yet (SPEC 3.2: decode registers first). */
+typedef struct {
+    uint64_t meta_got; /* bit per decode rank */
+    uint64_t aborted;  /* bit per decode rank */
+    smeta_t meta[KVS_MAX_TP];
+    uint64_t expires_at;
+} sstash_t;
+
+typedef struct {
+    uint64_t id;
+    uint64_t prompt_len;
+    const uint32_t *page_table; /* [ceil(prompt_len / P)] engine-owned */
+    kvs_room_status_t status;
+    kvs_status_t reason;
+    kvs_dest_t dests[KVS_MAX_TP];
+    uint32_t ndests;
+    uint32_t dpeers[KVS_MAX_TP]; /* decode ranks exchanging metadata and status */
+    uint32_t ndpeers;
+    uint64_t meta_got;     /* bit per dpeer index */
+    uint64_t aborted_by;   /* bit per dpeer index: sent ABORT, owed an ABORT_ACK */
+    uint64_t status_acked; /* bit per dpeer index */
+    int status_sent;       /* our STATUS (Success or Failed) is out */
+    uint64_t base, total_pages, nchunks;
+    uint64_t computed, scheduled;
+    int finished;
+    uint32_t final_len;
+    uint8_t final[KVS_MSG_FINAL_MAX];
+    uint64_t sent_upto;     /* absolute token: sub-sends issued for [base, sent_upto) */
+    uint64_t chunks_issued; /* chunks [0, chunks_issued) have their KV at rest */
+    uint64_t first_open;    /* lowest chunk not yet DONE for every destination */
+    sdest_t *cd;            /* [nchunks][ndests] */
+    uint32_t writing;       /* destinations in SD_WRITING */
+    int drained_acked;      /* ABORT_ACKs sent once the writes drained */
+    uint64_t added_at, failed_at, retry_at;
+    uint64_t last_activity; /* last sign of life from decode while we wait on it */
+} sroom_t;
+
+struct kvs_sender {
+    kvs_sender_config_t cfg;
+    kvs_pool_t *pool;
+    kvs_link_t *link;
+    kvs_clock_t clock;
+    kvs_copy_backend_t copy;
+    uint64_t grid;
+    uint64_t buffer_bytes; /* one writer region of a full slot, at most */
+    uint8_t **buffers;     /* [staging_buffers][buffer_bytes] */
+    int *buffer_busy;
+    kvs_map_t rooms; /* id -> sroom_t* */
+    kvs_map_t stash; /* id -> sstash_t* */
+    kvs_pd_metrics_t m;
+};
+
+static uint64_t now_ns(const kvs_sender_t *tx)
+{
+    return kvs_clock_now(&tx->clock);
+}
+
+kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *pool,
+                               kvs_link_t *link, const kvs_clock_t *clock, kvs_sender_t **sender_p)
+{
+    kvs_status_t st = kvs_pd_geometry_validate(&config->geo);
+    if (st != KVS_OK) return st;
+    const kvs_pool_config_t *pc = kvs_pool_config(pool);
+    if (config->rank >= config->geo.prefill_tp || pc->tp.tp_size != config->geo.prefill_tp ||
+        pc->tp.tp_rank != config->rank || pc->page_size != config->geo.page_size ||
+        memcmp(&pc->shape, &config->geo.shape, sizeof(pc->shape)) != 0) {
+        kvs_error("sender: prefill rank %u of %u does not match its pool (rank %u of %u, "
+                  "page %u)",
+                  config->rank, config->geo.prefill_tp, pc->tp.tp_rank, pc->tp.tp_size,
+                  pc->page_size);
+        return KVS_ERR_INVALID;
+    }
+    if (config->window_chunks == 0 || config->staging_buffers == 0) {
+        kvs_error("sender: window_chunks and staging_buffers must be >= 1");
+        return KVS_ERR_INVALID;
+    }
+    kvs_sender_t *tx = kvs_calloc(1, sizeof(*tx));
+    if (tx == NULL) return KVS_ERR_NOMEM;
+    tx->cfg = *config;
+    tx->pool = pool;
+    tx->link = link;
+    tx->clock = *clock;
+    tx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
+    kvs_map_init(&tx->rooms);
+    kvs_map_init(&tx->stash);
+    const kvs_kv_shape_t *s = &config->geo.shape;
+    uint64_t heads = kvs_tp_heads_per_rank(s, config->geo.prefill_tp);
+    uint64_t dims = s->attn == KVS_ATTN_MLA ? s->head_dim_k : s->head_dim_k + s->head_dim_v;
+    tx->buffer_bytes = tx->grid * s->layers * heads * dims * s->elem_bytes;
+    st = kvs_copy_cpu_create(&tx->copy);
+    if (st != KVS_OK) goto err_free;
+    tx->buffers = kvs_calloc(config->staging_buffers, sizeof(*tx->buffers));
+    tx->buffer_busy = kvs_calloc(config->staging_buffers, sizeof(*tx->buffer_busy));
+    if (tx->buffers == NULL || tx->buffer_busy == NULL) {
+        st = KVS_ERR_NOMEM;
+        goto err_buffers;
+    }
+    for (uint32_t i = 0; i < config->staging_buffers; i++) {
+        tx->buffers[i] = kvs_aligned_alloc(4096, tx->buffer_bytes);
+        if (tx->buffers[i] == NULL) {
+            st = KVS_ERR_NOMEM;
+            goto err_buffers;
+        }
+    }
+    *sender_p = tx;
+    return KVS_OK;
+
+err_buffers:
+    for (uint32_t i = 0; tx->buffers != NULL && i < config->staging_buffers; i++)
+        kvs_free(tx->buffers[i]);
+    kvs_free(tx->buffers);
+    kvs_free(tx->buffer_busy);
+    kvs_copy_backend_destroy(&tx->copy);
+err_free:
+    kvs_free(tx);
+    return st;
+}
+
+static void room_free(sroom_t *r)
+{
+    kvs_free(r->cd);
+    kvs_free(r);
+}
+
+static void wait_writes(kvs_sender_t *tx, sroom_t *r)
+{
+    for (uint64_t k = r->first_open; k < r->nchunks && r->writing > 0; k++) {
+        for (uint32_t d = 0; d < r->ndests; d++) {
+            sdest_t *sd = &r->cd[k * r->ndests + d];
+            if (sd->state != SD_WRITING) continue;
+            while (tx->link->ops->write_poll(tx->link->ctx, sd->ticket) == KVS_INPROGRESS) {
+            }
+            sd->state = SD_GRANTED;
+            r->writing--;
+        }
+    }
+}
+
+void kvs_sender_destroy(kvs_sender_t *tx)
+{
+    if (tx == NULL) return;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&tx->rooms, &it, NULL, &v);) {
+        /* A write may still read a staging buffer: wait before freeing it. */
+        wait_writes(tx, v);
+        room_free(v);
+    }
+    for (size_t it = 0; kvs_map_next(&tx->stash, &it, NULL, &v);) kvs_free(v);
+    kvs_map_fini(&tx->rooms);
+    kvs_map_fini(&tx->stash);
+    for (uint32_t i = 0; i < tx->cfg.staging_buffers; i++) kvs_free(tx->buffers[i]);
+    kvs_free(tx->buffers);
+    kvs_free(tx->buffer_busy);
+    kvs_copy_backend_destroy(&tx->copy);
+    kvs_free(tx);
+}
+
+/* ---- sending ---- */
+
+static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    kvs_writer_t writers[KVS_MAX_WRITERS];
+    uint32_t n = 0;
+    uint32_t decode_rank = r->dests[d].decode_rank;
+    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, decode_rank, r->id, writers, &n);
+    uint64_t pages = kvs_grid_chunk_pages(chunk, r->total_pages, tx->grid, g->page_size);
+    kvs_msg_t msg = {.type = KVS_MSG_STAGING_REQ};
+    msg.u.staging_req = (kvs_msg_staging_req_t){
+        .room = r->id,
+        .chunk = (uint32_t) chunk,
+        .prefill_rank = tx->cfg.rank,
+        .decode_rank = decode_rank,
+        .slot_bytes = kvs_slot_layout(writers, n, pages * g->page_size, NULL),
+    };
+    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+}
+
+static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    uint64_t pages = kvs_grid_chunk_pages(chunk, r->total_pages, tx->grid, g->page_size);
+    const kvs_dest_t *dest = &r->dests[d];
+    kvs_msg_t msg = {.type = KVS_MSG_CHUNK_READY};
+    msg.u.chunk_ready = (kvs_msg_chunk_ready_t){
+        .room = r->id,
+        .chunk = (uint32_t) chunk,
+        .prefill_rank = tx->cfg.rank,
+        .decode_rank = dest->decode_rank,
+        .writer = dest->writer,
+        .suffix_page_start = chunk * (tx->grid / g->page_size),
+        .pages = (uint32_t) pages,
+        .bytes = pages * g->page_size * dest->w.bytes_per_token,
+    };
+    kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
+}
+
+static void send_status(kvs_sender_t *tx, sroom_t *r, uint32_t i)
+{
+    kvs_msg_t msg = {.type = KVS_MSG_STATUS};
+    msg.u.status = (kvs_msg_status_t){
+        .room = r->id,
+        .prefill_rank = tx->cfg.rank,
+        .decode_rank = r->dpeers[i],
+        .status = r->status == KVS_ROOM_FAILED ? KVS_ROOM_FAILED : KVS_ROOM_SUCCESS,
+        .reason = r->status == KVS_ROOM_FAILED ? r->reason : KVS_OK,
+        .final_len = r->status == KVS_ROOM_FAILED ? 0 : r->final_len,
+    };
+    memcpy(msg.u.status.final, r->final, msg.u.status.final_len);
+    kvs_pd_send(tx->link, &tx->m, r->dpeers[i], &msg);
+}
+
+static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
+{
+    kvs_msg_t msg = {.type = KVS_MSG_ACK};
+    msg.u.ack = (kvs_msg_ack_t){
+        .room = room,
+        .acked_type = KVS_MSG_ROOM_META,
+        .from_rank = tx->cfg.rank,
+        .to_rank = decode_rank,
+    };
+    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+}
+
+static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
+{
+    kvs_msg_t msg = {.type = KVS_MSG_ABORT_ACK};
+    msg.u.abort = (kvs_msg_abort_t){
+        .room = room,
+        .from_rank = tx->cfg.rank,
+        .to_rank = decode_rank,
+        .reason = KVS_OK,
+    };
+    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+}
+
+/* ---- room lifecycle ---- */
+
+static void fail_room(kvs_sender_t *tx, sroom_t *r, kvs_status_t reason, const char *why)
+{
+    if (r->status == KVS_ROOM_FAILED || r->status == KVS_ROOM_SUCCESS) return;
+    kvs_warn("prefill rank %u: room %llu failed: %s (%s)", tx->cfg.rank, (unsigned long long) r->id,
+             why, kvs_status_str(reason));
+    r->status = KVS_ROOM_FAILED;
+    r->reason = reason;
+    r->status_sent = 0;
+    r->failed_at = now_ns(tx);
+    /* Decode ranks that aborted the room already know; the rest hear STATUS Failed. */
+    r->status_acked |= r->aborted_by;
+    r->retry_at = 0;
+    tx->m.rooms_failed++;
+}
+
+/* Applies the metadata of dpeer i; all decode peers must describe the same room. */
+static void apply_meta(kvs_sender_t *tx, sroom_t *r, uint32_t i, const smeta_t *meta)
+{
+    const uint32_t P = tx->cfg.geo.page_size;
+    if (meta->prompt_len != r->prompt_len || meta->grid != tx->grid || meta->base % P != 0 ||
+        meta->total_pages != kvs_grid_total_pages(meta->prompt_len, meta->base, P)) {
+        fail_room(tx, r, KVS_ERR_PROTOCOL, "room metadata does not match the request");
+        return;
+    }
+    if (r->meta_got != 0 && meta->base != r->base) {
+        fail_room(tx, r, KVS_ERR_PROTOCOL, "decode ranks disagree on the decode prefix");
+        return;
+    }
+    r->meta_got |= KVS_BIT(i);
+    if (r->cd != NULL) return;
+    r->base = meta->base;
+    r->total_pages = meta->total_pages;
+    r->nchunks = kvs_grid_chunk_count(r->total_pages, tx->grid, P);
+    r->sent_upto = r->base;
+    if (r->nchunks && r->ndests) {
+        r->cd = kvs_calloc(r->nchunks * r->ndests, sizeof(*r->cd));
+        if (r->cd == NULL) fail_room(tx, r, KVS_ERR_NOMEM, "no memory for the chunk table");
+    }
+}
+
+kvs_status_t kvs_sender_add_room(kvs_sender_t *tx, uint64_t room, uint64_t prompt_len,
+                                 const uint32_t *page_table)
+{
+    if (kvs_map_get(&tx->rooms, room) != NULL) {
+        kvs_error("prefill rank %u: room %llu already exists", tx->cfg.rank,
+                  (unsigned long long) room);
+        return KVS_ERR_STATE;
+    }
+    if (prompt_len > 0 && page_table == NULL) {
+        kvs_error("room %llu: a page table is required", (unsigned long long) room);
+        return KVS_ERR_INVALID;
+    }
+    sroom_t *r = kvs_calloc(1, sizeof(*r));
+    if (r == NULL) return KVS_ERR_NOMEM;
+    r->id = room;
+    r->prompt_len = prompt_len;
+    r->page_table = page_table;
+    r->status = KVS_ROOM_BOOTSTRAPPING;
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    kvs_status_t st = kvs_plan_destinations(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank,
+                                            room, r->dests, &r->ndests);
+    if (st == KVS_OK)
+        st = kvs_plan_decode_peers(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank, r->dpeers,
+                                   &r->ndpeers);
+    if (st == KVS_OK) st = kvs_map_put(&tx->rooms, room, r);
+    if (st != KVS_OK) {
+        room_free(r);
+        return st;
+    }
+    tx->m.rooms_added++;
+    r->added_at = r->last_activity = now_ns(tx);
+    sstash_t *s = kvs_map_remove(&tx->stash, room);
+    if (s != NULL) {
+        for (uint32_t i = 0; i < r->ndpeers; i++) {
+            uint32_t d = r->dpeers[i];
+            if (s->aborted & KVS_BIT(d)) r->aborted_by |= KVS_BIT(i);
+            if (s->meta_got & KVS_BIT(d)) apply_meta(tx, r, i, &s->meta[d]);
+        }
+        if (r->aborted_by) fail_room(tx, r, KVS_ERR_ABORTED, "aborted by decode");
+        kvs_free(s);
+    }
+    return KVS_OK;
+}
+
+static sroom_t *engine_room(kvs_sender_t *tx, uint64_t room)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, room);
+    if (r == NULL)
+        kvs_error("prefill rank %u: unknown room %llu", tx->cfg.rank, (unsigned long long) room);
+    return r;
+}
+
+kvs_status_t kvs_sender_advance(kvs_sender_t *tx, uint64_t room, uint64_t computed,
+                                uint64_t scheduled)
+{
+    sroom_t *r = engine_room(tx, room);
+    if (r == NULL) return KVS_ERR_NOT_FOUND;
+    if (computed > r->prompt_len || scheduled < computed || computed < r->computed ||
+        scheduled < r->scheduled) {
+        kvs_error("room %llu: advance(%llu, %llu) is not monotonic within the prompt (%llu, "
+                  "%llu, prompt %llu)",
+                  (unsigned long long) room, (unsigned long long) computed,
+                  (unsigned long long) scheduled, (unsigned long long) r->computed,
+                  (unsigned long long) r->scheduled, (unsigned long long) r->prompt_len);
+        return KVS_ERR_INVALID;
+    }
+    r->computed = computed;
+    r->scheduled = scheduled > r->prompt_len ? r->prompt_len : scheduled;
+    r->last_activity = now_ns(tx);
+    return KVS_OK;
+}
+
+kvs_status_t kvs_sender_finish(kvs_sender_t *tx, uint64_t room, const void *final_meta,
+                               uint32_t final_len)
+{
+    sroom_t *r = engine_room(tx, room);
+    if (r == NULL) return KVS_ERR_NOT_FOUND;
+    if (final_len > KVS_MSG_FINAL_MAX || (final_len > 0 && final_meta == NULL)) {
+        kvs_error("room %llu: final metadata of %u bytes (at most %u)", (unsigned long long) room,
+                  final_len, KVS_MSG_FINAL_MAX);
+        return KVS_ERR_INVALID;
+    }
+    r->computed = r->scheduled = r->prompt_len;
+    r->finished = 1;
+    r->final_len = final_len;
+    if (final_len) memcpy(r->final, final_meta, final_len);
+    r->last_activity = now_ns(tx);
+    return KVS_OK;
+}
+
+kvs_status_t kvs_sender_abort(kvs_sender_t *tx, uint64_t room)
+{
+    sroom_t *r = engine_room(tx, room);
+    if (r == NULL) return KVS_ERR_NOT_FOUND;
+    fail_room(tx, r, KVS_ERR_ABORTED, "aborted by the engine");
+    return KVS_OK;
+}
+
+static int room_quiescent(const sroom_t *r)
+{
+    if (r->status == KVS_ROOM_SUCCESS) return 1;
+    return r->status == KVS_ROOM_FAILED && r->writing == 0 &&
+           r->status_acked == kvs_all_bits(r->ndpeers);
+}
+
+kvs_status_t kvs_sender_poll(kvs_sender_t *tx, uint64_t room, kvs_room_info_t *info_p)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, room);
+    if (r == NULL) return KVS_ERR_NOT_FOUND;
+    memset(info_p, 0, sizeof(*info_p));
+    info_p->status = r->status;
+    info_p->reason = r->reason;
+    info_p->quiescent = room_quiescent(r);
+    return KVS_OK;
+}
+
+kvs_status_t kvs_sender_release(kvs_sender_t *tx, uint64_t room)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, room);
+    if (r == NULL) return KVS_ERR_NOT_FOUND;
+    if (!room_quiescent(r)) {
+        kvs_error("room %llu: release before it concluded (%s)", (unsigned long long) room,
+                  kvs_room_status_str(r->status));
+        return KVS_ERR_STATE;
+    }
+    kvs_map_remove(&tx->rooms, room);
+    room_free(r);
+    return KVS_OK;
+}
+
+/* ---- message handlers ---- */
+
+/* The stash entry of a room the engine has not added yet, created on first use. */
+static sstash_t *stash_for(kvs_sender_t *tx, uint64_t room)
+{
+    sstash_t *s = kvs_map_get(&tx->stash, room);
+    if (s != NULL) return s;
+    s = kvs_calloc(1, sizeof(*s));
+    if (s == NULL || kvs_map_put(&tx->stash, room, s) != KVS_OK) {
+        kvs_free(s);
+        return NULL;
+    }
+    s->expires_at = now_ns(tx) + tx->cfg.timeouts.bootstrap_timeout_ns;
+    return s;
+}
+
+static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    if (mm->decode_tp != g->decode_tp) {
+        tx->m.rejected++;
+        kvs_warn("room %llu: metadata from a decode TP %u deployment (expected %u)",
+                 (unsigned long long) mm->room, mm->decode_tp, g->decode_tp);
+        return;
+    }
+    smeta_t meta = {mm->base, mm->prompt_len, mm->total_pages, mm->grid_tokens};
+    sroom_t *r = kvs_map_get(&tx->rooms, mm->room);
+    if (r == NULL) {
+        /* The engine has not added this room yet: keep the metadata until it does. */
+        sstash_t *s = stash_for(tx, mm->room);
+        if (s == NULL) return; /* not acknowledged: decode resends */
+        s->meta[mm->decode_rank] = meta;
+        s->meta_got |= KVS_BIT(mm->decode_rank);
+        send_ack(tx, mm->room, mm->decode_rank);
+        return;
+    }
+    int i = kvs_pd_rank_index(r->dpeers, r->ndpeers, mm->decode_rank);
+    if (i < 0) {
+        tx->m.rejected++;
+        return;
+    }
+    send_ack(tx, mm->room, mm->decode_rank);
+    if (r->meta_got & KVS_BIT(i)) {
+        tx->m.ignored++;
+        return;
+    }
+    r->last_activity = now_ns(tx);
+    if (r->status != KVS_ROOM_FAILED) apply_meta(tx, r, (uint32_t) i, &meta);
+}
+
+static int dest_index(const sroom_t *r, uint32_t decode_rank)
+{
+    for (uint32_t d = 0; d < r->ndests; d++)
+        if (r->dests[d].decode_rank == decode_rank) return (int) d;
+    return -1;
+}
+
+static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, gr->room);
+    int d = r ? dest_index(r, gr->decode_rank) : -1;
+    if (r == NULL || d < 0 || r->cd == NULL || gr->chunk >= r->nchunks ||
+        r->status == KVS_ROOM_FAILED) {
+        tx->m.ignored++;
+        return;
+    }
+    sdest_t *sd = &r->cd[gr->chunk * r->ndests + (uint32_t) d];
+    if (sd->state != SD_IDLE && sd->state != SD_REQUESTED) {
+        tx->m.ignored++; /* a repeat of a grant we already hold */
+        return;
+    }
+    sd->state = SD_GRANTED;
+    sd->offset = gr->offset;
+    sd->size = gr->size;
+    r->last_activity = now_ns(tx);
+}
+
+static void on_ack(kvs_sender_t *tx, const kvs_msg_ack_t *a)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, a->room);
+    if (r == NULL) {
+        tx->m.ignored++;
+        return;
+    }
+    if (a->acked_type == KVS_MSG_STATUS) {
+        int i = kvs_pd_rank_index(r->dpeers, r->ndpeers, a->from_rank);
+        if (i < 0 || !r->status_sent) {
+            tx->m.ignored++;
+            return;
+        }
+        r->status_acked |= KVS_BIT(i);
+        return;
+    }
+    int d = dest_index(r, a->from_rank);
+    if (a->acked_type != KVS_MSG_CHUNK_READY || d < 0 || r->cd == NULL || a->chunk >= r->nchunks) {
+        tx->m.ignored++;
+        return;
+    }
+    sdest_t *sd = &r->cd[a->chunk * r->ndests + (uint32_t) d];
+    if (sd->state != SD_READY_SENT) {
+        tx->m.ignored++;
+        return;
+    }
+    sd->state = SD_DONE;
+    tx->m.chunks++;
+    r->last_activity = now_ns(tx);
+}
+
+static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a)
+{
+    if (a->from_rank >= tx->cfg.geo.decode_tp) {
+        tx->m.rejected++;
+        return;
+    }
+    sroom_t *r = kvs_map_get(&tx->rooms, a->room);
+    if (r == NULL) {
+        /* Nothing is in flight for a room we do not hold; remember the abort in case the room
+         * comes (unacknowledged if we cannot: decode resends). */
+        sstash_t *s = stash_for(tx, a->room);
+        if (s == NULL) return;
+        s->aborted |= KVS_BIT(a->from_rank);
+        send_abort_ack(tx, a->room, a->from_rank);
+        return;
+    }
+    int i = kvs_pd_rank_index(r->dpeers, r->ndpeers, a->from_rank);
+    if (i < 0) {
+        tx->m.rejected++;
+        return;
+    }
+    r->aborted_by |= KVS_BIT(i);
+    r->status_acked |= KVS_BIT(i);
+    fail_room(tx, r, KVS_ERR_ABORTED, "aborted by decode");
+    if (r->writing == 0) send_abort_ack(tx, r->id, a->from_rank);
+    /* Otherwise the ABORT_ACK goes out once the writes drain (pump_room), and again on every
+     * repeated ABORT. */
+}
+
+static void handle(kvs_sender_t *tx, const kvs_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVS_MSG_ROOM_META:
+        on_room_meta(tx, &msg->u.room_meta);
+        break;
+    case KVS_MSG_STAGING_GRANT:
+        on_grant(tx, &msg->u.staging_grant);
+        break;
+    case KVS_MSG_ACK:
+        on_ack(tx, &msg->u.ack);
+        break;
+    case KVS_MSG_ABORT:
+        on_abort(tx, &msg->u.abort);
+        break;
+    default:
+        tx->m.rejected++;
+        kvs_warn("prefill rank %u: unexpected %s message", tx->cfg.rank,
+                 kvs_msg_type_str(msg->type));
+        break;
+    }
+}
+
+static int msg_to_me(const kvs_sender_t *tx, const kvs_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVS_MSG_ACK:
+        return msg->u.ack.to_rank == tx->cfg.rank;
+    case KVS_MSG_ABORT:
+        return msg->u.abort.to_rank == tx->cfg.rank;
+    default:
+        return 1;
+    }
+}
+
+/* ---- the per-room pump ---- */
+
+/* Issues sub-sends up to what is computed: a non-last send ends on the grid, the last one at
+ * the prompt's end, so every sub-send covers exactly one slot and issuing chunk k means "its KV
+ * is at rest". The final, possibly empty, sub-send is the STATUS that carries the final
+ * metadata. */
+static void issue_sends(kvs_sender_t *tx, sroom_t *r)
+{
+    const uint64_t P = tx->cfg.geo.page_size;
+    uint64_t end = r->finished ? r->prompt_len : kvs_grid_floor(r->computed, r->base, tx->grid, P);
+    if (end <= r->sent_upto) return;
+    r->chunks_issued = kvs_grid_chunk_count(kvs_grid_total_pages(end, r->base, P), tx->grid, P);
+    r->sent_upto = end;
+    if (r->status == KVS_ROOM_WAITING) r->status = KVS_ROOM_TRANSFERRING;
+}
+
+static int take_buffer(kvs_sender_t *tx)
+{
+    for (uint32_t i = 0; i < tx->cfg.staging_buffers; i++) {
+        if (!tx->buffer_busy[i]) {
+            tx->buffer_busy[i] = 1;
+            return (int) i;
+        }
+    }
+    return -1;
+}
+
+/* Gathers chunk k's head slice for destination d and starts the write into the granted slot. */
+static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t d)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    sdest_t *sd = &r->cd[k * r->ndests + d];
+    const kvs_dest_t *dest = &r->dests[d];
+    kvs_writer_t writers[KVS_MAX_WRITERS];
+    uint64_t offsets[KVS_MAX_WRITERS];
+    uint32_t n = 0;
+    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, dest->decode_rank, r->id, writers, &n);
+    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
+    uint64_t tokens = pages * g->page_size;
+    kvs_slot_layout(writers, n, tokens, offsets);
+    uint64_t bytes = tokens * dest->w.bytes_per_token;
+    uint64_t at = offsets[dest->writer];
+    if (at > sd->size || bytes > sd->size - at) {
+        kvs_error("room %llu chunk %llu: region [%llu, +%llu) does not fit the %llu-byte grant",
+                  (unsigned long long) r->id, (unsigned long long) k, (unsigned long long) at,
+                  (unsigned long long) bytes, (unsigned long long) sd->size);
+        return KVS_ERR_PROTOCOL;
+    }
+    int b = take_buffer(tx);
+    if (b < 0) return KVS_INPROGRESS;
+    const uint64_t first_page = (r->base / g->page_size) + k * (tx->grid / g->page_size);
+    kvs_copy_desc_t desc = {
+        .regions = kvs_pool_region(tx->pool, 0, 0),
+        .layers = g->shape.layers,
+        .components = kvs_kv_shape_components(&g->shape),
+        .shape = &g->shape,
+        .pages = r->page_table + first_page,
+        .npages = (uint32_t) pages,
+        .page_size = g->page_size,
+        .pool_head = dest->w.src_head,
+        .heads = dest->w.heads,
+        .pool_pages = kvs_pool_total_pages(tx->pool),
+        .region = tx->buffers[b], /* [K l0..L-1][V l0..L-1] x [tokens][heads][D] */
+        .region_bytes = tx->buffer_bytes,
+    };
+    uint64_t copy_ticket;
+    kvs_status_t st = kvs_copy_submit(&tx->copy, KVS_COPY_GATHER, &desc, &copy_ticket);
+    while (st == KVS_OK && kvs_copy_poll(&tx->copy, copy_ticket) == KVS_INPROGRESS) {
+    }
+    if (st == KVS_OK)
+        st = tx->link->ops->write(tx->link->ctx, dest->decode_rank, sd->offset + at, tx->buffers[b],
+                                  bytes, &sd->ticket);
+    if (st != KVS_OK) {
+        tx->buffer_busy[b] = 0;
+        return st;
+    }
+    sd->buffer = b;
+    sd->state = SD_WRITING;
+    r->writing++;
+    tx->m.bulk_writes++;
+    tx->m.bytes += bytes;
+    return KVS_OK;
+}
+
+/* 1 if the room waits for an answer from decode (a grant, an ACK). */
+static int waiting_on_decode(const sroom_t *r)
+{
+    if (r->status_sent && r->status_acked != kvs_all_bits(r->ndpeers)) return 1;
+    for (uint64_t k = r->first_open; r->cd != NULL && k < r->nchunks; k++) {
+        for (uint32_t d = 0; d < r->ndests; d++) {
+            sdest_state_t st = r->cd[k * r->ndests + d].state;
+            if (st == SD_REQUESTED || st == SD_READY_SENT) return 1;
+            if (st == SD_IDLE) return 0;
+        }
+    }
+    return 0;
+}
+
+/* Does everything the room can do now; returns how many steps it took. */
+static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
+{
+    const kvs_pd_timeouts_t *t = &tx->cfg.timeouts;
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    uint32_t events = 0;
+    uint64_t all = kvs_all_bits(r->ndpeers);
+
+    /* Writes in flight complete first, failed room or not: buffers come back only then. */
+    for (uint64_t k = r->first_open; k < r->nchunks && r->writing > 0; k++) {
+        for (uint32_t d = 0; d < r->ndests; d++) {
+            sdest_t *sd = &r->cd[k * r->ndests + d];
+            if (sd->state != SD_WRITING) continue;
+            kvs_status_t st = tx->link->ops->write_poll(tx->link->ctx, sd->ticket);
+            if (st == KVS_INPROGRESS) continue;
+            tx->buffer_busy[sd->buffer] = 0;
+            r->writing--;
+            events++;
+            if (st != KVS_OK) {
+                sd->state = SD_GRANTED;
+                fail_room(tx, r, st, "transport write failed");
+                continue;
+            }
+            sd->state = SD_READY_SENT;
+            if (r->status != KVS_ROOM_FAILED) {
+                send_chunk_ready(tx, r, k, d);
+                sd->retry_at = now + t->retry_ns;
+            }
+        }
+    }
+
+    if (r->status == KVS_ROOM_FAILED) {
+        if (r->writing > 0) return events;
+        if (!r->drained_acked) {
+            for (uint32_t i = 0; i < r->ndpeers; i++)
+                if (r->aborted_by & KVS_BIT(i)) send_abort_ack(tx, r->id, r->dpeers[i]);
+            r->drained_acked = 1;
+        }
+        if (r->status_acked == all || (r->status_sent && now < r->retry_at)) return events;
+        if (r->status_sent && now - r->failed_at >= t->release_timeout_ns) {
+            r->status_acked = all; /* the decode side is gone; stop telling it */
+            return events + 1;
+        }
+        for (uint32_t i = 0; i < r->ndpeers; i++) {
+            if (r->status_acked & KVS_BIT(i)) continue;
+            send_status(tx, r, i);
+            if (r->status_sent) tx->m.retries++;
+        }
+        r->status_sent = 1;
+        r->retry_at = now + t->retry_ns;
+        return events + 1;
+    }
+    if (r->status == KVS_ROOM_SUCCESS) return events;
+
+    /* Timeouts. */
+    if (r->meta_got != all) {
+        if (now - r->added_at >= t->bootstrap_timeout_ns)
+            fail_room(tx, r, KVS_ERR_TIMEOUT, "bootstrap timeout: no metadata from decode");
+        return events;
+    }
+    if (!waiting_on_decode(r)) {
+        r->last_activity = now;
+    } else if (now - r->last_activity >= t->transfer_timeout_ns) {
+        fail_room(tx, r, KVS_ERR_TIMEOUT, "transfer timeout: decode stopped answering");
+        return events + 1;
+    }
+    if (r->status == KVS_ROOM_BOOTSTRAPPING) r->status = KVS_ROOM_WAITING;
+
+    issue_sends(tx, r);
+
+    /* Chunks in the window: request, retry, write, resend CHUNK_READY. */
+    const uint64_t F = tx->grid / g->page_size;
+    while (r->first_open < r->nchunks) {
+        int done = 1;
+        for (uint32_t d = 0; d < r->ndests; d++)
+            done &= r->cd[r->first_open * r->ndests + d].state == SD_DONE;
+        if (!done) break;
+        r->first_open++;
+    }
+    uint64_t window_end = r->first_open + tx->cfg.window_chunks;
+    if (window_end > r->nchunks) window_end = r->nchunks;
+    for (uint64_t k = r->first_open; k < window_end; k++) {
+        /* Ask for a slot only for KV that is computed or being computed right now. */
+        int may_request = r->finished || r->base + k * F * g->page_size < r->scheduled;
+        for (uint32_t d = 0; d < r->ndests; d++) {
+            sdest_t *sd = &r->cd[k * r->ndests + d];
+            switch (sd->state) {
+            case SD_IDLE:
+                if (!may_request) break;
+                send_staging_req(tx, r, k, d);
+                sd->state = SD_REQUESTED;
+                sd->retry_at = now + t->retry_ns;
+                events++;
+                break;
+            case SD_REQUESTED:
+                if (now < sd->retry_at) break;
+                send_staging_req(tx, r, k, d);
+                tx->m.retries++;
+                sd->retry_at = now + t->retry_ns;
+                break;
+            case SD_GRANTED:
+                if (k < r->chunks_issued) {
+                    kvs_status_t st = start_write(tx, r, k, d);
+                    if (st == KVS_OK)
+                        events++;
+                    else if (st != KVS_INPROGRESS)
+                        fail_room(tx, r, st, "cannot start a write");
+                }
+                break;
+            case SD_READY_SENT:
+                if (now < sd->retry_at) break;
+                send_chunk_ready(tx, r, k, d);
+                tx->m.retries++;
+                sd->retry_at = now + t->retry_ns;
+                break;
+            default:
+                break;
+            }
+            if (r->status == KVS_ROOM_FAILED) return events;
+        }
+    }
+
+    /* Success once every chunk reached every destination and the last send is out. */
+    if (r->finished && r->first_open == r->nchunks && r->sent_upto == r->prompt_len) {
+        if (r->status_acked == all) {
+            r->status = KVS_ROOM_SUCCESS;
+            tx->m.rooms_succeeded++;
+            return events + 1;
+        }
+        if (!r->status_sent || now >= r->retry_at) {
+            for (uint32_t i = 0; i < r->ndpeers; i++) {
+                if (r->status_acked & KVS_BIT(i)) continue;
+                send_status(tx, r, i);
+                if (r->status_sent) tx->m.retries++;
+            }
+            r->status_sent = 1;
+            r->retry_at = now + t->retry_ns;
+            events++;
+        }
+    }
+    return events;
+}
+
+static uint32_t expire_stash(kvs_sender_t *tx, uint64_t now)
+{
+    uint32_t n = 0;
+    uint64_t id;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&tx->stash, &it, &id, &v);) {
+        sstash_t *s = v;
+        if (now < s->expires_at) continue;
+        kvs_warn("prefill rank %u: dropping metadata for room %llu, which never arrived",
+                 tx->cfg.rank, (unsigned long long) id);
+        kvs_map_remove(&tx->stash, id);
+        kvs_free(s);
+        n++;
+    }
+    return n;
+}
+
+uint32_t kvs_sender_progress(kvs_sender_t *tx)
+{
+    uint32_t events = 0;
+    kvs_msg_t msg;
+    while (kvs_pd_recv(tx->link, &tx->m, &msg) == KVS_OK) {
+        events++;
+        if (!msg_to_me(tx, &msg)) {
+            tx->m.rejected++;
+            continue;
+        }
+        handle(tx, &msg);
+    }
+    uint64_t now = now_ns(tx);
+    void *v;
+    for (size_t it = 0; kvs_map_next(&tx->rooms, &it, NULL, &v);) events += pump_room(tx, v, now);
+    events += expire_stash(tx, now);
+    return events;
+}
+
+void kvs_sender_metrics(const kvs_sender_t *tx, kvs_pd_metrics_t *metrics_p)
+{
+    *metrics_p = tx->m;
+    metrics_p->live_rooms = tx->rooms.count + tx->stash.count;
+}

@@ -1,0 +1,100 @@
+/* Backend-independent parts of gather/scatter: region sizing and descriptor validation, so
+ * every backend refuses the same descriptors with the same messages. */
+#include "staging/copy.h"
+
+#include "kvstage/log.h"
+
+uint64_t kvs_copy_region_bytes(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens)
+{
+    uint64_t dims = 0;
+    for (uint32_t c = 0; c < kvs_kv_shape_components(shape); c++)
+        dims += kvs_kv_shape_dim(shape, c);
+    return tokens * heads * shape->elem_bytes * shape->layers * dims;
+}
+
+/* a*b into *out; 0 on overflow. */
+static int mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    if (a != 0 && b > UINT64_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+static const char *dir_name(kvs_copy_dir_t dir)
+{
+    return dir == KVS_COPY_GATHER ? "gather" : "scatter";
+}
+
+kvs_status_t kvs_copy_desc_validate(kvs_copy_dir_t dir, const kvs_copy_desc_t *d)
+{
+    if (dir != KVS_COPY_GATHER && dir != KVS_COPY_SCATTER) {
+        kvs_error("copy: unknown direction %d", (int) dir);
+        return KVS_ERR_INVALID;
+    }
+    const char *what = dir_name(dir);
+    if (d == NULL || d->shape == NULL || d->regions == NULL) {
+        kvs_error("copy: %s descriptor, shape or regions is NULL", what);
+        return KVS_ERR_INVALID;
+    }
+    if (kvs_kv_shape_validate(d->shape) != KVS_OK) return KVS_ERR_INVALID;
+    if (d->layers != d->shape->layers || d->components != kvs_kv_shape_components(d->shape)) {
+        kvs_error("copy: %s has %u layers x %u components, the shape %u x %u", what, d->layers,
+                  d->components, d->shape->layers, kvs_kv_shape_components(d->shape));
+        return KVS_ERR_INVALID;
+    }
+    if (d->page_size == 0 || d->heads == 0) {
+        kvs_error("copy: %s needs page_size (%u) and heads (%u) > 0", what, d->page_size, d->heads);
+        return KVS_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < d->layers * d->components; i++) {
+        const kvs_region_t *r = &d->regions[i];
+        uint32_t c = i % d->components;
+        if (r->base == NULL || r->dim != kvs_kv_shape_dim(d->shape, c) ||
+            r->elem_bytes != d->shape->elem_bytes) {
+            kvs_error("copy: %s region (layer %u, component %u) has base %p, dim %u, E %u; the "
+                      "shape wants dim %u, E %u",
+                      what, i / d->components, c, (void *) r->base, r->dim, r->elem_bytes,
+                      kvs_kv_shape_dim(d->shape, c), d->shape->elem_bytes);
+            return KVS_ERR_INVALID;
+        }
+        if (d->pool_head > r->heads || d->heads > r->heads - d->pool_head) {
+            kvs_error("copy: %s of heads [%u, %u) but the pool rank holds %u heads", what,
+                      d->pool_head, d->pool_head + d->heads, r->heads);
+            return KVS_ERR_INVALID;
+        }
+    }
+    if (d->npages == 0) return KVS_OK;
+    if (d->pages == NULL || d->region == NULL) {
+        kvs_error("copy: %s of %u pages with a NULL page list or region", what, d->npages);
+        return KVS_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < d->npages; i++) {
+        if (d->pages[i] >= d->pool_pages) {
+            kvs_error("copy: %s page %u (index %u) is outside the pool of %u pages", what,
+                      d->pages[i], i, d->pool_pages);
+            return KVS_ERR_INVALID;
+        }
+    }
+    uint64_t tokens = (uint64_t) d->npages * d->page_size, row = 0, need = 0;
+    uint64_t dims = (uint64_t) kvs_kv_shape_dim(d->shape, 0) +
+                    (d->components > 1 ? kvs_kv_shape_dim(d->shape, 1) : 0);
+    int fits = mul_u64(tokens, (uint64_t) d->heads * d->shape->elem_bytes, &row) &&
+               mul_u64(row, (uint64_t) d->shape->layers * dims, &need);
+    if (!fits || d->region_bytes < need) {
+        kvs_error("copy: %s of %u pages x %u tokens x %u heads needs a %llu-byte region, got "
+                  "%llu",
+                  what, d->npages, d->page_size, d->heads,
+                  fits ? (unsigned long long) need : (unsigned long long) UINT64_MAX,
+                  (unsigned long long) d->region_bytes);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+void kvs_copy_backend_destroy(kvs_copy_backend_t *b)
+{
+    if (b == NULL || b->ops == NULL) return;
+    b->ops->destroy(b->ctx);
+    b->ops = NULL;
+    b->ctx = NULL;
+}

@@ -1,0 +1,80 @@
+/* The copy ops table (internal): gather pool pages into a writer region of a staging slot and
+ * scatter a region back into pool pages. CPU (cpu/copy_cpu.c) is the reference backend; every
+ * other backend implements the same table and is tested against it byte for byte. */
+#ifndef KVSTAGE_STAGING_COPY_H
+#define KVSTAGE_STAGING_COPY_H
+
+#include <stdint.h>
+
+#include "kvstage/layout.h"
+#include "kvstage/pool.h"
+#include "kvstage/status.h"
+
+/* One gather or scatter: npages pages (ids in `pages`) of a pool, heads [pool_head, pool_head +
+ * heads) of the pool rank, all layers and components, to or from one writer region of a slot.
+ * Token t of the region is token t % page_size of page pages[t / page_size]. */
+typedef struct {
+    const kvs_region_t *regions; /* [layers][components], from the pool */
+    uint32_t layers, components;
+    const kvs_kv_shape_t *shape;
+    const uint32_t *pages; /* [npages] pool page ids */
+    uint32_t npages;
+    uint32_t pool_pages; /* pages in the pool: every id must be below it */
+    uint32_t page_size;
+    uint32_t pool_head; /* first head, within the pool rank's heads */
+    uint32_t heads;
+    /* The writer region: npages*page_size tokens laid out as kvs_region_block_offset says,
+     * [K layer 0..L-1][V layer 0..L-1] each [tokens][heads][D]; region_bytes is the room
+     * available there, at least kvs_copy_region_bytes() or the copy is refused. */
+    uint8_t *region;
+    uint64_t region_bytes;
+} kvs_copy_desc_t;
+
+typedef enum {
+    KVS_COPY_GATHER = 0,  /* pool -> region */
+    KVS_COPY_SCATTER = 1, /* region -> pool */
+} kvs_copy_dir_t;
+
+typedef struct kvs_copy_ops {
+    const char *name;
+    /* Starts a copy; *ticket_p (> 0, increasing) identifies it for poll. May complete
+     * synchronously. Invalid descriptors are refused (KVS_ERR_INVALID) before any byte moves. */
+    kvs_status_t (*submit)(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *desc,
+                           uint64_t *ticket_p);
+    /* KVS_OK when the copy with this ticket (and every one before it) has finished,
+     * KVS_INPROGRESS otherwise; KVS_ERR_INVALID for a ticket never issued. */
+    kvs_status_t (*poll)(void *ctx, uint64_t ticket);
+    /* Callers poll their last ticket to completion first. */
+    void (*destroy)(void *ctx);
+} kvs_copy_ops_t;
+
+typedef struct {
+    const kvs_copy_ops_t *ops;
+    void *ctx;
+} kvs_copy_backend_t;
+
+/* Bytes of one writer region: tokens * heads * E * sum over layers and components of D. */
+uint64_t kvs_copy_region_bytes(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens);
+
+/* Checks a descriptor against its shape, regions, pool size and region room; logs the first
+ * problem. Backends call it before touching memory. */
+kvs_status_t kvs_copy_desc_validate(kvs_copy_dir_t dir, const kvs_copy_desc_t *desc);
+
+static inline kvs_status_t kvs_copy_submit(const kvs_copy_backend_t *b, kvs_copy_dir_t dir,
+                                           const kvs_copy_desc_t *desc, uint64_t *ticket_p)
+{
+    return b->ops->submit(b->ctx, dir, desc, ticket_p);
+}
+
+static inline kvs_status_t kvs_copy_poll(const kvs_copy_backend_t *b, uint64_t ticket)
+{
+    return b->ops->poll(b->ctx, ticket);
+}
+
+/* Destroys the backend's context and clears *b; a cleared or zeroed backend is a no-op. */
+void kvs_copy_backend_destroy(kvs_copy_backend_t *b);
+
+/* The CPU reference backend: synchronous memcpy on the calling thread. */
+kvs_status_t kvs_copy_cpu_create(kvs_copy_backend_t *backend_p);
+
+#endif

@@ -1,0 +1,103 @@
+/* The CPU reference copy backend: gather and scatter with memcpy on the calling thread. Every
+ * copy completes inside submit, so poll only checks that the ticket was issued. */
+#include <string.h>
+
+#include "kvstage/alloc.h"
+#include "kvstage/log.h"
+#include "staging/copy.h"
+
+typedef struct {
+    uint64_t issued; /* last ticket handed out; tickets start at 1 */
+} cpu_ctx_t;
+
+/* Moves n bytes between a pool address and a region address in the direction asked. */
+static inline void move(kvs_copy_dir_t dir, uint8_t *pool, uint8_t *region, uint64_t n)
+{
+    if (dir == KVS_COPY_GATHER)
+        memcpy(region, pool, n);
+    else
+        memcpy(pool, region, n);
+}
+
+/* One (layer, component): the region block is [tokens][heads][D]; pool pages are strided. */
+static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, const kvs_region_t *r,
+                       uint8_t *block)
+{
+    const uint64_t head_bytes = (uint64_t) r->dim * r->elem_bytes;
+    const uint64_t row = d->heads * head_bytes; /* one token of the block */
+    const uint32_t P = d->page_size;
+    /* NHD with every head selected: a whole page is one run of bytes */
+    const int page_contig = r->head_stride == head_bytes && r->token_stride == row;
+    const int heads_contig = r->head_stride == head_bytes;
+    for (uint32_t i = 0; i < d->npages; i++) {
+        uint8_t *pool_page = kvs_region_addr(r, d->pages[i], 0, d->pool_head);
+        uint8_t *reg_page = block + (uint64_t) i * P * row;
+        if (page_contig) {
+            move(dir, pool_page, reg_page, P * row);
+            continue;
+        }
+        for (uint32_t t = 0; t < P; t++) {
+            uint8_t *src = pool_page + t * r->token_stride;
+            uint8_t *dst = reg_page + t * row;
+            if (heads_contig) {
+                move(dir, src, dst, row);
+                continue;
+            }
+            for (uint32_t j = 0; j < d->heads; j++)
+                move(dir, src + j * r->head_stride, dst + j * head_bytes, head_bytes);
+        }
+    }
+}
+
+static kvs_status_t cpu_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
+                               uint64_t *ticket_p)
+{
+    cpu_ctx_t *c = ctx;
+    kvs_status_t st = kvs_copy_desc_validate(dir, d);
+    if (st != KVS_OK) return st;
+    const uint64_t tokens = (uint64_t) d->npages * d->page_size;
+    for (uint32_t l = 0; l < d->layers && d->npages > 0; l++) {
+        for (uint32_t comp = 0; comp < d->components; comp++) {
+            uint8_t *block =
+                d->region + kvs_region_block_offset(d->shape, d->heads, tokens, l, comp);
+            copy_block(dir, d, &d->regions[l * d->components + comp], block);
+        }
+    }
+    *ticket_p = ++c->issued;
+    return KVS_OK;
+}
+
+static kvs_status_t cpu_poll(void *ctx, uint64_t ticket)
+{
+    cpu_ctx_t *c = ctx;
+    if (ticket == 0 || ticket > c->issued) {
+        kvs_error("copy(cpu): poll of ticket %llu, never issued (last %llu)",
+                  (unsigned long long) ticket, (unsigned long long) c->issued);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+static void cpu_destroy(void *ctx)
+{
+    kvs_free(ctx);
+}
+
+static const kvs_copy_ops_t cpu_ops = {
+    .name = "cpu",
+    .submit = cpu_submit,
+    .poll = cpu_poll,
+    .destroy = cpu_destroy,
+};
+
+kvs_status_t kvs_copy_cpu_create(kvs_copy_backend_t *backend_p)
+{
+    cpu_ctx_t *c = kvs_calloc(1, sizeof(*c));
+    if (c == NULL) {
+        kvs_error("copy(cpu): out of memory creating the backend");
+        return KVS_ERR_NOMEM;
+    }
+    backend_p->ops = &cpu_ops;
+    backend_p->ctx = c;
+    return KVS_OK;
+}

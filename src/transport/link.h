@@ -1,0 +1,39 @@
+/* The link ops table that every transport implements (internal). Control messages are opaque
+ * encoded bytes; the protocol layer encodes and decodes them. Data writes are asynchronous:
+ * the source buffer must stay untouched until poll reports the write complete. */
+#ifndef KVSTAGE_TRANSPORT_LINK_H
+#define KVSTAGE_TRANSPORT_LINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstage/link.h"
+#include "kvstage/status.h"
+
+typedef struct {
+    const char *name;
+    /* Queues one control message to rank `peer` of the other side. Success means queued, not
+     * delivered: the protocol retries what matters. */
+    kvs_status_t (*send)(void *ctx, uint32_t peer, const uint8_t *buf, size_t len);
+    /* Takes the next received control message: KVS_OK, or KVS_INPROGRESS when none is waiting.
+     * A message larger than cap is dropped and reported as KVS_ERR_PROTOCOL. */
+    kvs_status_t (*recv)(void *ctx, uint8_t *buf, size_t cap, size_t *len_p);
+    /* Prefill: starts writing len bytes from src to offset of decode rank peer's ring. */
+    kvs_status_t (*write)(void *ctx, uint32_t peer, uint64_t offset, const void *src, uint64_t len,
+                          uint64_t *ticket_p);
+    /* Prefill: KVS_OK when the write is complete (src may be reused), KVS_INPROGRESS, or an
+     * error (the write failed; its room fails). */
+    kvs_status_t (*write_poll)(void *ctx, uint64_t ticket);
+    /* Decode: exposes this rank's staging ring to writers. */
+    kvs_status_t (*expose)(void *ctx, void *ring, uint64_t size);
+    /* Decode: makes every completed incoming write visible to local readers (scatter). */
+    kvs_status_t (*flush)(void *ctx);
+    void (*destroy)(void *ctx);
+} kvs_link_ops_t;
+
+struct kvs_link {
+    const kvs_link_ops_t *ops;
+    void *ctx;
+};
+
+#endif

@@ -1,0 +1,301 @@
+/* Tests for src/layout/grid.c: the SPEC section 1 test vectors, the worked request, and seeded
+ * property tests of segments, floor and chunk numbering. */
+#include "kvs_test.h"
+
+#include <inttypes.h>
+
+#include "kvstage/grid.h"
+#include "kvstage/rng.h"
+
+#define MAX_SEGS 4096
+
+static void expect_segments(uint64_t start, uint64_t end, uint64_t base, uint64_t grid,
+                            const kvs_segment_t *want, size_t n)
+{
+    kvs_segment_t got[16];
+    size_t count = kvs_grid_segments(start, end, base, grid, got, 16);
+    assert_int_equal(count, n);
+    assert_int_equal(kvs_grid_segment_count(start, end, base, grid), n);
+    for (size_t i = 0; i < n; i++) {
+        assert_int_equal(got[i].start, want[i].start);
+        assert_int_equal(got[i].end, want[i].end);
+    }
+}
+
+static void test_grid_tokens_vectors(void **state)
+{
+    (void) state;
+    assert_int_equal(kvs_grid_tokens(8192, 64), 8192);
+    assert_int_equal(kvs_grid_tokens(8200, 64), 8192);
+    assert_int_equal(kvs_grid_tokens(16, 64), 64);
+    assert_int_equal(kvs_grid_tokens(256, 16), 256);
+    assert_int_equal(kvs_grid_tokens(0, 16), 16);
+    assert_int_equal(kvs_grid_tokens(100, 0), 0);
+}
+
+static void test_segments_vectors(void **state)
+{
+    (void) state;
+    expect_segments(0, 8192, 0, 8192, (kvs_segment_t[]){{0, 8192}}, 1);
+    expect_segments(8192, 16384, 0, 8192, (kvs_segment_t[]){{8192, 16384}}, 1);
+    /* prefill hit 6144 + chunk 8192 */
+    expect_segments(0, 14336, 0, 8192, (kvs_segment_t[]){{0, 8192}, {8192, 14336}}, 2);
+    expect_segments(0, 28672, 0, 8192,
+                    (kvs_segment_t[]){{0, 8192}, {8192, 16384}, {16384, 24576}, {24576, 28672}}, 4);
+    /* split at base + G, not at multiples of G */
+    expect_segments(6144, 22528, 6144, 8192, (kvs_segment_t[]){{6144, 14336}, {14336, 22528}}, 2);
+    expect_segments(14336, 22528, 6144, 8192, (kvs_segment_t[]){{14336, 22528}}, 1);
+    /* the metadata-only final send */
+    expect_segments(4096, 4096, 0, 8192, (kvs_segment_t[]){{4096, 4096}}, 1);
+    /* a reversed range is treated as empty */
+    expect_segments(5000, 4000, 0, 8192, (kvs_segment_t[]){{5000, 5000}}, 1);
+}
+
+static void test_segments_truncated_output(void **state)
+{
+    (void) state;
+    kvs_segment_t segs[2] = {{7, 7}, {7, 7}};
+    /* asks for 4 segments but only has room for 1: the count is still the full split */
+    assert_int_equal(kvs_grid_segments(0, 28672, 0, 8192, segs, 1), 4);
+    assert_int_equal(segs[0].start, 0);
+    assert_int_equal(segs[0].end, 8192);
+    assert_int_equal(segs[1].start, 7); /* untouched */
+    assert_int_equal(kvs_grid_segments(0, 28672, 0, 8192, NULL, 0), 4);
+    assert_int_equal(kvs_grid_segments(10, 10, 0, 8192, NULL, 0), 1);
+}
+
+static void test_floor_and_pages_vectors(void **state)
+{
+    (void) state;
+    assert_int_equal(kvs_grid_floor(12288, 6144, 8192, 64), 6144);
+    assert_int_equal(kvs_grid_floor(20480, 6144, 8192, 64), 14336);
+    assert_int_equal(kvs_grid_floor(28672, 6144, 8192, 64), 22528);
+    assert_int_equal(kvs_grid_floor(14336, 6144, 8192, 64), 14336);
+    assert_int_equal(kvs_grid_floor(14335, 6144, 8192, 64), 6144);
+    assert_int_equal(kvs_grid_floor(100, 6144, 8192, 64), 6144); /* never below base */
+    assert_int_equal(kvs_grid_floor(6144, 6144, 8192, 64), 6144);
+    /* page flooring is absolute, then the grid is relative to base */
+    assert_int_equal(kvs_grid_floor(16 + 64 + 63, 16, 64, 16), 80);
+    assert_int_equal(kvs_grid_total_pages(30000, 6144, 64), 373);
+    assert_int_equal(kvs_grid_total_pages(6144 + 64, 6144, 64), 1);
+    assert_int_equal(kvs_grid_total_pages(6145, 6144, 64), 1);
+    assert_int_equal(kvs_grid_total_pages(6144, 6144, 64), 0);
+    assert_int_equal(kvs_grid_total_pages(100, 6144, 64), 0);
+    assert_int_equal(kvs_grid_chunk_count(373, 8192, 64), 3);
+    assert_int_equal(kvs_grid_chunk_count(256, 8192, 64), 2);
+    assert_int_equal(kvs_grid_chunk_count(0, 8192, 64), 0);
+    assert_int_equal(kvs_grid_chunk_pages(0, 373, 8192, 64), 128);
+    assert_int_equal(kvs_grid_chunk_pages(1, 373, 8192, 64), 128);
+    assert_int_equal(kvs_grid_chunk_pages(2, 373, 8192, 64), 117);
+    assert_int_equal(kvs_grid_chunk_pages(3, 373, 8192, 64), 0);
+    assert_int_equal(kvs_grid_chunk_pages(UINT64_MAX, 373, 8192, 64), 0);
+    assert_int_equal(kvs_grid_chunk_of(0, 8192, 64), 0);
+    assert_int_equal(kvs_grid_chunk_of(127, 8192, 64), 0);
+    assert_int_equal(kvs_grid_chunk_of(128, 8192, 64), 1);
+    assert_int_equal(kvs_grid_chunk_of(256, 8192, 64), 2);
+}
+
+/* SPEC section 1 worked request: C=8192, P=64, prompt 30000, decode hit 6144, prefill hit
+ * 12288, prefill forwards in chunks of C from its hit. */
+static void test_worked_request(void **state)
+{
+    (void) state;
+    const uint64_t chunk = 8192, page = 64, prompt = 30000, base = 6144, hit = 12288;
+    uint64_t g = kvs_grid_tokens(chunk, page);
+    assert_int_equal(g, 8192);
+    uint64_t total = kvs_grid_total_pages(prompt, base, page);
+    assert_int_equal(total, 373);
+    assert_int_equal(kvs_grid_chunk_count(total, g, page), 3);
+
+    /* the cached-prefix early send floors to nothing */
+    uint64_t sent = base;
+    uint64_t end = kvs_grid_floor(hit, base, g, page);
+    assert_int_equal(end, 6144);
+    assert_int_equal(end, sent);
+
+    /* then one send per forward pass; the last is not floored */
+    static const uint64_t want_start[] = {6144, 14336, 22528};
+    static const uint64_t want_end[] = {14336, 22528, 30000};
+    static const uint64_t want_pages[] = {128, 128, 117};
+    size_t k = 0;
+    for (uint64_t computed = hit + chunk;; computed += chunk) {
+        int last = computed >= prompt;
+        uint64_t upto = last ? prompt : kvs_grid_floor(computed, base, g, page);
+        kvs_segment_t segs[8];
+        size_t n = kvs_grid_segments(sent, upto, base, g, segs, 8);
+        for (size_t i = 0; i < n; i++) {
+            if (segs[i].end == segs[i].start) continue;
+            assert_true(k < 3);
+            assert_int_equal(segs[i].start, want_start[k]);
+            assert_int_equal(segs[i].end, want_end[k]);
+            uint64_t sps = (segs[i].start - base) / page;
+            uint64_t c = kvs_grid_chunk_of(sps, g, page);
+            assert_int_equal(c, k);
+            assert_int_equal(kvs_grid_chunk_pages(c, total, g, page), want_pages[k]);
+            k++;
+        }
+        sent = upto;
+        if (last) break;
+    }
+    assert_int_equal(k, 3);
+    /* decode scatters chunk 2 at base + suffix_page_start * P */
+    assert_int_equal(base + 2 * (g / page) * page, 22528);
+}
+
+/* Whether x is a grid boundary base + k*G (k any integer). */
+static int on_grid(uint64_t x, uint64_t base, uint64_t grid)
+{
+    return x % grid == base % grid;
+}
+
+static uint64_t random_page(kvs_rng_t *rng)
+{
+    static const uint64_t pages[] = {1, 4, 16, 32, 64, 128};
+    return kvs_rng_chance(rng, 1, 4) ? kvs_rng_range(rng, 1, 100)
+                                     : pages[kvs_rng_below(rng, sizeof(pages) / sizeof(pages[0]))];
+}
+
+static void test_segments_and_floor_property(void **state)
+{
+    (void) state;
+    uint64_t seed = kvs_test_seed(0x6d1e5eedULL);
+    uint64_t iters = kvs_test_iters(20000);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    static kvs_segment_t segs[MAX_SEGS];
+    for (uint64_t it = 0; it < iters; it++) {
+        uint64_t page = random_page(&rng);
+        uint64_t grid =
+            kvs_grid_tokens(kvs_rng_range(&rng, 0, 40) * page + kvs_rng_below(&rng, page), page);
+        uint64_t base = kvs_rng_range(&rng, 0, 200) * page;
+        uint64_t start = kvs_rng_chance(&rng, 1, 8) ? kvs_rng_range(&rng, 0, base + grid)
+                                                    : base + kvs_rng_range(&rng, 0, 30 * grid);
+        uint64_t end =
+            start + (kvs_rng_chance(&rng, 1, 10) ? 0 : kvs_rng_range(&rng, 1, 40 * grid));
+        if (kvs_rng_chance(&rng, 1, 16)) end = start - (start > 0); /* empty or reversed */
+
+        size_t n = kvs_grid_segments(start, end, base, grid, segs, MAX_SEGS);
+        if (n > MAX_SEGS || n == 0 || n != kvs_grid_segment_count(start, end, base, grid))
+            fail_msg("seed %" PRIu64 " iter %" PRIu64 ": bad count %zu", seed, it, n);
+        if (end <= start) {
+            if (n != 1 || segs[0].start != start || segs[0].end != start)
+                fail_msg("seed %" PRIu64 " iter %" PRIu64 ": empty range", seed, it);
+        } else {
+            uint64_t cur = start;
+            for (size_t i = 0; i < n; i++) {
+                uint64_t s = segs[i].start, e = segs[i].end;
+                int ok = s == cur && e > s && e <= end;
+                /* internal boundaries are grid points, and no grid point lies inside */
+                if (i + 1 < n) ok = ok && on_grid(e, base, grid);
+                uint64_t into = (s % grid + grid - base % grid) % grid;
+                ok = ok && into + (e - s) <= grid;
+                if (!ok)
+                    fail_msg("seed %" PRIu64 " iter %" PRIu64 ": segment %zu [%" PRIu64 ",%" PRIu64
+                             ") of [%" PRIu64 ",%" PRIu64 ") base %" PRIu64 " G %" PRIu64,
+                             seed, it, i, s, e, start, end, base, grid);
+                cur = e;
+            }
+            if (cur != end) fail_msg("seed %" PRIu64 " iter %" PRIu64 ": not tiled", seed, it);
+        }
+
+        uint64_t fend = kvs_rng_range(&rng, 0, base + 30 * grid);
+        uint64_t f = kvs_grid_floor(fend, base, grid, page);
+        uint64_t fp = fend / page * page;
+        uint64_t hi = fend > base ? fend : base;
+        int ok = f >= base && f <= hi && (f - base) % grid == 0;
+        if (fp <= base)
+            ok = ok && f == base;
+        else
+            ok = ok && f <= fp && f + grid > fp;
+        if (!ok)
+            fail_msg("seed %" PRIu64 " iter %" PRIu64 ": floor(%" PRIu64 ", base %" PRIu64
+                     ", G %" PRIu64 ", P %" PRIu64 ") = %" PRIu64,
+                     seed, it, fend, base, grid, page, f);
+
+        uint64_t prompt = kvs_rng_range(&rng, 0, base + 30 * grid);
+        uint64_t total = kvs_grid_total_pages(prompt, base, page);
+        uint64_t want_total = prompt > base ? (prompt - base + page - 1) / page : 0;
+        uint64_t chunks = kvs_grid_chunk_count(total, grid, page);
+        uint64_t sum = 0, f_pages = grid / page;
+        for (uint64_t c = 0; c < chunks; c++) {
+            uint64_t cp = kvs_grid_chunk_pages(c, total, grid, page);
+            if (cp == 0 || cp > f_pages || (c + 1 < chunks && cp != f_pages) ||
+                kvs_grid_chunk_of(c * f_pages, grid, page) != c)
+                fail_msg("seed %" PRIu64 " iter %" PRIu64 ": chunk %" PRIu64, seed, it, c);
+            sum += cp;
+        }
+        if (total != want_total || sum != total ||
+            kvs_grid_chunk_pages(chunks, total, grid, page) != 0)
+            fail_msg("seed %" PRIu64 " iter %" PRIu64 ": total %" PRIu64 " sum %" PRIu64, seed, it,
+                     total, sum);
+    }
+}
+
+/* SPEC section 4 sending discipline over random prompts: every non-last send floored to the
+ * grid, each split into sub-sends. Every non-empty sub-send is then exactly one whole chunk,
+ * which is what makes chunk_of(suffix_page_start) exact. */
+static void test_sends_are_whole_chunks_property(void **state)
+{
+    (void) state;
+    uint64_t seed = kvs_test_seed(0xc4a7c5ULL);
+    uint64_t iters = kvs_test_iters(5000);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_segment_t segs[MAX_SEGS];
+    for (uint64_t it = 0; it < iters; it++) {
+        uint64_t page = random_page(&rng);
+        uint64_t chunk = kvs_rng_range(&rng, 1, 40) * page;
+        uint64_t grid = kvs_grid_tokens(chunk, page);
+        uint64_t base = kvs_rng_range(&rng, 0, 100) * page;
+        uint64_t prompt = base + kvs_rng_range(&rng, 0, 20 * grid);
+        uint64_t total = kvs_grid_total_pages(prompt, base, page);
+        uint64_t chunks = kvs_grid_chunk_count(total, grid, page);
+        uint64_t sent = base, next_chunk = 0, computed = kvs_rng_range(&rng, 0, prompt);
+        int lasts = 0;
+        for (;;) {
+            int last = computed >= prompt;
+            uint64_t upto = last ? prompt : kvs_grid_floor(computed, base, grid, page);
+            if (upto < sent) upto = sent;
+            size_t n = kvs_grid_segments(sent, upto, base, grid, segs, MAX_SEGS);
+            assert_true(n <= MAX_SEGS);
+            for (size_t i = 0; i < n; i++) {
+                uint64_t s = segs[i].start, e = segs[i].end;
+                if (e == s) {
+                    if (last && i + 1 == n) lasts++;
+                    continue;
+                }
+                uint64_t sps = (s - base) / page;
+                uint64_t c = kvs_grid_chunk_of(sps, grid, page);
+                uint64_t pages = (e - s + page - 1) / page;
+                if ((s - base) % page != 0 || c != next_chunk || sps != c * (grid / page) ||
+                    pages != kvs_grid_chunk_pages(c, total, grid, page))
+                    fail_msg("seed %" PRIu64 " iter %" PRIu64 ": sub-send [%" PRIu64 ",%" PRIu64
+                             ") is not chunk %" PRIu64,
+                             seed, it, s, e, next_chunk);
+                next_chunk++;
+                if (last && i + 1 == n) lasts++;
+            }
+            sent = upto;
+            if (last) break;
+            computed += kvs_rng_range(&rng, 1, 3 * chunk);
+        }
+        if (next_chunk != chunks || lasts != 1)
+            fail_msg("seed %" PRIu64 " iter %" PRIu64 ": %" PRIu64 " of %" PRIu64
+                     " chunks sent, %d last",
+                     seed, it, next_chunk, chunks, lasts);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_grid_tokens_vectors),
+        cmocka_unit_test(test_segments_vectors),
+        cmocka_unit_test(test_segments_truncated_output),
+        cmocka_unit_test(test_floor_and_pages_vectors),
+        cmocka_unit_test(test_worked_request),
+        cmocka_unit_test(test_segments_and_floor_property),
+        cmocka_unit_test(test_sends_are_whole_chunks_property),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

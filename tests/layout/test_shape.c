@@ -1,0 +1,248 @@
+/* Tests for src/layout/shape.c: KV shape validation (with the logged reason), components and
+ * dims, and the TP head layout (heads per rank, replication, first head, divisibility). */
+#include "kvs_test.h"
+
+#include <string.h>
+
+#include "kvstage/layout.h"
+#include "kvstage/log.h"
+
+typedef struct {
+    int calls;
+    char msg[512];
+} log_capture_t;
+
+static void capture_sink(void *arg, kvs_log_level_t level, const char *file, int line,
+                         const char *msg)
+{
+    (void) file;
+    (void) line;
+    log_capture_t *c = arg;
+    if (level != KVS_LOG_ERROR) return;
+    c->calls++;
+    snprintf(c->msg, sizeof(c->msg), "%s", msg);
+}
+
+/* Runs a validation under a capturing sink; asserts one error naming `needle` was logged. */
+static void expect_shape_error(const kvs_kv_shape_t *shape, const char *needle)
+{
+    log_capture_t cap = {0};
+    kvs_log_set_sink(capture_sink, &cap);
+    kvs_status_t st = kvs_kv_shape_validate(shape);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(st, KVS_ERR_INVALID);
+    assert_int_equal(cap.calls, 1);
+    if (strstr(cap.msg, needle) == NULL) fail_msg("log '%s' does not name '%s'", cap.msg, needle);
+}
+
+static kvs_kv_shape_t mha(uint32_t heads)
+{
+    return (kvs_kv_shape_t){.layers = 32,
+                            .kv_heads = heads,
+                            .head_dim_k = 128,
+                            .head_dim_v = 128,
+                            .elem_bytes = 2,
+                            .attn = KVS_ATTN_MHA};
+}
+
+static kvs_kv_shape_t mla(void)
+{
+    return (kvs_kv_shape_t){.layers = 61,
+                            .kv_heads = 1,
+                            .head_dim_k = 576,
+                            .head_dim_v = 0,
+                            .elem_bytes = 2,
+                            .attn = KVS_ATTN_MLA};
+}
+
+static void test_shape_validate(void **state)
+{
+    (void) state;
+    kvs_kv_shape_t s = mha(8);
+    assert_int_equal(kvs_kv_shape_validate(&s), KVS_OK);
+    s = mla();
+    assert_int_equal(kvs_kv_shape_validate(&s), KVS_OK);
+    for (uint32_t e = 1; e <= 4; e *= 2) {
+        s = mha(8);
+        s.elem_bytes = e;
+        assert_int_equal(kvs_kv_shape_validate(&s), KVS_OK);
+    }
+    s = mha(8);
+    s.head_dim_v = 64; /* Dk != Dv is allowed */
+    assert_int_equal(kvs_kv_shape_validate(&s), KVS_OK);
+
+    s = mha(8);
+    s.layers = 0;
+    expect_shape_error(&s, "layers = 0");
+    s = mha(0);
+    expect_shape_error(&s, "kv_heads = 0");
+    s = mha(8);
+    s.head_dim_k = 0;
+    expect_shape_error(&s, "head_dim_k = 0");
+    s = mha(8);
+    s.head_dim_v = 0;
+    expect_shape_error(&s, "head_dim_v = 0");
+    s = mha(8);
+    s.elem_bytes = 3;
+    expect_shape_error(&s, "elem_bytes = 3");
+    s = mha(8);
+    s.elem_bytes = 8;
+    expect_shape_error(&s, "elem_bytes = 8");
+    s = mla();
+    s.kv_heads = 2;
+    expect_shape_error(&s, "kv_heads = 2");
+    s = mla();
+    s.head_dim_v = 64;
+    expect_shape_error(&s, "head_dim_v = 64");
+    s = mha(8);
+    s.attn = (kvs_attn_t) 7;
+    expect_shape_error(&s, "attn = 7");
+    s = mha(UINT32_MAX);
+    s.layers = UINT32_MAX;
+    expect_shape_error(&s, "too large");
+
+    log_capture_t cap = {0};
+    kvs_log_set_sink(capture_sink, &cap);
+    assert_int_equal(kvs_kv_shape_validate(NULL), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 1);
+}
+
+static void test_shape_components_and_dims(void **state)
+{
+    (void) state;
+    kvs_kv_shape_t s = mha(8);
+    s.head_dim_v = 96;
+    assert_int_equal(kvs_kv_shape_components(&s), 2);
+    assert_int_equal(kvs_kv_shape_dim(&s, 0), 128);
+    assert_int_equal(kvs_kv_shape_dim(&s, 1), 96);
+    assert_int_equal(kvs_kv_shape_dim(&s, 2), 0);
+    s = mla();
+    assert_int_equal(kvs_kv_shape_components(&s), 1);
+    assert_int_equal(kvs_kv_shape_dim(&s, 0), 576);
+    assert_int_equal(kvs_kv_shape_dim(&s, 1), 0);
+}
+
+static void test_tp_heads_and_replication(void **state)
+{
+    (void) state;
+    kvs_kv_shape_t s = mha(8);
+    /* TP 4 over 8 heads: 2 heads each, no replication. */
+    assert_int_equal(kvs_tp_heads_per_rank(&s, 4), 2);
+    assert_int_equal(kvs_tp_replication(&s, 4), 1);
+    for (uint32_t r = 0; r < 4; r++) assert_int_equal(kvs_tp_first_head(&s, 4, r), 2 * r);
+    /* TP 1 holds everything. */
+    assert_int_equal(kvs_tp_heads_per_rank(&s, 1), 8);
+    assert_int_equal(kvs_tp_first_head(&s, 1, 0), 0);
+    /* TP 32 over 8 heads: one head each, replicated 4 times: ranks 0-3 hold head 0. */
+    assert_int_equal(kvs_tp_heads_per_rank(&s, 32), 1);
+    assert_int_equal(kvs_tp_replication(&s, 32), 4);
+    for (uint32_t r = 0; r < 32; r++) assert_int_equal(kvs_tp_first_head(&s, 32, r), r / 4);
+
+    s = mha(4);
+    assert_int_equal(kvs_tp_heads_per_rank(&s, 8), 1);
+    assert_int_equal(kvs_tp_replication(&s, 8), 2);
+    assert_int_equal(kvs_tp_first_head(&s, 8, 5), 2);
+
+    s = mla();
+    for (uint32_t t = 1; t <= 16; t *= 2) {
+        assert_int_equal(kvs_tp_heads_per_rank(&s, t), 1);
+        assert_int_equal(kvs_tp_replication(&s, t), t);
+        for (uint32_t r = 0; r < t; r++) assert_int_equal(kvs_tp_first_head(&s, t, r), 0);
+    }
+}
+
+static void test_tp_validate(void **state)
+{
+    (void) state;
+    kvs_kv_shape_t s = mha(8);
+    static const uint32_t ok_sizes[] = {1, 2, 4, 8, 16, 32, 64};
+    for (size_t i = 0; i < sizeof(ok_sizes) / sizeof(ok_sizes[0]); i++) {
+        kvs_tp_t tp = {.tp_size = ok_sizes[i], .tp_rank = ok_sizes[i] - 1};
+        assert_int_equal(kvs_tp_validate(&s, &tp), KVS_OK);
+    }
+
+    log_capture_t cap = {0};
+    kvs_log_set_sink(capture_sink, &cap);
+    s = mha(3);
+    kvs_tp_t tp = {.tp_size = 2, .tp_rank = 0};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_int_equal(cap.calls, 1);
+    assert_non_null(strstr(cap.msg, "3 KV heads cannot be split over TP 2"));
+    assert_non_null(strstr(cap.msg, "H % T == 0 or T % H == 0"));
+
+    s = mha(6);
+    tp = (kvs_tp_t){.tp_size = 4, .tp_rank = 0};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_non_null(strstr(cap.msg, "6 KV heads cannot be split over TP 4"));
+
+    s = mha(8);
+    tp = (kvs_tp_t){.tp_size = 0, .tp_rank = 0};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_non_null(strstr(cap.msg, "TP size 0"));
+    tp = (kvs_tp_t){.tp_size = KVS_MAX_TP * 2, .tp_rank = 0};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_non_null(strstr(cap.msg, "TP size 128"));
+    tp = (kvs_tp_t){.tp_size = 4, .tp_rank = 4};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_non_null(strstr(cap.msg, "TP rank 4"));
+    /* A bad shape is reported by the shape check, once. */
+    int before = cap.calls;
+    s.layers = 0;
+    tp = (kvs_tp_t){.tp_size = 2, .tp_rank = 0};
+    assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
+    assert_int_equal(cap.calls, before + 1);
+    assert_non_null(strstr(cap.msg, "layers = 0"));
+    kvs_log_set_sink(NULL, NULL);
+
+    /* MLA never shards, so any TP size works. */
+    s = mla();
+    for (uint32_t t = 1; t <= KVS_MAX_TP; t++) {
+        tp = (kvs_tp_t){.tp_size = t, .tp_rank = t / 2};
+        assert_int_equal(kvs_tp_validate(&s, &tp), KVS_OK);
+    }
+}
+
+/* Exhaustive: every valid (H, T) gives a partition of heads into groups of h, each held by
+ * exactly R consecutive ranks, and the validation agrees with the divisibility rule. */
+static void test_tp_layout_exhaustive(void **state)
+{
+    (void) state;
+    log_capture_t cap = {0}; /* swallows the expected rejections */
+    kvs_log_set_sink(capture_sink, &cap);
+    int rejected = 0;
+    for (uint32_t heads = 1; heads <= 128; heads++) {
+        kvs_kv_shape_t s = mha(heads);
+        for (uint32_t t = 1; t <= KVS_MAX_TP; t++) {
+            kvs_tp_t tp = {.tp_size = t, .tp_rank = 0};
+            int valid = heads % t == 0 || t % heads == 0;
+            assert_int_equal(kvs_tp_validate(&s, &tp), valid ? KVS_OK : KVS_ERR_INVALID);
+            rejected += !valid;
+            if (!valid) continue;
+            uint32_t h = kvs_tp_heads_per_rank(&s, t);
+            uint32_t r = kvs_tp_replication(&s, t);
+            assert_int_equal(h * t, heads * r);
+            uint32_t holders[128] = {0};
+            for (uint32_t rank = 0; rank < t; rank++) {
+                uint32_t f = kvs_tp_first_head(&s, t, rank);
+                assert_true(f + h <= heads);
+                for (uint32_t g = f; g < f + h; g++) holders[g]++;
+            }
+            for (uint32_t g = 0; g < heads; g++) assert_int_equal(holders[g], r);
+        }
+    }
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, rejected);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_shape_validate),
+        cmocka_unit_test(test_shape_components_and_dims),
+        cmocka_unit_test(test_tp_heads_and_replication),
+        cmocka_unit_test(test_tp_validate),
+        cmocka_unit_test(test_tp_layout_exhaustive),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,448 @@
+/* Protocol tests driven directly through the sender/receiver API over the inproc transport:
+ * every TP pair shape, decode and prefill prefixes, chunked advance, hostile schedules, and the
+ * failure paths of SPEC sections 3 and 4 (misaligned prefix, oversize slot, abort with
+ * quarantine, timeouts), each checked byte for byte and for leaks. */
+#include "pd/pd_harness.h"
+
+#include "kvstage/log.h"
+
+typedef struct {
+    h_room_t room;
+    uint64_t computed;    /* what the "engine" has computed so far */
+    uint64_t prefill_hit; /* at-rest prefix on prefill (early send) */
+    int added_prefill, finished, released;
+    int stall; /* never finishes: for timeout tests */
+    kvs_room_status_t final_status;
+    uint64_t mismatched;
+} run_room_t;
+
+/* Drives rooms like an engine would: decode registers first, prefill adds the room a little
+ * later, computes one chunk every few ticks and finishes; concluded rooms are verified, then
+ * released and their pages freed. Returns the number of steps taken. */
+static uint64_t run_rooms(h_t *h, run_room_t *rooms, size_t n, uint64_t max_steps)
+{
+    const uint64_t C = h->geo.chunk_tokens;
+    for (size_t i = 0; i < n; i++) {
+        h_room_t *rm = &rooms[i].room;
+        for (uint32_t r = 0; r < h->geo.decode_tp; r++)
+            assert_int_equal(
+                kvs_receiver_add_room(h->rx[r], rm->id, rm->base, rm->prompt_len, rm->dpages),
+                KVS_OK);
+    }
+    size_t left = n;
+    uint64_t step = 0;
+    for (; step < max_steps && left > 0; step++) {
+        h_step(h);
+        for (size_t i = 0; i < n; i++) {
+            run_room_t *rr = &rooms[i];
+            h_room_t *rm = &rr->room;
+            if (rr->released) continue;
+            if (!rr->added_prefill && step >= i % 7) {
+                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                    assert_int_equal(
+                        kvs_sender_add_room(h->tx[r], rm->id, rm->prompt_len, rm->ptable), KVS_OK);
+                    h_fill(h, r, rm->id, rm->ptable, 0, rr->prefill_hit);
+                    /* The cached prefix is at rest: it may go before any forward pass. */
+                    assert_int_equal(
+                        kvs_sender_advance(h->tx[r], rm->id, rr->prefill_hit, rr->prefill_hit),
+                        KVS_OK);
+                }
+                rr->computed = rr->prefill_hit;
+                rr->added_prefill = 1;
+            } else if (rr->added_prefill && !rr->finished && !rr->stall && step % 3 == 0) {
+                uint64_t next = rr->computed + C;
+                if (next > rm->prompt_len) next = rm->prompt_len;
+                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                    h_fill(h, r, rm->id, rm->ptable, rr->computed, next);
+                    if (next == rm->prompt_len) {
+                        uint32_t token = (uint32_t) rm->id * 7 + 1;
+                        assert_int_equal(kvs_sender_finish(h->tx[r], rm->id, &token, 4), KVS_OK);
+                    } else {
+                        assert_int_equal(kvs_sender_advance(h->tx[r], rm->id, next, next + C),
+                                         KVS_OK);
+                    }
+                }
+                rr->computed = next;
+                rr->finished = next == rm->prompt_len;
+            }
+            if (!rr->added_prefill || !h_concluded(h, rm->id)) continue;
+            rr->final_status = h_status(h, 1, rm->id, NULL);
+            if (rr->final_status == KVS_ROOM_SUCCESS) {
+                for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
+                    rr->mismatched +=
+                        h_mismatches(h, r, rm->id, rm->dpages, rm->base, rm->prompt_len);
+                    kvs_room_info_t info;
+                    assert_int_equal(kvs_receiver_poll(h->rx[r], rm->id, &info), KVS_OK);
+                    uint32_t token = (uint32_t) rm->id * 7 + 1;
+                    assert_int_equal(info.final_len, 4);
+                    assert_memory_equal(info.final, &token, 4);
+                }
+                /* Success on decode implies Success on prefill. */
+                assert_int_equal(h_status(h, 0, rm->id, NULL), KVS_ROOM_SUCCESS);
+            }
+            h_release(h, rm->id);
+            h_room_free(h, rm);
+            rr->released = 1;
+            left--;
+        }
+    }
+    return step;
+}
+
+static void assert_all_succeeded(run_room_t *rooms, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!rooms[i].released || rooms[i].final_status != KVS_ROOM_SUCCESS ||
+            rooms[i].mismatched != 0)
+            fail_msg("room %llu: released %d status %s mismatched %llu",
+                     (unsigned long long) rooms[i].room.id, rooms[i].released,
+                     kvs_room_status_str(rooms[i].final_status),
+                     (unsigned long long) rooms[i].mismatched);
+    }
+}
+
+typedef struct {
+    uint32_t ptp, dtp, heads;
+    int mla;
+} pair_t;
+
+static void set_geo(kvs_pd_geometry_t *g, const pair_t *p)
+{
+    h_default_geo(g, p->ptp, p->dtp, p->heads);
+    if (p->mla) {
+        g->shape.attn = KVS_ATTN_MLA;
+        g->shape.kv_heads = 1;
+        g->shape.head_dim_k = 12;
+        g->shape.head_dim_v = 0;
+    }
+}
+
+static const pair_t pairs[] = {
+    {1, 1, 2, 0}, {4, 2, 8, 0}, {2, 4, 8, 0}, {3, 2, 6, 0}, {8, 1, 4, 0}, {1, 8, 4, 0},
+    {8, 2, 4, 0}, {2, 8, 4, 0}, {2, 1, 1, 1}, {1, 2, 1, 1}, {4, 4, 8, 0}, {6, 4, 12, 0},
+};
+
+/* Every TP pair, with decode and prefill prefixes of several sizes, reliable network. */
+static void test_tp_pairs_exact(void **state)
+{
+    (void) state;
+    for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
+        kvs_pd_geometry_t g;
+        set_geo(&g, &pairs[p]);
+        h_t h;
+        h_setup(&h, &g, NULL, 1 << 16, 256);
+        run_room_t rooms[5];
+        memset(rooms, 0, sizeof(rooms));
+        /* plain; decode prefix; prefill hit over several slots; full decode hit; tiny prompt */
+        h_room_init(&h, &rooms[0].room, 100 + p, 70, 0);
+        h_room_init(&h, &rooms[1].room, 200 + p, 61, 8);
+        h_room_init(&h, &rooms[2].room, 300 + p, 90, 4);
+        rooms[2].prefill_hit = 52;
+        h_room_init(&h, &rooms[3].room, 400 + p, 40, 40);
+        rooms[3].prefill_hit = 40;
+        h_room_init(&h, &rooms[4].room, 500 + p, 3, 0);
+        run_rooms(&h, rooms, 5, 20000);
+        assert_all_succeeded(rooms, 5);
+        h_assert_idle(&h);
+        h_teardown(&h);
+    }
+    kvs_assert_no_leaks();
+}
+
+/* Many rooms at once through a small ring while control messages are delayed, reordered,
+ * duplicated and dropped and writes land late: every room exact, nothing left behind. */
+static void test_hostile_network(void **state)
+{
+    (void) state;
+    uint64_t seed = kvs_test_seed(7);
+    uint64_t iters = kvs_test_iters(6);
+    for (uint64_t it = 0; it < iters; it++) {
+        kvs_rng_t rng;
+        kvs_rng_seed(&rng, seed + it);
+        const pair_t *pp = &pairs[kvs_rng_below(&rng, sizeof(pairs) / sizeof(pairs[0]))];
+        kvs_pd_geometry_t g;
+        set_geo(&g, pp);
+        kvs_inproc_faults_t f = {.seed = seed + it,
+                                 .delay_max_ns = 40 * H_TICK_NS,
+                                 .drop_permille = (uint32_t) kvs_rng_below(&rng, 150),
+                                 .dup_permille = (uint32_t) kvs_rng_below(&rng, 300),
+                                 .write_delay_max_ns = 30 * H_TICK_NS};
+        h_t h;
+        /* About three full slots of ring: rooms queue behind each other in the FIFO. */
+        h_setup(&h, &g, &f, 3 * 16 * 2 * 8 * 12 * 2 + 4096, 1024);
+        enum { N = 16 };
+        run_room_t rooms[N];
+        memset(rooms, 0, sizeof(rooms));
+        for (size_t i = 0; i < N; i++) {
+            uint64_t len = kvs_rng_range(&rng, 1, 120);
+            uint64_t base = kvs_rng_below(&rng, len / g.page_size + 1) * g.page_size;
+            h_room_init(&h, &rooms[i].room, 1000 * it + i + 1, len, base);
+            rooms[i].prefill_hit = kvs_rng_below(&rng, len + 1);
+        }
+        run_rooms(&h, rooms, N, 200000);
+        for (size_t i = 0; i < N; i++) {
+            if (rooms[i].final_status != KVS_ROOM_SUCCESS || rooms[i].mismatched)
+                fail_msg("seed %llu iteration %llu: room %zu %s, %llu bytes wrong",
+                         (unsigned long long) seed, (unsigned long long) it, i,
+                         kvs_room_status_str(rooms[i].final_status),
+                         (unsigned long long) rooms[i].mismatched);
+        }
+        h_assert_idle(&h);
+        kvs_pd_metrics_t m;
+        kvs_receiver_metrics(h.rx[0], &m);
+        assert_true(m.ring_high_water <= m.ring_capacity);
+        h_teardown(&h);
+    }
+    kvs_assert_no_leaks();
+}
+
+/* Every message duplicated: duplicate arrivals are ignored and counted, never scattered
+ * twice. */
+static void test_duplicates_ignored(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 2, 1, 4);
+    kvs_inproc_faults_t f = {.seed = 3, .delay_max_ns = 20 * H_TICK_NS, .dup_permille = 1000};
+    h_t h;
+    h_setup(&h, &g, &f, 1 << 16, 256);
+    run_room_t rooms[3];
+    memset(rooms, 0, sizeof(rooms));
+    for (int i = 0; i < 3; i++) h_room_init(&h, &rooms[i].room, 10 + i, 50 + 10 * i, 0);
+    run_rooms(&h, rooms, 3, 50000);
+    assert_all_succeeded(rooms, 3);
+    kvs_pd_metrics_t m;
+    kvs_receiver_metrics(h.rx[0], &m);
+    assert_true(m.ignored > 0);
+    assert_int_equal(m.chunks, 4 + 4 + 5); /* each chunk scattered exactly once */
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* Half the messages lost: retries recover every room. */
+static void test_drops_recovered_by_retry(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 4, 2, 8);
+    kvs_inproc_faults_t f = {.seed = 11, .delay_max_ns = 5 * H_TICK_NS, .drop_permille = 500};
+    h_t h;
+    h_setup(&h, &g, &f, 1 << 16, 256);
+    run_room_t rooms[4];
+    memset(rooms, 0, sizeof(rooms));
+    for (int i = 0; i < 4; i++) h_room_init(&h, &rooms[i].room, 20 + i, 33 + 17 * i, 4 * i);
+    run_rooms(&h, rooms, 4, 200000);
+    assert_all_succeeded(rooms, 4);
+    uint64_t retries = 0;
+    kvs_pd_metrics_t m;
+    for (uint32_t r = 0; r < 4; r++) {
+        kvs_sender_metrics(h.tx[r], &m);
+        retries += m.retries;
+    }
+    kvs_receiver_metrics(h.rx[0], &m);
+    retries += m.retries;
+    assert_true(retries > 0);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* A misaligned decode prefix fails that room only, on both sides; the next room succeeds. */
+static void test_misaligned_prefix_fails_room_only(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 2, 2, 4);
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 256);
+    run_room_t rooms[2];
+    memset(rooms, 0, sizeof(rooms));
+    h_room_init(&h, &rooms[0].room, 1, 40, 4);
+    rooms[0].room.base = 6; /* not a multiple of the page size 4 */
+    h_room_init(&h, &rooms[1].room, 2, 40, 4);
+    run_rooms(&h, rooms, 2, 20000);
+    assert_true(rooms[0].released);
+    assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
+    assert_int_equal(rooms[1].final_status, KVS_ROOM_SUCCESS);
+    assert_int_equal(rooms[1].mismatched, 0);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* A slot larger than the whole ring fails the room at once, not after a timeout. */
+static void test_slot_larger_than_ring_fails_fast(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 1, 1, 2);
+    h_t h;
+    h_setup(&h, &g, NULL, 512, 64); /* a full slot is 16 tokens * 2 layers * 2 heads * 24 B */
+    run_room_t rooms[1];
+    memset(rooms, 0, sizeof(rooms));
+    h_room_init(&h, &rooms[0].room, 5, 40, 0);
+    uint64_t steps = run_rooms(&h, rooms, 1, 20000);
+    assert_true(rooms[0].released);
+    assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
+    assert_true(steps < 1000); /* far below every timeout */
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* Prefill stalls forever: decode's waiting timeout fails the room, prefill hears of it, and
+ * everything is released. */
+static void test_waiting_timeout(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 2, 1, 4);
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 256);
+    run_room_t rooms[2];
+    memset(rooms, 0, sizeof(rooms));
+    h_room_init(&h, &rooms[0].room, 1, 80, 0);
+    rooms[0].stall = 1;
+    rooms[0].prefill_hit = 20; /* one chunk goes, the rest never comes */
+    h_room_init(&h, &rooms[1].room, 2, 80, 0);
+    uint64_t steps = run_rooms(&h, rooms, 2, 200000);
+    assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
+    assert_int_equal(rooms[1].final_status, KVS_ROOM_SUCCESS);
+    assert_true(steps * H_TICK_NS >= h.timeouts.waiting_timeout_ns);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* Decode aborts mid-transfer while writes land late: the room's slots stay quarantined until
+ * every prefill rank confirms no write is in flight. */
+static void test_abort_quarantines_until_ack(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 2, 1, 4);
+    kvs_inproc_faults_t f = {
+        .seed = 5, .delay_max_ns = 10 * H_TICK_NS, .write_delay_max_ns = 400 * H_TICK_NS};
+    h_t h;
+    h_setup(&h, &g, &f, 1 << 16, 256);
+    h_room_t room;
+    h_room_init(&h, &room, 9, 64, 0);
+    assert_int_equal(kvs_receiver_add_room(h.rx[0], 9, 0, 64, room.dpages), KVS_OK);
+    for (uint32_t r = 0; r < 2; r++) {
+        assert_int_equal(kvs_sender_add_room(h.tx[r], 9, 64, room.ptable), KVS_OK);
+        h_fill(&h, r, 9, room.ptable, 0, 64);
+        assert_int_equal(kvs_sender_advance(h.tx[r], 9, 64, 64), KVS_OK);
+    }
+    /* Run until at least one write is in flight, then abort. */
+    kvs_inproc_stats_t ns;
+    int steps = 0;
+    do {
+        h_step(&h);
+        kvs_inproc_net_stats(h.net, &ns);
+    } while (ns.writes_in_flight == 0 && ++steps < 5000);
+    assert_true(ns.writes_in_flight > 0);
+    assert_int_equal(kvs_receiver_abort(h.rx[0], 9), KVS_OK);
+    int q;
+    assert_int_equal(h_status(&h, 1, 9, &q), KVS_ROOM_FAILED);
+    assert_false(q); /* a write is still in flight: quarantined */
+    assert_int_equal(kvs_receiver_release(h.rx[0], 9), KVS_ERR_STATE);
+    for (steps = 0; steps < 20000 && !h_concluded(&h, 9); steps++) {
+        kvs_inproc_net_stats(h.net, &ns);
+        int dq;
+        h_status(&h, 1, 9, &dq);
+        /* Quiescent decode implies no write can still land. */
+        if (dq) assert_int_equal(ns.writes_in_flight, 0);
+        h_step(&h);
+    }
+    assert_true(h_concluded(&h, 9));
+    assert_int_equal(h_status(&h, 0, 9, NULL), KVS_ROOM_FAILED);
+    kvs_room_info_t info;
+    assert_int_equal(kvs_receiver_poll(h.rx[0], 9, &info), KVS_OK);
+    assert_int_equal(info.reason, KVS_ERR_ABORTED);
+    h_release(&h, 9);
+    assert_int_equal(kvs_receiver_release(h.rx[0], 9), KVS_ERR_NOT_FOUND); /* idempotent */
+    h_room_free(&h, &room);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* The prefill engine aborts: decode learns through STATUS Failed. */
+static void test_prefill_abort(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 1, 2, 4);
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 256);
+    h_room_t room;
+    h_room_init(&h, &room, 4, 64, 0);
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(kvs_receiver_add_room(h.rx[r], 4, 0, 64, room.dpages), KVS_OK);
+    assert_int_equal(kvs_sender_add_room(h.tx[0], 4, 64, room.ptable), KVS_OK);
+    h_fill(&h, 0, 4, room.ptable, 0, 16);
+    assert_int_equal(kvs_sender_advance(h.tx[0], 4, 16, 32), KVS_OK);
+    for (int i = 0; i < 50; i++) h_step(&h);
+    assert_int_equal(kvs_sender_abort(h.tx[0], 4), KVS_OK);
+    for (int i = 0; i < 5000 && !h_concluded(&h, 4); i++) h_step(&h);
+    assert_true(h_concluded(&h, 4));
+    assert_int_equal(h_status(&h, 1, 4, NULL), KVS_ROOM_FAILED);
+    h_release(&h, 4);
+    h_room_free(&h, &room);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+/* Garbage on the control channel is counted and dropped; the rank keeps working. */
+static void test_garbage_rejected(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 1, 1, 2);
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 64);
+    /* Garbage both ways through the ranks' own links. */
+    uint8_t junk[64];
+    for (size_t i = 0; i < sizeof(junk); i++) junk[i] = (uint8_t) (i * 37);
+    h_send_raw(h.plink[0], 0, junk, sizeof(junk));
+    h_send_raw(h.dlink[0], 0, junk, 5);
+    for (int i = 0; i < 5; i++) h_step(&h);
+    kvs_pd_metrics_t m;
+    kvs_receiver_metrics(h.rx[0], &m);
+    assert_int_equal(m.rejected, 1);
+    kvs_sender_metrics(h.tx[0], &m);
+    assert_int_equal(m.rejected, 1);
+    run_room_t rooms[1];
+    memset(rooms, 0, sizeof(rooms));
+    h_room_init(&h, &rooms[0].room, 1, 30, 0);
+    run_rooms(&h, rooms, 1, 20000);
+    assert_all_succeeded(rooms, 1);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
+static int quiet_logs(void **state)
+{
+    (void) state;
+    if (getenv("KVS_LOG") == NULL) kvs_log_set_level((kvs_log_level_t) -1);
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tp_pairs_exact),
+        cmocka_unit_test(test_hostile_network),
+        cmocka_unit_test(test_duplicates_ignored),
+        cmocka_unit_test(test_drops_recovered_by_retry),
+        cmocka_unit_test(test_misaligned_prefix_fails_room_only),
+        cmocka_unit_test(test_slot_larger_than_ring_fails_fast),
+        cmocka_unit_test(test_waiting_timeout),
+        cmocka_unit_test(test_abort_quarantines_until_ack),
+        cmocka_unit_test(test_prefill_abort),
+        cmocka_unit_test(test_garbage_rejected),
+    };
+    return cmocka_run_group_tests(tests, quiet_logs, NULL);
+}

@@ -19,7 +19,7 @@ typedef struct {
     uint64_t live_blocks; /* allocated and not yet freed */
     uint64_t live_bytes;
     uint64_t peak_bytes;
-    uint64_t total_allocs; /* successful allocations since start */
+    uint64_t total_allocs;  /* successful allocations since start */
     uint64_t failed_allocs; /* real or injected failures */
 } kvs_alloc_stats_t;
 

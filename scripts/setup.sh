@@ -3,7 +3,7 @@
 # Idempotent and quiet when everything is already present.
 set -euo pipefail
 
-packages=(build-essential cmake pkg-config libcmocka-dev clang-format)
+packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev iproute2)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -73,3 +73,11 @@ int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank)
         if (ranks[i] == rank) return (int) i;
     return -1;
 }
+
+int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n)
+{
+    if (link->ops->peer_status == NULL) return -1;
+    for (uint32_t i = 0; i < n; i++)
+        if (link->ops->peer_status(link->ctx, ranks[i]) != KVS_OK) return (int) i;
+    return -1;
+}

@@ -710,6 +710,10 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
         return;
     }
     if (r->status == KVS_ROOM_SUCCESS) return;
+    if (kvs_pd_dead_peer(rx->link, r->peers, r->npeers) >= 0) {
+        fail_room(rx, r, KVS_ERR_IO, "a prefill peer stopped answering (liveness timeout)");
+        return;
+    }
     if (now - r->meta_sent_at >= t->waiting_timeout_ns) {
         fail_room(rx, r, KVS_ERR_TIMEOUT, "waiting timeout");
         return;

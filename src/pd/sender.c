@@ -766,7 +766,11 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     }
     if (r->status == KVS_ROOM_SUCCESS) return events;
 
-    /* Timeouts. */
+    /* Timeouts and dead peers. */
+    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers) >= 0) {
+        fail_room(tx, r, KVS_ERR_IO, "a decode peer stopped answering (liveness timeout)");
+        return events + 1;
+    }
     if (r->meta_got != all) {
         if (now - r->added_at >= t->bootstrap_timeout_ns)
             fail_room(tx, r, KVS_ERR_TIMEOUT, "bootstrap timeout: no metadata from decode");

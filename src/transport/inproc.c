@@ -317,6 +317,7 @@ static const kvs_link_ops_t inproc_ops = {
     .write_poll = ep_write_poll,
     .expose = ep_expose,
     .flush = ep_flush,
+    .peer_status = NULL, /* in one process no peer dies */
     .destroy = ep_destroy,
 };
 

@@ -28,6 +28,9 @@ typedef struct {
     kvs_status_t (*expose)(void *ctx, void *ring, uint64_t size);
     /* Decode: makes every completed incoming write visible to local readers (scatter). */
     kvs_status_t (*flush)(void *ctx);
+    /* KVS_OK while rank `peer` of the other side is believed alive, KVS_ERR_IO once it has been
+     * silent past the liveness timeout (its rooms fail). NULL: peers never die (inproc). */
+    kvs_status_t (*peer_status)(void *ctx, uint32_t peer);
     void (*destroy)(void *ctx);
 } kvs_link_ops_t;
 

@@ -486,23 +486,12 @@ static void test_tool_plan(void **state)
     expect_contains(out, "--prefill-tp");
 }
 
-static void test_tool_demo(void **state)
-{
-    (void) state;
-    if (getenv("KVS_TOOL") == NULL) skip();
-    static char out[1 << 16];
-    assert_int_equal(run_tool("demo", out, sizeof(out)), 0);
-    expect_contains(out, "prefill TP4 -> decode TP2");
-    expect_contains(out, "1024x");
-    assert_int_equal(run_tool("demo --bogus", out, sizeof(out)), 2);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plan_examples),   cmocka_unit_test(test_plan_rejects_invalid),
         cmocka_unit_test(test_plan_exhaustive), cmocka_unit_test(test_slot_layout_and_blocks),
-        cmocka_unit_test(test_tool_plan),       cmocka_unit_test(test_tool_demo),
+        cmocka_unit_test(test_tool_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -68,6 +68,8 @@ typedef struct {
     uint64_t ring_used;       /* receiver, now */
     uint64_t ring_high_water; /* receiver */
     uint64_t live_slots;      /* receiver: granted slots not yet freed, now */
+    uint64_t progress_ns;     /* real time spent inside progress calls */
+    uint64_t data_ns;         /* of which: gather, scatter and transport write calls */
 } kvs_pd_metrics_t;
 
 /* ---- prefill side ---- */

@@ -5,6 +5,7 @@
 
 #include "base/map.h"
 #include "kvstage/alloc.h"
+#include "kvstage/clock.h"
 #include "kvstage/grid.h"
 #include "kvstage/log.h"
 #include "kvstage/ring.h"
@@ -240,6 +241,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     kvs_status_t st = rx->link->ops->flush(rx->link->ctx);
     if (st != KVS_OK) return st;
     const kvs_kv_shape_t *shape = &rx->cfg.geo.shape;
+    uint64_t t0 = kvs_now_ns();
     const uint64_t F = rx->grid / rx->cfg.geo.page_size;
     for (uint32_t w = 0; w < r->nwriters; w++) {
         kvs_copy_desc_t d = {
@@ -260,6 +262,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
         if (st != KVS_OK) return st;
         rx->m.bytes += npages * rx->cfg.geo.page_size * r->writers[w].bytes_per_token;
     }
+    rx->m.data_ns += kvs_now_ns() - t0;
     c->state = RCH_SCATTERING;
     r->scattering++;
     return KVS_OK;
@@ -734,6 +737,7 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
 
 uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
 {
+    uint64_t t0 = kvs_now_ns();
     uint32_t events = 0;
     kvs_msg_t msg;
     while (kvs_pd_recv(rx->link, &rx->m, &msg) == KVS_OK) {
@@ -755,6 +759,7 @@ uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
     }
     /* Slots freed above may let queued requests through. */
     events += grant_slots(rx);
+    rx->m.progress_ns += kvs_now_ns() - t0;
     return events;
 }
 

@@ -7,6 +7,7 @@
 
 #include "base/map.h"
 #include "kvstage/alloc.h"
+#include "kvstage/clock.h"
 #include "kvstage/grid.h"
 #include "kvstage/log.h"
 #include "pd/pd_internal.h"
@@ -158,13 +159,21 @@ static void room_free(sroom_t *r)
     kvs_free(r);
 }
 
+/* Waits for a room's writes in flight (teardown only; callers should drain rooms first). */
 static void wait_writes(kvs_sender_t *tx, sroom_t *r)
 {
     for (uint64_t k = r->first_open; k < r->nchunks && r->writing > 0; k++) {
         for (uint32_t d = 0; d < r->ndests; d++) {
             sdest_t *sd = &r->cd[k * r->ndests + d];
             if (sd->state != SD_WRITING) continue;
+            /* Real time, not the sender's clock: a virtual clock may be frozen at teardown. */
+            uint64_t deadline = kvs_now_ns() + tx->cfg.timeouts.release_timeout_ns;
             while (tx->link->ops->write_poll(tx->link->ctx, sd->ticket) == KVS_INPROGRESS) {
+                if (kvs_now_ns() > deadline) {
+                    kvs_error("room %llu: a write did not complete before teardown",
+                              (unsigned long long) r->id);
+                    break;
+                }
             }
             sd->state = SD_GRANTED;
             r->writing--;
@@ -680,12 +689,14 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         .region_bytes = tx->buffer_bytes,
     };
     uint64_t copy_ticket;
+    uint64_t t0 = kvs_now_ns();
     kvs_status_t st = kvs_copy_submit(&tx->copy, KVS_COPY_GATHER, &desc, &copy_ticket);
     while (st == KVS_OK && kvs_copy_poll(&tx->copy, copy_ticket) == KVS_INPROGRESS) {
     }
     if (st == KVS_OK)
         st = tx->link->ops->write(tx->link->ctx, dest->decode_rank, sd->offset + at, tx->buffers[b],
                                   bytes, &sd->ticket);
+    tx->m.data_ns += kvs_now_ns() - t0;
     if (st != KVS_OK) {
         tx->buffer_busy[b] = 0;
         return st;
@@ -878,6 +889,7 @@ static uint32_t expire_stash(kvs_sender_t *tx, uint64_t now)
 
 uint32_t kvs_sender_progress(kvs_sender_t *tx)
 {
+    uint64_t t0 = kvs_now_ns();
     uint32_t events = 0;
     kvs_msg_t msg;
     while (kvs_pd_recv(tx->link, &tx->m, &msg) == KVS_OK) {
@@ -892,6 +904,7 @@ uint32_t kvs_sender_progress(kvs_sender_t *tx)
     void *v;
     for (size_t it = 0; kvs_map_next(&tx->rooms, &it, NULL, &v);) events += pump_room(tx, v, now);
     events += expire_stash(tx, now);
+    tx->m.progress_ns += kvs_now_ns() - t0;
     return events;
 }
 

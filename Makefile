@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup configure build test demo asan format format-check clean
+.PHONY: all setup configure build test demo asan format format-check clean fuzz
 
 all: build
 
@@ -24,6 +24,18 @@ demo: build
 
 asan:
 	@$(MAKE) --no-print-directory test BUILD=build-asan CMAKE_FLAGS="-DKVS_SANITIZE=ON -DKVS_CUDA=OFF"
+
+# libFuzzer on the message codec (needs clang and libclang-rt-14-dev); see fuzz/README.md.
+# The seeds are copied into fuzz/out/, where the grown corpus and any crash inputs stay.
+FUZZ_SECONDS ?= 30
+fuzz: setup
+	@mkdir -p fuzz/out/corpus-codec
+	clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc \
+	  fuzz/fuzz_codec.c src/control/codec.c src/base/*.c -lpthread -lm -o fuzz/out/fuzz_codec
+	@cp fuzz/corpus/codec/* fuzz/out/corpus-codec/
+	./fuzz/out/fuzz_codec -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  -artifact_prefix=fuzz/out/ fuzz/out/corpus-codec
 
 format:
 	@git ls-files '*.c' '*.h' '*.cu' '*.cuh' | xargs -r clang-format -i

@@ -24,6 +24,7 @@ typedef struct {
     rchunk_state_t state;
     uint64_t offset, size; /* the grant */
     uint64_t arrived;      /* bit per writer */
+    uint64_t requested;    /* bit per writer: its STAGING_REQ arrived at least once */
     uint64_t ticket;       /* last scatter copy */
 } rchunk_t;
 
@@ -472,6 +473,8 @@ static void on_staging_req(kvs_receiver_t *rx, const kvs_msg_staging_req_t *q)
     }
     rchunk_t *c = &r->chunks[q->chunk];
     uint64_t want = slot_bytes(rx, r, q->chunk, NULL);
+    int repeat = (c->requested & KVS_BIT(w)) != 0;
+    c->requested |= KVS_BIT(w);
     if (q->slot_bytes != want) {
         fail_room(rx, r, KVS_ERR_PROTOCOL, "prefill and decode disagree on the slot size");
         return;
@@ -493,11 +496,16 @@ static void on_staging_req(kvs_receiver_t *rx, const kvs_msg_staging_req_t *q)
         break;
     }
     case RCH_GRANTED:
-        send_grant(rx, r, q->chunk, q->prefill_rank);
+        /* The grant went to every writer when it was made; a first request crossing it needs
+         * no answer, a repeat means the grant was lost. */
+        if (repeat) send_grant(rx, r, q->chunk, q->prefill_rank);
+        break;
+    case RCH_QUEUED:
+        if (repeat) rx->m.ignored++; /* a retry while still queued */
         break;
     default:
-        rx->m.ignored++;
-        break; /* a repeat while queued, or late after the scatter */
+        rx->m.ignored++; /* late, after the scatter */
+        break;
     }
 }
 

@@ -5,10 +5,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bench_kernels.h"
 #include "bench_radix.h"
 
 static const kvs_command_t benches[] = {
     {"radix", kvs_bench_radix, "radix prefix cache: throughput and hit rate vs the ideal"},
+    {"kernels", kvs_bench_kernels, "CUDA gather/scatter kernels vs a device-to-device memcpy"},
 };
 
 static void usage(FILE *f)

@@ -39,7 +39,7 @@ kvs_region_t kvs_region_strides(kvs_pool_layout_t layout, uint32_t page_size, ui
 
 typedef enum {
     KVS_MEM_HOST = 0,
-    KVS_MEM_DEVICE = 1, /* reserved for the CUDA backend */
+    KVS_MEM_DEVICE = 1, /* cudaMalloc on config.device; needs a CUDA build (else unsupported) */
 } kvs_mem_kind_t;
 
 typedef struct {
@@ -49,12 +49,15 @@ typedef struct {
     uint32_t num_pages;
     kvs_pool_layout_t layout;
     kvs_mem_kind_t mem;
+    int device; /* CUDA device ordinal for KVS_MEM_DEVICE; ignored for host memory */
 } kvs_pool_config_t;
 
 typedef struct kvs_pool kvs_pool_t;
 
 /* Validates the configuration (shape, TP layout, page size > 0, pages > 0) and allocates the
- * regions and the page allocator. */
+ * regions and the page allocator. Region memory is zeroed; for KVS_MEM_DEVICE the region bases
+ * are device pointers (only the copy backends may touch them) and the call fails with
+ * KVS_ERR_UNSUPPORTED in builds without CUDA or where the device is absent. */
 kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_p);
 void kvs_pool_destroy(kvs_pool_t *pool);
 

@@ -77,4 +77,12 @@ void kvs_copy_backend_destroy(kvs_copy_backend_t *b);
 /* The CPU reference backend: synchronous memcpy on the calling thread. */
 kvs_status_t kvs_copy_cpu_create(kvs_copy_backend_t *backend_p);
 
+/* The CUDA backend (cuda/copy_cuda.cu): one kernel launch per copy on the backend's own
+ * non-blocking stream on `device`; pool regions and the writer region are device memory.
+ * Builds without CUDA link a stub that logs and returns KVS_ERR_UNSUPPORTED, as does a CUDA
+ * build on a machine without that device. */
+kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *backend_p);
+/* 1 when this build has CUDA and the runtime sees at least one device, else 0; never logs. */
+int kvs_copy_cuda_available(void);
+
 #endif

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# GPU acceptance run for the CUDA copy backend and device pools, from the repo root on a machine
+# with an NVIDIA GPU:  bash scripts/gpu-check.sh
+# Builds with CUDA in a fresh build dir, runs the whole test suite, the CUDA copy test on its own
+# (it must not skip), compute-sanitizer (memcheck with leak check, racecheck, initcheck) on it,
+# and `kvstage bench kernels`; prints a summary. Logs go to $BUILD/gpu-check/.
+# Environment: BUILD (default build-gpu), JOBS (default nproc), SAN_ITERS (random cases per
+# sanitizer run, default 100), BENCH_ARGS (extra flags for the benchmark), DEPS_DIR (default
+# build-deps).
+#
+# GPU machines without internet often lack the project's dev packages (cmocka, ZeroMQ, UCX
+# headers, pkg-config). On a Debian/Ubuntu machine with apt, `bash scripts/gpu-check.sh
+# --fetch-deps` downloads them as .deb files into DEPS_DIR (ignored by git); bring that folder
+# along and this script unpacks it into the build dir (nothing is installed system-wide) when
+# pkg-config cannot find them.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 4)}
+SAN_ITERS=${SAN_ITERS:-100}
+BENCH_ARGS=${BENCH_ARGS:-}
+DEPS_DIR=${DEPS_DIR:-build-deps}
+LOGS=$BUILD/gpu-check
+DEP_PKGS=(libcmocka0 libcmocka-dev libzmq5 libzmq3-dev libsodium23 libpgm-5.3-0 libnorm1 libucx0
+    libucx-dev libnuma1 libibverbs1 librdmacm1 pkgconf-bin libpkgconf3)
+
+if [ "${1:-}" = "--fetch-deps" ]; then
+    mkdir -p "$DEPS_DIR" && cd "$DEPS_DIR" && apt-get download "${DEP_PKGS[@]}" || exit 1
+    echo "gpu-check: dependencies in $DEPS_DIR; carry that folder to the GPU machine"
+    exit 0
+fi
+
+have_deps() {
+    command -v pkg-config >/dev/null 2>&1 && pkg-config --exists libzmq ucx cmocka
+}
+
+# Unpacks DEPS_DIR/*.deb under $BUILD/deps and points pkg-config, the linker and the loader
+# there. The .pc files are rewritten to the new prefix, and libzmq's private requirements
+# (only for static links) are dropped so their dev packages are not needed.
+use_carried_deps() {
+    local d=$BUILD/deps
+    case $d in /*) ;; *) d=$(pwd)/$d ;; esac
+    mkdir -p "$d"
+    for f in "$DEPS_DIR"/*.deb; do dpkg -x "$f" "$d" || return 1; done
+    local lib=$d/usr/lib/x86_64-linux-gnu
+    for pc in "$lib"/pkgconfig/*.pc; do
+        sed -i -e "s#/usr#$d/usr#g" -e '/^Requires.private:/d' "$pc"
+    done
+    [ -e "$d/usr/bin/pkg-config" ] || ln -s pkgconf "$d/usr/bin/pkg-config"
+    command -v pkg-config >/dev/null 2>&1 || export PATH=$d/usr/bin:$PATH
+    export PKG_CONFIG_PATH=$lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+    export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LIBRARY_PATH=$lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export UCX_MODULE_DIR=$lib/ucx
+    echo "using carried dependencies from $DEPS_DIR (unpacked in $d)"
+}
+
+names=()
+verdicts=()
+failed=0
+
+# step NAME CMD...: runs CMD with its output in $LOGS/NAME.log (and on the terminal).
+step() {
+    local name=$1
+    shift
+    echo
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$LOGS/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local verdict="PASS"
+    [ "$rc" -ne 0 ] && verdict="FAIL (exit $rc)"
+    names+=("$name")
+    verdicts+=("$verdict  [$((SECONDS - t0)) s]")
+    [ "$rc" -ne 0 ] && failed=1
+    return "$rc"
+}
+
+# mark NAME VERDICT: a result decided by inspecting a log rather than an exit code.
+mark() {
+    names+=("$1")
+    verdicts+=("$2")
+    case $2 in PASS*) ;; *) failed=1 ;; esac
+}
+
+summary() {
+    echo
+    echo "================ gpu-check summary ================"
+    for i in "${!names[@]}"; do printf '  %-22s %s\n' "${names[$i]}" "${verdicts[$i]}"; done
+    if [ -f "$LOGS/bench.log" ]; then
+        echo
+        grep -E '^(GPU|summary|check):' "$LOGS/bench.log" | sed 's/^/  bench /'
+    fi
+    echo
+    if [ "$failed" -eq 0 ]; then echo "gpu-check: ALL PASSED"; else echo "gpu-check: FAILED"; fi
+    echo "logs: $LOGS/"
+}
+
+rm -rf "$BUILD"
+mkdir -p "$LOGS"
+
+if ! have_deps; then
+    if compgen -G "$DEPS_DIR/*.deb" >/dev/null; then
+        use_carried_deps || {
+            echo "gpu-check: could not unpack $DEPS_DIR"
+            exit 1
+        }
+    fi
+    if ! have_deps; then
+        echo "gpu-check: missing build dependencies (pkg-config modules libzmq, ucx, cmocka)."
+        echo "  On a Debian/Ubuntu machine with apt run: bash scripts/gpu-check.sh --fetch-deps"
+        echo "  then bring $DEPS_DIR/ to this machine's checkout and run this script again."
+        exit 1
+    fi
+fi
+
+echo "=== machine"
+nvidia-smi -L 2>&1 || echo "(nvidia-smi not available)"
+command -v nvcc >/dev/null 2>&1 || export PATH=/usr/local/cuda/bin:$PATH
+nvcc --version 2>&1 | tail -n 2
+
+if ! step configure cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVS_CUDA=ON; then
+    summary
+    exit 1
+fi
+if ! grep -q "CUDA backend enabled" "$LOGS/configure.log"; then
+    mark cuda-enabled "FAIL (configure did not find nvcc; see $LOGS/configure.log)"
+    summary
+    exit 1
+fi
+if ! step build cmake --build "$BUILD" -j "$JOBS"; then
+    summary
+    exit 1
+fi
+
+step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS'"
+
+# The CUDA copy test alone, verbose: on a GPU machine nothing may be skipped.
+if step test_copy_cuda "$BUILD/test_copy_cuda"; then
+    if grep -q "SKIPPED" "$LOGS/test_copy_cuda.log"; then
+        mark test_copy_cuda-ran "FAIL (tests were skipped: no GPU visible to the CUDA runtime?)"
+    else
+        mark test_copy_cuda-ran "PASS (no test skipped)"
+    fi
+fi
+
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$SAN" ]; then
+    export KVS_ITERS=$SAN_ITERS
+    step memcheck "$SAN" --tool memcheck --leak-check full --error-exitcode 99 \
+        "$BUILD/test_copy_cuda"
+    step racecheck "$SAN" --tool racecheck --error-exitcode 99 "$BUILD/test_copy_cuda"
+    step initcheck "$SAN" --tool initcheck --error-exitcode 99 "$BUILD/test_copy_cuda"
+    unset KVS_ITERS
+else
+    mark compute-sanitizer "FAIL (compute-sanitizer not found)"
+fi
+
+# shellcheck disable=SC2086 # BENCH_ARGS is a flag list
+step bench "$BUILD/kvstage" bench kernels $BENCH_ARGS
+
+summary
+exit "$failed"

@@ -1,32 +1,29 @@
-/* `kvstage demo`: what `make demo` runs. For now it explains the handoff and prints the plan of
- * the default deployment; the in-process protocol simulation replaces the body later. */
+/* `kvstage demo`: what `make demo` runs. It explains the handoff in a paragraph, then runs the
+ * default simulation (`kvstage sim` with its defaults: prefill TP4 -> decode TP2, 200
+ * shared-prefix requests, radix caches on both sides) with progress and a summary, and exits
+ * with the simulation's verdict. Every `kvstage sim` flag is accepted. */
 #include "commands.h"
 
 #include <stdio.h>
-
-#include "args.h"
+#include <string.h>
 
 int kvs_cmd_demo(int argc, char **argv)
 {
-    int rc = kvs_args_parse("kvstage demo", NULL, 0, argc, argv, 1);
-    if (rc == KVS_ARGS_HELP) return 0;
-    if (rc != KVS_ARGS_OK) return 2;
-
-    printf("kvstage moves a request's KV cache from the prefill workers that compute it to the\n"
-           "decode workers that continue it. When the two sides shard attention heads over\n"
-           "different tensor-parallel sizes, a token's row on a prefill rank holds a different\n"
-           "head subset than on a decode rank, so a naive transfer posts one small write per\n"
-           "page, layer, K/V and destination. kvstage instead gathers each prefill rank's head\n"
-           "slice for a whole chunk into one region of a staging slot on the decode rank, writes\n"
-           "it in one bulk transfer, and scatters the slot into the decode KV pool. Below is the\n"
-           "plan for the default deployment: prefill TP4 -> decode TP2, 8 KV heads, 32 layers,\n"
-           "head dim 128, bf16, page 16, chunk 256.\n\n");
-    fflush(stdout);
-
-    char *plan_argv[] = {
-        "plan", "--prefill-tp", "4",  "--decode-tp", "2",   "--kv-heads",
-        "8",    "--layers",     "32", "--head-dim",  "128", "--dtype-bytes",
-        "2",    "--page-size",  "16", "--chunk",     "256",
-    };
-    return kvs_cmd_plan((int) (sizeof(plan_argv) / sizeof(plan_argv[0])), plan_argv);
+    int quiet = 0;
+    for (int i = 1; i < argc; i++)
+        quiet |= strcmp(argv[i], "--json") == 0 || strcmp(argv[i], "--help") == 0 ||
+                 strcmp(argv[i], "-h") == 0;
+    if (!quiet) {
+        printf("kvstage moves a request's KV cache from the prefill workers that compute it to\n"
+               "the decode workers that continue it. When the two sides shard attention heads\n"
+               "over different tensor-parallel sizes, a naive transfer posts one small write per\n"
+               "page, layer, K/V and destination. kvstage gathers each prefill rank's head slice\n"
+               "of a whole chunk into one region of a staging slot on the decode rank, writes it\n"
+               "in one bulk transfer and scatters the slot into the decode KV pool.\n\n"
+               "This demo simulates one prefill instance (TP4) and one decode instance (TP2)\n"
+               "in this process on a virtual clock: 200 requests sharing long prefixes, radix\n"
+               "prefix caches on both sides, and every transferred byte checked.\n\n");
+        fflush(stdout);
+    }
+    return kvs_cmd_sim(argc, argv);
 }

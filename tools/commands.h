@@ -12,5 +12,6 @@ typedef struct {
 int kvs_cmd_plan(int argc, char **argv);
 int kvs_cmd_bench(int argc, char **argv);
 int kvs_cmd_demo(int argc, char **argv);
+int kvs_cmd_sim(int argc, char **argv);
 
 #endif

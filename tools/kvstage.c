@@ -8,6 +8,7 @@ static const kvs_command_t commands[] = {
     {"plan", kvs_cmd_plan, "print the transfer plan between two TP layouts"},
     {"bench", kvs_cmd_bench, "run a benchmark (radix)"},
     {"demo", kvs_cmd_demo, "run the default deployment (what `make demo` runs)"},
+    {"sim", kvs_cmd_sim, "simulate prefill -> decode transfers on a virtual clock and verify them"},
 };
 
 static void usage(FILE *f)

@@ -62,10 +62,18 @@ struct kvs_receiver {
     uint8_t *ring_mem; /* [ring_bytes] the staging ring writers fill */
     kvs_map_t rooms;   /* id -> rroom_t* */
     kvs_map_t serials; /* serial -> rroom_t* */
+    kvs_map_t early;   /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
     uint64_t next_serial;
     uint64_t grid; /* G */
     kvs_pd_metrics_t m;
 };
+
+/* A STATUS Failed that arrived before the engine added its room: without it the room would
+ * only fail at the waiting timeout, holding its pages all that time. */
+typedef struct {
+    kvs_status_t reason;
+    uint64_t expires_at;
+} early_fail_t;
 
 #define COOKIE_CHUNK_BITS 24
 
@@ -108,6 +116,7 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     rx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
     kvs_map_init(&rx->rooms);
     kvs_map_init(&rx->serials);
+    kvs_map_init(&rx->early);
     st = kvs_copy_cpu_create(&rx->copy);
     if (st != KVS_OK) goto err_free;
     st = kvs_ring_create(config->ring_bytes, &rx->ring);
@@ -147,6 +156,8 @@ void kvs_receiver_destroy(kvs_receiver_t *rx)
     for (size_t it = 0; kvs_map_next(&rx->rooms, &it, NULL, &v);) room_free(v);
     kvs_map_fini(&rx->rooms);
     kvs_map_fini(&rx->serials);
+    for (size_t it = 0; kvs_map_next(&rx->early, &it, NULL, &v);) kvs_free(v);
+    kvs_map_fini(&rx->early);
     kvs_ring_destroy(rx->ring);
     kvs_free(rx->ring_mem);
     kvs_copy_backend_destroy(&rx->copy);
@@ -401,6 +412,12 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
         fail_room(rx, r, KVS_ERR_INVALID, "misaligned decode prefix");
         return KVS_OK;
     }
+    early_fail_t *early = kvs_map_remove(&rx->early, room);
+    if (early != NULL) {
+        fail_room(rx, r, early->reason, "a prefill rank failed it before it was added");
+        kvs_free(early);
+        return KVS_OK;
+    }
     for (uint32_t i = 0; i < r->npeers; i++) send_meta(rx, r, r->peers[i]);
     r->next_retry = r->meta_sent_at + rx->cfg.timeouts.retry_ns;
     return KVS_OK;
@@ -555,7 +572,16 @@ static void on_status(kvs_receiver_t *rx, const kvs_msg_status_t *s)
 {
     rroom_t *r = room_for(rx, s->room);
     send_ack(rx, s->room, KVS_MSG_STATUS, 0, 0, s->prefill_rank);
-    if (r == NULL) return;
+    if (r == NULL) {
+        if (s->status == KVS_ROOM_FAILED && kvs_map_get(&rx->early, s->room) == NULL) {
+            early_fail_t *e = kvs_malloc(sizeof(*e));
+            if (e == NULL) return;
+            e->reason = s->reason != KVS_OK ? (kvs_status_t) s->reason : KVS_ERR_ABORTED;
+            e->expires_at = now_ns(rx) + rx->cfg.timeouts.waiting_timeout_ns;
+            if (kvs_map_put(&rx->early, s->room, e) != KVS_OK) kvs_free(e);
+        }
+        return;
+    }
     int i = kvs_pd_rank_index(r->peers, r->npeers, s->prefill_rank);
     if (i < 0) {
         rx->m.rejected++;
@@ -764,6 +790,12 @@ uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
         if (r->scattering) events += finish_scatters(rx, r);
         run_timers(rx, r, now);
         check_room(rx, r);
+    }
+    uint64_t id;
+    for (size_t it = 0; kvs_map_next(&rx->early, &it, &id, &v);) {
+        if (now < ((early_fail_t *) v)->expires_at) continue;
+        kvs_map_remove(&rx->early, id);
+        kvs_free(v);
     }
     /* Slots freed above may let queued requests through. */
     events += grant_slots(rx);

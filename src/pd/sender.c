@@ -797,7 +797,10 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
 
     issue_sends(tx, r);
 
-    /* Chunks in the window: request, retry, write, resend CHUNK_READY. */
+    /* Request chunks in the window; write every granted chunk whose KV is at rest and keep
+     * its CHUNK_READY retried, inside the window or not: a grant goes to every writer of a
+     * chunk, so one may arrive unrequested for a chunk beyond this room's window, and holding
+     * it would keep the slot while the window waits on another decode rank. */
     const uint64_t F = tx->grid / g->page_size;
     while (r->first_open < r->nchunks) {
         int done = 1;
@@ -808,9 +811,12 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     }
     uint64_t window_end = r->first_open + tx->cfg.window_chunks;
     if (window_end > r->nchunks) window_end = r->nchunks;
-    for (uint64_t k = r->first_open; k < window_end; k++) {
-        /* Ask for a slot only for KV that is computed or being computed right now. */
-        int may_request = r->finished || r->base + k * F * g->page_size < r->scheduled;
+    for (uint64_t k = r->first_open; k < r->nchunks; k++) {
+        /* A slot only for a chunk whose whole KV is computed or in the forward pass now
+         * running: a granted slot must be written soon (SPEC 4.5). */
+        uint64_t k_end = r->base + (k + 1) * F * g->page_size;
+        if (k_end > r->prompt_len) k_end = r->prompt_len;
+        int may_request = k < window_end && (r->finished || k_end <= r->scheduled);
         for (uint32_t d = 0; d < r->ndests; d++) {
             sdest_t *sd = &r->cd[k * r->ndests + d];
             switch (sd->state) {

@@ -1,0 +1,49 @@
+/* Page allocation in lockstep over an instance's TP ranks: one schedule, identical page ids on
+ * every rank, so one radix cache and one page table serve them all. */
+#include <assert.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "kvstage/log.h"
+
+kvs_status_t kvs_lockstep_alloc(kvs_lockstep_t *ls, uint32_t n, uint32_t *pages_p)
+{
+    if (n == 0) return KVS_OK;
+    assert(n <= ls->scratch_cap);
+    uint32_t free_pages = kvs_pool_free_pages(ls->pools[0]);
+    if (free_pages < n && ls->radix != NULL) {
+        kvs_radix_evict(ls->radix, n - free_pages);
+        free_pages = kvs_pool_free_pages(ls->pools[0]);
+    }
+    if (free_pages < n) return KVS_ERR_NOSPACE;
+    kvs_status_t st = kvs_pool_alloc(ls->pools[0], n, pages_p);
+    if (st != KVS_OK) return st;
+    for (uint32_t r = 1; r < ls->tp; r++) {
+        st = kvs_pool_alloc(ls->pools[r], n, ls->scratch);
+        /* Every rank saw the same allocations and frees, so the same ids must come back; if
+         * not, the engine's bookkeeping is broken and nothing after this can be trusted
+         * (checked even in release builds: the simulation exists to catch such bugs). */
+        if (st != KVS_OK || memcmp(ls->scratch, pages_p, (size_t) n * sizeof(uint32_t)) != 0) {
+            kvs_error("lockstep: rank %u handed out different pages than rank 0", r);
+            abort();
+        }
+    }
+    return KVS_OK;
+}
+
+void kvs_lockstep_free(kvs_lockstep_t *ls, const uint32_t *pages, uint32_t n)
+{
+    if (n == 0) return;
+    for (uint32_t r = 0; r < ls->tp; r++) {
+        if (kvs_pool_free(ls->pools[r], pages, n) != KVS_OK) {
+            kvs_error("lockstep: freeing %u pages on rank %u failed (engine bookkeeping)", n, r);
+            abort();
+        }
+    }
+}
+
+void kvs_lockstep_radix_free(void *arg, const uint32_t *pages, size_t count)
+{
+    kvs_lockstep_free(arg, pages, (uint32_t) count);
+}

@@ -1,0 +1,174 @@
+/* Seeded property test: random small deployments (TP pairs with non-integer ratios and
+ * replication, MLA, page and chunk sizes, ring sizes, workloads, radix on/off, pool layouts) under
+ * random fault mixes, each checked against every SPEC section 7 invariant the simulation can
+ * observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a soak); a failure prints the
+ * `kvstage sim` command line that replays it. */
+#include "kvs_test.h"
+
+#include <string.h>
+
+#include "kvstage/log.h"
+#include "kvstage/rng.h"
+#include "kvstage/sim.h"
+
+static uint32_t pick(kvs_rng_t *rng, const uint32_t *v, size_t n)
+{
+    return v[kvs_rng_below(rng, n)];
+}
+
+static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
+{
+    static const uint32_t heads[] = {1, 2, 3, 4, 6, 8};
+    static const uint32_t tps[] = {1, 2, 3, 4, 6, 8};
+    static const uint32_t elem[] = {1, 2, 4};
+    static const uint32_t pages[] = {1, 2, 4, 8, 16, 32};
+    kvs_sim_config_default(c);
+    c->seed = kvs_rng_next(rng);
+    c->shape.layers = (uint32_t) kvs_rng_range(rng, 1, 3);
+    c->shape.elem_bytes = pick(rng, elem, 3);
+    if (kvs_rng_chance(rng, 1, 6)) {
+        c->shape.attn = KVS_ATTN_MLA;
+        c->shape.kv_heads = 1;
+        c->shape.head_dim_k = (uint32_t) kvs_rng_range(rng, 1, 24);
+        c->shape.head_dim_v = 0;
+        c->prefill_tp = (uint32_t) kvs_rng_range(rng, 1, 8);
+        c->decode_tp = (uint32_t) kvs_rng_range(rng, 1, 8);
+    } else {
+        c->shape.attn = KVS_ATTN_MHA;
+        c->shape.kv_heads = pick(rng, heads, 6);
+        c->shape.head_dim_k = (uint32_t) kvs_rng_range(rng, 1, 12);
+        c->shape.head_dim_v = (uint32_t) kvs_rng_range(rng, 1, 12);
+        /* A TP size must divide the heads or be divided by them. */
+        do c->prefill_tp = pick(rng, tps, 6);
+        while (c->shape.kv_heads % c->prefill_tp && c->prefill_tp % c->shape.kv_heads);
+        do c->decode_tp = pick(rng, tps, 6);
+        while (c->shape.kv_heads % c->decode_tp && c->decode_tp % c->shape.kv_heads);
+    }
+    c->page_size = pick(rng, pages, 6);
+    c->chunk_tokens = c->page_size * (uint32_t) kvs_rng_range(rng, 1, 6);
+    c->prefill_layout = (kvs_pool_layout_t) kvs_rng_below(rng, 2);
+    c->decode_layout = (kvs_pool_layout_t) kvs_rng_below(rng, 2);
+    c->prefill_radix = (int) kvs_rng_below(rng, 2);
+    c->decode_radix = (int) kvs_rng_below(rng, 2);
+    c->prefill_batch = (uint32_t) kvs_rng_range(rng, 1, 6);
+    c->window_chunks = (uint32_t) kvs_rng_range(rng, 1, 3);
+    c->staging_buffers = (uint32_t) kvs_rng_range(rng, 1, 3);
+
+    kvs_workload_config_t *w = &c->workload;
+    w->kind = (kvs_workload_kind_t) kvs_rng_below(rng, 4);
+    w->requests = (uint32_t) kvs_rng_range(rng, 3, 14);
+    /* At most about a dozen chunks per prompt keeps every scenario to a few ms of virtual time. */
+    uint32_t max_len = c->chunk_tokens * 12 < 260 ? c->chunk_tokens * 12 : 260;
+    w->prompt_len =
+        (uint32_t) kvs_rng_range(rng, w->kind == KVS_WORKLOAD_SHARED_PREFIX ? 2 : 1, max_len);
+    w->prefix_len = (uint32_t) kvs_rng_below(rng, w->prompt_len);
+    w->groups = (uint32_t) kvs_rng_range(rng, 0, 3);
+    w->repeat_permille = kvs_rng_chance(rng, 1, 3) ? 250 : 0;
+    c->concurrency = (uint32_t) kvs_rng_range(rng, 1, 12);
+
+    uint64_t slot = kvs_sim_full_slot_bytes(c);
+    assert_true(slot > 0);
+    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, 5);
+    if (kvs_rng_chance(rng, 1, 3)) {
+        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
+    } else {
+        c->ring_slots = slots;
+    }
+
+    for (uint32_t bit = 0; bit < 5; bit++)
+        if (kvs_rng_chance(rng, 3, 10)) c->faults |= 1u << bit;
+    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, 3);
+    if (kvs_rng_chance(rng, 1, 4)) /* late writes: abort quarantine must hold */
+        c->write_delay_ns = kvs_rng_range(rng, 1, 400) * c->tick_ns;
+    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
+        c->misaligned_request = (int64_t) kvs_rng_below(rng, w->requests);
+
+    /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
+     * stalled rooms end quickly. */
+    c->timeouts.waiting_timeout_ns = 200000 * c->tick_ns;
+    c->timeouts.completion_timeout_ns = 100000 * c->tick_ns;
+    c->timeouts.release_timeout_ns = 50000 * c->tick_ns;
+    c->timeouts.bootstrap_timeout_ns = 400000 * c->tick_ns;
+    c->timeouts.transfer_timeout_ns = 400000 * c->tick_ns;
+    c->max_iterations = 3000000;
+}
+
+/* Every invariant of SPEC section 7 that is visible from outside the protocol; returns the
+ * first one violated, or NULL. */
+static const char *violated(const kvs_sim_config_t *c, const kvs_sim_result_t *r)
+{
+    if (r->stalled) return "the run did not finish (a room wedged)";
+    if (r->succeeded + r->failed != r->requests) return "not every request concluded";
+    if (!r->exact || r->mismatched_bytes != 0) return "7.2: decode KV differs from prefill KV";
+    if (r->meta_mismatches != 0) return "7.2: wrong final metadata";
+    if (r->leaked_slots != 0) return "7.1: a ring slot is still live";
+    if (r->leaked_pages != 0) return "7.1: a pool page is neither free nor cached";
+    if (r->leaked_rooms != 0) return "7.1: room state remains";
+    if (r->leaked_allocs != 0) return "7.1: heap blocks leaked";
+    if (r->unexpected_failures != 0) return "7.5: a failure was not local to a faulted room";
+    if (r->rejected_messages != 0) return "a well-formed message was rejected";
+    if (r->failed == 0 && r->chunks != r->expected_chunks)
+        return "7.4: chunks were not scattered exactly once";
+    if (r->chunks < r->expected_chunks) return "7.4: a succeeded room misses a scatter";
+    uint32_t reasons = 0;
+    for (int i = 0; i < 16; i++) reasons += r->fail_reasons[i];
+    if (reasons != r->failed || r->fail_reasons[0] != 0) return "7.5: a failed room has no reason";
+    (void) c;
+    return NULL;
+}
+
+static void drop_log(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg)
+{
+    (void) arg, (void) level, (void) file, (void) line, (void) msg;
+}
+
+static void test_random_scenarios(void **state)
+{
+    (void) state;
+    const uint64_t seed = kvs_test_seed(0x5eed5151);
+    const uint64_t iters = kvs_test_iters(1000);
+    if (getenv("KVS_LOG") == NULL) kvs_log_set_sink(drop_log, NULL);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    uint64_t faulted = 0, failed_rooms = 0, rooms = 0;
+    for (uint64_t i = 0; i < iters; i++) {
+        kvs_sim_config_t c;
+        random_config(&rng, &c);
+        kvs_sim_result_t r;
+        kvs_status_t st = kvs_sim_run(&c, &r);
+        const char *why = st != KVS_OK ? "kvs_sim_run failed" : violated(&c, &r);
+        if (why != NULL) {
+            char cmd[1200];
+            kvs_sim_config_cmdline(&c, cmd, sizeof(cmd));
+            kvs_log_set_sink(NULL, NULL);
+            fail_msg("scenario %llu of property seed 0x%llx (KVS_SEED=0x%llx): %s\n"
+                     "  result: %u/%u succeeded, %u failed (%u unexpected), chunks %llu (need "
+                     "%llu), leaks slots %llu pages %llu rooms %llu allocs %llu\n"
+                     "  replay: %s",
+                     (unsigned long long) i, (unsigned long long) seed, (unsigned long long) seed,
+                     why, r.succeeded, r.requests, r.failed, r.unexpected_failures,
+                     (unsigned long long) r.chunks, (unsigned long long) r.expected_chunks,
+                     (unsigned long long) r.leaked_slots, (unsigned long long) r.leaked_pages,
+                     (unsigned long long) r.leaked_rooms, (unsigned long long) r.leaked_allocs,
+                     cmd);
+        }
+        faulted += c.faults != 0;
+        failed_rooms += r.failed;
+        rooms += r.requests;
+    }
+    kvs_log_set_sink(NULL, NULL);
+    print_message("%llu scenarios (seed 0x%llx), %llu with faults; %llu of %llu rooms failed "
+                  "under abort/timeout/misalignment faults\n",
+                  (unsigned long long) iters, (unsigned long long) seed,
+                  (unsigned long long) faulted, (unsigned long long) failed_rooms,
+                  (unsigned long long) rooms);
+    kvs_assert_no_leaks();
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_random_scenarios),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -21,7 +21,7 @@
         kvs_alloc_stats(&st_);                                                                     \
         if (st_.live_blocks != 0)                                                                  \
             fail_msg("leak: %llu blocks, %llu bytes still allocated",                              \
-                     (unsigned long long) st_.live_blocks, (unsigned long long) st_.live_bytes);  \
+                     (unsigned long long) st_.live_blocks, (unsigned long long) st_.live_bytes);   \
     } while (0)
 
 /* The seed for property tests: KVS_SEED from the environment, else the given default. */

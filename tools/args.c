@@ -14,12 +14,23 @@ void kvs_args_usage(void *file, const char *usage, const kvs_arg_t *args, size_t
         const char *val = "";
         switch (args[i].type) {
         case KVS_ARG_U32:
-        case KVS_ARG_U64: val = " N"; break;
-        case KVS_ARG_DOUBLE: val = " X"; break;
-        case KVS_ARG_STR: val = " S"; break;
-        case KVS_ARG_ONOFF: val = " on|off"; break;
-        case KVS_ARG_CHOICE: val = " "; break;
-        case KVS_ARG_FLAG: break;
+        case KVS_ARG_U64:
+            val = " N";
+            break;
+        case KVS_ARG_DOUBLE:
+            val = " X";
+            break;
+        case KVS_ARG_STR:
+            val = " S";
+            break;
+        case KVS_ARG_ONOFF:
+            val = " on|off";
+            break;
+        case KVS_ARG_CHOICE:
+            val = " ";
+            break;
+        case KVS_ARG_FLAG:
+            break;
         }
         char left[96];
         snprintf(left, sizeof(left), "--%s%s%s", args[i].name, val,
@@ -76,11 +87,16 @@ static int set_value(const kvs_arg_t *a, const char *value)
         *(double *) a->dst = d;
         return 0;
     }
-    case KVS_ARG_STR: *(const char **) a->dst = value; return 0;
+    case KVS_ARG_STR:
+        *(const char **) a->dst = value;
+        return 0;
     case KVS_ARG_ONOFF:
-        if (strcmp(value, "on") == 0) *(int *) a->dst = 1;
-        else if (strcmp(value, "off") == 0) *(int *) a->dst = 0;
-        else return -1;
+        if (strcmp(value, "on") == 0)
+            *(int *) a->dst = 1;
+        else if (strcmp(value, "off") == 0)
+            *(int *) a->dst = 0;
+        else
+            return -1;
         return 0;
     case KVS_ARG_CHOICE: {
         int idx = choice_index(a->choices, value);
@@ -88,7 +104,8 @@ static int set_value(const kvs_arg_t *a, const char *value)
         *(int *) a->dst = idx;
         return 0;
     }
-    case KVS_ARG_FLAG: return -1;
+    case KVS_ARG_FLAG:
+        return -1;
     }
     return -1;
 }

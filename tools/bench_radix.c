@@ -5,6 +5,7 @@
  * built-in run, the dumped trace and its replay execute exactly the same operations. The trace
  * format and the replay rules are in docs/radix-trace.md. */
 #include "bench_radix.h"
+#include "bench_util.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -828,33 +829,6 @@ out:
 
 /* ---- output ---- */
 
-static void cpu_info(char *model, size_t size, long *cores_p)
-{
-    snprintf(model, size, "unknown CPU");
-    long cores = 0;
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f != NULL) {
-        char line[512];
-        int have_model = 0;
-        while (fgets(line, sizeof(line), f)) {
-            if (strncmp(line, "processor", 9) == 0) cores++;
-            if (!have_model && strncmp(line, "model name", 10) == 0) {
-                char *v = strchr(line, ':');
-                if (v) {
-                    v++;
-                    while (*v == ' ' || *v == '\t') v++;
-                    v[strcspn(v, "\n")] = '\0';
-                    snprintf(model, size, "%s", v);
-                    have_model = 1;
-                }
-            }
-        }
-        fclose(f);
-    }
-    if (cores == 0) cores = sysconf(_SC_NPROCESSORS_ONLN);
-    *cores_p = cores;
-}
-
 static const char *si(double v, char *buf, size_t size)
 {
     const char *unit = "";
@@ -894,7 +868,7 @@ static void print_text(const bench_cfg_t *cfg, const workload_t *ws, const resul
 {
     char model[256], a[32], b[32];
     long cores;
-    cpu_info(model, sizeof(model), &cores);
+    kvs_bench_cpu_info(model, sizeof(model), &cores);
     printf("kvstage bench radix: page size %u tokens, ", cfg->page_size);
     if (cfg->trace)
         printf("trace %s", cfg->trace);
@@ -927,7 +901,7 @@ static void print_json(const bench_cfg_t *cfg, const workload_t *ws, const resul
 {
     char model[256];
     long cores;
-    cpu_info(model, sizeof(model), &cores);
+    kvs_bench_cpu_info(model, sizeof(model), &cores);
     kvs_json_t j;
     kvs_json_begin(&j, stdout);
     kvs_json_str(&j, "bench", "radix");

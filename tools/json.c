@@ -9,9 +9,12 @@ static void put_string(FILE *f, const char *s)
     fputc('"', f);
     for (; *s; s++) {
         unsigned char c = (unsigned char) *s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-        else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
     }
     fputc('"', f);
 }
@@ -71,8 +74,10 @@ void kvs_json_i64(kvs_json_t *j, const char *key, int64_t v)
 void kvs_json_double(kvs_json_t *j, const char *key, double v)
 {
     prefix(j, key);
-    if (isfinite(v)) fprintf(j->f, "%.6g", v);
-    else fputs("null", j->f);
+    if (isfinite(v))
+        fprintf(j->f, "%.6g", v);
+    else
+        fputs("null", j->f);
 }
 
 void kvs_json_bool(kvs_json_t *j, const char *key, int v)

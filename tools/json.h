@@ -11,8 +11,8 @@ typedef struct {
     int need_comma[16];
 } kvs_json_t;
 
-void kvs_json_begin(kvs_json_t *j, FILE *f);      /* opens the top-level object */
-void kvs_json_end(kvs_json_t *j);                 /* closes it and prints a newline */
+void kvs_json_begin(kvs_json_t *j, FILE *f); /* opens the top-level object */
+void kvs_json_end(kvs_json_t *j);            /* closes it and prints a newline */
 void kvs_json_u64(kvs_json_t *j, const char *key, uint64_t v);
 void kvs_json_i64(kvs_json_t *j, const char *key, int64_t v);
 void kvs_json_double(kvs_json_t *j, const char *key, double v);

@@ -180,6 +180,8 @@ typedef struct {
     uint64_t control_messages;
     uint64_t retries, rejected_messages, ignored_messages;
     uint64_t bytes_moved;
+    uint64_t protocol_ns; /* real time inside sender/receiver progress, all ranks */
+    uint64_t data_ns;     /* of which gather, scatter and transport writes */
     uint64_t ring_capacity, ring_high_water;        /* bytes, max over decode ranks */
     uint64_t decode_hit_tokens, prefill_hit_tokens; /* radix hits, summed over rooms */
     uint64_t max_prefill_hit_tokens;

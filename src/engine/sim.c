@@ -540,6 +540,8 @@ static void check_leaks(sim_t *s)
         res->retries += m.retries;
         res->rejected_messages += m.rejected;
         res->ignored_messages += m.ignored;
+        res->protocol_ns += m.progress_ns;
+        res->data_ns += m.data_ns;
         uint64_t total = kvs_pool_total_pages(s->pf_pools[r]);
         uint64_t held =
             kvs_pool_free_pages(s->pf_pools[r]) + kvs_prefill_engine_cached_pages(s->pe);
@@ -554,6 +556,8 @@ static void check_leaks(sim_t *s)
         res->retries += m.retries;
         res->rejected_messages += m.rejected;
         res->ignored_messages += m.ignored;
+        res->protocol_ns += m.progress_ns;
+        res->data_ns += m.data_ns;
         if (m.ring_capacity > res->ring_capacity) res->ring_capacity = m.ring_capacity;
         if (m.ring_high_water > res->ring_high_water) res->ring_high_water = m.ring_high_water;
         uint64_t total = kvs_pool_total_pages(s->dc_pools[r]);

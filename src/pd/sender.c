@@ -28,6 +28,7 @@ typedef struct {
     uint64_t ticket;       /* transport write */
     int buffer;            /* staging buffer held while SD_WRITING */
     uint64_t retry_at;
+    uint32_t tries; /* resends of the current message, for the backoff */
 } sdest_t;
 
 /* Room metadata from one decode rank, possibly before the engine added the room. */
@@ -709,6 +710,14 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     return KVS_OK;
 }
 
+/* Sets the next resend: the interval doubles with every resend, up to 32x, so a request
+ * queued behind a full ring is not resent at full rate while a lost one is still resent. */
+static void arm_retry(sdest_t *sd, uint64_t now, uint64_t retry_ns, uint32_t tries)
+{
+    sd->tries = tries;
+    sd->retry_at = now + (retry_ns << (tries < 5 ? tries : 5));
+}
+
 /* 1 if the room waits for an answer from decode (a grant, an ACK). */
 static int waiting_on_decode(const sroom_t *r)
 {
@@ -749,7 +758,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
             sd->state = SD_READY_SENT;
             if (r->status != KVS_ROOM_FAILED) {
                 send_chunk_ready(tx, r, k, d);
-                sd->retry_at = now + t->retry_ns;
+                arm_retry(sd, now, t->retry_ns, 0);
             }
         }
     }
@@ -824,14 +833,14 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (!may_request) break;
                 send_staging_req(tx, r, k, d);
                 sd->state = SD_REQUESTED;
-                sd->retry_at = now + t->retry_ns;
+                arm_retry(sd, now, t->retry_ns, 0);
                 events++;
                 break;
             case SD_REQUESTED:
                 if (now < sd->retry_at) break;
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
-                sd->retry_at = now + t->retry_ns;
+                arm_retry(sd, now, t->retry_ns, sd->tries + 1);
                 break;
             case SD_GRANTED:
                 if (k < r->chunks_issued) {
@@ -846,7 +855,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (now < sd->retry_at) break;
                 send_chunk_ready(tx, r, k, d);
                 tx->m.retries++;
-                sd->retry_at = now + t->retry_ns;
+                arm_retry(sd, now, t->retry_ns, sd->tries + 1);
                 break;
             default:
                 break;

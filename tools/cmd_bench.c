@@ -8,12 +8,15 @@
 #include "bench_kernels.h"
 #include "bench_protocol.h"
 #include "bench_radix.h"
+#include "bench_transfer.h"
 
 static const kvs_command_t benches[] = {
     {"radix", kvs_bench_radix, "radix prefix cache: throughput and hit rate vs the ideal"},
     {"protocol", kvs_bench_protocol,
      "control-plane cost per chunk and room, bulk vs per-page writes"},
     {"kernels", kvs_bench_kernels, "CUDA gather/scatter kernels vs a device-to-device memcpy"},
+    {"transfer", kvs_bench_transfer,
+     "one request's KV between GPUs: staged, direct, per-page copies vs one bulk copy"},
 };
 
 static void usage(FILE *f)

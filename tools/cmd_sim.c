@@ -2,6 +2,7 @@
  * shows progress on stderr and prints a summary table or one JSON object. `kvstage demo` is
  * this command with its defaults. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -35,6 +36,8 @@ static void draw_progress(void *arg, const kvs_sim_progress_t *p)
     fflush(stderr);
 }
 
+static const char *const write_modes[] = {"auto", "staged", "direct"};
+
 static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int ok)
 {
     kvs_json_t j;
@@ -45,6 +48,12 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "seed", c->seed);
     kvs_json_str(&j, "workload", kvs_workload_kind_str(c->workload.kind));
     kvs_json_str(&j, "faults", faults);
+    kvs_json_str(&j, "device", c->mem == KVS_MEM_DEVICE ? "cuda" : "cpu");
+    if (c->mem == KVS_MEM_DEVICE) {
+        kvs_json_u64(&j, "prefill_gpu", (uint64_t) c->prefill_device);
+        kvs_json_u64(&j, "decode_gpu", (uint64_t) c->decode_device);
+    }
+    kvs_json_str(&j, "write_mode", write_modes[c->write_mode]);
     kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
     kvs_json_u64(&j, "decode_tp", c->decode_tp);
     kvs_json_u64(&j, "requests", r->requests);
@@ -62,6 +71,7 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "chunks", r->chunks);
     kvs_json_u64(&j, "expected_chunks", r->expected_chunks);
     kvs_json_u64(&j, "bulk_writes", r->bulk_writes);
+    kvs_json_u64(&j, "direct_writes", r->direct_writes);
     kvs_json_u64(&j, "per_page_writes", r->per_page_writes);
     kvs_json_u64(&j, "control_messages", r->control_messages);
     kvs_json_u64(&j, "retries", r->retries);
@@ -105,6 +115,12 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
                "%u B, page %u, chunk %u\n",
                c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v,
                s->elem_bytes, c->page_size, c->chunk_tokens);
+    if (c->mem == KVS_MEM_DEVICE)
+        printf("memory: CUDA devices, prefill ranks on GPU %d, decode ranks on GPU %d; write "
+               "mode %s\n",
+               c->prefill_device, c->decode_device, write_modes[c->write_mode]);
+    else
+        printf("memory: host, CPU copy backend\n");
     printf("workload %s: %u requests (prompt <= %u, prefix %u), concurrency %u, radix "
            "prefill %s / decode %s, faults %s, seed %llu\n\n",
            kvs_workload_kind_str(c->workload.kind), r->requests, c->workload.prompt_len,
@@ -128,6 +144,9 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
     printf("  %-20s %llu (a per-page path: %llu, %.0fx more)\n", "bulk writes",
            (unsigned long long) r->bulk_writes, (unsigned long long) r->per_page_writes,
            r->bulk_writes ? (double) r->per_page_writes / (double) r->bulk_writes : 0.0);
+    if (r->direct_writes)
+        printf("  %-20s %llu of them gathered straight into the decode ring\n", "direct writes",
+               (unsigned long long) r->direct_writes);
     printf("  %-20s %llu (retries %llu, rejected %llu, ignored %llu)\n", "control messages",
            (unsigned long long) r->control_messages, (unsigned long long) r->retries,
            (unsigned long long) r->rejected_messages, (unsigned long long) r->ignored_messages);
@@ -148,6 +167,25 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
     printf("\n%s\n",
            ok ? "PASS: every room that should succeed succeeded byte-exact, nothing leaked"
               : "FAIL");
+}
+
+/* "a" or "a,b" of GPU ordinals: prefill on a, decode on b (or a). 0 on success. */
+static int parse_gpus(const char *s, int *prefill_p, int *decode_p)
+{
+    long v[2];
+    int n = 0;
+    for (const char *p = s;;) {
+        char *end;
+        if (n == 2 || *p < '0' || *p > '9') return -1;
+        v[n++] = strtol(p, &end, 10);
+        if (v[n - 1] > 1024) return -1;
+        if (*end == '\0') break;
+        if (*end != ',') return -1;
+        p = end + 1;
+    }
+    *prefill_p = (int) v[0];
+    *decode_p = (int) v[n - 1];
+    return 0;
 }
 
 int kvs_cmd_sim(int argc, char **argv)
@@ -176,7 +214,21 @@ int kvs_cmd_sim(int argc, char **argv)
     int seen_pool = 0, seen_mis = 0;
     uint64_t to_us[6] = {0}; /* retry, bootstrap, transfer, waiting, completion, release */
     uint64_t write_delay_us = 0;
+    int device = 0, write_mode = 0, seen_gpus = 0;
+    const char *gpus = "0";
     const kvs_arg_t args[] = {
+        {"device", KVS_ARG_CHOICE, &device,
+         "where pools, rings and staging buffers live: host memory with CPU copies, or CUDA "
+         "devices with the copy kernels (cpu)",
+         "cpu|cuda", NULL},
+        {"gpus", KVS_ARG_STR, &gpus,
+         "with --device cuda: GPU of the prefill ranks, then of the decode ranks (0 = both on "
+         "GPU 0; 0,1 = prefill on 0, decode on 1)",
+         NULL, &seen_gpus},
+        {"write-mode", KVS_ARG_CHOICE, &write_mode,
+         "auto: gather straight into the decode ring where the link maps it (device rings); "
+         "staged: always through a staging buffer; direct: always straight (auto)",
+         "auto|staged|direct", NULL},
         {"prefill-tp", KVS_ARG_U32, &c.prefill_tp, "prefill TP size (4)", NULL, NULL},
         {"decode-tp", KVS_ARG_U32, &c.decode_tp, "decode TP size (2)", NULL, NULL},
         {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", NULL, NULL},
@@ -284,6 +336,17 @@ int kvs_cmd_sim(int argc, char **argv)
                                      .completion_timeout_ns = to_us[4] * 1000,
                                      .release_timeout_ns = to_us[5] * 1000};
     if (kvs_sim_faults_parse(faults, &c.faults) != KVS_OK) return 2; /* it said why */
+    c.mem = device ? KVS_MEM_DEVICE : KVS_MEM_HOST;
+    c.write_mode = (kvs_write_mode_t) write_mode;
+    if (seen_gpus && !device) {
+        fprintf(stderr, "error: --gpus needs --device cuda\n");
+        return 2;
+    }
+    if (parse_gpus(gpus, &c.prefill_device, &c.decode_device) != 0) {
+        fprintf(stderr, "error: --gpus takes one or two GPU ordinals, e.g. 0 or 0,1 (got '%s')\n",
+                gpus);
+        return 2;
+    }
     c.shape.layers = layers;
     c.shape.elem_bytes = dtype;
     if (mla) {

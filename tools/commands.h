@@ -12,6 +12,8 @@ typedef struct {
 int kvs_cmd_plan(int argc, char **argv);
 int kvs_cmd_bench(int argc, char **argv);
 int kvs_cmd_demo(int argc, char **argv);
+int kvs_cmd_prefill(int argc, char **argv);
+int kvs_cmd_decode(int argc, char **argv);
 int kvs_cmd_sim(int argc, char **argv);
 
 #endif

@@ -8,6 +8,8 @@ static const kvs_command_t commands[] = {
     {"plan", kvs_cmd_plan, "print the transfer plan between two TP layouts"},
     {"bench", kvs_cmd_bench, "run a benchmark (radix)"},
     {"demo", kvs_cmd_demo, "run the default deployment (what `make demo` runs)"},
+    {"prefill", kvs_cmd_prefill, "run one prefill rank of a multi-process deployment"},
+    {"decode", kvs_cmd_decode, "run one decode rank of a multi-process deployment"},
     {"sim", kvs_cmd_sim, "simulate prefill -> decode transfers on a virtual clock and verify them"},
 };
 

@@ -58,7 +58,8 @@ typedef struct {
     uint64_t live_rooms;  /* now */
     uint64_t chunks;      /* sender: (chunk, destination) writes acknowledged;
                              receiver: chunks scattered */
-    uint64_t bulk_writes; /* transport writes issued (sender) */
+    uint64_t bulk_writes;   /* transport writes issued (sender), direct writes included */
+    uint64_t direct_writes; /* sender: of bulk_writes, gathered straight into the remote slot */
     uint64_t bytes;       /* payload bytes written (sender) / scattered (receiver) */
     uint64_t msgs_sent, msgs_received;
     uint64_t retries;         /* control messages resent on a timer */
@@ -76,12 +77,24 @@ typedef struct {
 
 typedef struct kvs_sender kvs_sender_t;
 
+/* How a sender moves a chunk's head slice into the granted slot. Staging buffers, the decode
+ * ring and the copy backends live in the memory kind of each rank's pool (host: CPU memcpy;
+ * device: the CUDA kernels on the pool's GPU). */
+typedef enum {
+    KVS_WRITE_AUTO = 0,   /* direct where the link maps the destination ring, else staged */
+    KVS_WRITE_STAGED = 1, /* gather into a staging buffer, then one transport write */
+    KVS_WRITE_DIRECT = 2, /* the gather kernel stores straight into the granted remote slot;
+                             needs a device pool and a link that maps the ring, else the room
+                             fails with KVS_ERR_UNSUPPORTED */
+} kvs_write_mode_t;
+
 typedef struct {
     kvs_pd_geometry_t geo;
     uint32_t rank; /* this prefill rank */
     kvs_pd_timeouts_t timeouts;
     uint32_t window_chunks;   /* most chunks per room with an allocation outstanding (>= 1) */
-    uint32_t staging_buffers; /* gather buffers per rank (>= 1) */
+    uint32_t staging_buffers; /* gather buffers per rank (>= 1; unused in direct mode) */
+    kvs_write_mode_t write_mode;
 } kvs_sender_config_t;
 
 /* pool: this rank's KV pool (geometry must match); link: this rank's prefill link. Both must

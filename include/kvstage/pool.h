@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "kvstage/layout.h"
+#include "kvstage/mem.h"
 #include "kvstage/status.h"
 
 /* One (layer, component) region: the bytes of head h of token t of page p start at
@@ -36,11 +37,6 @@ typedef enum {
 /* Strides of one region for page size P; base is left NULL. */
 kvs_region_t kvs_region_strides(kvs_pool_layout_t layout, uint32_t page_size, uint32_t heads,
                                 uint32_t dim, uint32_t elem_bytes);
-
-typedef enum {
-    KVS_MEM_HOST = 0,
-    KVS_MEM_DEVICE = 1, /* cudaMalloc on config.device; needs a CUDA build (else unsupported) */
-} kvs_mem_kind_t;
 
 typedef struct {
     kvs_kv_shape_t shape;

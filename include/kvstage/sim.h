@@ -128,6 +128,12 @@ typedef struct {
     uint64_t ring_bytes; /* per decode rank; 0 = ring_slots slots of the full slot size */
     uint32_t ring_slots;
     uint32_t window_chunks, staging_buffers; /* sender knobs */
+    kvs_write_mode_t write_mode;             /* sender knob (auto) */
+    /* Where pools, staging buffers and rings live: host (the CPU reference) or device memory,
+     * prefill ranks on prefill_device and decode ranks on decode_device (several ranks share a
+     * GPU). On devices the CUDA copy kernels gather and scatter and writes are CUDA copies. */
+    kvs_mem_kind_t mem;
+    int prefill_device, decode_device;
     uint32_t prefill_batch;                  /* rooms in one prefill forward pass */
     int prefill_radix, decode_radix;
     kvs_workload_config_t workload; /* its seed is derived from `seed` */
@@ -176,6 +182,7 @@ typedef struct {
     uint64_t chunks;          /* chunks scattered (all decode ranks) */
     uint64_t expected_chunks; /* what succeeded rooms alone need */
     uint64_t bulk_writes;
+    uint64_t direct_writes;   /* of bulk_writes: gathered straight into the remote slot */
     uint64_t per_page_writes; /* what a per-page path would issue for the succeeded rooms */
     uint64_t control_messages;
     uint64_t retries, rejected_messages, ignored_messages;
@@ -196,7 +203,8 @@ typedef struct {
 } kvs_sim_result_t;
 
 /* Runs the simulation. KVS_OK when it ran (the verdict is in the result, see kvs_sim_result_ok);
- * KVS_ERR_INVALID for a bad configuration, KVS_ERR_NOMEM on allocation failure. */
+ * KVS_ERR_INVALID for a bad configuration, KVS_ERR_NOMEM on allocation failure,
+ * KVS_ERR_UNSUPPORTED for device memory without CUDA or a GPU. */
 kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *result_p);
 
 /* 1 when every room that should succeed succeeded exactly, nothing leaked and it finished. */

@@ -91,22 +91,34 @@ static void reply(kvs_registry_t *r, const void *id, size_t id_len, const kvs_ms
     (void) zmq_send(r->sock, buf, len, ZMQ_DONTWAIT);
 }
 
+kvs_status_t kvs_registry_add(kvs_registry_t *r, const kvs_msg_register_t *reg)
+{
+    if (reg->tp_size == 0 || reg->tp_size > KVS_MAX_TP || reg->rank >= reg->tp_size) {
+        kvs_error("registry: rank %u of TP %u is out of range", reg->rank, reg->tp_size);
+        return KVS_ERR_INVALID;
+    }
+    if (r->have != 0 && r->regs[__builtin_ctzll(r->have)].tp_size != reg->tp_size) {
+        kvs_warn("registry: rank %u registers TP %u, but earlier ranks registered TP %u", reg->rank,
+                 reg->tp_size, r->regs[__builtin_ctzll(r->have)].tp_size);
+        return KVS_ERR_INCOMPATIBLE;
+    }
+    if ((r->have >> reg->rank) & 1)
+        kvs_info("registry: prefill rank %u registered again (restart?) at %s", reg->rank,
+                 reg->endpoint);
+    r->regs[reg->rank] = *reg;
+    r->have |= 1ull << reg->rank;
+    return KVS_OK;
+}
+
 static void handle(kvs_registry_t *r, const void *id, size_t id_len, const kvs_msg_t *msg)
 {
     kvs_msg_t out = {.type = KVS_MSG_QUERY_REPLY};
     if (msg->type == KVS_MSG_REGISTER) {
         const kvs_msg_register_t *reg = &msg->u.reg;
-        if (r->have != 0 && r->regs[__builtin_ctzll(r->have)].tp_size != reg->tp_size) {
+        if (kvs_registry_add(r, reg) != KVS_OK) {
             r->rejected++;
-            kvs_warn("registry: rank %u registers TP %u, but earlier ranks registered TP %u",
-                     reg->rank, reg->tp_size, r->regs[__builtin_ctzll(r->have)].tp_size);
             return;
         }
-        if ((r->have >> reg->rank) & 1)
-            kvs_info("registry: prefill rank %u registered again (restart?) at %s", reg->rank,
-                     reg->endpoint);
-        r->regs[reg->rank] = *reg;
-        r->have |= 1ull << reg->rank;
         out.u.query.rank = reg->rank;
         out.u.query.found = 1;
         out.u.query.reg = *reg;

@@ -56,7 +56,7 @@ kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,
     kvs_decode_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
-    e->tp = config->geo.decode_tp;
+    e->tp = config->local_ranks ? config->local_ranks : config->geo.decode_tp;
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;

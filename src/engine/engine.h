@@ -67,9 +67,12 @@ typedef struct {
     uint32_t batch; /* rooms per forward pass */
     int radix;      /* prefill radix cache on/off */
     uint32_t max_prompt_len;
+    /* Ranks this engine drives: pools and senders hold this many (0 = all prefill_tp ranks of
+     * the instance; 1 = one rank per process, each process running the same schedule). */
+    uint32_t local_ranks;
 } kvs_prefill_engine_config_t;
 
-/* pools and senders: [geo.prefill_tp], owned by the caller, outliving the engine. */
+/* pools and senders: [local_ranks or geo.prefill_tp], owned by the caller, outliving the engine. */
 kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config,
                                        kvs_pool_t *const *pools, kvs_sender_t *const *senders,
                                        kvs_engine_done_fn done, void *done_arg,
@@ -100,6 +103,7 @@ typedef struct {
     kvs_pd_geometry_t geo;
     int radix; /* decode radix cache on/off */
     uint32_t max_prompt_len;
+    uint32_t local_ranks; /* as for prefill: 0 = all decode_tp ranks */
 } kvs_decode_engine_config_t;
 
 kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,

@@ -65,7 +65,7 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
     kvs_prefill_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
-    e->tp = config->geo.prefill_tp;
+    e->tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/mem.h"
 #include "engine.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
@@ -146,6 +147,15 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
             snprintf(buf + used, cap - used, " --%s %llu", extra[i].flag,
                      (unsigned long long) extra[i].value);
     }
+    size_t used = strlen(buf);
+    if (c->mem == KVS_MEM_DEVICE && used < cap)
+        snprintf(buf + used, cap - used, " --device cuda --gpus %d,%d", c->prefill_device,
+                 c->decode_device);
+    static const char *const modes[] = {"auto", "staged", "direct"};
+    used = strlen(buf);
+    if (c->write_mode != KVS_WRITE_AUTO && (unsigned) c->write_mode <= KVS_WRITE_DIRECT &&
+        used < cap)
+        snprintf(buf + used, cap - used, " --write-mode %s", modes[c->write_mode]);
 }
 
 /* Protocol timeouts in virtual time. Healthy rooms finish within a few thousand ticks, so the
@@ -189,6 +199,19 @@ static kvs_status_t sim_validate(const kvs_sim_config_t *c, const kvs_pd_geometr
     }
     if (c->prefill_layout > KVS_POOL_HND || c->decode_layout > KVS_POOL_HND) {
         kvs_error("sim: unknown pool layout");
+        return KVS_ERR_INVALID;
+    }
+    if (c->mem != KVS_MEM_HOST && c->mem != KVS_MEM_DEVICE) {
+        kvs_error("sim: unknown memory kind %d", (int) c->mem);
+        return KVS_ERR_INVALID;
+    }
+    if (c->mem == KVS_MEM_DEVICE && (c->prefill_device < 0 || c->decode_device < 0)) {
+        kvs_error("sim: GPU ordinals must be >= 0 (prefill %d, decode %d)", c->prefill_device,
+                  c->decode_device);
+        return KVS_ERR_INVALID;
+    }
+    if ((unsigned) c->write_mode > KVS_WRITE_DIRECT) {
+        kvs_error("sim: unknown write mode %d", (int) c->write_mode);
         return KVS_ERR_INVALID;
     }
     if (c->misaligned_request >= 0 && c->page_size < 2) {
@@ -274,14 +297,15 @@ static void pool_pages(const kvs_sim_config_t *c, uint32_t *prefill_p, uint32_t 
 }
 
 static kvs_status_t make_pool(const kvs_sim_config_t *c, uint32_t tp, uint32_t rank, uint32_t pages,
-                              kvs_pool_layout_t layout, kvs_pool_t **pool_p)
+                              kvs_pool_layout_t layout, int device, kvs_pool_t **pool_p)
 {
     kvs_pool_config_t pc = {.shape = c->shape,
                             .tp = {.tp_size = tp, .tp_rank = rank},
                             .page_size = c->page_size,
                             .num_pages = pages,
                             .layout = layout,
-                            .mem = KVS_MEM_HOST};
+                            .mem = c->mem,
+                            .device = device};
     return kvs_pool_create(&pc, pool_p);
 }
 
@@ -460,11 +484,21 @@ static kvs_status_t sim_setup(sim_t *s)
         KVS_OK)
         return st;
 
+    if (c->mem == KVS_MEM_DEVICE && c->prefill_device != c->decode_device &&
+        kvs_mem_device_count() > (c->prefill_device > c->decode_device ? c->prefill_device
+                                                                         : c->decode_device)) {
+        /* Peer copies (and direct writes) between the two GPUs; without a peer path writes
+         * still work, staged through the host by the CUDA runtime. */
+        if (kvs_mem_peer_enable(c->prefill_device, c->decode_device) != KVS_OK)
+            kvs_warn("sim: no peer access from GPU %d to GPU %d; writes go through the host",
+                     c->prefill_device, c->decode_device);
+    }
     uint32_t pf_pages, dc_pages;
     pool_pages(c, &pf_pages, &dc_pages);
     kvs_pd_timeouts_t to = sim_timeouts(c);
     for (uint32_t r = 0; r < c->prefill_tp; r++) {
-        if ((st = make_pool(c, c->prefill_tp, r, pf_pages, c->prefill_layout, &s->pf_pools[r])) !=
+        if ((st = make_pool(c, c->prefill_tp, r, pf_pages, c->prefill_layout, c->prefill_device,
+                            &s->pf_pools[r])) !=
                 KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_PREFILL, r, &s->pf_links[r])) != KVS_OK)
             return st;
@@ -472,14 +506,16 @@ static kvs_status_t sim_setup(sim_t *s)
                                   .rank = r,
                                   .timeouts = to,
                                   .window_chunks = c->window_chunks,
-                                  .staging_buffers = c->staging_buffers};
+                                  .staging_buffers = c->staging_buffers,
+                                  .write_mode = c->write_mode};
         if ((st = kvs_sender_create(&sc, s->pf_pools[r], s->pf_links[r], &s->clock,
                                     &s->senders[r])) != KVS_OK)
             return st;
     }
     uint64_t ring = c->ring_bytes ? c->ring_bytes : c->ring_slots * kvs_sim_full_slot_bytes(c);
     for (uint32_t r = 0; r < c->decode_tp; r++) {
-        if ((st = make_pool(c, c->decode_tp, r, dc_pages, c->decode_layout, &s->dc_pools[r])) !=
+        if ((st = make_pool(c, c->decode_tp, r, dc_pages, c->decode_layout, c->decode_device,
+                            &s->dc_pools[r])) !=
                 KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_DECODE, r, &s->dc_links[r])) != KVS_OK)
             return st;
@@ -535,6 +571,7 @@ static void check_leaks(sim_t *s)
         kvs_sender_metrics(s->senders[r], &m);
         res->leaked_rooms += m.live_rooms;
         res->bulk_writes += m.bulk_writes;
+        res->direct_writes += m.direct_writes;
         res->bytes_moved += m.bytes;
         res->control_messages += m.msgs_sent;
         res->retries += m.retries;
@@ -577,6 +614,19 @@ static uint64_t progress_all(sim_t *s)
     for (uint32_t r = 0; r < s->cfg->prefill_tp; r++) work += kvs_sender_progress(s->senders[r]);
     for (uint32_t r = 0; r < s->cfg->decode_tp; r++) work += kvs_receiver_progress(s->receivers[r]);
     return work;
+}
+
+/* On devices, gathers, writes and scatters run on GPU streams in real time while the virtual
+ * clock waits for nobody: before idle time jumps ahead (and timers fire), let the GPUs finish
+ * what they have queued and progress once more, so device work takes no virtual time. Returns
+ * the events that progress found. */
+static uint64_t settle_devices(sim_t *s)
+{
+    const kvs_sim_config_t *c = s->cfg;
+    if (c->mem != KVS_MEM_DEVICE) return 0;
+    (void) kvs_mem_device_sync(c->prefill_device); /* logs failures; the rooms fail on their own */
+    if (c->decode_device != c->prefill_device) (void) kvs_mem_device_sync(c->decode_device);
+    return progress_all(s);
 }
 
 /* Advances virtual time: one tick after work; otherwise a jump to the next thing known to be due
@@ -634,6 +684,7 @@ static void sim_loop(sim_t *s)
         /* Engines poll on every iteration: a room can conclude inside progress without it
          * counting as an event (a timer firing). */
         work += kvs_decode_engine_step(s->de);
+        if (work == 0) work = settle_devices(s);
         advance_time(s, work, kvs_prefill_engine_busy(s->pe) ? next_step : UINT64_MAX, &idle_jump);
     }
 }
@@ -667,7 +718,9 @@ static void sim_drain(sim_t *s)
     uint64_t idle_jump = s->cfg->tick_ns;
     while (!sim_quiet(s) && s->now < deadline && !over_limits(s)) {
         s->res.iterations++;
-        advance_time(s, progress_all(s), UINT64_MAX, &idle_jump);
+        uint64_t work = progress_all(s);
+        if (work == 0) work = settle_devices(s);
+        advance_time(s, work, UINT64_MAX, &idle_jump);
     }
     s->res.drain_ns = s->now - start;
 }

@@ -2,6 +2,9 @@
  * simulation can stand in for a model and still catch any misplaced, stale or missing byte. */
 #include <string.h>
 
+#include "base/mem.h"
+#include "kvstage/alloc.h"
+#include "kvstage/log.h"
 #include "kvstage/rng.h"
 #include "kvstage/sim.h"
 
@@ -90,30 +93,79 @@ static inline uint64_t head_walk(uint8_t *dst, uint64_t key, uint32_t n, int wri
     return mismatched;
 }
 
+/* Writes or checks positions [pos0, pos1) of every head of one region, where the pages
+ * page_table[pos0 / P] onwards lie back to back from `pages` (a run of consecutive page ids:
+ * the region's own memory, or a host copy of a device run). */
+static uint64_t run_walk(const kvs_region_t *r, uint8_t *pages, uint64_t first_page,
+                         const uint64_t *hashes, uint32_t layer, uint32_t comp, uint32_t first_head,
+                         uint32_t page_size, uint64_t pos0, uint64_t pos1, int write)
+{
+    const uint32_t n = r->dim * r->elem_bytes;
+    uint64_t mismatched = 0;
+    for (uint32_t h = 0; h < r->heads; h++) {
+        uint64_t ck = coord_key(layer, comp, first_head + h);
+        for (uint64_t pos = pos0; pos < pos1; pos++) {
+            uint8_t *dst = pages + (pos / page_size - first_page) * r->page_stride +
+                           (pos % page_size) * r->token_stride + h * r->head_stride;
+            mismatched += head_walk(dst, synth_mix(hashes[pos] ^ ck), n, write);
+        }
+    }
+    return mismatched;
+}
+
 /* Visits every (position, layer, component, local head) of [start, end) for the pool's heads,
- * either writing the expected bytes or counting how many differ. */
+ * either writing the expected bytes or counting how many differ. Positions are taken in runs
+ * of consecutive page ids; for a device pool each run is staged through a host buffer (read,
+ * written or checked, written back), so a pool of either kind costs a few copies per run. */
 static uint64_t synth_walk(const kvs_pool_t *pool, const uint64_t *hashes,
                            const uint32_t *page_table, uint64_t start, uint64_t end, int write)
 {
     const kvs_pool_config_t *c = kvs_pool_config(pool);
+    if (start >= end) return 0;
     uint32_t comps = kvs_kv_shape_components(&c->shape);
     uint32_t heads = kvs_pool_heads(pool);
     uint32_t first = kvs_tp_first_head(&c->shape, c->tp.tp_size, c->tp.tp_rank);
+    const uint64_t P = c->page_size;
+    const int device = c->mem == KVS_MEM_DEVICE;
+    uint8_t *host = NULL; /* [pages of the range][page_stride] staging for device pools */
+    if (device) {
+        uint64_t most = 0;
+        for (uint32_t comp = 0; comp < comps; comp++) {
+            uint64_t stride = kvs_pool_region(pool, 0, comp)->page_stride;
+            if (stride > most) most = stride;
+        }
+        host = kvs_malloc((size_t) ((end - 1) / P - start / P + 1) * most);
+        if (host == NULL) {
+            kvs_error("synth: out of memory staging %llu positions of a device pool",
+                      (unsigned long long) (end - start));
+            return (end - start) * heads; /* counted as wrong: nothing could be checked */
+        }
+    }
     uint64_t mismatched = 0;
     for (uint32_t l = 0; l < c->shape.layers; l++) {
         for (uint32_t comp = 0; comp < comps; comp++) {
             const kvs_region_t *r = kvs_pool_region(pool, l, comp);
-            uint32_t n = r->dim * r->elem_bytes;
-            for (uint32_t h = 0; h < heads; h++) {
-                uint64_t ck = coord_key(l, comp, first + h);
-                for (uint64_t pos = start; pos < end; pos++) {
-                    uint8_t *dst =
-                        kvs_region_addr(r, page_table[pos / c->page_size], pos % c->page_size, h);
-                    mismatched += head_walk(dst, synth_mix(hashes[pos] ^ ck), n, write);
+            for (uint64_t pos = start; pos < end;) {
+                /* the run: pages p0, p0+1, ... holding positions [pos, stop) */
+                uint64_t idx = pos / P, p0 = page_table[idx], npages = 1;
+                while ((idx + npages) * P < end && page_table[idx + npages] == p0 + npages)
+                    npages++;
+                uint64_t stop = (idx + npages) * P < end ? (idx + npages) * P : end;
+                uint8_t *mem = r->base + p0 * r->page_stride;
+                size_t bytes = (size_t) (npages * r->page_stride);
+                if (device && kvs_mem_copy(host, mem, bytes) != KVS_OK) {
+                    mismatched += (stop - pos) * heads; /* logged by the copy */
+                    pos = stop;
+                    continue;
                 }
+                mismatched += run_walk(r, device ? host : mem, idx, hashes, l, comp, first,
+                                       (uint32_t) P, pos, stop, write);
+                if (device && write) (void) kvs_mem_copy(mem, host, bytes); /* logs failures */
+                pos = stop;
             }
         }
     }
+    kvs_free(host);
     return mismatched;
 }
 

@@ -45,8 +45,8 @@ void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, con
     }
     st = link->ops->send(link->ctx, peer, buf, len);
     if (st != KVS_OK) {
-        kvs_warn("sending %s to rank %u failed: %s (will retry)", kvs_msg_type_str(msg->type), peer,
-                 kvs_status_str(st));
+        kvs_debug("sending %s to rank %u failed: %s (will retry)", kvs_msg_type_str(msg->type),
+                  peer, kvs_status_str(st));
         return;
     }
     metrics->msgs_sent++;
@@ -74,10 +74,11 @@ int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank)
     return -1;
 }
 
-int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n)
+int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n, uint64_t done)
 {
     if (link->ops->peer_status == NULL) return -1;
     for (uint32_t i = 0; i < n; i++)
-        if (link->ops->peer_status(link->ctx, ranks[i]) != KVS_OK) return (int) i;
+        if (!(done & KVS_BIT(i)) && link->ops->peer_status(link->ctx, ranks[i]) != KVS_OK)
+            return (int) i;
     return -1;
 }

@@ -23,8 +23,9 @@ void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, con
  * Messages that fail to decode are counted as rejected and skipped. */
 kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p);
 
-/* Index of the first peer in ranks[0, n) that the link reports dead, or -1. */
-int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n);
+/* Index of the first peer in ranks[0, n), outside the `done` bit set, that the link reports
+ * dead, or -1. */
+int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n, uint64_t done);
 
 /* Index of rank in ranks[0, n), or -1. */
 int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank);

@@ -1,9 +1,11 @@
 /* The decode-side room state machine (SPEC section 3): room registration and metadata, the
  * staging ring grants, per-writer arrivals, scatter into the room's pages, status, timeouts,
- * abort with quarantine. One receiver per decode rank, driven by kvs_receiver_progress(). */
+ * abort with quarantine. One receiver per decode rank, driven by kvs_receiver_progress(). The
+ * ring and the copy backend follow the pool's memory kind (host + CPU, or the pool's GPU). */
 #include <string.h>
 
 #include "base/map.h"
+#include "base/mem.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/grid.h"
@@ -59,7 +61,7 @@ struct kvs_receiver {
     kvs_clock_t clock;
     kvs_copy_backend_t copy;
     kvs_ring_t *ring;
-    uint8_t *ring_mem; /* [ring_bytes] the staging ring writers fill */
+    uint8_t *ring_mem; /* [ring_bytes] the staging ring writers fill, in the pool's memory */
     kvs_map_t rooms;   /* id -> rroom_t* */
     kvs_map_t serials; /* serial -> rroom_t* */
     kvs_map_t early;   /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
@@ -117,15 +119,15 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     kvs_map_init(&rx->rooms);
     kvs_map_init(&rx->serials);
     kvs_map_init(&rx->early);
-    st = kvs_copy_cpu_create(&rx->copy);
+    st = pc->mem == KVS_MEM_DEVICE ? kvs_copy_cuda_create(pc->device, &rx->copy)
+                                   : kvs_copy_cpu_create(&rx->copy);
     if (st != KVS_OK) goto err_free;
     st = kvs_ring_create(config->ring_bytes, &rx->ring);
     if (st != KVS_OK) goto err_copy;
-    rx->ring_mem = kvs_aligned_alloc(4096, config->ring_bytes);
-    if (rx->ring_mem == NULL) {
-        st = KVS_ERR_NOMEM;
-        goto err_ring;
-    }
+    void *ring_mem = NULL;
+    st = kvs_mem_alloc(pc->mem, pc->device, config->ring_bytes, &ring_mem);
+    if (st != KVS_OK) goto err_ring;
+    rx->ring_mem = ring_mem;
     st = link->ops->expose(link->ctx, rx->ring_mem, config->ring_bytes);
     if (st != KVS_OK) goto err_mem;
     rx->m.ring_capacity = config->ring_bytes;
@@ -133,7 +135,7 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     return KVS_OK;
 
 err_mem:
-    kvs_free(rx->ring_mem);
+    kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
 err_ring:
     kvs_ring_destroy(rx->ring);
 err_copy:
@@ -159,8 +161,9 @@ void kvs_receiver_destroy(kvs_receiver_t *rx)
     for (size_t it = 0; kvs_map_next(&rx->early, &it, NULL, &v);) kvs_free(v);
     kvs_map_fini(&rx->early);
     kvs_ring_destroy(rx->ring);
-    kvs_free(rx->ring_mem);
-    kvs_copy_backend_destroy(&rx->copy);
+    kvs_copy_backend_destroy(&rx->copy); /* drains scatters still reading the ring */
+    const kvs_pool_config_t *pc = kvs_pool_config(rx->pool);
+    kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
     kvs_free(rx);
 }
 
@@ -747,7 +750,8 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
         return;
     }
     if (r->status == KVS_ROOM_SUCCESS) return;
-    if (kvs_pd_dead_peer(rx->link, r->peers, r->npeers) >= 0) {
+    /* A peer that already reported its status has nothing left to do for the room. */
+    if (kvs_pd_dead_peer(rx->link, r->peers, r->npeers, r->status_seen) >= 0) {
         fail_room(rx, r, KVS_ERR_IO, "a prefill peer stopped answering (liveness timeout)");
         return;
     }

@@ -2,10 +2,13 @@
  * decode peer, floors sends to the grid and splits them per slot, requests slots within a
  * bounded window, gathers each destination's head slice into a staging buffer, writes it into
  * the granted slot, announces it with CHUNK_READY, and reports STATUS. One sender per prefill
- * rank, driven by kvs_sender_progress(). */
+ * rank, driven by kvs_sender_progress(). Staging buffers and the copy backend follow the pool's
+ * memory kind; where the link maps the decode ring, the gather can store straight into the
+ * granted slot (direct write) and CHUNK_READY waits for that gather instead of a write. */
 #include <string.h>
 
 #include "base/map.h"
+#include "base/mem.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/grid.h"
@@ -25,8 +28,8 @@ typedef enum {
 typedef struct {
     sdest_state_t state;
     uint64_t offset, size; /* the grant */
-    uint64_t ticket;       /* transport write */
-    int buffer;            /* staging buffer held while SD_WRITING */
+    uint64_t ticket;       /* transport write, or the gather of a direct write */
+    int buffer;            /* staging buffer held while SD_WRITING; -1: a direct write */
     uint64_t retry_at;
     uint32_t tries; /* resends of the current message, for the backoff */
 } sdest_t;
@@ -81,8 +84,11 @@ struct kvs_sender {
     kvs_copy_backend_t copy;
     uint64_t grid;
     uint64_t buffer_bytes; /* one writer region of a full slot, at most */
-    uint8_t **buffers;     /* [staging_buffers][buffer_bytes] */
+    uint8_t **buffers;     /* [staging_buffers][buffer_bytes], in the pool's memory kind; NULL
+                              entries in direct mode */
     int *buffer_busy;
+    uint8_t direct_ok[KVS_MAX_TP]; /* decode rank: 1 once the copy backend's device was found
+                                      to reach its mapped ring */
     kvs_map_t rooms; /* id -> sroom_t* */
     kvs_map_t stash; /* id -> sstash_t* */
     kvs_pd_metrics_t m;
@@ -112,6 +118,17 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
         kvs_error("sender: window_chunks and staging_buffers must be >= 1");
         return KVS_ERR_INVALID;
     }
+    if ((unsigned) config->write_mode > KVS_WRITE_DIRECT) {
+        kvs_error("sender: unknown write mode %d", (int) config->write_mode);
+        return KVS_ERR_INVALID;
+    }
+    if (config->write_mode == KVS_WRITE_DIRECT &&
+        (link->ops->map == NULL || pc->mem != KVS_MEM_DEVICE)) {
+        kvs_error("sender: direct writes need a device pool and a link that maps decode rings "
+                  "(%s pool, link %s)",
+                  pc->mem == KVS_MEM_DEVICE ? "device" : "host", link->ops->name);
+        return KVS_ERR_UNSUPPORTED;
+    }
     kvs_sender_t *tx = kvs_calloc(1, sizeof(*tx));
     if (tx == NULL) return KVS_ERR_NOMEM;
     tx->cfg = *config;
@@ -125,7 +142,8 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     uint64_t heads = kvs_tp_heads_per_rank(s, config->geo.prefill_tp);
     uint64_t dims = s->attn == KVS_ATTN_MLA ? s->head_dim_k : s->head_dim_k + s->head_dim_v;
     tx->buffer_bytes = tx->grid * s->layers * heads * dims * s->elem_bytes;
-    st = kvs_copy_cpu_create(&tx->copy);
+    st = pc->mem == KVS_MEM_DEVICE ? kvs_copy_cuda_create(pc->device, &tx->copy)
+                                   : kvs_copy_cpu_create(&tx->copy);
     if (st != KVS_OK) goto err_free;
     tx->buffers = kvs_calloc(config->staging_buffers, sizeof(*tx->buffers));
     tx->buffer_busy = kvs_calloc(config->staging_buffers, sizeof(*tx->buffer_busy));
@@ -133,19 +151,19 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
         st = KVS_ERR_NOMEM;
         goto err_buffers;
     }
-    for (uint32_t i = 0; i < config->staging_buffers; i++) {
-        tx->buffers[i] = kvs_aligned_alloc(4096, tx->buffer_bytes);
-        if (tx->buffers[i] == NULL) {
-            st = KVS_ERR_NOMEM;
-            goto err_buffers;
-        }
+    for (uint32_t i = 0; i < config->staging_buffers && config->write_mode != KVS_WRITE_DIRECT;
+         i++) {
+        void *buf = NULL;
+        st = kvs_mem_alloc(pc->mem, pc->device, tx->buffer_bytes, &buf);
+        if (st != KVS_OK) goto err_buffers;
+        tx->buffers[i] = buf;
     }
     *sender_p = tx;
     return KVS_OK;
 
 err_buffers:
     for (uint32_t i = 0; tx->buffers != NULL && i < config->staging_buffers; i++)
-        kvs_free(tx->buffers[i]);
+        kvs_mem_free(pc->mem, pc->device, tx->buffers[i]);
     kvs_free(tx->buffers);
     kvs_free(tx->buffer_busy);
     kvs_copy_backend_destroy(&tx->copy);
@@ -160,6 +178,14 @@ static void room_free(sroom_t *r)
     kvs_free(r);
 }
 
+/* Where a destination's write stands: the transport write of a staged write, the gather of a
+ * direct one (its bytes are in the decode ring once the gather kernel completed). */
+static kvs_status_t write_status(kvs_sender_t *tx, const sdest_t *sd)
+{
+    if (sd->buffer < 0) return kvs_copy_poll(&tx->copy, sd->ticket);
+    return tx->link->ops->write_poll(tx->link->ctx, sd->ticket);
+}
+
 /* Waits for a room's writes in flight (teardown only; callers should drain rooms first). */
 static void wait_writes(kvs_sender_t *tx, sroom_t *r)
 {
@@ -169,7 +195,7 @@ static void wait_writes(kvs_sender_t *tx, sroom_t *r)
             if (sd->state != SD_WRITING) continue;
             /* Real time, not the sender's clock: a virtual clock may be frozen at teardown. */
             uint64_t deadline = kvs_now_ns() + tx->cfg.timeouts.release_timeout_ns;
-            while (tx->link->ops->write_poll(tx->link->ctx, sd->ticket) == KVS_INPROGRESS) {
+            while (write_status(tx, sd) == KVS_INPROGRESS) {
                 if (kvs_now_ns() > deadline) {
                     kvs_error("room %llu: a write did not complete before teardown",
                               (unsigned long long) r->id);
@@ -194,10 +220,12 @@ void kvs_sender_destroy(kvs_sender_t *tx)
     for (size_t it = 0; kvs_map_next(&tx->stash, &it, NULL, &v);) kvs_free(v);
     kvs_map_fini(&tx->rooms);
     kvs_map_fini(&tx->stash);
-    for (uint32_t i = 0; i < tx->cfg.staging_buffers; i++) kvs_free(tx->buffers[i]);
+    kvs_copy_backend_destroy(&tx->copy); /* drains gathers still in flight */
+    const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
+    for (uint32_t i = 0; i < tx->cfg.staging_buffers; i++)
+        kvs_mem_free(pc->mem, pc->device, tx->buffers[i]);
     kvs_free(tx->buffers);
     kvs_free(tx->buffer_busy);
-    kvs_copy_backend_destroy(&tx->copy);
     kvs_free(tx);
 }
 
@@ -651,6 +679,21 @@ static int take_buffer(kvs_sender_t *tx)
     return -1;
 }
 
+/* The granted slot as a pointer this rank's gather kernel can store to, or NULL: staged mode,
+ * a link that cannot map the ring, or a ring this GPU cannot reach. */
+static uint8_t *map_slot(kvs_sender_t *tx, uint32_t decode_rank, uint64_t offset, uint64_t len)
+{
+    const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
+    if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL ||
+        pc->mem != KVS_MEM_DEVICE)
+        return NULL;
+    uint8_t *p = tx->link->ops->map(tx->link->ctx, decode_rank, offset, len);
+    if (p == NULL || tx->direct_ok[decode_rank]) return p;
+    if (!kvs_mem_device_can_access(pc->device, p)) return NULL;
+    tx->direct_ok[decode_rank] = 1;
+    return p;
+}
+
 /* Gathers chunk k's head slice for destination d and starts the write into the granted slot. */
 static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t d)
 {
@@ -672,8 +715,15 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
                   (unsigned long long) bytes, (unsigned long long) sd->size);
         return KVS_ERR_PROTOCOL;
     }
-    int b = take_buffer(tx);
-    if (b < 0) return KVS_INPROGRESS;
+    uint8_t *direct = map_slot(tx, dest->decode_rank, sd->offset + at, bytes);
+    if (direct == NULL && tx->cfg.write_mode == KVS_WRITE_DIRECT) {
+        kvs_error("room %llu chunk %llu: direct write, but the link cannot map decode rank %u's "
+                  "slot for this GPU",
+                  (unsigned long long) r->id, (unsigned long long) k, dest->decode_rank);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    int b = -1;
+    if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
     const uint64_t first_page = (r->base / g->page_size) + k * (tx->grid / g->page_size);
     kvs_copy_desc_t desc = {
         .regions = kvs_pool_region(tx->pool, 0, 0),
@@ -686,22 +736,29 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         .pool_head = dest->w.src_head,
         .heads = dest->w.heads,
         .pool_pages = kvs_pool_total_pages(tx->pool),
-        .region = tx->buffers[b], /* [K l0..L-1][V l0..L-1] x [tokens][heads][D] */
-        .region_bytes = tx->buffer_bytes,
+        /* [K l0..L-1][V l0..L-1] x [tokens][heads][D]: the staging buffer or the remote slot */
+        .region = direct != NULL ? direct : tx->buffers[b],
+        .region_bytes = direct != NULL ? bytes : tx->buffer_bytes,
     };
     uint64_t copy_ticket;
     uint64_t t0 = kvs_now_ns();
     kvs_status_t st = kvs_copy_submit(&tx->copy, KVS_COPY_GATHER, &desc, &copy_ticket);
-    while (st == KVS_OK && kvs_copy_poll(&tx->copy, copy_ticket) == KVS_INPROGRESS) {
+    if (st == KVS_OK && direct != NULL) {
+        sd->ticket = copy_ticket; /* CHUNK_READY waits for this gather (write_status) */
+    } else if (st == KVS_OK) {
+        /* The transport reads the staging buffer: the gather must be complete first. */
+        while ((st = kvs_copy_poll(&tx->copy, copy_ticket)) == KVS_INPROGRESS) {
+        }
+        if (st == KVS_OK)
+            st = tx->link->ops->write(tx->link->ctx, dest->decode_rank, sd->offset + at,
+                                      tx->buffers[b], bytes, &sd->ticket);
     }
-    if (st == KVS_OK)
-        st = tx->link->ops->write(tx->link->ctx, dest->decode_rank, sd->offset + at, tx->buffers[b],
-                                  bytes, &sd->ticket);
     tx->m.data_ns += kvs_now_ns() - t0;
     if (st != KVS_OK) {
-        tx->buffer_busy[b] = 0;
+        if (b >= 0) tx->buffer_busy[b] = 0;
         return st;
     }
+    if (direct != NULL) tx->m.direct_writes++;
     sd->buffer = b;
     sd->state = SD_WRITING;
     r->writing++;
@@ -745,9 +802,9 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
         for (uint32_t d = 0; d < r->ndests; d++) {
             sdest_t *sd = &r->cd[k * r->ndests + d];
             if (sd->state != SD_WRITING) continue;
-            kvs_status_t st = tx->link->ops->write_poll(tx->link->ctx, sd->ticket);
+            kvs_status_t st = write_status(tx, sd);
             if (st == KVS_INPROGRESS) continue;
-            tx->buffer_busy[sd->buffer] = 0;
+            if (sd->buffer >= 0) tx->buffer_busy[sd->buffer] = 0;
             r->writing--;
             events++;
             if (st != KVS_OK) {
@@ -787,7 +844,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     if (r->status == KVS_ROOM_SUCCESS) return events;
 
     /* Timeouts and dead peers. */
-    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers) >= 0) {
+    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers, 0) >= 0) {
         fail_room(tx, r, KVS_ERR_IO, "a decode peer stopped answering (liveness timeout)");
         return events + 1;
     }

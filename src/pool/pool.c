@@ -1,17 +1,14 @@
 /* The paged KV pool: an O(1) page allocator (a stack of free page ids plus a per-page state
  * byte that catches double frees and foreign ids) and one strided region per (layer,
- * component), all carved out of a single zeroed allocation: host memory, or device memory
- * (cudaMalloc) behind a small memory-ops table so builds without CUDA refuse it cleanly. */
+ * component), all carved out of a single zeroed allocation of host or device memory
+ * (base/mem.h), which builds without CUDA refuse cleanly. */
 #include "kvstage/pool.h"
 
 #include <string.h>
 
+#include "base/mem.h"
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
-
-#if KVS_HAVE_CUDA
-#include "base/cuda_util.h"
-#endif
 
 /* Region bases are aligned to this (cache line; enough for vector loads and DMA engines). */
 #define POOL_REGION_ALIGN 64u
@@ -22,89 +19,8 @@ enum {
     PAGE_MARKED = 2, /* allocated and named earlier in the kvs_pool_free call being validated */
 };
 
-/* Where the regions live. alloc returns zeroed memory of `bytes` aligned to POOL_REGION_ALIGN;
- * both log their own failures. */
-typedef struct {
-    const char *name;
-    kvs_status_t (*alloc)(const kvs_pool_config_t *c, size_t bytes, uint8_t **mem_p);
-    void (*release)(const kvs_pool_config_t *c, uint8_t *mem);
-} pool_mem_ops_t;
-
-static kvs_status_t host_alloc(const kvs_pool_config_t *c, size_t bytes, uint8_t **mem_p)
-{
-    uint8_t *mem = kvs_aligned_alloc(POOL_REGION_ALIGN, bytes);
-    if (mem == NULL) {
-        kvs_error("pool: out of memory creating a pool of %u pages (%zu bytes)", c->num_pages,
-                  bytes);
-        return KVS_ERR_NOMEM;
-    }
-    /* Zeroed so that a page read before it is written is deterministic (and quiet under
-     * memory checkers); it also touches every page up front instead of on the hot path. */
-    memset(mem, 0, bytes);
-    *mem_p = mem;
-    return KVS_OK;
-}
-
-static void host_release(const kvs_pool_config_t *c, uint8_t *mem)
-{
-    (void) c;
-    kvs_free(mem);
-}
-
-static const pool_mem_ops_t host_mem = {"host", host_alloc, host_release};
-
-#if KVS_HAVE_CUDA
-/* Runs on c->device and puts the caller's current device back: pools of several GPUs can be
- * made from one thread without the thread's device changing under it. */
-static kvs_status_t device_alloc(const kvs_pool_config_t *c, size_t bytes, uint8_t **mem_p)
-{
-    int count = 0, prev = 0;
-    kvs_status_t st =
-        KVS_CUDA_CHECK(cudaGetDeviceCount(&count), "pool: device memory: no usable CUDA device");
-    if (st != KVS_OK) return st;
-    if (c->device >= count) {
-        kvs_error("pool: device memory on device %d, but this machine has %d CUDA device(s)",
-                  c->device, count);
-        return KVS_ERR_INVALID;
-    }
-    st = KVS_CUDA_CHECK(cudaGetDevice(&prev), "pool: device memory: current device");
-    if (st != KVS_OK) return st;
-    st = KVS_CUDA_CHECK(cudaSetDevice(c->device), "pool: device memory on device %d", c->device);
-    if (st != KVS_OK) return st;
-    void *mem = NULL;
-    st = KVS_CUDA_CHECK(cudaMalloc(&mem, bytes), "pool: device memory: %zu bytes on device %d",
-                        bytes, c->device);
-    if (st == KVS_OK) {
-        /* cudaMemset runs on the legacy default stream, which copy backends' non-blocking
-         * streams do not wait for: finish it here so no copy can see unzeroed pages. */
-        st = KVS_CUDA_CHECK(cudaMemset(mem, 0, bytes), "pool: zeroing %zu bytes on device %d",
-                            bytes, c->device);
-        if (st == KVS_OK)
-            st = KVS_CUDA_CHECK(cudaStreamSynchronize(0), "pool: zeroing %zu bytes on device %d",
-                                bytes, c->device);
-        if (st != KVS_OK) (void) cudaFree(mem);
-    }
-    (void) cudaSetDevice(prev);
-    if (st != KVS_OK) return st;
-    *mem_p = mem;
-    return KVS_OK;
-}
-
-static void device_release(const kvs_pool_config_t *c, uint8_t *mem)
-{
-    int prev = 0;
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = c->device;
-    (void) KVS_CUDA_CHECK(cudaSetDevice(c->device), "pool: freeing device memory");
-    (void) KVS_CUDA_CHECK(cudaFree(mem), "pool: freeing device memory on device %d", c->device);
-    (void) cudaSetDevice(prev);
-}
-
-static const pool_mem_ops_t device_mem = {"device", device_alloc, device_release};
-#endif
-
 struct kvs_pool {
     kvs_pool_config_t config;
-    const pool_mem_ops_t *mem_ops;
     uint32_t heads;        /* heads this rank holds */
     uint32_t components;   /* 2 for MHA (K, V), 1 for MLA */
     kvs_region_t *regions; /* [layers][components] */
@@ -202,11 +118,6 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
     kvs_pool_t *pool = kvs_calloc(1, sizeof(*pool));
     if (pool == NULL) goto err_nomem;
     pool->config = *config;
-#if KVS_HAVE_CUDA
-    pool->mem_ops = config->mem == KVS_MEM_DEVICE ? &device_mem : &host_mem;
-#else
-    pool->mem_ops = &host_mem;
-#endif
     pool->heads = kvs_tp_heads_per_rank(&config->shape, config->tp.tp_size);
     pool->components = kvs_kv_shape_components(&config->shape);
     const uint32_t layers = config->shape.layers;
@@ -220,14 +131,16 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
     }
     if (!mul_u64(layer_bytes, layers, &total) || total > SIZE_MAX) goto err_too_big;
 
-    int logged = 0; /* the memory ops log their own failures */
+    int logged = 0; /* kvs_mem_alloc logs its own failures */
     pool->regions = kvs_calloc((size_t) layers * pool->components, sizeof(kvs_region_t));
     if (pool->regions == NULL) goto err_free_pool;
-    st = pool->mem_ops->alloc(config, (size_t) total, &pool->memory);
+    void *memory = NULL;
+    st = kvs_mem_alloc(config->mem, config->device, (size_t) total, &memory);
     if (st != KVS_OK) {
         logged = 1;
         goto err_free_regions;
     }
+    pool->memory = memory;
     pool->free_stack = kvs_malloc((size_t) pages * sizeof(uint32_t));
     if (pool->free_stack == NULL) goto err_free_memory;
     pool->page_state = kvs_calloc(pages, 1);
@@ -253,14 +166,14 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
               "of %s memory",
               pages, config->page_size, pool->heads, layers, pool->components,
               config->layout == KVS_POOL_HND ? "HND" : "NHD", (unsigned long long) total,
-              pool->mem_ops->name);
+              config->mem == KVS_MEM_DEVICE ? "device" : "host");
     *pool_p = pool;
     return KVS_OK;
 
 err_free_stack:
     kvs_free(pool->free_stack);
 err_free_memory:
-    pool->mem_ops->release(config, pool->memory);
+    kvs_mem_free(config->mem, config->device, pool->memory);
 err_free_regions:
     kvs_free(pool->regions);
 err_free_pool:
@@ -281,7 +194,7 @@ void kvs_pool_destroy(kvs_pool_t *pool)
     if (pool == NULL) return;
     kvs_free(pool->page_state);
     kvs_free(pool->free_stack);
-    pool->mem_ops->release(&pool->config, pool->memory);
+    kvs_mem_free(pool->config.mem, pool->config.device, pool->memory);
     kvs_free(pool->regions);
     kvs_free(pool);
 }

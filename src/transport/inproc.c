@@ -1,12 +1,16 @@
 /* The in-process transport: control messages move between per-rank timed inboxes, data writes
  * land in exposed decode rings at a (possibly delayed) due time. A seeded scheduler injects
- * delay (hence reordering), duplication and loss into control messages. */
+ * delay (hence reordering), duplication and loss into control messages. Writes that touch
+ * device memory land through the writer's copy queue (an asynchronous CUDA copy, complete when
+ * its event fires), host-only writes with memcpy; device rings can also be mapped for direct
+ * writes by the sender's gather kernel. */
 #include "kvstage/inproc.h"
 
 #include <string.h>
 
 #include "base/heap.h"
 #include "base/map.h"
+#include "base/mem.h"
 #include "kvstage/alloc.h"
 #include "kvstage/layout.h"
 #include "kvstage/log.h"
@@ -20,10 +24,14 @@ typedef struct {
 
 typedef struct {
     uint64_t ticket;
-    int done;
+    int done;    /* landed and complete; status in st */
+    int landing; /* device copy issued on the writer's queue, complete at copy_ticket */
+    uint64_t copy_ticket;
+    kvs_status_t st;
     const void *src;
     uint8_t *dst;
     uint64_t len;
+    int ring_device; /* of the destination ring, -1 for host memory */
 } inproc_write_t;
 
 typedef struct inproc_ep {
@@ -35,8 +43,10 @@ typedef struct inproc_ep {
     kvs_heap_t writes; /* inproc_write_t * by due time (prefill endpoints) */
     kvs_map_t tickets; /* ticket -> inproc_write_t * until polled complete */
     uint64_t next_ticket;
-    uint8_t *ring; /* decode endpoints: the exposed ring */
+    kvs_mem_queue_t *queue; /* prefill endpoints: device copies, made on the first one */
+    uint8_t *ring;          /* decode endpoints: the exposed ring */
     uint64_t ring_size;
+    int ring_device; /* the ring's CUDA device, -1 for host memory */
 } inproc_ep_t;
 
 struct kvs_inproc_net {
@@ -78,6 +88,7 @@ kvs_status_t kvs_inproc_net_create(uint32_t prefill_tp, uint32_t decode_tp,
         ep->net = net;
         ep->side = i < prefill_tp ? KVS_SIDE_PREFILL : KVS_SIDE_DECODE;
         ep->rank = i < prefill_tp ? i : i - prefill_tp;
+        ep->ring_device = -1;
         kvs_heap_init(&ep->inbox);
         kvs_heap_init(&ep->writes);
         kvs_map_init(&ep->tickets);
@@ -97,8 +108,11 @@ static void clear_endpoint(inproc_ep_t *ep)
     for (size_t it = 0; kvs_map_next(&ep->tickets, &it, &key, &v);) kvs_free(v);
     kvs_map_fini(&ep->tickets);
     kvs_heap_fini(&ep->inbox);
+    kvs_mem_queue_destroy(ep->queue); /* waits for device copies still reading their sources */
+    ep->queue = NULL;
     ep->ring = NULL;
     ep->ring_size = 0;
+    ep->ring_device = -1;
 }
 
 void kvs_inproc_net_destroy(kvs_inproc_net_t *net)
@@ -139,6 +153,29 @@ uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net)
     return next;
 }
 
+/* Starts landing one write: memcpy between host buffers (done at once), otherwise an
+ * asynchronous copy on the writer's queue, made on the source's device (or the ring's). */
+static void land_write(inproc_ep_t *ep, inproc_write_t *w)
+{
+    const int src_device = kvs_mem_device_of(w->src), ring_device = w->ring_device;
+    if (src_device < 0 && ring_device < 0) {
+        memcpy(w->dst, w->src, w->len);
+        w->done = 1;
+        return;
+    }
+    kvs_status_t st = KVS_OK;
+    if (ep->queue == NULL)
+        st = kvs_mem_queue_create(src_device >= 0 ? src_device : ring_device, &ep->queue);
+    if (st == KVS_OK)
+        st = kvs_mem_queue_copy(ep->queue, w->dst, w->src, (size_t) w->len, &w->copy_ticket);
+    if (st != KVS_OK) {
+        w->st = st; /* logged by the queue; the write fails and so does its room */
+        w->done = 1;
+        return;
+    }
+    w->landing = 1;
+}
+
 /* Lands every write whose due time has come, on every endpoint, so a write lands at its time
  * whether or not its writer polls (a late write must be able to hurt if the protocol is
  * wrong). */
@@ -150,8 +187,7 @@ static void land_due_writes(kvs_inproc_net_t *net)
         const kvs_heap_entry_t *top;
         while ((top = kvs_heap_top(&ep->writes)) != NULL && top->time <= now) {
             inproc_write_t *w = kvs_heap_pop(&ep->writes);
-            memcpy(w->dst, w->src, w->len);
-            w->done = 1;
+            land_write(ep, w);
             net->stats.writes_in_flight--;
         }
     }
@@ -241,11 +277,12 @@ static kvs_status_t ep_write(void *ctx, uint32_t peer, uint64_t offset, const vo
     }
     inproc_write_t *w = kvs_malloc(sizeof(*w));
     if (w == NULL) return KVS_ERR_NOMEM;
+    memset(w, 0, sizeof(*w));
     w->ticket = ++ep->next_ticket;
-    w->done = 0;
     w->src = src;
     w->dst = to->ring + offset;
     w->len = len;
+    w->ring_device = to->ring_device;
     uint64_t due = kvs_clock_now(&net->clock) + random_delay(net, net->faults.write_delay_max_ns);
     kvs_status_t st = kvs_map_put(&ep->tickets, w->ticket, w);
     if (st == KVS_OK) {
@@ -273,10 +310,29 @@ static kvs_status_t ep_write_poll(void *ctx, uint64_t ticket)
         kvs_error("inproc write_poll: unknown ticket %llu", (unsigned long long) ticket);
         return KVS_ERR_NOT_FOUND;
     }
+    if (w->landing && !w->done) {
+        kvs_status_t st = kvs_mem_queue_poll(ep->queue, w->copy_ticket);
+        if (st == KVS_INPROGRESS) return KVS_INPROGRESS;
+        w->st = st;
+        w->done = 1;
+    }
     if (!w->done) return KVS_INPROGRESS;
+    kvs_status_t st = w->st;
     kvs_map_remove(&ep->tickets, ticket);
     kvs_free(w);
-    return KVS_OK;
+    return st;
+}
+
+static void *ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
+{
+    inproc_ep_t *ep = ctx;
+    inproc_ep_t *to = endpoint(ep->net, KVS_SIDE_DECODE, peer);
+    /* Host rings are written through the (delayable) write path only, so CPU runs keep their
+     * adversarial landing schedule. */
+    if (ep->side != KVS_SIDE_PREFILL || to == NULL || to->ring == NULL || to->ring_device < 0)
+        return NULL;
+    if (offset > to->ring_size || len > to->ring_size - offset) return NULL;
+    return to->ring + offset;
 }
 
 static kvs_status_t ep_expose(void *ctx, void *ring, uint64_t size)
@@ -285,12 +341,14 @@ static kvs_status_t ep_expose(void *ctx, void *ring, uint64_t size)
     if (ep->side != KVS_SIDE_DECODE) return KVS_ERR_INVALID;
     ep->ring = ring;
     ep->ring_size = size;
+    ep->ring_device = kvs_mem_device_of(ring);
     return KVS_OK;
 }
 
 static kvs_status_t ep_flush(void *ctx)
 {
-    /* Writes land with a plain memcpy in this process: nothing more to make visible. */
+    /* Writes complete (memcpy, or a device copy whose event fired) before their CHUNK_READY
+     * is sent: nothing more to make visible. */
     (void) ctx;
     return KVS_OK;
 }
@@ -315,6 +373,7 @@ static const kvs_link_ops_t inproc_ops = {
     .recv = ep_recv,
     .write = ep_write,
     .write_poll = ep_write_poll,
+    .map = ep_map,
     .expose = ep_expose,
     .flush = ep_flush,
     .peer_status = NULL, /* in one process no peer dies */

@@ -24,6 +24,12 @@ typedef struct {
     /* Prefill: KVS_OK when the write is complete (src may be reused), KVS_INPROGRESS, or an
      * error (the write failed; its room fails). */
     kvs_status_t (*write_poll)(void *ctx, uint64_t ticket);
+    /* Prefill: a pointer through which a kernel of this process can store straight into
+     * [offset, offset + len) of decode rank peer's ring (direct write: no staging buffer and
+     * no separate copy), or NULL when the link cannot map it (host rings, remote hosts, a
+     * ring not yet known). Bytes stored there are visible to the decode rank once the storing
+     * kernel has completed. NULL op: the link never maps. */
+    void *(*map)(void *ctx, uint32_t peer, uint64_t offset, uint64_t len);
     /* Decode: exposes this rank's staging ring to writers. */
     kvs_status_t (*expose)(void *ctx, void *ring, uint64_t size);
     /* Decode: makes every completed incoming write visible to local readers (scatter). */

@@ -1,0 +1,85 @@
+/* The multi-process link: control messages over ZeroMQ and data writes over UCX (UCP), between
+ * one rank of one side and the ranks of the other side. Each rank binds one control endpoint
+ * and learns the other side's endpoints from its configuration, kvs_net_link_set_peer() (e.g.
+ * from a bootstrap registry), or the peers' own heartbeats. Decode ranks expose their staging
+ * ring; prefill ranks write into it with one-sided puts after a link-internal wireup exchange.
+ *
+ * Progress-driven and single-threaded: every op of the link (send, recv, write, write_poll,
+ * flush, peer_status) drives ZeroMQ and UCX progress, heartbeats and liveness itself, so the
+ * protocol needs nothing else; kvs_net_link_progress() is there for callers that wait without
+ * calling ops. All calls on one link come from one thread at a time. docs/transport.md has the
+ * details (sockets, wireup, deadlines, liveness, environment). */
+#ifndef KVSTAGE_NET_H
+#define KVSTAGE_NET_H
+
+#include <stdint.h>
+
+#include "kvstage/layout.h"
+#include "kvstage/link.h"
+#include "kvstage/status.h"
+
+/* Which UCX transports carry data writes. */
+typedef enum {
+    KVS_NET_DATA_AUTO = 0, /* SHM when this rank and every known peer are on loopback or ipc://,
+                              TCP otherwise; UCX_TLS from the environment wins if set */
+    KVS_NET_DATA_SHM = 1,  /* UCX_TLS=sm (cma puts, posix/sysv for UCX's own wireup); one host
+                              and one network namespace only */
+    KVS_NET_DATA_TCP = 2,  /* UCX_TLS=tcp: across hosts or network namespaces */
+} kvs_net_data_t;
+
+typedef struct {
+    kvs_side_t side;
+    uint32_t rank;    /* this rank on its side */
+    uint32_t peer_tp; /* ranks on the other side, [1, KVS_MAX_TP] */
+    /* This rank's control endpoint, e.g. "tcp://127.0.0.1:5600"; port 0 or '*' picks a free
+     * port, ipc:// with a '*' path a fresh socket file. kvs_net_link_endpoint() reports the real
+     * one. */
+    const char *bind;
+    /* Control endpoints of the other side's ranks; NULL entries may be set later or learned
+     * from the peers' heartbeats. Copied. */
+    const char *peers[KVS_MAX_TP];
+    kvs_net_data_t data;
+    const char *net_device; /* UCX_NET_DEVICES for TCP (e.g. "lo"); NULL: UCX's choice */
+    /* Zero picks the default (in parentheses). */
+    uint64_t heartbeat_ns;        /* heartbeat period to each peer (200 ms) */
+    uint64_t liveness_timeout_ns; /* a peer silent this long is dead (3 s) */
+    uint64_t connect_timeout_ns;  /* a peer never heard within this is dead; a write waits
+                                     this long for its wireup (10 s) */
+    uint64_t write_timeout_ns;    /* a write with no completed piece for this long fails (30 s) */
+} kvs_net_config_t;
+
+/* Counters of one link (monotonic unless noted). */
+typedef struct {
+    uint64_t msgs_sent, msgs_received;   /* protocol messages */
+    uint64_t bytes_sent, bytes_received; /* protocol message bytes */
+    uint64_t send_failures;              /* sends refused (peer unknown or not connected) */
+    uint64_t heartbeats_sent, heartbeats_received;
+    uint64_t rejected;      /* frames that failed to parse or were too large */
+    uint64_t stale;         /* frames from a peer's earlier incarnation */
+    uint64_t dead_peers;    /* alive -> dead transitions (incl. never connected in time) */
+    uint64_t peer_restarts; /* a peer came back as a new incarnation */
+    uint64_t wireups_sent, wireups_received;
+    uint64_t writes, write_bytes, writes_failed;
+    uint64_t writes_in_flight; /* now */
+} kvs_net_stats_t;
+
+/* Binds the control endpoint, connects to the known peers and creates the UCX context and
+ * worker. Fails with KVS_ERR_INVALID for a bad configuration, KVS_ERR_IO when ZeroMQ or UCX
+ * cannot start (e.g. the endpoint is in use). */
+kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **link_p);
+
+/* The bound control endpoint (with the real port), or NULL if link is not a net link. Valid
+ * until the link is destroyed. */
+const char *kvs_net_link_endpoint(kvs_link_t *link);
+
+/* Sets or replaces the control endpoint of rank `rank` of the other side. */
+kvs_status_t kvs_net_link_set_peer(kvs_link_t *link, uint32_t rank, const char *endpoint);
+
+/* Drives ZeroMQ and UCX, heartbeats, liveness and wireup; returns how many events it handled.
+ * The ops do this too: call it only while waiting without calling ops. */
+uint32_t kvs_net_link_progress(kvs_link_t *link);
+
+/* KVS_ERR_INVALID if link is not a net link. */
+kvs_status_t kvs_net_link_stats(kvs_link_t *link, kvs_net_stats_t *stats_p);
+
+#endif

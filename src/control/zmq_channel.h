@@ -1,0 +1,93 @@
+/* The control channel of a net link (internal): one bound PULL socket for everything this rank
+ * hears, one connected PUSH socket per peer rank of the other side, a fixed frame header naming
+ * the sender, heartbeats and peer liveness. Frames are opaque to the channel beyond the header
+ * and heartbeats; nothing it receives is trusted, and no call blocks.
+ *
+ * Frame (little-endian): kind u8, version u8, sender side u8, zero u8, sender rank u32,
+ * sender incarnation u64, then the payload. The incarnation names one life of a rank (it changes
+ * when the process restarts), so frames from an earlier life can be told apart. */
+#ifndef KVSTAGE_CONTROL_ZMQ_CHANNEL_H
+#define KVSTAGE_CONTROL_ZMQ_CHANNEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstage/link.h"
+#include "kvstage/status.h"
+
+#define KVS_ZCH_VERSION      1
+#define KVS_ZCH_HEADER_SIZE  16
+#define KVS_ZCH_INTERNAL_MAX (64u * 1024u) /* payload bound of a link-internal frame */
+#define KVS_ZCH_ENDPOINT_MAX 255           /* bytes of an endpoint string */
+
+typedef enum {
+    KVS_ZCH_MSG = 1,        /* a protocol message, at most KVS_MSG_MAX_SIZE bytes */
+    KVS_ZCH_HEARTBEAT = 2,  /* handled inside the channel */
+    KVS_ZCH_WIREUP_REQ = 3, /* prefill -> decode: send me your data-plane wireup */
+    KVS_ZCH_WIREUP = 4,     /* decode -> prefill: worker address, ring, rkey */
+} kvs_zch_kind_t;
+
+typedef struct {
+    kvs_side_t side;
+    uint32_t rank;
+    uint32_t peer_tp;
+    const char *bind;
+    uint64_t heartbeat_ns, liveness_timeout_ns, connect_timeout_ns; /* all > 0 */
+} kvs_zch_config_t;
+
+/* One received frame; payload stays valid until the next recv or destroy. */
+typedef struct {
+    kvs_zch_kind_t kind;
+    uint32_t from; /* rank of the other side */
+    uint64_t incarnation;
+    const uint8_t *payload;
+    size_t len;
+} kvs_zch_frame_t;
+
+typedef struct {
+    uint64_t sent, received; /* frames of kind MSG */
+    uint64_t bytes_sent, bytes_received;
+    uint64_t send_failures; /* MSG frames refused */
+    uint64_t heartbeats_sent, heartbeats_received;
+    uint64_t internal_sent, internal_received; /* WIREUP_REQ and WIREUP frames */
+    uint64_t rejected, stale;
+    uint64_t dead_peers, restarts;
+} kvs_zch_stats_t;
+
+typedef struct kvs_zch kvs_zch_t;
+
+kvs_status_t kvs_zch_create(const kvs_zch_config_t *config, kvs_zch_t **ch_p);
+void kvs_zch_destroy(kvs_zch_t *ch);
+
+/* The bound endpoint with its real port or path. */
+const char *kvs_zch_endpoint(const kvs_zch_t *ch);
+uint64_t kvs_zch_incarnation(const kvs_zch_t *ch);
+
+/* Connects (or reconnects) the PUSH socket of peer to endpoint; same endpoint: nothing to do. */
+kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint);
+
+/* Queues one frame without blocking: KVS_ERR_IO when the peer has no endpoint, is not connected
+ * or its queue is full (the caller retries what matters), KVS_ERR_INVALID for a bad peer or an
+ * oversized payload. */
+kvs_status_t kvs_zch_send(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind, const void *payload,
+                          size_t len);
+
+/* Takes the next valid frame that is not a heartbeat: KVS_OK, or KVS_INPROGRESS when none
+ * waits. Malformed, oversized and stale frames are counted and dropped. Every valid frame,
+ * heartbeat or not, counts as a sign of life from its sender. */
+kvs_status_t kvs_zch_recv(kvs_zch_t *ch, kvs_zch_frame_t *frame_p);
+
+/* Sends the heartbeats that are due and updates liveness; returns frames sent. */
+uint32_t kvs_zch_tick(kvs_zch_t *ch);
+
+/* KVS_OK while peer is believed alive, KVS_ERR_IO once silent past the liveness timeout (or
+ * never heard within the connect timeout), KVS_ERR_INVALID for a bad rank. */
+kvs_status_t kvs_zch_peer_status(kvs_zch_t *ch, uint32_t peer);
+/* The incarnation last heard from peer (0: never heard). */
+uint64_t kvs_zch_peer_incarnation(const kvs_zch_t *ch, uint32_t peer);
+
+/* For payloads that the channel's user finds malformed. */
+void kvs_zch_count_rejected(kvs_zch_t *ch);
+void kvs_zch_stats(const kvs_zch_t *ch, kvs_zch_stats_t *stats_p);
+
+#endif

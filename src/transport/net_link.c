@@ -1,0 +1,711 @@
+/* The net link: kvs_link_ops_t over a ZeroMQ control channel and a UCX data plane, for one
+ * rank talking to the ranks of the other side in other processes (or hosts).
+ *
+ * Every op first runs service(): UCX progress (a decode target must progress for puts and
+ * wireup to land), draining control frames (protocol messages into an inbox, wireup frames
+ * handled here), heartbeats and liveness, and the state of every write. Writes wait for the
+ * decode peer's wireup (worker address, ring base and size, rkey; pushed by decode and asked for
+ * by prefill until a deadline), then post their pieces, and complete only after a flush. A peer
+ * that dies, restarts or re-exposes its ring invalidates its endpoint: writes in flight to it
+ * fail, later writes wire up again. */
+#include "kvstage/net.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/map.h"
+#include "control/zmq_channel.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
+#include "kvstage/msg.h"
+#include "transport/link.h"
+#include "transport/ucx_data.h"
+
+#define MS                1000000ull
+#define DEFAULT_HEARTBEAT (200 * MS)
+#define DEFAULT_LIVENESS  (3000 * MS)
+#define DEFAULT_CONNECT   (10000 * MS)
+#define DEFAULT_WRITE     (30000 * MS)
+#define WIREUP_RETRY_NS   (50 * MS)
+#define INBOX_CAP         4096     /* protocol messages read ahead of recv */
+#define SEND_SERVICE_NS   20000ull /* sends in a burst share one service pass */
+#define WIREUP_FIXED      32
+#define WIREUP_ADDR_MAX   16384
+#define WIREUP_RKEY_MAX   4096
+
+typedef struct {
+    size_t len;
+    uint8_t bytes[]; /* [len] one protocol message */
+} inbox_msg_t;
+
+typedef struct {
+    uint64_t ticket;
+    uint32_t peer;
+    int wiring;          /* waiting for the peer's wireup */
+    kvs_status_t status; /* KVS_INPROGRESS until the outcome is known */
+    const void *src;     /* [len] caller-owned until the outcome is collected */
+    uint64_t offset, len;
+    kvs_ucx_put_t *put;
+    uint64_t deadline;    /* wiring: give up then */
+    uint64_t completions; /* putting: requests completed when last seen */
+    uint64_t progress_at; /* putting: when completions last moved */
+} nwrite_t;
+
+typedef struct {
+    kvs_ucx_remote_t *remote; /* prefill: endpoint + rkey of the peer's ring */
+    uint64_t remote_inc;      /* the peer incarnation it was built from */
+    uint32_t remote_gen;      /* and the ring generation */
+    uint64_t next_req;        /* prefill: next WIREUP_REQ may go then */
+    uint64_t pushed_inc;      /* decode: incarnation our current wireup went to */
+    int dead;                 /* liveness as last acted upon */
+} npeer_t;
+
+typedef struct {
+    kvs_net_config_t cfg; /* string pointers are not kept */
+    kvs_zch_t *ch;
+    kvs_ucx_t *ucx;
+    npeer_t *peers; /* [peer_tp] */
+    /* decode: the exposed ring and the WIREUP payload describing it */
+    kvs_ucx_region_t *region;
+    uint32_t gen;
+    uint8_t *wireup; /* [wireup_len] */
+    size_t wireup_len;
+    /* prefill: writes by ticket */
+    kvs_map_t writes; /* ticket -> nwrite_t * */
+    uint64_t next_ticket;
+    inbox_msg_t *inbox[INBOX_CAP]; /* ring of read-ahead protocol messages */
+    uint32_t inbox_head, inbox_count;
+    kvs_net_stats_t st; /* link-level counters; the channel keeps the rest */
+    uint64_t serviced_at;
+} net_t;
+
+static const kvs_link_ops_t net_ops;
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t) (v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t) (v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t) p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t) p[i] << (8 * i);
+    return v;
+}
+
+static const char *side_name(kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
+}
+
+/* ---- writes ---- */
+
+static void finish_write(net_t *n, nwrite_t *w, kvs_status_t status)
+{
+    if (w->status != KVS_INPROGRESS) return;
+    w->status = status;
+    w->wiring = 0;
+    if (status != KVS_OK) {
+        n->st.writes_failed++;
+        kvs_warn("net link: %s rank %u: write %llu to decode rank %u failed: %s",
+                 side_name(n->cfg.side), n->cfg.rank, (unsigned long long) w->ticket, w->peer,
+                 kvs_status_str(status));
+    }
+}
+
+/* Drops the endpoint to a peer: its puts fail, later writes wire up again. */
+static void drop_remote(net_t *n, uint32_t peer, int peer_gone, const char *why)
+{
+    npeer_t *p = &n->peers[peer];
+    if (p->remote == NULL) return;
+    kvs_info("net link: prefill rank %u drops its endpoint to decode rank %u: %s", n->cfg.rank,
+             peer, why);
+    kvs_ucx_remote_destroy(p->remote, peer_gone);
+    p->remote = NULL;
+    p->remote_inc = 0;
+    p->remote_gen = 0;
+}
+
+static void start_put(net_t *n, nwrite_t *w)
+{
+    npeer_t *p = &n->peers[w->peer];
+    kvs_status_t st = kvs_ucx_put_start(p->remote, w->offset, w->src, w->len, &w->put);
+    if (st != KVS_OK) {
+        finish_write(n, w, st);
+        return;
+    }
+    w->wiring = 0;
+    w->completions = 0;
+    w->progress_at = kvs_now_ns();
+}
+
+static void send_wireup_req(net_t *n, uint32_t peer, uint64_t now)
+{
+    npeer_t *p = &n->peers[peer];
+    if (now < p->next_req) return;
+    p->next_req = now + WIREUP_RETRY_NS;
+    if (kvs_zch_send(n->ch, peer, KVS_ZCH_WIREUP_REQ, NULL, 0) == KVS_OK) n->st.wireups_sent++;
+}
+
+static uint32_t advance_write(net_t *n, nwrite_t *w, uint64_t now)
+{
+    if (w->status != KVS_INPROGRESS) return 0;
+    npeer_t *p = &n->peers[w->peer];
+    if (w->wiring) {
+        if (p->remote != NULL) {
+            start_put(n, w);
+            return 1;
+        }
+        if (now >= w->deadline) {
+            kvs_error("net link: prefill rank %u: no wireup from decode rank %u within %llu ms",
+                      n->cfg.rank, w->peer, (unsigned long long) (n->cfg.connect_timeout_ns / MS));
+            finish_write(n, w, KVS_ERR_TIMEOUT);
+            return 1;
+        }
+        send_wireup_req(n, w->peer, now);
+        return 0;
+    }
+    kvs_status_t st = kvs_ucx_put_poll(w->put);
+    if (st != KVS_INPROGRESS) {
+        finish_write(n, w, st);
+        return 1;
+    }
+    uint64_t c = kvs_ucx_put_completions(w->put);
+    if (c != w->completions) {
+        w->completions = c;
+        w->progress_at = now;
+    } else if (now >= w->progress_at + n->cfg.write_timeout_ns && p->remote != NULL) {
+        /* The peer is alive but its endpoint does not move (e.g. shared memory across network
+         * namespaces wires up forever): give up on the endpoint. */
+        kvs_error("net link: prefill rank %u: write %llu to decode rank %u made no progress "
+                  "for %llu ms",
+                  n->cfg.rank, (unsigned long long) w->ticket, w->peer,
+                  (unsigned long long) (n->cfg.write_timeout_ns / MS));
+        drop_remote(n, w->peer, 1, "write stalled");
+        finish_write(n, w, KVS_ERR_TIMEOUT);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- wireup ---- */
+
+static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
+{
+    if (n->cfg.side != KVS_SIDE_PREFILL || f->len < WIREUP_FIXED) goto reject;
+    const uint8_t *b = f->payload;
+    uint32_t gen = get_u32(b);
+    uint32_t addr_len = get_u32(b + 4);
+    uint32_t rkey_len = get_u32(b + 8);
+    uint64_t base = get_u64(b + 16);
+    uint64_t size = get_u64(b + 24);
+    if (get_u32(b + 12) != 0 || gen == 0 || addr_len == 0 || addr_len > WIREUP_ADDR_MAX ||
+        rkey_len == 0 || rkey_len > WIREUP_RKEY_MAX ||
+        f->len != WIREUP_FIXED + (size_t) addr_len + rkey_len || size == 0 || base + size < base)
+        goto reject;
+    npeer_t *p = &n->peers[f->from];
+    n->st.wireups_received++;
+    if (p->remote != NULL && p->remote_inc == f->incarnation && gen <= p->remote_gen)
+        return; /* a repeat, or older than what we use */
+    /* A new incarnation means the old process is gone: do not wait for it. */
+    drop_remote(n, f->from, p->remote_inc != f->incarnation,
+                "the decode rank announced a new ring");
+    kvs_ucx_remote_t *rm;
+    kvs_status_t st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len,
+                                            b + WIREUP_FIXED + addr_len, rkey_len, base, size, &rm);
+    if (st != KVS_OK) {
+        kvs_error("net link: prefill rank %u cannot reach decode rank %u's ring: %s", n->cfg.rank,
+                  f->from, kvs_status_str(st));
+        return; /* writes waiting for it time out */
+    }
+    p->remote = rm;
+    p->remote_inc = f->incarnation;
+    p->remote_gen = gen;
+    kvs_debug("net link: prefill rank %u wired to decode rank %u (ring of %llu bytes, gen %u)",
+              n->cfg.rank, f->from, (unsigned long long) size, gen);
+    return;
+reject:
+    kvs_zch_count_rejected(n->ch);
+    kvs_warn("net link: %s rank %u rejected a %zu-byte wireup frame from rank %u",
+             side_name(n->cfg.side), n->cfg.rank, f->len, f->from);
+}
+
+static void push_wireup(net_t *n, uint32_t peer)
+{
+    if (kvs_zch_send(n->ch, peer, KVS_ZCH_WIREUP, n->wireup, n->wireup_len) != KVS_OK) return;
+    n->st.wireups_sent++;
+    n->peers[peer].pushed_inc = kvs_zch_peer_incarnation(n->ch, peer);
+}
+
+static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
+{
+    switch (f->kind) {
+    case KVS_ZCH_MSG: {
+        inbox_msg_t *m = kvs_malloc(sizeof(*m) + f->len);
+        if (m == NULL) return; /* lost like any message: the protocol retries */
+        m->len = f->len;
+        memcpy(m->bytes, f->payload, f->len);
+        n->inbox[(n->inbox_head + n->inbox_count) % INBOX_CAP] = m;
+        n->inbox_count++;
+        return;
+    }
+    case KVS_ZCH_WIREUP_REQ:
+        if (n->cfg.side != KVS_SIDE_DECODE || f->len != 0) {
+            kvs_zch_count_rejected(n->ch);
+            return;
+        }
+        n->st.wireups_received++;
+        if (n->region != NULL) push_wireup(n, f->from);
+        return;
+    case KVS_ZCH_WIREUP:
+        handle_wireup(n, f);
+        return;
+    default:
+        kvs_zch_count_rejected(n->ch);
+        return;
+    }
+}
+
+/* ---- service: everything an op call drives ---- */
+
+static uint32_t check_peers(net_t *n)
+{
+    uint32_t events = 0;
+    for (uint32_t i = 0; i < n->cfg.peer_tp; i++) {
+        npeer_t *p = &n->peers[i];
+        uint64_t inc = kvs_zch_peer_incarnation(n->ch, i);
+        int dead = kvs_zch_peer_status(n->ch, i) != KVS_OK;
+        if (n->cfg.side == KVS_SIDE_DECODE) {
+            if (n->region != NULL && !dead && inc != 0 && inc != p->pushed_inc) {
+                push_wireup(n, i); /* a new prefill life (or a new ring) needs our wireup */
+                events++;
+            }
+            continue;
+        }
+        if (p->remote != NULL && dead) {
+            drop_remote(n, i, 1, "the decode rank is dead");
+            events++;
+        } else if (p->remote != NULL && inc != p->remote_inc) {
+            drop_remote(n, i, 1, "the decode rank restarted");
+            events++;
+        } else if (p->remote != NULL && kvs_ucx_remote_failed(p->remote)) {
+            drop_remote(n, i, 1, "UCX reported an endpoint error");
+            events++;
+        }
+        if (dead && !p->dead) {
+            /* Writes waiting for a dead peer's wireup fail now, not at their deadline. */
+            void *v;
+            for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);) {
+                nwrite_t *w = v;
+                if (w->peer == i && w->wiring) finish_write(n, w, KVS_ERR_IO);
+            }
+        }
+        p->dead = dead;
+    }
+    return events;
+}
+
+static uint32_t service(net_t *n)
+{
+    n->serviced_at = kvs_now_ns();
+    uint32_t events = kvs_ucx_progress(n->ucx);
+    kvs_zch_frame_t f;
+    while (n->inbox_count < INBOX_CAP && kvs_zch_recv(n->ch, &f) == KVS_OK) {
+        handle_frame(n, &f);
+        events++;
+    }
+    events += kvs_zch_tick(n->ch);
+    events += check_peers(n);
+    if (n->writes.count > 0) {
+        uint64_t now = kvs_now_ns();
+        void *v;
+        for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);)
+            events += advance_write(n, v, now);
+    }
+    return events;
+}
+
+/* ---- ops ---- */
+
+static kvs_status_t net_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t len)
+{
+    net_t *n = ctx;
+    if (peer >= n->cfg.peer_tp || len > KVS_MSG_MAX_SIZE) {
+        kvs_error("net link: cannot send %zu bytes to rank %u of %u", len, peer, n->cfg.peer_tp);
+        return KVS_ERR_INVALID;
+    }
+    /* The protocol sends in bursts (grants, acks, retries): one service pass per burst keeps
+     * heartbeats and progress going without paying for it per message. */
+    if (kvs_now_ns() - n->serviced_at >= SEND_SERVICE_NS) service(n);
+    return kvs_zch_send(n->ch, peer, KVS_ZCH_MSG, buf, len);
+}
+
+static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
+{
+    net_t *n = ctx;
+    if (n->inbox_count == 0) service(n);
+    if (n->inbox_count == 0) return KVS_INPROGRESS;
+    inbox_msg_t *m = n->inbox[n->inbox_head];
+    n->inbox_head = (n->inbox_head + 1) % INBOX_CAP;
+    n->inbox_count--;
+    kvs_status_t st = KVS_OK;
+    if (m->len > cap) {
+        kvs_warn("net link: dropping a %zu-byte message (buffer %zu)", m->len, cap);
+        st = KVS_ERR_PROTOCOL;
+    } else {
+        memcpy(buf, m->bytes, m->len);
+        *len_p = m->len;
+    }
+    kvs_free(m);
+    return st;
+}
+
+static kvs_status_t net_write(void *ctx, uint32_t peer, uint64_t offset, const void *src,
+                              uint64_t len, uint64_t *ticket_p)
+{
+    net_t *n = ctx;
+    if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp || (len > 0 && src == NULL)) {
+        kvs_error("net link: %s rank %u cannot write to decode rank %u", side_name(n->cfg.side),
+                  n->cfg.rank, peer);
+        return KVS_ERR_INVALID;
+    }
+    service(n);
+    if (kvs_zch_peer_status(n->ch, peer) != KVS_OK) {
+        kvs_error("net link: prefill rank %u: decode rank %u is not alive", n->cfg.rank, peer);
+        return KVS_ERR_IO;
+    }
+    nwrite_t *w = kvs_calloc(1, sizeof(*w));
+    if (w == NULL) return KVS_ERR_NOMEM;
+    w->ticket = ++n->next_ticket;
+    w->peer = peer;
+    w->status = KVS_INPROGRESS;
+    w->src = src;
+    w->offset = offset;
+    w->len = len;
+    kvs_status_t st = kvs_map_put(&n->writes, w->ticket, w);
+    if (st != KVS_OK) {
+        kvs_free(w);
+        return st;
+    }
+    npeer_t *p = &n->peers[peer];
+    if (p->remote != NULL) {
+        start_put(n, w);
+    } else {
+        uint64_t now = kvs_now_ns();
+        w->wiring = 1;
+        w->deadline = now + n->cfg.connect_timeout_ns;
+        send_wireup_req(n, peer, now);
+    }
+    n->st.writes++;
+    n->st.write_bytes += len;
+    *ticket_p = w->ticket;
+    return KVS_OK;
+}
+
+static kvs_status_t net_write_poll(void *ctx, uint64_t ticket)
+{
+    net_t *n = ctx;
+    nwrite_t *w = kvs_map_get(&n->writes, ticket);
+    if (w == NULL) {
+        kvs_error("net link: unknown write ticket %llu", (unsigned long long) ticket);
+        return KVS_ERR_NOT_FOUND;
+    }
+    if (w->status == KVS_INPROGRESS) service(n);
+    if (w->status == KVS_INPROGRESS) return KVS_INPROGRESS;
+    kvs_status_t st = w->status;
+    kvs_map_remove(&n->writes, ticket);
+    kvs_ucx_put_release(w->put);
+    kvs_free(w);
+    return st;
+}
+
+static kvs_status_t build_wireup(net_t *n, void *ring, uint64_t size)
+{
+    const uint8_t *addr, *rkey;
+    size_t addr_len, rkey_len;
+    kvs_ucx_address(n->ucx, &addr, &addr_len);
+    kvs_ucx_region_rkey(n->region, &rkey, &rkey_len);
+    if (addr_len > WIREUP_ADDR_MAX || rkey_len > WIREUP_RKEY_MAX) {
+        kvs_error("net link: UCX address (%zu bytes) or rkey (%zu) too large for a wireup",
+                  addr_len, rkey_len);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    size_t len = WIREUP_FIXED + addr_len + rkey_len;
+    uint8_t *b = kvs_malloc(len);
+    if (b == NULL) return KVS_ERR_NOMEM;
+    put_u32(b, n->gen);
+    put_u32(b + 4, (uint32_t) addr_len);
+    put_u32(b + 8, (uint32_t) rkey_len);
+    put_u32(b + 12, 0);
+    put_u64(b + 16, (uint64_t) (uintptr_t) ring);
+    put_u64(b + 24, size);
+    memcpy(b + WIREUP_FIXED, addr, addr_len);
+    memcpy(b + WIREUP_FIXED + addr_len, rkey, rkey_len);
+    kvs_free(n->wireup);
+    n->wireup = b;
+    n->wireup_len = len;
+    return KVS_OK;
+}
+
+static void withdraw(net_t *n)
+{
+    kvs_ucx_region_destroy(n->region);
+    n->region = NULL;
+    kvs_free(n->wireup);
+    n->wireup = NULL;
+    n->wireup_len = 0;
+}
+
+/* ring NULL withdraws the exposed ring (before the caller frees it). */
+static kvs_status_t net_expose(void *ctx, void *ring, uint64_t size)
+{
+    net_t *n = ctx;
+    if (n->cfg.side != KVS_SIDE_DECODE) {
+        kvs_error("net link: only decode ranks expose a ring");
+        return KVS_ERR_INVALID;
+    }
+    withdraw(n);
+    if (ring == NULL) return KVS_OK;
+    kvs_status_t st = kvs_ucx_region_create(n->ucx, ring, size, &n->region);
+    if (st != KVS_OK) return st;
+    n->gen++;
+    if ((st = build_wireup(n, ring, size)) != KVS_OK) {
+        withdraw(n);
+        return st;
+    }
+    /* Prefill ranks holding the old ring's rkey must hear of the new one. */
+    for (uint32_t i = 0; i < n->cfg.peer_tp; i++) {
+        n->peers[i].pushed_inc = 0;
+        push_wireup(n, i);
+    }
+    return KVS_OK;
+}
+
+static kvs_status_t net_flush(void *ctx)
+{
+    net_t *n = ctx;
+    service(n);
+    /* Completed puts were confirmed by the writer's flush before it sent CHUNK_READY: the bytes
+     * are in our memory; order our later reads after everything seen so far. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return KVS_OK;
+}
+
+static kvs_status_t net_peer_status(void *ctx, uint32_t peer)
+{
+    net_t *n = ctx;
+    if (peer >= n->cfg.peer_tp) {
+        kvs_error("net link: no rank %u on the other side (of %u)", peer, n->cfg.peer_tp);
+        return KVS_ERR_INVALID;
+    }
+    service(n);
+    return kvs_zch_peer_status(n->ch, peer);
+}
+
+static void net_destroy(void *ctx)
+{
+    net_t *n = ctx;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);) {
+        nwrite_t *w = v;
+        kvs_ucx_put_release(w->put);
+        kvs_free(w);
+    }
+    kvs_map_fini(&n->writes);
+    for (uint32_t i = 0; i < n->cfg.peer_tp; i++)
+        drop_remote(n, i, kvs_zch_peer_status(n->ch, i) != KVS_OK, "the link is closing");
+    withdraw(n);
+    kvs_ucx_destroy(n->ucx);
+    kvs_zch_destroy(n->ch);
+    while (n->inbox_count > 0) {
+        kvs_free(n->inbox[n->inbox_head]);
+        n->inbox_head = (n->inbox_head + 1) % INBOX_CAP;
+        n->inbox_count--;
+    }
+    kvs_free(n->peers);
+    kvs_free(n);
+}
+
+static const kvs_link_ops_t net_ops = {
+    .name = "net",
+    .send = net_send,
+    .recv = net_recv,
+    .write = net_write,
+    .write_poll = net_write_poll,
+    .expose = net_expose,
+    .flush = net_flush,
+    .peer_status = net_peer_status,
+    .destroy = net_destroy,
+};
+
+/* ---- public API ---- */
+
+/* 1 if an endpoint can only be reached from this host and network namespace. */
+static int endpoint_local(const char *ep)
+{
+    static const char *const local[] = {"ipc://",           "inproc://",    "tcp://127.",
+                                        "tcp://localhost:", "tcp://[::1]:", "tcp://lo:"};
+    for (size_t i = 0; i < sizeof(local) / sizeof(local[0]); i++)
+        if (strncmp(ep, local[i], strlen(local[i])) == 0) return 1;
+    return 0;
+}
+
+/* Picks UCX_TLS and the error mode for the data plane. */
+static void choose_data(const kvs_net_config_t *c, kvs_ucx_config_t *u_p)
+{
+    memset(u_p, 0, sizeof(*u_p));
+    kvs_net_data_t data = c->data;
+    const char *env = getenv("UCX_TLS");
+    if (data == KVS_NET_DATA_AUTO && env != NULL && env[0] != '\0') {
+        /* The operator chose; PEER error mode would silently drop shared memory from it. */
+        int shm = strstr(env, "sm") || strstr(env, "posix") || strstr(env, "sysv") ||
+                  strstr(env, "cma") || strstr(env, "all");
+        u_p->tls = NULL;
+        u_p->peer_errors = !shm;
+        u_p->net_devices = c->net_device;
+        kvs_info("net link: data plane uses UCX_TLS=%s from the environment", env);
+        return;
+    }
+    if (data == KVS_NET_DATA_AUTO) {
+        int local = endpoint_local(c->bind);
+        for (uint32_t i = 0; i < c->peer_tp; i++)
+            if (c->peers[i] != NULL && !endpoint_local(c->peers[i])) local = 0;
+        data = local ? KVS_NET_DATA_SHM : KVS_NET_DATA_TCP;
+    }
+    if (data == KVS_NET_DATA_SHM) {
+        u_p->tls = "sm";
+        u_p->peer_errors = 0;
+    } else {
+        u_p->tls = "tcp";
+        u_p->peer_errors = 1;
+        u_p->net_devices = c->net_device;
+    }
+    kvs_info("net link: data plane uses UCX_TLS=%s", u_p->tls);
+}
+
+kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **link_p)
+{
+    if ((config->side != KVS_SIDE_PREFILL && config->side != KVS_SIDE_DECODE) ||
+        config->peer_tp == 0 || config->peer_tp > KVS_MAX_TP || config->bind == NULL ||
+        config->data > KVS_NET_DATA_TCP) {
+        kvs_error("net link: needs a side, 1..%u peers, a bind endpoint and a data transport",
+                  KVS_MAX_TP);
+        return KVS_ERR_INVALID;
+    }
+    net_t *n = kvs_calloc(1, sizeof(*n));
+    kvs_link_t *link = kvs_malloc(sizeof(*link));
+    if (n != NULL) n->peers = kvs_calloc(config->peer_tp, sizeof(*n->peers));
+    if (n == NULL || link == NULL || n->peers == NULL) {
+        if (n != NULL) kvs_free(n->peers);
+        kvs_free(n);
+        kvs_free(link);
+        return KVS_ERR_NOMEM;
+    }
+    n->cfg = *config;
+    kvs_net_config_t *c = &n->cfg;
+    if (c->heartbeat_ns == 0) c->heartbeat_ns = DEFAULT_HEARTBEAT;
+    if (c->liveness_timeout_ns == 0) c->liveness_timeout_ns = DEFAULT_LIVENESS;
+    if (c->connect_timeout_ns == 0) c->connect_timeout_ns = DEFAULT_CONNECT;
+    if (c->write_timeout_ns == 0) c->write_timeout_ns = DEFAULT_WRITE;
+    kvs_map_init(&n->writes);
+    kvs_ucx_config_t uc;
+    choose_data(config, &uc);
+    kvs_zch_config_t zc = {
+        .side = c->side,
+        .rank = c->rank,
+        .peer_tp = c->peer_tp,
+        .bind = config->bind,
+        .heartbeat_ns = c->heartbeat_ns,
+        .liveness_timeout_ns = c->liveness_timeout_ns,
+        .connect_timeout_ns = c->connect_timeout_ns,
+    };
+    kvs_status_t st = kvs_zch_create(&zc, &n->ch);
+    if (st != KVS_OK) goto err_free;
+    for (uint32_t i = 0; i < c->peer_tp; i++) {
+        if (config->peers[i] == NULL) continue;
+        if ((st = kvs_zch_set_peer(n->ch, i, config->peers[i])) != KVS_OK) goto err_ch;
+    }
+    if ((st = kvs_ucx_create(&uc, &n->ucx)) != KVS_OK) goto err_ch;
+    /* Nothing below keeps the caller's strings. */
+    c->bind = NULL;
+    c->net_device = NULL;
+    memset(c->peers, 0, sizeof(c->peers));
+    link->ops = &net_ops;
+    link->ctx = n;
+    *link_p = link;
+    return KVS_OK;
+
+err_ch:
+    kvs_zch_destroy(n->ch);
+err_free:
+    kvs_map_fini(&n->writes);
+    kvs_free(n->peers);
+    kvs_free(n);
+    kvs_free(link);
+    return st;
+}
+
+static net_t *net_of(kvs_link_t *link)
+{
+    if (link == NULL || link->ops != &net_ops) {
+        kvs_error("net link: not a net link");
+        return NULL;
+    }
+    return link->ctx;
+}
+
+const char *kvs_net_link_endpoint(kvs_link_t *link)
+{
+    net_t *n = net_of(link);
+    return n ? kvs_zch_endpoint(n->ch) : NULL;
+}
+
+kvs_status_t kvs_net_link_set_peer(kvs_link_t *link, uint32_t rank, const char *endpoint)
+{
+    net_t *n = net_of(link);
+    if (n == NULL) return KVS_ERR_INVALID;
+    return kvs_zch_set_peer(n->ch, rank, endpoint);
+}
+
+uint32_t kvs_net_link_progress(kvs_link_t *link)
+{
+    net_t *n = net_of(link);
+    return n ? service(n) : 0;
+}
+
+kvs_status_t kvs_net_link_stats(kvs_link_t *link, kvs_net_stats_t *stats_p)
+{
+    net_t *n = net_of(link);
+    if (n == NULL) return KVS_ERR_INVALID;
+    kvs_zch_stats_t z;
+    kvs_zch_stats(n->ch, &z);
+    kvs_net_stats_t s = n->st;
+    s.msgs_sent = z.sent;
+    s.msgs_received = z.received;
+    s.bytes_sent = z.bytes_sent;
+    s.bytes_received = z.bytes_received;
+    s.send_failures = z.send_failures;
+    s.heartbeats_sent = z.heartbeats_sent;
+    s.heartbeats_received = z.heartbeats_received;
+    s.rejected = z.rejected;
+    s.stale = z.stale;
+    s.dead_peers = z.dead_peers;
+    s.peer_restarts = z.restarts;
+    s.writes_in_flight = n->writes.count;
+    *stats_p = s;
+    return KVS_OK;
+}

@@ -1,0 +1,127 @@
+/* Multi-process deployments through the real tool: every rank its own process, ZeroMQ control,
+ * UCX data over shared memory and over TCP on loopback, bootstrap through the registry. Each run
+ * must verify every room byte for byte on every decode rank and leak nothing; an incompatible
+ * decode rank must be refused with a message naming the mismatch. */
+#include "kvs_test.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char *tool(void)
+{
+    return getenv("KVS_TOOL");
+}
+
+/* Runs `kvstage ARGS` with a shell, captures stdout (and stderr when merge), returns the exit
+ * status. */
+static int run(const char *args, char *out, size_t cap, int merge)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd), "%s %s%s", tool(), args, merge ? " 2>&1" : " 2>/dev/null");
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = '\0';
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void expect(const char *out, const char *what)
+{
+    if (strstr(out, what) == NULL) fail_msg("output lacks '%s':\n%s", what, out);
+}
+
+static void demo_ok(const char *flags)
+{
+    static char out[1 << 16];
+    char args[1024];
+    snprintf(args, sizeof(args), "demo --json --deadline-s 120 %s", flags);
+    int rc = run(args, out, sizeof(out), 0);
+    if (rc != 0) fail_msg("'kvstage %s' exited %d:\n%s", args, rc, out);
+    expect(out, "\"ok\":true");
+    expect(out, "\"failed\":0");
+    expect(out, "\"exact\":true");
+    expect(out, "\"leaked_slots\":0,\"leaked_pages\":0,\"leaked_rooms\":0");
+}
+
+static void test_tp4_to_tp2_shm(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 24 --concurrency 8 --data shm");
+}
+
+static void test_tp2_to_tp4_tcp(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 16 --prefill-tp 2 --decode-tp 4 --data tcp --net-device lo");
+}
+
+static void test_replicated_and_mla(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    /* 2 KV heads over prefill TP4: replicas, one of which ships each head. */
+    demo_ok("--requests 12 --prefill-tp 4 --decode-tp 1 --kv-heads 2 --layout hnd");
+    demo_ok("--requests 12 --prefill-tp 2 --decode-tp 2 --mla --head-dim 48 --page-size 8 "
+            "--chunk 64");
+}
+
+static void test_incompatible_decode_refused(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    char registry[64];
+    snprintf(registry, sizeof(registry), "tcp://127.0.0.1:%d", 20000 + (int) (getpid() % 20000));
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) {
+            dup2(devnull, 1);
+            dup2(devnull, 2);
+        }
+        execl(tool(), "kvstage", "prefill", "--rank", "0", "--serve-registry", "--registry",
+              registry, "--prefill-tp", "1", "--decode-tp", "1", "--requests", "2", "--deadline-s",
+              "30", (char *) NULL);
+        _exit(127);
+    }
+    static char out[1 << 14];
+    char args[512];
+    snprintf(args, sizeof(args),
+             "decode --rank 0 --registry %s --prefill-tp 1 --decode-tp 1 --requests 2 "
+             "--page-size 32",
+             registry);
+    int rc = run(args, out, sizeof(out), 1);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    assert_int_equal(rc, 1);
+    expect(out, "incompatible");
+    expect(out, "page size 16 vs 32 here");
+}
+
+static void test_bad_flags(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    static char out[1 << 14];
+    assert_int_equal(run("demo --transport carrier-pigeon", out, sizeof(out), 1), 2);
+    assert_int_equal(run("decode --rank 0 --bogus 1", out, sizeof(out), 1), 2);
+    expect(out, "unknown flag '--bogus'");
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tp4_to_tp2_shm),
+        cmocka_unit_test(test_tp2_to_tp4_tcp),
+        cmocka_unit_test(test_replicated_and_mla),
+        cmocka_unit_test(test_incompatible_decode_refused),
+        cmocka_unit_test(test_bad_flags),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,91 @@
+/* `kvstage prefill` and `kvstage decode`: run one rank of a deployment as this process (see
+ * include/kvstage/rank.h). Every rank of both instances must be given the same deployment and
+ * workload flags; the prefill instance's registry endpoint ties them together. */
+#include "commands.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "args.h"
+#include "json.h"
+#include "kvstage/log.h"
+#include "kvstage/rank.h"
+#include "rank_flags.h"
+
+static void print_json(const kvs_rank_config_t *c, const kvs_rank_result_t *r, int ok)
+{
+    kvs_json_t j;
+    kvs_json_begin(&j, stdout);
+    kvs_json_bool(&j, "ok", ok);
+    kvs_json_str(&j, "side", c->side == KVS_SIDE_PREFILL ? "prefill" : "decode");
+    kvs_json_u64(&j, "rank", c->rank);
+    kvs_json_u64(&j, "requests", r->requests);
+    kvs_json_u64(&j, "succeeded", r->succeeded);
+    kvs_json_u64(&j, "failed", r->failed);
+    kvs_json_bool(&j, "exact", r->mismatched_bytes == 0 && r->meta_mismatches == 0);
+    kvs_json_u64(&j, "mismatched_bytes", r->mismatched_bytes);
+    kvs_json_u64(&j, "meta_mismatches", r->meta_mismatches);
+    kvs_json_u64(&j, "leaked_slots", r->leaked_slots);
+    kvs_json_u64(&j, "leaked_pages", r->leaked_pages);
+    kvs_json_u64(&j, "leaked_rooms", r->leaked_rooms);
+    kvs_json_u64(&j, "chunks", r->metrics.chunks);
+    kvs_json_u64(&j, "bulk_writes", r->metrics.bulk_writes);
+    kvs_json_u64(&j, "bytes_moved", r->metrics.bytes);
+    kvs_json_u64(&j, "control_messages", r->metrics.msgs_sent);
+    kvs_json_u64(&j, "retries", r->metrics.retries);
+    kvs_json_u64(&j, "rejected_messages", r->metrics.rejected + r->net.rejected);
+    kvs_json_u64(&j, "ignored_messages", r->metrics.ignored);
+    kvs_json_u64(&j, "ring_high_water", r->metrics.ring_high_water);
+    kvs_json_u64(&j, "dead_peers", r->net.dead_peers);
+    kvs_json_bool(&j, "timed_out", r->timed_out);
+    kvs_json_double(&j, "wall_s", r->wall_s);
+    kvs_json_end(&j);
+}
+
+static void print_progress(void *arg, uint32_t concluded, uint32_t requests)
+{
+    (void) arg;
+    printf("progress %u %u\n", concluded, requests);
+    fflush(stdout);
+}
+
+static int run_side(kvs_side_t side, int argc, char **argv)
+{
+    kvs_rank_flags_t f;
+    kvs_rank_flags_default(&f);
+    f.cfg.side = side;
+    const char *usage = side == KVS_SIDE_PREFILL ? "kvstage prefill --rank N --registry EP [flags]"
+                                                 : "kvstage decode --rank N --registry EP [flags]";
+    int rc = kvs_rank_flags_parse(&f, usage, argc, argv);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (f.progress) f.cfg.progress = print_progress;
+    kvs_rank_result_t r;
+    kvs_status_t st = kvs_rank_run(&f.cfg, &r);
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: %s rank %u could not run: %s\n",
+                side == KVS_SIDE_PREFILL ? "prefill" : "decode", f.cfg.rank, kvs_status_str(st));
+        return 1;
+    }
+    int ok = kvs_rank_result_ok(&r);
+    if (f.json) {
+        print_json(&f.cfg, &r, ok);
+    } else {
+        printf("%s rank %u: %u/%u rooms succeeded, %u failed, %s, leaks: pages %llu slots %llu "
+               "rooms %llu, %.2f s\n",
+               side == KVS_SIDE_PREFILL ? "prefill" : "decode", f.cfg.rank, r.succeeded, r.requests,
+               r.failed, r.mismatched_bytes || r.meta_mismatches ? "NOT exact" : "exact",
+               (unsigned long long) r.leaked_pages, (unsigned long long) r.leaked_slots,
+               (unsigned long long) r.leaked_rooms, r.wall_s);
+    }
+    return ok ? 0 : 1;
+}
+
+int kvs_cmd_prefill(int argc, char **argv)
+{
+    return run_side(KVS_SIDE_PREFILL, argc, argv);
+}
+
+int kvs_cmd_decode(int argc, char **argv)
+{
+    return run_side(KVS_SIDE_DECODE, argc, argv);
+}

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include "kvstage/alloc.h"
+#include "kvstage/log.h"
 
 /* Asserts that no accounted allocation is live. */
 #define kvs_assert_no_leaks()                                                                      \
@@ -29,6 +30,25 @@ static inline uint64_t kvs_test_seed(uint64_t dflt)
 {
     const char *s = getenv("KVS_SEED");
     return s ? strtoull(s, NULL, 0) : dflt;
+}
+
+/* Captures log messages (install with kvs_log_set_sink(kvs_log_capture_sink, &capture)) so
+ * tests can check what was reported, and keeps expected errors off stderr. */
+typedef struct {
+    int errors_only; /* count only KVS_LOG_ERROR messages */
+    int calls;
+    char msg[512]; /* the last message counted */
+} kvs_log_capture_t;
+
+static inline void kvs_log_capture_sink(void *arg, kvs_log_level_t level, const char *file,
+                                        int line, const char *msg)
+{
+    (void) file;
+    (void) line;
+    kvs_log_capture_t *c = arg;
+    if (c->errors_only && level != KVS_LOG_ERROR) return;
+    c->calls++;
+    snprintf(c->msg, sizeof(c->msg), "%s", msg);
 }
 
 /* Iteration count: KVS_ITERS from the environment (for soaks), else the given default. */

@@ -3,11 +3,18 @@
 #ifndef KVSTAGE_TOOLS_COMMANDS_H
 #define KVSTAGE_TOOLS_COMMANDS_H
 
+#include <stddef.h>
+
 typedef struct {
     const char *name;
     int (*run)(int argc, char **argv);
     const char *summary;
 } kvs_command_t;
+
+/* Runs the entry of `table` named by argv[1] with (argc - 1, argv + 1); prints the table as
+ * usage for --help (exit 0) or a missing/unknown name (exit 2). `what` names the level, e.g.
+ * "kvstage <command>" or "kvstage bench <name>". */
+int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int argc, char **argv);
 
 int kvs_cmd_plan(int argc, char **argv);
 int kvs_cmd_bench(int argc, char **argv);

@@ -6,35 +6,39 @@
 
 static const kvs_command_t commands[] = {
     {"plan", kvs_cmd_plan, "print the transfer plan between two TP layouts"},
-    {"bench", kvs_cmd_bench, "run a benchmark (radix)"},
+    {"bench", kvs_cmd_bench, "run a benchmark (radix, protocol, kernels, transfer)"},
     {"demo", kvs_cmd_demo, "run the default deployment (what `make demo` runs)"},
     {"prefill", kvs_cmd_prefill, "run one prefill rank of a multi-process deployment"},
     {"decode", kvs_cmd_decode, "run one decode rank of a multi-process deployment"},
     {"sim", kvs_cmd_sim, "simulate prefill -> decode transfers on a virtual clock and verify them"},
 };
 
-static void usage(FILE *f)
+static void usage(FILE *f, const char *what, const kvs_command_t *table, size_t count)
 {
-    fprintf(f, "usage: kvstage <command> [flags]   (kvstage <command> --help for flags)\n\n");
-    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-        fprintf(f, "  %-8s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "usage: %s [flags]   (%s --help for its flags)\n\n", what, what);
+    for (size_t i = 0; i < count; i++) fprintf(f, "  %-9s %s\n", table[i].name, table[i].summary);
 }
 
-int main(int argc, char **argv)
+int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int argc, char **argv)
 {
     if (argc < 2) {
-        usage(stderr);
+        usage(stderr, what, table, count);
         return 2;
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
         strcmp(argv[1], "help") == 0) {
-        usage(stdout);
+        usage(stdout, what, table, count);
         return 0;
     }
-    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++) {
-        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
-    }
-    fprintf(stderr, "error: unknown command '%s'\n\n", argv[1]);
-    usage(stderr);
+    for (size_t i = 0; i < count; i++)
+        if (strcmp(argv[1], table[i].name) == 0) return table[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "error: unknown name '%s'\n\n", argv[1]);
+    usage(stderr, what, table, count);
     return 2;
+}
+
+int main(int argc, char **argv)
+{
+    return kvs_dispatch("kvstage <command>", commands, sizeof(commands) / sizeof(commands[0]), argc,
+                        argv);
 }

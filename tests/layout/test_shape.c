@@ -7,27 +7,11 @@
 #include "kvstage/layout.h"
 #include "kvstage/log.h"
 
-typedef struct {
-    int calls;
-    char msg[512];
-} log_capture_t;
-
-static void capture_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                         const char *msg)
-{
-    (void) file;
-    (void) line;
-    log_capture_t *c = arg;
-    if (level != KVS_LOG_ERROR) return;
-    c->calls++;
-    snprintf(c->msg, sizeof(c->msg), "%s", msg);
-}
-
 /* Runs a validation under a capturing sink; asserts one error naming `needle` was logged. */
 static void expect_shape_error(const kvs_kv_shape_t *shape, const char *needle)
 {
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     kvs_status_t st = kvs_kv_shape_validate(shape);
     kvs_log_set_sink(NULL, NULL);
     assert_int_equal(st, KVS_ERR_INVALID);
@@ -101,8 +85,8 @@ static void test_shape_validate(void **state)
     s.layers = UINT32_MAX;
     expect_shape_error(&s, "too large");
 
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_kv_shape_validate(NULL), KVS_ERR_INVALID);
     kvs_log_set_sink(NULL, NULL);
     assert_int_equal(cap.calls, 1);
@@ -162,8 +146,8 @@ static void test_tp_validate(void **state)
         assert_int_equal(kvs_tp_validate(&s, &tp), KVS_OK);
     }
 
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     s = mha(3);
     kvs_tp_t tp = {.tp_size = 2, .tp_rank = 0};
     assert_int_equal(kvs_tp_validate(&s, &tp), KVS_ERR_INVALID);
@@ -208,8 +192,8 @@ static void test_tp_validate(void **state)
 static void test_tp_layout_exhaustive(void **state)
 {
     (void) state;
-    log_capture_t cap = {0}; /* swallows the expected rejections */
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {.errors_only = 1}; /* swallows the expected rejections */
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     int rejected = 0;
     for (uint32_t heads = 1; heads <= 128; heads++) {
         kvs_kv_shape_t s = mha(heads);

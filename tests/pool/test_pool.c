@@ -8,23 +8,6 @@
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
 
-/* Captures the last error message so tests can check what was reported. */
-typedef struct {
-    int calls;
-    char msg[512];
-} log_capture_t;
-
-static void capture_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                         const char *msg)
-{
-    (void) level;
-    (void) file;
-    (void) line;
-    log_capture_t *c = arg;
-    c->calls++;
-    snprintf(c->msg, sizeof(c->msg), "%s", msg);
-}
-
 static kvs_kv_shape_t mha_shape(uint32_t layers, uint32_t heads, uint32_t dk, uint32_t dv,
                                 uint32_t e)
 {
@@ -94,8 +77,8 @@ static void test_alloc_free_all(void **state)
     /* a fresh pool hands out ids in order */
     for (uint32_t i = 0; i < 37; i++) assert_int_equal(pages[i], i);
 
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     uint32_t one = 12345;
     assert_int_equal(kvs_pool_alloc(pool, 1, &one), KVS_ERR_NOSPACE);
     kvs_log_set_sink(NULL, NULL);
@@ -135,8 +118,8 @@ static void test_out_of_pages_leaves_state(void **state)
 
     uint32_t out[8];
     memset(out, 0xee, sizeof(out));
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_pool_alloc(pool, 4, out), KVS_ERR_NOSPACE);
     kvs_log_set_sink(NULL, NULL);
     assert_non_null(strstr(cap.msg, "need 4"));
@@ -166,8 +149,8 @@ static void check_rejected_free(kvs_pool_t *pool, const uint32_t *pages, uint32_
     uint8_t before[64];
     assert_true(total <= 64);
     for (uint32_t p = 0; p < total; p++) before[p] = (uint8_t) kvs_pool_page_allocated(pool, p);
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_pool_free(pool, pages, n), KVS_ERR_INVALID);
     kvs_log_set_sink(NULL, NULL);
     assert_int_equal(cap.calls, 1);
@@ -195,8 +178,8 @@ static void test_free_rejects_bad_ids(void **state)
     check_rejected_free(pool, dup, 4, "repeated");
     uint32_t dup_first[] = {a[4], a[4]};
     check_rejected_free(pool, dup_first, 2, "repeated");
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_pool_free(pool, NULL, 2), KVS_ERR_INVALID);
     assert_int_equal(kvs_pool_alloc(pool, 2, NULL), KVS_ERR_INVALID);
     kvs_log_set_sink(NULL, NULL);
@@ -223,8 +206,8 @@ static void test_config_validation(void **state)
     kvs_pool_t *pool = (kvs_pool_t *) (uintptr_t) 0x1; /* must not be written on error */
     kvs_pool_config_t good = pool_config(mha_shape(2, 4, 8, 8, 2), 2, 1, 16, 8, KVS_POOL_NHD);
     kvs_pool_config_t c;
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap); /* every call below but the last logs an error */
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap); /* every call below but the last logs an error */
 
     c = good;
     c.page_size = 0;
@@ -427,8 +410,8 @@ static void test_create_alloc_failure(void **state)
     kvs_pool_config_t c = pool_config(mha_shape(2, 4, 8, 8, 2), 2, 0, 4, 8, KVS_POOL_HND);
     uint64_t nth;
     int failures = 0;
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     for (nth = 1; nth < 64; nth++) {
         kvs_pool_t *pool = NULL;
         kvs_alloc_fail_at(nth);
@@ -464,8 +447,9 @@ static void test_random_alloc_free(void **state)
     kvs_pool_config_t c = pool_config(mla_shape(1, 2, 1), 1, 0, 1, N, KVS_POOL_NHD);
     kvs_pool_t *pool = make_pool(&c);
     uint32_t held[50], nheld = 0, buf[64];
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap); /* rejected calls are expected; keep stderr quiet */
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink,
+                     &cap); /* rejected calls are expected; keep stderr quiet */
     for (uint64_t it = 0; it < iters; it++) {
         uint64_t op = kvs_rng_below(&rng, 3);
         if (op == 0) {

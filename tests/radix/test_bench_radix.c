@@ -234,7 +234,7 @@ static void test_dispatch(void **state)
     NEED_TOOL();
     assert_int_equal(tool("bench", "out.json"), 2);
     assert_int_equal(tool("bench nosuch", "out.json"), 2);
-    assert_non_null(strstr(slurp("err.txt"), "unknown benchmark 'nosuch'"));
+    assert_non_null(strstr(slurp("err.txt"), "unknown name 'nosuch'"));
     assert_int_equal(tool("bench --help", "out.json"), 0);
     assert_non_null(strstr(slurp("out.json"), "radix"));
     assert_int_equal(tool("bench radix --help", "out.json"), 0);

@@ -9,22 +9,6 @@
 #include "kvstage/ring.h"
 #include "kvstage/rng.h"
 
-typedef struct {
-    int calls;
-    char msg[512];
-} log_capture_t;
-
-static void capture_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                         const char *msg)
-{
-    (void) level;
-    (void) file;
-    (void) line;
-    log_capture_t *c = arg;
-    c->calls++;
-    snprintf(c->msg, sizeof(c->msg), "%s", msg);
-}
-
 static kvs_ring_t *make_ring(uint64_t capacity)
 {
     kvs_ring_t *ring = NULL;
@@ -193,8 +177,8 @@ static void test_bad_requests(void **state)
 {
     (void) state;
     kvs_ring_t *ring = make_ring(1000);
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_ring_enqueue(ring, 1001, 5), KVS_ERR_NOSPACE);
     assert_non_null(strstr(cap.msg, "1001"));
     assert_non_null(strstr(cap.msg, "1000"));
@@ -254,8 +238,8 @@ static void test_alloc_failures(void **state)
 {
     (void) state;
     kvs_ring_t *ring = NULL;
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     kvs_alloc_fail_at(1);
     assert_int_equal(kvs_ring_create(100, &ring), KVS_ERR_NOMEM);
     assert_null(ring);
@@ -352,8 +336,9 @@ static void test_ring_property(void **state)
     const uint64_t episodes = kvs_test_iters(1000);
     kvs_rng_t rng;
     kvs_rng_seed(&rng, seed);
-    log_capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap); /* invalid calls are part of the test: keep quiet */
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink,
+                     &cap); /* invalid calls are part of the test: keep quiet */
     static model_t m;
     uint8_t blocked[MODEL_MAX];
     uint64_t step = 0;

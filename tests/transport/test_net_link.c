@@ -744,6 +744,37 @@ static void test_wireup_timeout(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Shared memory on one side and tcp on the other cannot meet: writes fail at once with a clear
+ * error instead of waiting for their deadline. */
+static void test_mismatched_transports(void **state)
+{
+    (void) state;
+    kvs_net_config_t dc = net_cfg(KVS_SIDE_DECODE, KVS_NET_DATA_SHM);
+    kvs_link_t *d, *p;
+    assert_int_equal(kvs_net_link_create(&dc, &d), KVS_OK);
+    kvs_net_config_t pc = net_cfg(KVS_SIDE_PREFILL, KVS_NET_DATA_TCP);
+    pc.peers[0] = kvs_net_link_endpoint(d);
+    pc.connect_timeout_ns = 20000 * MS;
+    assert_int_equal(kvs_net_link_create(&pc, &p), KVS_OK);
+    uint8_t *ring = kvs_aligned_alloc(4096, MIB);
+    assert_int_equal(d->ops->expose(d->ctx, ring, MIB), KVS_OK);
+    uint8_t src[64] = {0};
+    uint64_t t;
+    uint64_t t0 = kvs_now_ns();
+    assert_int_equal(p->ops->write(p->ctx, 0, 0, src, sizeof(src), &t), KVS_OK);
+    kvs_status_t st;
+    while ((st = p->ops->write_poll(p->ctx, t)) == KVS_INPROGRESS) {
+        kvs_net_link_progress(d);
+        assert_true(kvs_now_ns() - t0 < 10000 * MS);
+    }
+    assert_int_equal(st, KVS_ERR_INCOMPATIBLE);
+    d->ops->expose(d->ctx, NULL, 0);
+    kvs_link_destroy(p);
+    kvs_link_destroy(d);
+    kvs_free(ring);
+    kvs_assert_no_leaks();
+}
+
 static void test_argument_checks(void **state)
 {
     (void) state;
@@ -896,6 +927,7 @@ int main(void)
         cmocka_unit_test(test_prefill_restart_shm),
         cmocka_unit_test(test_prefill_restart_tcp),
         cmocka_unit_test(test_wireup_timeout),
+        cmocka_unit_test(test_mismatched_transports),
         cmocka_unit_test(test_argument_checks),
         cmocka_unit_test(test_reexpose),
         cmocka_unit_test(test_hostile_wireup),

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# GPU acceptance run for the CUDA copy backend and device pools, from the repo root on a machine
-# with an NVIDIA GPU:  bash scripts/gpu-check.sh
-# Builds with CUDA in a fresh build dir, runs the whole test suite, the CUDA copy test on its own
-# (it must not skip), compute-sanitizer (memcheck with leak check, racecheck, initcheck) on it,
-# and `kvstage bench kernels`; prints a summary. Logs go to $BUILD/gpu-check/.
+# GPU acceptance run, from the repo root on a machine with an NVIDIA GPU (two for the
+# cross-GPU paths):  bash scripts/gpu-check.sh
+# Builds with CUDA in a fresh build dir, runs the whole test suite, then each GPU test on its
+# own (none may skip): the CUDA copy backend, device memory (test_mem), the simulation's
+# exactness suite on GPUs (test_sim_gpu) and the cross-process CUDA IPC test (test_cuda_ipc);
+# `kvstage sim --device cuda` (prefill on GPU 0, decode on GPU 1 when there are two);
+# `kvstage bench transfer` and `kvstage bench kernels`; then compute-sanitizer memcheck (with
+# leak check) on the four GPU tests, racecheck and initcheck on the copy test; prints a
+# summary. Logs go to $LOGS (default $BUILD/gpu-check/).
 # Environment: BUILD (default build-gpu), JOBS (default nproc), SAN_ITERS (random cases per
-# sanitizer run, default 100), BENCH_ARGS (extra flags for the benchmark), DEPS_DIR (default
-# build-deps).
+# sanitizer run, default 100), BENCH_ARGS (extra flags for bench kernels), TRANSFER_ARGS (extra
+# flags for bench transfer), DEPS_DIR (default build-deps), CMAKE_ARGS (extra configure flags,
+# e.g. -DKVS_WERROR=OFF), SKIP (space-separated step names to leave out, e.g. "racecheck
+# initcheck bench"), STEP_TIMEOUT (seconds per sanitizer or benchmark step, default 900), LOGS.
 #
 # GPU machines without internet often lack the project's dev packages (cmocka, ZeroMQ, UCX
 # headers, pkg-config). On a Debian/Ubuntu machine with apt, `bash scripts/gpu-check.sh
@@ -20,8 +26,12 @@ BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 4)}
 SAN_ITERS=${SAN_ITERS:-100}
 BENCH_ARGS=${BENCH_ARGS:-}
+TRANSFER_ARGS=${TRANSFER_ARGS:-}
+CMAKE_ARGS=${CMAKE_ARGS:-}
+SKIP=${SKIP:-}
+STEP_TIMEOUT=${STEP_TIMEOUT:-900}
 DEPS_DIR=${DEPS_DIR:-build-deps}
-LOGS=$BUILD/gpu-check
+LOGS=${LOGS:-$BUILD/gpu-check}
 DEP_PKGS=(libcmocka0 libcmocka-dev libzmq5 libzmq3-dev libsodium23 libpgm-5.3-0 libnorm1 libucx0
     libucx-dev libnuma1 libibverbs1 librdmacm1 pkgconf-bin libpkgconf3)
 
@@ -60,10 +70,21 @@ names=()
 verdicts=()
 failed=0
 
-# step NAME CMD...: runs CMD with its output in $LOGS/NAME.log (and on the terminal).
+skipped() {
+    case " $SKIP " in *" $1 "*) return 0 ;; esac
+    return 1
+}
+
+# step NAME CMD...: runs CMD with its output in $LOGS/NAME.log (and on the terminal); steps
+# named in SKIP are left out (and listed as skipped).
 step() {
     local name=$1
     shift
+    if skipped "$name"; then
+        names+=("$name")
+        verdicts+=("skipped (SKIP)")
+        return 0
+    fi
     echo
     echo "=== $name: $*"
     local t0=$SECONDS
@@ -91,6 +112,10 @@ summary() {
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E '^(GPU|summary|check):' "$LOGS/bench.log" | sed 's/^/  bench /'
+    fi
+    if [ -f "$LOGS/bench-transfer.log" ]; then
+        echo
+        grep -E '^(hardware|summary|check):' "$LOGS/bench-transfer.log" | sed 's/^/  transfer /'
     fi
     echo
     if [ "$failed" -eq 0 ]; then echo "gpu-check: ALL PASSED"; else echo "gpu-check: FAILED"; fi
@@ -120,7 +145,9 @@ nvidia-smi -L 2>&1 || echo "(nvidia-smi not available)"
 command -v nvcc >/dev/null 2>&1 || export PATH=/usr/local/cuda/bin:$PATH
 nvcc --version 2>&1 | tail -n 2
 
-if ! step configure cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVS_CUDA=ON; then
+# shellcheck disable=SC2086 # CMAKE_ARGS is a flag list
+if ! step configure cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVS_CUDA=ON \
+    $CMAKE_ARGS; then
     summary
     exit 1
 fi
@@ -136,29 +163,47 @@ fi
 
 step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS'"
 
-# The CUDA copy test alone, verbose: on a GPU machine nothing may be skipped.
-if step test_copy_cuda "$BUILD/test_copy_cuda"; then
-    if grep -q "SKIPPED" "$LOGS/test_copy_cuda.log"; then
-        mark test_copy_cuda-ran "FAIL (tests were skipped: no GPU visible to the CUDA runtime?)"
-    else
-        mark test_copy_cuda-ran "PASS (no test skipped)"
+# Each GPU test alone, verbose: on a GPU machine nothing may be skipped.
+GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc)
+for t in "${GPU_TESTS[@]}"; do
+    if step "$t" "$BUILD/$t" && ! skipped "$t"; then
+        if grep -q "SKIPPED" "$LOGS/$t.log"; then
+            mark "$t-ran" "FAIL (tests were skipped: no GPU visible to the CUDA runtime?)"
+        else
+            mark "$t-ran" "PASS (no test skipped)"
+        fi
     fi
-fi
+done
 
+GPUS=0,0
+[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 1 ] && GPUS=0,1
+step sim-cuda "$BUILD/kvstage" sim --device cuda --gpus "$GPUS"
+
+# shellcheck disable=SC2086 # TRANSFER_ARGS is a flag list
+step bench-transfer timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench transfer --device cuda \
+    $TRANSFER_ARGS
+# shellcheck disable=SC2086 # BENCH_ARGS is a flag list
+step bench timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench kernels $BENCH_ARGS
+
+# Sanitizers last: they are the slowest steps.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$SAN" ]; then
+    # The cross-process test forks: the sanitizer follows the child too.
+    for t in test_cuda_ipc test_mem test_sim_gpu; do
+        step "memcheck-$t" timeout "$STEP_TIMEOUT" "$SAN" --tool memcheck --leak-check full \
+            --target-processes all --error-exitcode 99 "$BUILD/$t"
+    done
     export KVS_ITERS=$SAN_ITERS
-    step memcheck "$SAN" --tool memcheck --leak-check full --error-exitcode 99 \
+    step memcheck timeout "$STEP_TIMEOUT" "$SAN" --tool memcheck --leak-check full \
+        --error-exitcode 99 "$BUILD/test_copy_cuda"
+    step racecheck timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck --error-exitcode 99 \
         "$BUILD/test_copy_cuda"
-    step racecheck "$SAN" --tool racecheck --error-exitcode 99 "$BUILD/test_copy_cuda"
-    step initcheck "$SAN" --tool initcheck --error-exitcode 99 "$BUILD/test_copy_cuda"
+    step initcheck timeout "$STEP_TIMEOUT" "$SAN" --tool initcheck --error-exitcode 99 \
+        "$BUILD/test_copy_cuda"
     unset KVS_ITERS
 else
     mark compute-sanitizer "FAIL (compute-sanitizer not found)"
 fi
-
-# shellcheck disable=SC2086 # BENCH_ARGS is a flag list
-step bench "$BUILD/kvstage" bench kernels $BENCH_ARGS
 
 summary
 exit "$failed"

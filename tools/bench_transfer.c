@@ -548,7 +548,10 @@ static int sched_run(const sched_t *s, const xfer_t *x, uint64_t count, uint64_t
     uint64_t bytes = 0, b = 0;
     uint64_t t0 = kvs_now_ns();
 #if KVS_HAVE_CUDA
-    if (x->cuda && !cu_ok(cudaEventRecord(x->ev[0], x->stream), "cudaEventRecord")) return 0;
+    /* the stream belongs to the prefill GPU: make it current for its copies */
+    if (x->cuda && (!cu_ok(cudaSetDevice(s->d->cfg->gpu_p), "cudaSetDevice") ||
+                    !cu_ok(cudaEventRecord(x->ev[0], x->stream), "cudaEventRecord")))
+        return 0;
 #endif
     for (uint64_t n = 0; n < count; n++) {
         if (!sched_copy(s, x, n, &b)) return 0;
@@ -584,7 +587,8 @@ static int bulk_time(const cfg_t *cfg, const xfer_t *x, uint8_t *dst, const uint
         } else {
 #if KVS_HAVE_CUDA
             float ms = 0;
-            if (!cu_ok(cudaEventRecord(x->ev[0], x->stream), "cudaEventRecord") ||
+            if (!cu_ok(cudaSetDevice(cfg->gpu_p), "cudaSetDevice") ||
+                !cu_ok(cudaEventRecord(x->ev[0], x->stream), "cudaEventRecord") ||
                 !cu_ok(
                     cfg->gpu_p == cfg->gpu_d
                         ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, x->stream)
@@ -820,14 +824,15 @@ static int prepare_devices(cfg_t *cfg, int seen_gpus, char *hw, size_t cap)
     if (!peer)
         peer = kvs_mem_peer_enable(cfg->gpu_p, cfg->gpu_d) == KVS_OK &&
                kvs_mem_peer_enable(cfg->gpu_d, cfg->gpu_p) == KVS_OK;
-    snprintf(hw, cap,
-             "%d CUDA device(s); prefill on GPU %d (%s), decode on GPU %d (%s)%s; CUDA runtime "
-             "%d.%d, driver %d.%d",
-             count, cfg->gpu_p, pp.name, cfg->gpu_d, pd.name,
-             cfg->gpu_p == cfg->gpu_d ? " - ONE GPU: no interconnect is crossed"
-             : peer                   ? ", peer access on"
-                                      : ", NO peer access",
-             rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    snprintf(
+        hw, cap,
+        "%d CUDA device(s); prefill on GPU %d (%.64s), decode on GPU %d (%.64s)%s; CUDA runtime "
+        "%d.%d, driver %d.%d",
+        count, cfg->gpu_p, pp.name, cfg->gpu_d, pd.name,
+        cfg->gpu_p == cfg->gpu_d ? " - ONE GPU: no interconnect is crossed"
+        : peer                   ? ", peer access on"
+                                 : ", NO peer access",
+        rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
     return 1;
 #else
     (void) seen_gpus;

@@ -325,5 +325,25 @@ int kvs_cmd_demo(int argc, char **argv)
                 transport);
         return 2;
     }
+    /* Rank processes keep their pools in host memory (the cross-process GPU data plane,
+     * cuda_ipc, is not part of the net link yet): --device cpu is what they do anyway. */
+    int kept = 1;
+    for (int i = 1; i < n; i++) {
+        const char *v = strncmp(rest[i], "--device=", 9) == 0           ? rest[i] + 9
+                        : strcmp(rest[i], "--device") == 0 && i + 1 < n ? rest[i + 1]
+                                                                        : NULL;
+        if ((v != NULL && strcmp(v, "cpu") != 0) || strncmp(rest[i], "--gpus", 6) == 0) {
+            fprintf(stderr, "error: GPU pools run in one process for now: add --transport "
+                            "inproc\n");
+            return 2;
+        }
+        if (v != NULL) {
+            i += strcmp(rest[i], "--device") == 0; /* the value too */
+            continue;
+        }
+        rest[kept++] = rest[i];
+    }
+    n = kept;
+    rest[n] = NULL;
     return run_processes(n, rest, 1);
 }

@@ -55,12 +55,12 @@ typedef struct {
 /* Counters a rank keeps (monotonic unless noted). */
 typedef struct {
     uint64_t rooms_added, rooms_succeeded, rooms_failed;
-    uint64_t live_rooms;  /* now */
-    uint64_t chunks;      /* sender: (chunk, destination) writes acknowledged;
-                             receiver: chunks scattered */
+    uint64_t live_rooms;    /* now */
+    uint64_t chunks;        /* sender: (chunk, destination) writes acknowledged;
+                               receiver: chunks scattered */
     uint64_t bulk_writes;   /* transport writes issued (sender), direct writes included */
     uint64_t direct_writes; /* sender: of bulk_writes, gathered straight into the remote slot */
-    uint64_t bytes;       /* payload bytes written (sender) / scattered (receiver) */
+    uint64_t bytes;         /* payload bytes written (sender) / scattered (receiver) */
     uint64_t msgs_sent, msgs_received;
     uint64_t retries;         /* control messages resent on a timer */
     uint64_t rejected;        /* messages that failed to decode or validate */

@@ -134,7 +134,7 @@ typedef struct {
      * GPU). On devices the CUDA copy kernels gather and scatter and writes are CUDA copies. */
     kvs_mem_kind_t mem;
     int prefill_device, decode_device;
-    uint32_t prefill_batch;                  /* rooms in one prefill forward pass */
+    uint32_t prefill_batch; /* rooms in one prefill forward pass */
     int prefill_radix, decode_radix;
     kvs_workload_config_t workload; /* its seed is derived from `seed` */
     uint32_t concurrency;           /* requests in flight at once (the router's limit) */

@@ -62,13 +62,13 @@ static kvs_status_t device_check(int device, size_t bytes)
 {
     int count = kvs_mem_device_count();
     if (count == 0) {
-        kvs_error("mem: %zu bytes of device memory on device %d: no usable CUDA device here",
-                  bytes, device);
+        kvs_error("mem: %zu bytes of device memory on device %d: no usable CUDA device here", bytes,
+                  device);
         return KVS_ERR_UNSUPPORTED;
     }
     if (device < 0 || device >= count) {
-        kvs_error("mem: device memory on device %d, but this machine has %d CUDA device(s)",
-                  device, count);
+        kvs_error("mem: device memory on device %d, but this machine has %d CUDA device(s)", device,
+                  count);
         return KVS_ERR_INVALID;
     }
     return KVS_OK;
@@ -86,8 +86,8 @@ static kvs_status_t device_alloc(int device, size_t bytes, void **ptr_p)
     if (st == KVS_OK) {
         /* cudaMemset runs on the legacy default stream, which the copy backends' non-blocking
          * streams do not wait for: finish it here so no copy can see unzeroed memory. */
-        st = KVS_CUDA_CHECK(cudaMemset(mem, 0, bytes), "mem: zeroing %zu bytes on device %d",
-                            bytes, device);
+        st = KVS_CUDA_CHECK(cudaMemset(mem, 0, bytes), "mem: zeroing %zu bytes on device %d", bytes,
+                            device);
         if (st == KVS_OK)
             st = KVS_CUDA_CHECK(cudaStreamSynchronize(0), "mem: zeroing %zu bytes on device %d",
                                 bytes, device);
@@ -127,58 +127,66 @@ kvs_status_t kvs_mem_copy(void *dst, const void *src, size_t bytes)
     }
     /* The per-thread stream, then a wait: a plain cudaMemcpy between two device buffers may
      * return before the copy is done, and the copy backends' streams would not wait for it. */
-    kvs_status_t st = KVS_CUDA_CHECK(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread),
-        "mem: copying %zu bytes from %p to %p", bytes, src, dst);
+    kvs_status_t st =
+        KVS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamPerThread),
+                       "mem: copying %zu bytes from %p to %p", bytes, src, dst);
     if (st != KVS_OK) return st;
     return KVS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread),
                           "mem: copying %zu bytes from %p to %p", bytes, src, dst);
 }
 
+/* Pairs this process enabled (bit p of [d]: device d reaches peer p), so enabling stays
+ * idempotent without asking CUDA again: a repeated cudaDeviceEnablePeerAccess returns an error
+ * that memory checkers report. Ordinals from 64 up are not remembered. */
+#define PEER_BITS 64
+static pthread_mutex_t peer_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t peer_enabled[PEER_BITS];
+
+/* Enables access from device to peer (different devices); cudaSuccess or the error, which
+ * the caller reports (or not). */
+static cudaError_t enable_peer(int device, int peer)
+{
+    const int known = device < PEER_BITS && peer < PEER_BITS;
+    pthread_mutex_lock(&peer_lock);
+    cudaError_t err = cudaSuccess;
+    if (!known || !(peer_enabled[device] >> peer & 1)) {
+        int can = 0, prev = 0;
+        err = cudaDeviceCanAccessPeer(&can, device, peer);
+        if (err == cudaSuccess && !can) err = cudaErrorPeerAccessUnsupported;
+        if (err == cudaSuccess) err = cudaGetDevice(&prev);
+        if (err == cudaSuccess) err = cudaSetDevice(device);
+        if (err == cudaSuccess) {
+            err = cudaDeviceEnablePeerAccess(peer, 0);
+            if (err == cudaErrorPeerAccessAlreadyEnabled) err = cudaSuccess; /* done elsewhere */
+            (void) cudaSetDevice(prev);
+        }
+        if (err != cudaSuccess) {
+            (void) cudaGetLastError();
+            kvs_debug("mem: no peer access from device %d to %d: %s", device, peer,
+                      cudaGetErrorString(err));
+        }
+        if (err == cudaSuccess && known) peer_enabled[device] |= 1ull << peer;
+    }
+    pthread_mutex_unlock(&peer_lock);
+    return err;
+}
+
 kvs_status_t kvs_mem_peer_enable(int device, int peer)
 {
     if (device == peer) return KVS_OK;
-    int can = 0;
-    kvs_status_t st = KVS_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer),
-                                     "mem: peer access from device %d to %d", device, peer);
-    if (st != KVS_OK) return st;
-    if (!can) {
+    cudaError_t err = enable_peer(device, peer);
+    if (err == cudaErrorPeerAccessUnsupported) {
         kvs_error("mem: device %d cannot access device %d's memory (no peer path)", device, peer);
         return KVS_ERR_UNSUPPORTED;
     }
-    int prev = 0;
-    st = device_enter(device, "peer access", &prev);
-    if (st != KVS_OK) return st;
-    cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-        (void) cudaGetLastError();
-        err = cudaSuccess;
-    }
-    st = KVS_CUDA_CHECK(err, "mem: enabling peer access from device %d to %d", device, peer);
-    device_leave(device, prev);
-    return st;
+    return KVS_CUDA_CHECK(err, "mem: enabling peer access from device %d to %d", device, peer);
 }
 
 int kvs_mem_device_can_access(int device, const void *ptr)
 {
     int where = kvs_mem_device_of(ptr);
     if (where < 0) return 0;
-    if (where == device) return 1;
-    int can = 0;
-    if (cudaDeviceCanAccessPeer(&can, device, where) != cudaSuccess) {
-        (void) cudaGetLastError();
-        return 0;
-    }
-    if (!can) return 0;
-    int prev = 0;
-    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
-        (void) cudaGetLastError();
-        return 0;
-    }
-    cudaError_t err = cudaDeviceEnablePeerAccess(where, 0);
-    (void) cudaGetLastError();
-    (void) cudaSetDevice(prev);
-    return err == cudaSuccess || err == cudaErrorPeerAccessAlreadyEnabled;
+    return where == device || enable_peer(device, where) == cudaSuccess;
 }
 
 kvs_status_t kvs_mem_device_sync(int device)
@@ -386,8 +394,8 @@ kvs_status_t kvs_mem_queue_copy(kvs_mem_queue_t *q, void *dst, const void *src, 
     st = device_enter(q->device, "queued copy", &prev);
     if (st != KVS_OK) return st;
     st = KVS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, q->stream),
-                        "mem: queued copy of %zu bytes from %p to %p on device %d", bytes, src,
-                        dst, q->device);
+                        "mem: queued copy of %zu bytes from %p to %p on device %d", bytes, src, dst,
+                        q->device);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaEventRecord(q->events[slot], q->stream),
                             "mem: queued copy completion on device %d", q->device);

@@ -485,8 +485,8 @@ static kvs_status_t sim_setup(sim_t *s)
         return st;
 
     if (c->mem == KVS_MEM_DEVICE && c->prefill_device != c->decode_device &&
-        kvs_mem_device_count() > (c->prefill_device > c->decode_device ? c->prefill_device
-                                                                         : c->decode_device)) {
+        kvs_mem_device_count() >
+            (c->prefill_device > c->decode_device ? c->prefill_device : c->decode_device)) {
         /* Peer copies (and direct writes) between the two GPUs; without a peer path writes
          * still work, staged through the host by the CUDA runtime. */
         if (kvs_mem_peer_enable(c->prefill_device, c->decode_device) != KVS_OK)
@@ -498,8 +498,7 @@ static kvs_status_t sim_setup(sim_t *s)
     kvs_pd_timeouts_t to = sim_timeouts(c);
     for (uint32_t r = 0; r < c->prefill_tp; r++) {
         if ((st = make_pool(c, c->prefill_tp, r, pf_pages, c->prefill_layout, c->prefill_device,
-                            &s->pf_pools[r])) !=
-                KVS_OK ||
+                            &s->pf_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_PREFILL, r, &s->pf_links[r])) != KVS_OK)
             return st;
         kvs_sender_config_t sc = {.geo = s->geo,
@@ -515,8 +514,7 @@ static kvs_status_t sim_setup(sim_t *s)
     uint64_t ring = c->ring_bytes ? c->ring_bytes : c->ring_slots * kvs_sim_full_slot_bytes(c);
     for (uint32_t r = 0; r < c->decode_tp; r++) {
         if ((st = make_pool(c, c->decode_tp, r, dc_pages, c->decode_layout, c->decode_device,
-                            &s->dc_pools[r])) !=
-                KVS_OK ||
+                            &s->dc_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_DECODE, r, &s->dc_links[r])) != KVS_OK)
             return st;
         kvs_receiver_config_t rc = {.geo = s->geo, .rank = r, .timeouts = to, .ring_bytes = ring};

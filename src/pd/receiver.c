@@ -162,6 +162,8 @@ void kvs_receiver_destroy(kvs_receiver_t *rx)
     kvs_map_fini(&rx->early);
     kvs_ring_destroy(rx->ring);
     kvs_copy_backend_destroy(&rx->copy); /* drains scatters still reading the ring */
+    /* Withdraw the ring from writers (the link unregisters it) before its memory goes. */
+    (void) rx->link->ops->expose(rx->link->ctx, NULL, 0);
     const kvs_pool_config_t *pc = kvs_pool_config(rx->pool);
     kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
     kvs_free(rx);

@@ -89,8 +89,8 @@ struct kvs_sender {
     int *buffer_busy;
     uint8_t direct_ok[KVS_MAX_TP]; /* decode rank: 1 once the copy backend's device was found
                                       to reach its mapped ring */
-    kvs_map_t rooms; /* id -> sroom_t* */
-    kvs_map_t stash; /* id -> sstash_t* */
+    kvs_map_t rooms;               /* id -> sroom_t* */
+    kvs_map_t stash;               /* id -> sstash_t* */
     kvs_pd_metrics_t m;
 };
 

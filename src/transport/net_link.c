@@ -30,7 +30,7 @@
 #define DEFAULT_WRITE     (30000 * MS)
 #define WIREUP_RETRY_NS   (50 * MS)
 #define INBOX_CAP         4096     /* protocol messages read ahead of recv */
-#define SEND_SERVICE_NS   20000ull /* sends in a burst share one service pass */
+#define SERVICE_GAP_NS    20000ull /* see maybe_service() */
 #define WIREUP_FIXED      32
 #define WIREUP_ADDR_MAX   16384
 #define WIREUP_RKEY_MAX   4096
@@ -58,6 +58,8 @@ typedef struct {
     uint64_t remote_inc;      /* the peer incarnation it was built from */
     uint32_t remote_gen;      /* and the ring generation */
     uint64_t next_req;        /* prefill: next WIREUP_REQ may go then */
+    kvs_status_t wire_error;  /* prefill: why the last wireup could not be used */
+    uint64_t wire_error_inc;  /* and the peer incarnation it came from */
     uint64_t pushed_inc;      /* decode: incarnation our current wireup went to */
     int dead;                 /* liveness as last acted upon */
 } npeer_t;
@@ -170,6 +172,11 @@ static uint32_t advance_write(net_t *n, nwrite_t *w, uint64_t now)
             start_put(n, w);
             return 1;
         }
+        if (p->wire_error != KVS_OK &&
+            p->wire_error_inc == kvs_zch_peer_incarnation(n->ch, w->peer)) {
+            finish_write(n, w, p->wire_error);
+            return 1;
+        }
         if (now >= w->deadline) {
             kvs_error("net link: prefill rank %u: no wireup from decode rank %u within %llu ms",
                       n->cfg.rank, w->peer, (unsigned long long) (n->cfg.connect_timeout_ns / MS));
@@ -228,10 +235,14 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
     kvs_status_t st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len,
                                             b + WIREUP_FIXED + addr_len, rkey_len, base, size, &rm);
     if (st != KVS_OK) {
-        kvs_error("net link: prefill rank %u cannot reach decode rank %u's ring: %s", n->cfg.rank,
-                  f->from, kvs_status_str(st));
-        return; /* writes waiting for it time out */
+        kvs_error("net link: prefill rank %u cannot reach decode rank %u's ring: %s (do both "
+                  "sides use the same data transport?)",
+                  n->cfg.rank, f->from, kvs_status_str(st));
+        p->wire_error = st; /* writes waiting for it fail now, not at their deadline */
+        p->wire_error_inc = f->incarnation;
+        return;
     }
+    p->wire_error = KVS_OK;
     p->remote = rm;
     p->remote_inc = f->incarnation;
     p->remote_gen = gen;
@@ -244,11 +255,13 @@ reject:
              side_name(n->cfg.side), n->cfg.rank, f->len, f->from);
 }
 
-static void push_wireup(net_t *n, uint32_t peer)
+/* Returns 1 if the wireup went out (not yet connected peers get it on a later call). */
+static int push_wireup(net_t *n, uint32_t peer)
 {
-    if (kvs_zch_send(n->ch, peer, KVS_ZCH_WIREUP, n->wireup, n->wireup_len) != KVS_OK) return;
+    if (kvs_zch_send(n->ch, peer, KVS_ZCH_WIREUP, n->wireup, n->wireup_len) != KVS_OK) return 0;
     n->st.wireups_sent++;
     n->peers[peer].pushed_inc = kvs_zch_peer_incarnation(n->ch, peer);
+    return 1;
 }
 
 static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
@@ -290,10 +303,9 @@ static uint32_t check_peers(net_t *n)
         uint64_t inc = kvs_zch_peer_incarnation(n->ch, i);
         int dead = kvs_zch_peer_status(n->ch, i) != KVS_OK;
         if (n->cfg.side == KVS_SIDE_DECODE) {
-            if (n->region != NULL && !dead && inc != 0 && inc != p->pushed_inc) {
-                push_wireup(n, i); /* a new prefill life (or a new ring) needs our wireup */
-                events++;
-            }
+            /* A new prefill life (or a new ring) needs our wireup. */
+            if (n->region != NULL && !dead && inc != 0 && inc != p->pushed_inc)
+                events += (uint32_t) push_wireup(n, i);
             continue;
         }
         if (p->remote != NULL && dead) {
@@ -339,6 +351,13 @@ static uint32_t service(net_t *n)
     return events;
 }
 
+/* Ops the protocol calls many times per progress pass (send per message, write_poll per
+ * write, peer_status per room and peer) share one service pass per SERVICE_GAP_NS. */
+static void maybe_service(net_t *n)
+{
+    if (kvs_now_ns() - n->serviced_at >= SERVICE_GAP_NS) service(n);
+}
+
 /* ---- ops ---- */
 
 static kvs_status_t net_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t len)
@@ -348,9 +367,7 @@ static kvs_status_t net_send(void *ctx, uint32_t peer, const uint8_t *buf, size_
         kvs_error("net link: cannot send %zu bytes to rank %u of %u", len, peer, n->cfg.peer_tp);
         return KVS_ERR_INVALID;
     }
-    /* The protocol sends in bursts (grants, acks, retries): one service pass per burst keeps
-     * heartbeats and progress going without paying for it per message. */
-    if (kvs_now_ns() - n->serviced_at >= SEND_SERVICE_NS) service(n);
+    maybe_service(n);
     return kvs_zch_send(n->ch, peer, KVS_ZCH_MSG, buf, len);
 }
 
@@ -424,7 +441,7 @@ static kvs_status_t net_write_poll(void *ctx, uint64_t ticket)
         kvs_error("net link: unknown write ticket %llu", (unsigned long long) ticket);
         return KVS_ERR_NOT_FOUND;
     }
-    if (w->status == KVS_INPROGRESS) service(n);
+    if (w->status == KVS_INPROGRESS) maybe_service(n);
     if (w->status == KVS_INPROGRESS) return KVS_INPROGRESS;
     kvs_status_t st = w->status;
     kvs_map_remove(&n->writes, ticket);
@@ -512,7 +529,7 @@ static kvs_status_t net_peer_status(void *ctx, uint32_t peer)
         kvs_error("net link: no rank %u on the other side (of %u)", peer, n->cfg.peer_tp);
         return KVS_ERR_INVALID;
     }
-    service(n);
+    maybe_service(n);
     return kvs_zch_peer_status(n->ch, peer);
 }
 

@@ -12,22 +12,6 @@
 #include "kvstage/log.h"
 #include "kvstage/rng.h"
 
-typedef struct {
-    int calls;
-    char msg[256];
-} capture_t;
-
-static void capture_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                         const char *msg)
-{
-    (void) level;
-    (void) file;
-    (void) line;
-    capture_t *c = arg;
-    c->calls++;
-    snprintf(c->msg, sizeof(c->msg), "%s", msg);
-}
-
 static void fill(kvs_rng_t *rng, uint8_t *p, size_t n)
 {
     for (size_t i = 0; i < n; i++) p[i] = (uint8_t) kvs_rng_next(rng);
@@ -53,8 +37,8 @@ static void test_host_alloc_zeroed_aligned(void **state)
 static void test_host_alloc_refusals(void **state)
 {
     (void) state;
-    capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     void *p = (void *) 0x1;
     assert_int_equal(kvs_mem_alloc((kvs_mem_kind_t) 5, 0, 16, &p), KVS_ERR_INVALID);
     assert_int_equal(kvs_mem_alloc(KVS_MEM_HOST, 0, 16, NULL), KVS_ERR_INVALID);
@@ -95,8 +79,8 @@ static void test_host_copy_and_queue(void **state)
         assert_int_equal(kvs_mem_queue_poll(q, t), KVS_OK);
         assert_memory_equal(a, b, sizeof(a));
     }
-    capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     assert_int_equal(kvs_mem_queue_poll(q, 0), KVS_ERR_INVALID);
     assert_int_equal(kvs_mem_queue_poll(q, last + 1), KVS_ERR_INVALID);
     assert_int_equal(cap.calls, 2);
@@ -111,8 +95,8 @@ static void test_host_copy_and_queue(void **state)
 static void test_device_refusals(void **state)
 {
     (void) state;
-    capture_t cap = {0};
-    kvs_log_set_sink(capture_sink, &cap);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
     const int count = kvs_mem_device_count();
     void *p = (void *) 0x1;
     kvs_mem_queue_t *q = NULL;
@@ -174,8 +158,9 @@ static void test_device_alloc_and_copies(void **state)
     assert_int_equal(kvs_mem_copy(d1, d0b, n), KVS_OK);
     memset(h2, 0, n);
     assert_int_equal(kvs_mem_copy(h2, d1, n), KVS_OK);
-    if (memcmp(h1, h2, n) != 0) fail_msg("round trip through %d GPU(s) differs (seed %llu)",
-                                         count, (unsigned long long) seed);
+    if (memcmp(h1, h2, n) != 0)
+        fail_msg("round trip through %d GPU(s) differs (seed %llu)", count,
+                 (unsigned long long) seed);
     /* an unaligned window inside */
     assert_int_equal(kvs_mem_copy(h2 + 5, (uint8_t *) d0 + 77, 1000), KVS_OK);
     assert_memory_equal(h2 + 5, h1 + 77, 1000);
@@ -232,7 +217,8 @@ static void test_device_queue(void **state)
         while ((st = kvs_mem_queue_poll(q, tickets[copies - 1])) == KVS_INPROGRESS) {
         }
         assert_int_equal(st, KVS_OK);
-        for (uint32_t i = 0; i < copies; i++) assert_int_equal(kvs_mem_queue_poll(q, tickets[i]), KVS_OK);
+        for (uint32_t i = 0; i < copies; i++)
+            assert_int_equal(kvs_mem_queue_poll(q, tickets[i]), KVS_OK);
         assert_int_equal(kvs_mem_copy(back, dst, n), KVS_OK);
         for (uint32_t i = 0; i < copies; i++)
             if (memcmp(back + (size_t) (copies - 1 - i) * slice, host + (size_t) i * slice,

@@ -9,9 +9,11 @@
 
 #include <dirent.h>
 #include <limits.h>
+#include <poll.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -22,8 +24,9 @@
 #include "kvstage/rng.h"
 #include "transport/link.h"
 
-#define MS  1000000ull
-#define MIB (1ull << 20)
+#define MS          1000000ull
+#define MIB         (1ull << 20)
+#define LIVENESS_MS 1000ull /* generous: ASan builds on a busy 2-core machine */
 
 /* ---- helpers ---- */
 
@@ -38,16 +41,21 @@ static kvs_net_config_t net_cfg(kvs_side_t side, kvs_net_data_t data)
     c.data = data;
     c.net_device = "lo";
     c.heartbeat_ns = 20 * MS;
-    c.liveness_timeout_ns = 500 * MS;
+    c.liveness_timeout_ns = LIVENESS_MS * MS;
     c.connect_timeout_ns = 3000 * MS;
-    c.write_timeout_ns = 5000 * MS;
+    c.write_timeout_ns = 10000 * MS;
     return c;
 }
 
+/* Reads exactly n bytes, giving up after 30 s (a stuck peer process must not hang the test). */
 static int read_full(int fd, void *buf, size_t n)
 {
     size_t got = 0;
+    uint64_t end = kvs_now_ns() + 30000 * MS;
     while (got < n) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (kvs_now_ns() > end) return -1;
+        if (poll(&p, 1, 100) <= 0) continue;
         ssize_t r = read(fd, (char *) buf + got, n - got);
         if (r <= 0) return -1;
         got += (size_t) r;
@@ -76,36 +84,88 @@ typedef struct {
 
 typedef int (*child_fn)(int up, int down, void *arg);
 
+/* Children of the running test, so a failed test cannot leave them spinning. */
+static child_t g_children[8];
+static pid_t g_parent;
+
+/* Children give up when the test process is gone. */
+static int parent_alive(void)
+{
+    return getppid() == g_parent;
+}
+
 static child_t spawn(child_fn fn, void *arg)
 {
     int up[2], down[2];
     assert_int_equal(pipe(up), 0);
     assert_int_equal(pipe(down), 0);
+    g_parent = getpid();
     child_t c = {.pid = fork()};
     assert_true(c.pid >= 0);
     if (c.pid == 0) {
         close(up[0]);
         close(down[1]);
+        kvs_alloc_stats_t before, after; /* the parent's blocks came along with fork() */
+        kvs_alloc_stats(&before);
         int code = fn(up[1], down[0], arg);
-        kvs_alloc_stats_t as;
-        kvs_alloc_stats(&as);
-        if (code == 0 && as.live_blocks != 0) code = 90;
+        kvs_alloc_stats(&after);
+        if (code == 0 && after.live_blocks != before.live_blocks) code = 90;
         _exit(code);
     }
     close(up[1]);
     close(down[0]);
     c.up = up[0];
     c.down = down[1];
+    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
+        if (g_children[i].pid == 0) {
+            g_children[i] = c;
+            break;
+        }
+    }
     return c;
 }
 
+static void forget(pid_t pid)
+{
+    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
+        if (g_children[i].pid != pid) continue;
+        close(g_children[i].up);
+        close(g_children[i].down);
+        g_children[i].pid = 0;
+    }
+}
+
+/* Waits (bounded) for a child's exit status. */
 static int reap(child_t *c)
 {
     int status = 0;
-    assert_int_equal(waitpid(c->pid, &status, 0), c->pid);
-    close(c->up);
-    close(c->down);
+    pid_t got;
+    uint64_t end = kvs_now_ns() + 30000 * MS;
+    while ((got = waitpid(c->pid, &status, WNOHANG)) == 0 && kvs_now_ns() < end) {
+        struct timespec ms1 = {0, 1000000};
+        nanosleep(&ms1, NULL);
+    }
+    if (got == 0) {
+        kill(c->pid, SIGKILL);
+        waitpid(c->pid, &status, 0);
+        forget(c->pid);
+        fail_msg("child %d did not exit within 30 s", (int) c->pid);
+    }
+    forget(c->pid);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* Teardown of every test: kills what a failed test left running. */
+static int kill_children(void **state)
+{
+    (void) state;
+    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
+        if (g_children[i].pid == 0) continue;
+        kill(g_children[i].pid, SIGKILL);
+        waitpid(g_children[i].pid, NULL, 0);
+        forget(g_children[i].pid);
+    }
+    return 0;
 }
 
 /* Shared-memory files UCX may leave behind when a process is killed. */
@@ -172,23 +232,45 @@ static void shm_clean(const shm_list_t *before)
     }
 }
 
-/* The byte b of write i, seeded. */
-static void pat_fill(uint8_t *dst, uint64_t seed, uint64_t i, uint64_t len)
+/* The bytes of write i, seeded: 64-bit words, so any 8-aligned part can be made alone. */
+static void pat_fill_part(uint8_t *dst, uint64_t seed, uint64_t i, uint64_t from, uint64_t to)
 {
-    for (uint64_t w = 0; w * 8 < len; w++) {
+    for (uint64_t w = from / 8; w * 8 < to; w++) {
         uint64_t v = kvs_mix64(seed * 31 + (i << 36) + w);
-        for (uint64_t b = w * 8; b < len && b < w * 8 + 8; b++)
+        for (uint64_t b = w * 8; b < to && b < w * 8 + 8; b++)
             dst[b] = (uint8_t) (v >> (8 * (b % 8)));
     }
 }
 
-static uint64_t pat_mismatches(const uint8_t *src, uint64_t seed, uint64_t i, uint64_t len)
+static uint64_t pat_bad_part(const uint8_t *src, uint64_t seed, uint64_t i, uint64_t from,
+                             uint64_t to)
 {
     uint64_t bad = 0;
-    for (uint64_t w = 0; w * 8 < len; w++) {
+    for (uint64_t w = from / 8; w * 8 < to; w++) {
         uint64_t v = kvs_mix64(seed * 31 + (i << 36) + w);
-        for (uint64_t b = w * 8; b < len && b < w * 8 + 8; b++)
+        for (uint64_t b = w * 8; b < to && b < w * 8 + 8; b++)
             bad += src[b] != (uint8_t) (v >> (8 * (b % 8)));
+    }
+    return bad;
+}
+
+#define PAT_STEP MIB /* bytes between link progress calls: heartbeats keep flowing */
+
+static void pat_fill(kvs_link_t *link, uint8_t *dst, uint64_t seed, uint64_t i, uint64_t len)
+{
+    for (uint64_t from = 0; from < len; from += PAT_STEP) {
+        pat_fill_part(dst, seed, i, from, from + PAT_STEP < len ? from + PAT_STEP : len);
+        if (link) kvs_net_link_progress(link);
+    }
+}
+
+static uint64_t pat_mismatches(kvs_link_t *link, const uint8_t *src, uint64_t seed, uint64_t i,
+                               uint64_t len)
+{
+    uint64_t bad = 0;
+    for (uint64_t from = 0; from < len; from += PAT_STEP) {
+        bad += pat_bad_part(src, seed, i, from, from + PAT_STEP < len ? from + PAT_STEP : len);
+        if (link) kvs_net_link_progress(link);
     }
     return bad;
 }
@@ -248,7 +330,7 @@ static int decode_main(int up, int down, void *argp)
     if (write_str(up, info) != 0) return 5;
     int code = 6; /* no BYE within the deadline */
     uint64_t end = kvs_now_ns() + 60000 * MS;
-    while (kvs_now_ns() < end) {
+    while (kvs_now_ns() < end && parent_alive()) {
         tmsg_t m;
         if (!trecv(link, &m)) continue;
         if (m.kind == T_BYE) {
@@ -262,7 +344,7 @@ static int decode_main(int up, int down, void *argp)
         /* The write completed before its message was sent: the bytes must be here now. */
         link->ops->flush(link->ctx);
         tmsg_t ack = {.kind = T_ACK, .index = m.index, .offset = m.offset};
-        ack.len = pat_mismatches(ring + m.offset, a->seed, m.index, m.len);
+        ack.len = pat_mismatches(link, ring + m.offset, a->seed, m.index, m.len);
         if (tsend(link, &ack) != KVS_OK) {
             code = 8;
             break;
@@ -354,7 +436,7 @@ static uint64_t write_verified(kvs_link_t *link, uint64_t seed, uint64_t first_i
                     lane_base + (uint64_t) l * lane_bytes + kvs_rng_below(&rng, lane_bytes - L + 1);
                 len[l] = L;
                 index[l] = i;
-                pat_fill(src[l], seed, i, L);
+                pat_fill(link, src[l], seed, i, L);
                 assert_int_equal(link->ops->write(link->ctx, 0, off[l], src[l], L, &ticket[l]),
                                  KVS_OK);
                 state[l] = WRITING;
@@ -446,7 +528,7 @@ static void run_kill(kvs_net_data_t data)
     assert_int_equal(kill(ch.pid, SIGKILL), 0);
     uint64_t killed = kvs_now_ns();
     assert_int_equal(reap(&ch), 128 + SIGKILL);
-    const uint64_t limit_ms = 500 + 3000;
+    const uint64_t limit_ms = LIVENESS_MS + 3000;
     uint64_t failed = 0;
     for (int i = 0; i < 4; i++) {
         /* Earlier writes may have finished before the kill (the link posts pieces of every
@@ -507,7 +589,7 @@ static void run_restart(kvs_net_data_t data)
     write_verified(link, seed, 0, 6, a1.ring_bytes, 0, 2);
     kill(c1.pid, SIGKILL);
     assert_int_equal(reap(&c1), 128 + SIGKILL);
-    uint64_t end = kvs_now_ns() + 3000 * MS;
+    uint64_t end = kvs_now_ns() + (LIVENESS_MS + 3000) * MS;
     while (link->ops->peer_status(link->ctx, 0) == KVS_OK) assert_true(kvs_now_ns() < end);
     assert_int_equal(write_str(c2.down, "go"), 0);
     reconnect_for(&c2, link, &ring2);
@@ -567,7 +649,7 @@ static int prefill_main(int up, int down, void *argp)
     uint8_t *src = kvs_aligned_alloc(4096, a->len);
     int code = 0;
     for (uint64_t i = a->first; code == 0 && (a->count == 0 || i < a->first + a->count); i++) {
-        pat_fill(src, a->seed, i, a->len);
+        pat_fill(link, src, a->seed, i, a->len);
         uint64_t t, end = kvs_now_ns() + 10000 * MS;
         kvs_status_t st = link->ops->write(link->ctx, 0, 0, src, a->len, &t);
         if (st == KVS_OK) {
@@ -578,7 +660,7 @@ static int prefill_main(int up, int down, void *argp)
         tmsg_t m = {.kind = T_WRITTEN, .index = (uint32_t) i, .len = a->len}, ack;
         if (st != KVS_OK || tsend(link, &m) != KVS_OK) code = 24;
         while (code == 0 && !trecv(link, &ack))
-            if (kvs_now_ns() > end) code = 25;
+            if (kvs_now_ns() > end || !parent_alive()) code = 25;
         if (code == 0 && (ack.kind != T_ACK || ack.index != i || ack.len != 0)) code = 26;
     }
     tmsg_t bye = {.kind = T_BYE};
@@ -609,7 +691,7 @@ static uint64_t decode_serve(kvs_link_t *link, const uint8_t *ring, uint64_t see
         assert_int_equal(m.kind, T_WRITTEN);
         link->ops->flush(link->ctx);
         tmsg_t ack = {.kind = T_ACK, .index = m.index};
-        ack.len = pat_mismatches(ring, seed, m.index, m.len);
+        ack.len = pat_mismatches(link, ring, seed, m.index, m.len);
         if (ack.len != 0)
             fail_msg("seed %llu: write %u had %llu wrong bytes", (unsigned long long) seed, m.index,
                      (unsigned long long) ack.len);
@@ -647,7 +729,7 @@ static void run_prefill_restart(kvs_net_data_t data)
     assert_int_equal(reap(&c1), 128 + SIGKILL);
     uint64_t killed = kvs_now_ns();
     while (link->ops->peer_status(link->ctx, 0) == KVS_OK)
-        assert_true(kvs_now_ns() - killed < 3500 * MS);
+        assert_true(kvs_now_ns() - killed < (LIVENESS_MS + 3000) * MS);
     assert_int_equal(write_str(c2.down, "go"), 0);
     assert_int_equal(write_str(c2.down, kvs_net_link_endpoint(link)), 0);
     assert_int_equal(read_str(c2.up, ep, sizeof(ep)), 0);
@@ -918,19 +1000,19 @@ static void test_hostile_wireup(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_visibility_shm),
-        cmocka_unit_test(test_visibility_tcp),
-        cmocka_unit_test(test_kill_decode_mid_write_shm),
-        cmocka_unit_test(test_kill_decode_mid_write_tcp),
-        cmocka_unit_test(test_restart_decode_shm),
-        cmocka_unit_test(test_restart_decode_tcp),
-        cmocka_unit_test(test_prefill_restart_shm),
-        cmocka_unit_test(test_prefill_restart_tcp),
-        cmocka_unit_test(test_wireup_timeout),
-        cmocka_unit_test(test_mismatched_transports),
-        cmocka_unit_test(test_argument_checks),
-        cmocka_unit_test(test_reexpose),
-        cmocka_unit_test(test_hostile_wireup),
+        cmocka_unit_test_teardown(test_visibility_shm, kill_children),
+        cmocka_unit_test_teardown(test_visibility_tcp, kill_children),
+        cmocka_unit_test_teardown(test_kill_decode_mid_write_shm, kill_children),
+        cmocka_unit_test_teardown(test_kill_decode_mid_write_tcp, kill_children),
+        cmocka_unit_test_teardown(test_restart_decode_shm, kill_children),
+        cmocka_unit_test_teardown(test_restart_decode_tcp, kill_children),
+        cmocka_unit_test_teardown(test_prefill_restart_shm, kill_children),
+        cmocka_unit_test_teardown(test_prefill_restart_tcp, kill_children),
+        cmocka_unit_test_teardown(test_wireup_timeout, kill_children),
+        cmocka_unit_test_teardown(test_mismatched_transports, kill_children),
+        cmocka_unit_test_teardown(test_argument_checks, kill_children),
+        cmocka_unit_test_teardown(test_reexpose, kill_children),
+        cmocka_unit_test_teardown(test_hostile_wireup, kill_children),
     };
     const char *filter = getenv("KVS_TEST_FILTER"); /* e.g. "*restart*" */
     if (filter != NULL) cmocka_set_test_filter(filter);

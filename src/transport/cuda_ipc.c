@@ -142,6 +142,11 @@ static kvs_status_t ipc_expose(void *ctx, void *ring, uint64_t size)
         kvs_error("cuda_ipc expose: a prefill link has no ring");
         return KVS_ERR_INVALID;
     }
+    if (ring == NULL) { /* withdrawn: later exports are refused */
+        c->ring = NULL;
+        c->ring_size = 0;
+        return KVS_OK;
+    }
     int where = kvs_mem_device_of(ring);
     if (where != c->cfg.device) {
         kvs_error("cuda_ipc expose: the ring must be device memory on GPU %d (it is %s %d)",

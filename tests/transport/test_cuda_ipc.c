@@ -362,6 +362,13 @@ static void test_cross_process_writes(void **state)
     free(want);
     close(to_child[1]);
     close(to_parent[0]);
+    /* the ring withdrawn (as a receiver does before freeing it): nothing left to export */
+    assert_int_equal(link->ops->expose(link->ctx, NULL, 0), KVS_OK);
+    cap.calls = 0;
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    assert_int_equal(kvs_cuda_ipc_export(link, &h), KVS_ERR_STATE);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 1);
     kvs_link_destroy(link);
     kvs_mem_free(KVS_MEM_DEVICE, decode_gpu, ring);
     kvs_assert_no_leaks();

@@ -3,6 +3,7 @@
  * workload flags; the prefill instance's registry endpoint ties them together. */
 #include "commands.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -49,6 +50,34 @@ static void print_progress(void *arg, uint32_t concluded, uint32_t requests)
     fflush(stdout);
 }
 
+static volatile int metrics_wanted;
+
+static void on_sigusr1(int sig)
+{
+    (void) sig;
+    metrics_wanted = 1;
+}
+
+/* `kill -USR1 <pid>` prints the rank's counters on stderr. */
+static void print_metrics(void *arg, const kvs_pd_metrics_t *m, const kvs_net_stats_t *n)
+{
+    (void) arg;
+    fprintf(stderr,
+            "metrics: rooms added %llu succeeded %llu failed %llu live %llu; chunks %llu; bulk "
+            "writes %llu; bytes %llu; messages sent %llu received %llu; retries %llu; rejected "
+            "%llu (link %llu); ignored %llu; ring used %llu of %llu (high water %llu), live "
+            "slots %llu; dead peers %llu\n",
+            (unsigned long long) m->rooms_added, (unsigned long long) m->rooms_succeeded,
+            (unsigned long long) m->rooms_failed, (unsigned long long) m->live_rooms,
+            (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
+            (unsigned long long) m->bytes, (unsigned long long) m->msgs_sent,
+            (unsigned long long) m->msgs_received, (unsigned long long) m->retries,
+            (unsigned long long) m->rejected, (unsigned long long) n->rejected,
+            (unsigned long long) m->ignored, (unsigned long long) m->ring_used,
+            (unsigned long long) m->ring_capacity, (unsigned long long) m->ring_high_water,
+            (unsigned long long) m->live_slots, (unsigned long long) n->dead_peers);
+}
+
 static int run_side(kvs_side_t side, int argc, char **argv)
 {
     kvs_rank_flags_t f;
@@ -59,6 +88,9 @@ static int run_side(kvs_side_t side, int argc, char **argv)
     int rc = kvs_rank_flags_parse(&f, usage, argc, argv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     if (f.progress) f.cfg.progress = print_progress;
+    signal(SIGUSR1, on_sigusr1);
+    f.cfg.metrics_request = &metrics_wanted;
+    f.cfg.metrics = print_metrics;
     kvs_rank_result_t r;
     kvs_status_t st = kvs_rank_run(&f.cfg, &r);
     if (st != KVS_OK) {

@@ -35,6 +35,10 @@ typedef struct {
     /* Called about every 100 ms and at the end, with this rank's counts so far. */
     void (*progress)(void *arg, uint32_t concluded, uint32_t requests);
     void *progress_arg;
+    /* Metrics on request: while *metrics_request is non-zero (e.g. set by a SIGUSR1 handler),
+     * the runner clears it and calls metrics() with this rank's counters. */
+    volatile int *metrics_request;
+    void (*metrics)(void *arg, const kvs_pd_metrics_t *pd, const kvs_net_stats_t *net);
 } kvs_rank_config_t;
 
 typedef struct {

@@ -205,6 +205,17 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
             c.progress(c.progress_arg, rk.concluded, wl->count);
             last_report = now;
         }
+        if (c.metrics_request && *c.metrics_request && c.metrics) {
+            *c.metrics_request = 0;
+            kvs_pd_metrics_t m;
+            kvs_net_stats_t ns;
+            if (prefill)
+                kvs_sender_metrics(tx, &m);
+            else
+                kvs_receiver_metrics(rx, &m);
+            kvs_net_link_stats(link, &ns);
+            c.metrics(c.progress_arg, &m, &ns);
+        }
         if (finished) break;
         if (now - t0 >= c.deadline_ns) {
             kvs_error("%s rank %u: %u of %u rooms concluded before the deadline",

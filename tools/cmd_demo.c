@@ -18,6 +18,7 @@
 #include "args.h"
 #include "json.h"
 #include "kvstage/clock.h"
+#include "kvstage/grid.h"
 #include "kvstage/registry.h"
 #include "rank_flags.h"
 
@@ -152,6 +153,28 @@ static void draw(const child_t *cs, int n, uint32_t requests, double secs)
             "##############################", width - fill, "", done, requests, secs);
 }
 
+/* What a per-page path would issue for the workload's succeeded rooms: one write per page,
+ * layer, component and writer (radix caches are off in this deployment: every page moves). */
+static unsigned long long per_page_writes(const kvs_rank_config_t *c)
+{
+    kvs_workload_t *wl;
+    if (kvs_workload_create(&c->workload, &wl) != KVS_OK) return 0;
+    const kvs_pd_geometry_t *g = &c->geo;
+    unsigned long long n = 0;
+    for (uint32_t i = 0; i < wl->count; i++) {
+        uint64_t pages = kvs_grid_total_pages(wl->requests[i].len, 0, g->page_size);
+        for (uint32_t d = 0; d < g->decode_tp; d++) {
+            kvs_writer_t w[KVS_MAX_WRITERS];
+            uint32_t nw = 0;
+            if (kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, d, wl->requests[i].room, w,
+                                 &nw) == KVS_OK)
+                n += pages * nw * g->shape.layers * kvs_kv_shape_components(&g->shape);
+        }
+    }
+    kvs_workload_destroy(wl);
+    return n;
+}
+
 static int run_processes(int argc, char **argv, int first)
 {
     kvs_rank_flags_t f;
@@ -272,6 +295,7 @@ static int run_processes(int argc, char **argv, int first)
         kvs_json_u64(&j, "leaked_rooms", lrooms);
         kvs_json_u64(&j, "chunks", chunks);
         kvs_json_u64(&j, "bulk_writes", writes);
+        kvs_json_u64(&j, "per_page_writes", ok ? per_page_writes(c) : 0);
         kvs_json_u64(&j, "control_messages", msgs);
         kvs_json_u64(&j, "retries", retries);
         kvs_json_u64(&j, "rejected_messages", rejected);
@@ -283,8 +307,10 @@ static int run_processes(int argc, char **argv, int first)
                c->workload.requests, failed);
         printf("  exact      %s (%llu mismatched bytes)\n", mismatched ? "NO" : "yes", mismatched);
         printf("  leaks      slots %llu, pages %llu, rooms %llu\n", lslots, lpages, lrooms);
-        printf("  transfers  %llu chunks scattered, %llu bulk writes, %.1f MiB\n", chunks, writes,
-               bytes / 1048576.0);
+        unsigned long long pp = per_page_writes(c);
+        printf("  transfers  %llu chunks scattered, %llu bulk writes (a per-page path: %llu, "
+               "%.0fx more), %.1f MiB\n",
+               chunks, writes, pp, writes ? (double) pp / (double) writes : 0.0, bytes / 1048576.0);
         printf("  control    %llu messages (retries %llu, rejected %llu)\n", msgs, retries,
                rejected);
         printf("  time       %.2f s wall\n\n%s\n", (kvs_now_ns() - t0) / 1e9,

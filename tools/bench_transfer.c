@@ -12,7 +12,8 @@
  * is present). Staged and direct are timed from add_room to Success on every rank, so control
  * messages, gathers, copies and scatters all count. Every protocol and per-page result is
  * checked on sampled heads against the prefill pools. --device cpu runs the same code on host
- * memory (a functional check of the benchmark, not a measurement to report). */
+ * memory (a functional check of the benchmark, not a measurement to report). --transport ucx
+ * hands over to bench_transfer_ucx.c: two processes over the net link, host memory. */
 #include "bench_transfer.h"
 
 #include <stdio.h>
@@ -21,6 +22,8 @@
 
 #include "args.h"
 #include "base/mem.h"
+#include "bench_transfer_common.h"
+#include "bench_transfer_ucx.h"
 #include "bench_util.h"
 #include "json.h"
 #include "kvstage/alloc.h"
@@ -43,7 +46,7 @@ enum { EXIT_RUN_FAILED = 1, EXIT_USAGE = 2 };
 #define TARGET_MIN_TOKENS 4096 /* ... for prompts of at least this many tokens */
 #define TARGET_PP_X       20.0 /* staged or direct over per-page ... */
 #define TARGET_PP_PAGE    16   /* ... at this page size */
-#define MAX_LIST          16
+#define MAX_LIST          KVS_BT_MAX_LIST
 #define ROOM_TIMEOUT_NS   (60ull * 1000000000ull)
 
 typedef struct {
@@ -83,58 +86,6 @@ typedef struct {
 } row_t;
 
 /* ---- small helpers ---- */
-
-/* Parses "a,b,c" of positive integers; returns the count or -1. */
-static int parse_list(const char *s, uint32_t *out)
-{
-    int n = 0;
-    while (*s) {
-        char *end;
-        unsigned long v = strtoul(s, &end, 10);
-        if (end == s || v == 0 || v > (1ul << 24) || n == MAX_LIST) return -1;
-        out[n++] = (uint32_t) v;
-        if (*end == ',')
-            end++;
-        else if (*end != '\0')
-            return -1;
-        s = end;
-    }
-    return n;
-}
-
-/* Parses "1:1,2:1,1:2" into prefill and decode TP sizes; returns the count or -1. */
-static int parse_tp(const char *s, uint32_t *ptp, uint32_t *dtp)
-{
-    int n = 0;
-    while (*s) {
-        char *end;
-        unsigned long a = strtoul(s, &end, 10);
-        if (end == s || *end != ':' || n == MAX_LIST) return -1;
-        s = end + 1;
-        unsigned long b = strtoul(s, &end, 10);
-        if (end == s || a == 0 || b == 0 || a > KVS_MAX_TP || b > KVS_MAX_TP) return -1;
-        ptp[n] = (uint32_t) a;
-        dtp[n++] = (uint32_t) b;
-        if (*end == ',')
-            end++;
-        else if (*end != '\0')
-            return -1;
-        s = end;
-    }
-    return n;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *) a, y = *(const double *) b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, uint32_t n)
-{
-    qsort(v, n, sizeof(double), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
-}
 
 /* The bytes [base, base + bytes) a pool's regions span. */
 static void pool_extent(const kvs_pool_t *pool, uint8_t **base_p, uint64_t *bytes_p)
@@ -367,21 +318,6 @@ static void proto_destroy(proto_t *p)
     memset(p, 0, sizeof(*p));
 }
 
-/* Largest full slot on any decode rank. */
-static uint64_t full_slot_bytes(const kvs_pd_geometry_t *g)
-{
-    kvs_writer_t writers[KVS_MAX_WRITERS];
-    uint64_t tokens = kvs_grid_tokens(g->chunk_tokens, g->page_size), most = 0;
-    for (uint32_t d = 0; d < g->decode_tp; d++) {
-        uint32_t n = 0;
-        if (kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, d, 1, writers, &n) != KVS_OK)
-            return 0;
-        uint64_t b = kvs_slot_layout(writers, n, tokens, NULL);
-        if (b > most) most = b;
-    }
-    return most;
-}
-
 static int proto_create(const dep_t *d, kvs_write_mode_t mode, proto_t *p)
 {
     const cfg_t *cfg = d->cfg;
@@ -396,7 +332,8 @@ static int proto_create(const dep_t *d, kvs_write_mode_t mode, proto_t *p)
         kvs_receiver_config_t rc = {.geo = d->geo,
                                     .rank = r,
                                     .timeouts = to,
-                                    .ring_bytes = cfg->ring_slots * full_slot_bytes(&d->geo)};
+                                    .ring_bytes =
+                                        cfg->ring_slots * kvs_bt_full_slot_bytes(&d->geo)};
         if (kvs_inproc_link_create(p->net, KVS_SIDE_DECODE, r, &p->dl[r]) != KVS_OK ||
             kvs_receiver_create(&rc, d->dc[r], p->dl[r], &p->clock, &p->rx[r]) != KVS_OK) {
             proto_destroy(p);
@@ -603,7 +540,7 @@ static int bulk_time(const cfg_t *cfg, const xfer_t *x, uint8_t *dst, const uint
         }
         if (i >= cfg->warmup) t[i - cfg->warmup] = sec;
     }
-    *sec_p = median(t, cfg->reps);
+    *sec_p = kvs_bt_median(t, cfg->reps);
     return 1;
 }
 
@@ -643,7 +580,7 @@ static int measure_protocol(const dep_t *d, kvs_write_mode_t mode, int method, r
             ok = 0;
             break;
         }
-        row->gbs[method] = (double) row->bytes / 1e9 / median(t, cfg->reps);
+        row->gbs[method] = (double) row->bytes / 1e9 / kvs_bt_median(t, cfg->reps);
         ok = poison_decode(d) && proto_room(&p, d, cfg->tokens[ti], &sec) == KVS_OK;
         if (ok) row->bad += check_samples(d, cfg->tokens[ti], rng, cfg->samples);
     }
@@ -886,11 +823,22 @@ int kvs_bench_transfer(int argc, char **argv)
     cfg.per_page_max = 20000;
     const char *tokens = "128,1024,4096,16384,32768", *pages = "1,16,64", *tps = "1:1,2:1,1:2";
     const char *gpus = "0,1";
-    int device = 1, seen_gpus = 0;
+    int device = 1, seen_gpus = 0, seen_device = 0, transport = 0, data = 0, seen_data = 0;
+    int seen_hd = 0, seen_reps = 0, seen_pages = 0, seen_tp = 0;
+    uint32_t head_dim = 32;
     const kvs_arg_t args[] = {
+        {"transport", KVS_ARG_CHOICE, &transport,
+         "inproc: every rank in this process; ucx: prefill and decode in two processes over the "
+         "net link (ZeroMQ + UCX, host memory; implies --device cpu)",
+         "inproc|ucx", NULL},
         {"device", KVS_ARG_CHOICE, &device,
          "cuda: pools on GPUs (the measurement); cpu: host memory (checks the benchmark itself)",
-         "cpu|cuda", NULL},
+         "cpu|cuda", &seen_device},
+        {"data", KVS_ARG_CHOICE, &data, "ucx: UCX data over shared memory or tcp on loopback",
+         "shm|tcp", &seen_data},
+        {"head-dim", KVS_ARG_U32, &head_dim,
+         "ucx: head dim of the 8B shape scaled to this machine (32 layers, 8 KV heads) (32)", NULL,
+         &seen_hd},
         {"gpus", KVS_ARG_STR, &gpus,
          "prefill GPU,decode GPU (default 0,1; 0,0 when only one GPU is present)", NULL,
          &seen_gpus},
@@ -898,8 +846,10 @@ int kvs_bench_transfer(int argc, char **argv)
          "all|llama3-8b|llama3-70b", NULL},
         {"tokens", KVS_ARG_STR, &tokens, "prompt lengths (default 128,1024,4096,16384,32768)", NULL,
          NULL},
-        {"page-sizes", KVS_ARG_STR, &pages, "page sizes (default 1,16,64)", NULL, NULL},
-        {"tp", KVS_ARG_STR, &tps, "prefill:decode TP pairs (default 1:1,2:1,1:2)", NULL, NULL},
+        {"page-sizes", KVS_ARG_STR, &pages, "page sizes (default 1,16,64; ucx: one size, 16)", NULL,
+         &seen_pages},
+        {"tp", KVS_ARG_STR, &tps,
+         "prefill:decode TP pairs (default 1:1,2:1,1:2; ucx: one pair, 1:1)", NULL, &seen_tp},
         {"layout", KVS_ARG_CHOICE, &cfg.layout,
          "pool layout of both sides (hnd: a page's head slice is one run, per-page copies are 1D)",
          "hnd|nhd", NULL},
@@ -911,7 +861,8 @@ int kvs_bench_transfer(int argc, char **argv)
          NULL},
         {"ring-slots", KVS_ARG_U32, &cfg.ring_slots, "decode ring size in full slots (8)", NULL,
          NULL},
-        {"reps", KVS_ARG_U32, &cfg.reps, "timed runs per cell, median reported (5)", NULL, NULL},
+        {"reps", KVS_ARG_U32, &cfg.reps, "timed runs per cell, median reported (5; ucx: 3)", NULL,
+         &seen_reps},
         {"warmup", KVS_ARG_U32, &cfg.warmup, "untimed runs first (1)", NULL, NULL},
         {"samples", KVS_ARG_U32, &cfg.samples, "heads checked per method and row (256)", NULL,
          NULL},
@@ -924,10 +875,16 @@ int kvs_bench_transfer(int argc, char **argv)
     int prc = kvs_args_parse(USAGE, args, nargs, argc, argv, 1);
     if (prc == KVS_ARGS_HELP) return 0;
     if (prc != KVS_ARGS_OK) return EXIT_USAGE;
+    if (transport == 1) {
+        if (!seen_reps) cfg.reps = 3;
+        if (!seen_pages) pages = "16";
+        if (!seen_tp) tps = "1:1";
+        if (!seen_device) device = 0;
+    }
     cfg.cuda = device == 1;
-    cfg.ntokens = parse_list(tokens, cfg.tokens);
-    cfg.npages = parse_list(pages, cfg.pages);
-    cfg.ntp = parse_tp(tps, cfg.ptp, cfg.dtp);
+    cfg.ntokens = kvs_bt_parse_list(tokens, cfg.tokens);
+    cfg.npages = kvs_bt_parse_list(pages, cfg.pages);
+    cfg.ntp = kvs_bt_parse_tp(tps, cfg.ptp, cfg.dtp);
     /* two ordinals, 0 allowed (parse_list takes positive numbers only) */
     uint32_t g[2] = {0, 0};
     int ng = 0;
@@ -956,6 +913,16 @@ int kvs_bench_transfer(int argc, char **argv)
         bad = "--chunk, --window, --staging-buffers and --ring-slots must be > 0";
     else if (seen_gpus && !cfg.cuda)
         bad = "--gpus needs --device cuda";
+    else if (transport == 1 && cfg.cuda)
+        bad = "--transport ucx moves host memory: it needs --device cpu";
+    else if (transport == 1 && (cfg.npages != 1 || cfg.ntp != 1))
+        bad = "--transport ucx takes one page size and one TP pair";
+    else if (transport == 1 && cfg.layout != 0 && (cfg.ptp[0] != 1 || cfg.dtp[0] != 1))
+        bad = "--transport ucx runs NHD pools with --tp 1:1 only (a page's slice is one run)";
+    else if (transport == 1 && (head_dim == 0 || head_dim % 4 != 0 || head_dim > 256))
+        bad = "--head-dim must be a multiple of 4 in 4..256";
+    else if (transport == 0 && (seen_data || seen_hd))
+        bad = "--data and --head-dim need --transport ucx";
     for (int i = 0; bad == NULL && i < cfg.ntp; i++)
         if (cfg.ptp[i] > 8 || cfg.dtp[i] > 8 || 8 % cfg.ptp[i] != 0 || 8 % cfg.dtp[i] != 0)
             bad = "--tp sizes must divide the 8 KV heads (1, 2, 4 or 8)";
@@ -966,6 +933,27 @@ int kvs_bench_transfer(int argc, char **argv)
     }
     cfg.gpu_p = (int) g[0];
     cfg.gpu_d = (int) g[1];
+    if (transport == 1) {
+        kvs_bench_ucx_cfg_t u;
+        memset(&u, 0, sizeof(u));
+        memcpy(u.tokens, cfg.tokens, sizeof(u.tokens));
+        u.ntokens = cfg.ntokens;
+        u.prefill_tp = cfg.ptp[0];
+        u.decode_tp = cfg.dtp[0];
+        u.page_size = cfg.pages[0];
+        u.chunk = cfg.chunk;
+        u.window = cfg.window;
+        u.buffers = cfg.buffers;
+        u.ring_slots = cfg.ring_slots;
+        u.head_dim = head_dim;
+        u.reps = cfg.reps;
+        u.warmup = cfg.warmup;
+        u.per_page_max = cfg.per_page_max;
+        u.tcp = data == 1;
+        u.nhd = cfg.layout == 1;
+        u.json = cfg.json;
+        return kvs_bench_transfer_ucx(&u) ? EXIT_RUN_FAILED : 0;
+    }
 
     char hw[512];
     if (!prepare_devices(&cfg, seen_gpus, hw, sizeof(hw))) return EXIT_RUN_FAILED;

@@ -56,6 +56,9 @@ typedef struct {
 typedef struct {
     uint64_t rooms_added, rooms_succeeded, rooms_failed;
     uint64_t live_rooms;    /* now */
+    uint64_t stashed_rooms; /* sender, now: metadata or aborts kept for rooms the engine has not
+                               added (or already released); each expires after the bootstrap
+                               timeout */
     uint64_t chunks;        /* sender: (chunk, destination) writes acknowledged;
                                receiver: chunks scattered */
     uint64_t bulk_writes;   /* transport writes issued (sender), direct writes included */

@@ -983,5 +983,6 @@ uint32_t kvs_sender_progress(kvs_sender_t *tx)
 void kvs_sender_metrics(const kvs_sender_t *tx, kvs_pd_metrics_t *metrics_p)
 {
     *metrics_p = tx->m;
-    metrics_p->live_rooms = tx->rooms.count + tx->stash.count;
+    metrics_p->live_rooms = tx->rooms.count;
+    metrics_p->stashed_rooms = tx->stash.count;
 }

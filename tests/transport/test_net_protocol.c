@@ -5,11 +5,9 @@
  * the prefill endpoints (as from a bootstrap registry); prefill learns decode's from its
  * heartbeats. */
 #include "pd/pd_harness.h"
+#include "transport/net_harness.h"
 
-#include <signal.h>
 #include <stdio.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "kvstage/clock.h"
 #include "kvstage/net.h"
@@ -97,17 +95,6 @@ static kvs_net_config_t net_cfg(kvs_side_t side, uint32_t rank, uint32_t peer_tp
     return c;
 }
 
-static int read_full(int fd, void *buf, size_t n)
-{
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, (char *) buf + got, n - got);
-        if (r <= 0) return -1;
-        got += (size_t) r;
-    }
-    return 0;
-}
-
 static void make_pool(h_t *h, int decode, uint32_t rank)
 {
     uint32_t tp = decode ? h->geo.decode_tp : h->geo.prefill_tp;
@@ -119,20 +106,6 @@ static void make_pool(h_t *h, int decode, uint32_t rank)
                             .mem = KVS_MEM_HOST};
     kvs_pool_t **pool = decode ? &h->dpool[rank] : &h->ppool[rank];
     if (kvs_pool_create(&pc, pool) != KVS_OK) abort();
-}
-
-/* The child process of the running test; the teardown kills it if a failed test left it. */
-static pid_t g_child;
-
-static int kill_child(void **state)
-{
-    (void) state;
-    if (g_child > 0 && waitpid(g_child, NULL, WNOHANG) == 0) {
-        kill(g_child, SIGKILL);
-        waitpid(g_child, NULL, 0);
-    }
-    g_child = 0;
-    return 0;
 }
 
 /* ---- prefill: the child process ---- */
@@ -260,8 +233,8 @@ static void run_protocol(const run_t *run)
     int back[2];
     assert_int_equal(pipe(back), 0);
     pid_t pid = fork();
-    g_child = pid;
     assert_true(pid >= 0);
+    if (pid > 0) nh_track(pid, -1, -1); /* the teardown kills it if a failed test left it */
     if (pid == 0) {
         close(sv[0]);
         close(back[1]);
@@ -280,9 +253,9 @@ static void run_protocol(const run_t *run)
     kvs_clock_t clock = kvs_clock_monotonic();
     uint32_t n;
     static char eps[H_MAX_RANKS * 64];
-    assert_int_equal(read_full(sv[0], &n, 4), 0);
+    assert_int_equal(nh_read_full(sv[0], &n, 4, 30000), 0);
     assert_true(n < sizeof(eps));
-    assert_int_equal(read_full(sv[0], eps, n), 0);
+    assert_int_equal(nh_read_full(sv[0], eps, n, 30000), 0);
     eps[n] = '\0';
     kvs_net_config_t base = net_cfg(KVS_SIDE_DECODE, 0, run->ptp, run->data);
     char *save = NULL;
@@ -359,6 +332,7 @@ static void run_protocol(const run_t *run)
             fail_msg("seed %llu: prefill did not finish", (unsigned long long) run->seed);
         }
     }
+    nh_forget(pid);
     for (uint32_t i = 0; i < run->nrooms; i++)
         if (rooms[i].status != KVS_ROOM_SUCCESS || rooms[i].bad != 0)
             fail_msg("seed %llu: room %llu (len %llu, base %llu, hit %llu) %s, %llu bytes wrong",
@@ -419,9 +393,9 @@ static void test_tp1_to_tp2_auto(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_tp2_to_tp1_shm, kill_child),
-        cmocka_unit_test_teardown(test_tp2_to_tp1_tcp, kill_child),
-        cmocka_unit_test_teardown(test_tp1_to_tp2_auto, kill_child),
+        cmocka_unit_test_teardown(test_tp2_to_tp1_shm, nh_kill_children),
+        cmocka_unit_test_teardown(test_tp2_to_tp1_tcp, nh_kill_children),
+        cmocka_unit_test_teardown(test_tp1_to_tp2_auto, nh_kill_children),
     };
     const char *filter = getenv("KVS_TEST_FILTER"); /* e.g. "*tcp*" */
     if (filter != NULL) cmocka_set_test_filter(filter);

@@ -9,6 +9,11 @@ typedef struct kvs_link kvs_link_t;
 
 typedef enum { KVS_SIDE_PREFILL = 0, KVS_SIDE_DECODE = 1 } kvs_side_t;
 
+static inline const char *kvs_side_str(kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
+}
+
 /* Destroys the link; no call may be in flight. NULL is ignored. */
 void kvs_link_destroy(kvs_link_t *link);
 

@@ -2,6 +2,7 @@
  * fixed-header, little-endian wire format described in kvstage/msg.h. Both directions share
  * one range check, so anything encode accepts decodes back to the same struct and anything
  * decode accepts re-encodes to the same bytes. */
+#include "base/bytes.h"
 #include "kvstage/msg.h"
 
 #include <assert.h>
@@ -23,42 +24,6 @@
 #define QUERY_SIZE         4
 #define QUERY_REPLY_SIZE   8 /* + a registration when found */
 #define HEARTBEAT_SIZE     16
-
-/* Byte order is spelled out with shifts so the wire format does not depend on the host. */
-static void put_u16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t) v;
-    p[1] = (uint8_t) (v >> 8);
-}
-
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static uint16_t get_u16(const uint8_t *p)
-{
-    return (uint16_t) (p[0] | (p[1] << 8));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
-    return v;
-}
 
 /* Two's complement without relying on the implementation-defined unsigned-to-signed cast. */
 static int32_t i32_from_u32(uint32_t v)
@@ -277,22 +242,22 @@ static uint8_t *out_take(wire_out_t *w, size_t n)
 
 static void out_u16(wire_out_t *w, uint16_t v)
 {
-    put_u16(out_take(w, 2), v);
+    kvs_put_u16(out_take(w, 2), v);
 }
 
 static void out_u32(wire_out_t *w, uint32_t v)
 {
-    put_u32(out_take(w, 4), v);
+    kvs_put_u32(out_take(w, 4), v);
 }
 
 static void out_i32(wire_out_t *w, int32_t v)
 {
-    put_u32(out_take(w, 4), (uint32_t) v);
+    kvs_put_u32(out_take(w, 4), (uint32_t) v);
 }
 
 static void out_u64(wire_out_t *w, uint64_t v)
 {
-    put_u64(out_take(w, 8), v);
+    kvs_put_u64(out_take(w, 8), v);
 }
 
 static void out_bytes(wire_out_t *w, const void *src, size_t n)
@@ -465,13 +430,13 @@ static const uint8_t *in_take(wire_in_t *r, size_t n)
 static uint16_t in_u16(wire_in_t *r)
 {
     const uint8_t *p = in_take(r, 2);
-    return p ? get_u16(p) : 0;
+    return p ? kvs_get_u16(p) : 0;
 }
 
 static uint32_t in_u32(wire_in_t *r)
 {
     const uint8_t *p = in_take(r, 4);
-    return p ? get_u32(p) : 0;
+    return p ? kvs_get_u32(p) : 0;
 }
 
 static int32_t in_i32(wire_in_t *r)
@@ -482,7 +447,7 @@ static int32_t in_i32(wire_in_t *r)
 static uint64_t in_u64(wire_in_t *r)
 {
     const uint8_t *p = in_take(r, 8);
-    return p ? get_u64(p) : 0;
+    return p ? kvs_get_u64(p) : 0;
 }
 
 static void in_bytes(wire_in_t *r, void *dst, size_t n)
@@ -637,10 +602,10 @@ kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
         kvs_debug("msg decode: %zu bytes, longer than the %d-byte maximum", len, KVS_MSG_MAX_SIZE);
         return KVS_ERR_PROTOCOL;
     }
-    uint32_t magic = get_u32(buf);
-    uint16_t version = get_u16(buf + 4);
-    uint16_t type = get_u16(buf + 6);
-    uint32_t declared = get_u32(buf + 8);
+    uint32_t magic = kvs_get_u32(buf);
+    uint16_t version = kvs_get_u16(buf + 4);
+    uint16_t type = kvs_get_u16(buf + 6);
+    uint32_t declared = kvs_get_u32(buf + 8);
     if (magic != KVS_MSG_MAGIC) {
         kvs_debug("msg decode: bad magic 0x%08x", magic);
         return KVS_ERR_PROTOCOL;

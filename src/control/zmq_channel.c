@@ -5,6 +5,7 @@
  * (ZMQ_DONTWAIT, EAGAIN is a failed send), ZMQ_IMMEDIATE keeps frames from queueing towards a
  * peer that is not connected, ZMQ_LINGER=0 makes close and shutdown immediate, high-water marks
  * bound every queue, and ZMQ_MAXMSGSIZE bounds what a peer can make us allocate. */
+#include "base/bytes.h"
 #include "control/zmq_channel.h"
 
 #include <errno.h>
@@ -67,30 +68,6 @@ static uint64_t new_incarnation(void)
     } while (
         !__atomic_compare_exchange_n(&last, &prev, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     return next;
-}
-
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t) p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t) p[i] << (8 * i);
-    return v;
 }
 
 static size_t kind_max(kvs_zch_kind_t kind)
@@ -306,8 +283,8 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
     b[1] = KVS_ZCH_VERSION;
     b[2] = (uint8_t) ch->cfg.side;
     b[3] = 0;
-    put_u32(b + 4, ch->cfg.rank);
-    put_u64(b + 8, ch->incarnation);
+    kvs_put_u32(b + 4, ch->cfg.rank);
+    kvs_put_u64(b + 8, ch->incarnation);
     if (len) memcpy(b + KVS_ZCH_HEADER_SIZE, payload, len);
     if (zmq_msg_send(&m, p->push, ZMQ_DONTWAIT) < 0) {
         int err = errno;
@@ -347,7 +324,7 @@ static int send_heartbeat(kvs_zch_t *ch, uint32_t peer)
     zpeer_t *p = &ch->peers[peer];
     uint8_t b[HEARTBEAT_FIXED + KVS_ZCH_ENDPOINT_MAX];
     size_t eplen = strlen(ch->endpoint);
-    put_u64(b, p->hb_seq + 1);
+    kvs_put_u64(b, p->hb_seq + 1);
     b[8] = (uint8_t) eplen;
     b[9] = (uint8_t) (eplen >> 8);
     memcpy(b + HEARTBEAT_FIXED, ch->endpoint, eplen);
@@ -508,15 +485,15 @@ kvs_status_t kvs_zch_recv(kvs_zch_t *ch, kvs_zch_frame_t *frame_p)
         kvs_side_t other = ch->cfg.side == KVS_SIDE_PREFILL ? KVS_SIDE_DECODE : KVS_SIDE_PREFILL;
         kvs_zch_kind_t kind = size ? (kvs_zch_kind_t) b[0] : (kvs_zch_kind_t) 0;
         if (size < KVS_ZCH_HEADER_SIZE || kind_max(kind) == 0 || b[1] != KVS_ZCH_VERSION ||
-            b[2] != (uint8_t) other || b[3] != 0 || get_u32(b + 4) >= ch->cfg.peer_tp ||
-            get_u64(b + 8) == 0 || size - KVS_ZCH_HEADER_SIZE > kind_max(kind)) {
+            b[2] != (uint8_t) other || b[3] != 0 || kvs_get_u32(b + 4) >= ch->cfg.peer_tp ||
+            kvs_get_u64(b + 8) == 0 || size - KVS_ZCH_HEADER_SIZE > kind_max(kind)) {
             ch->st.rejected++;
             kvs_debug("zmq channel: rejected a %zu-byte frame (kind %u)", size, size ? b[0] : 0u);
             drop_msg(ch);
             continue;
         }
-        uint32_t from = get_u32(b + 4);
-        uint64_t inc = get_u64(b + 8);
+        uint32_t from = kvs_get_u32(b + 4);
+        uint64_t inc = kvs_get_u64(b + 8);
         const uint8_t *payload = b + KVS_ZCH_HEADER_SIZE;
         size_t len = size - KVS_ZCH_HEADER_SIZE;
         const char *ep = NULL;

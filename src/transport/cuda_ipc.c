@@ -2,6 +2,7 @@
  * writes with peer copies on the link's copy queue (a stream on its device; a write completes
  * when its event fires, so a staging buffer is released only after the copy that reads it) or
  * maps it for direct writes. Control ops are refused: this link carries data only. */
+#include "base/bytes.h"
 #include "kvstage/cuda_ipc.h"
 
 #include <string.h>
@@ -43,41 +44,12 @@ typedef struct {
     uint64_t ring_size;
 } ipc_t;
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t) p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t) p[i] << (8 * i);
-    return v;
-}
-
-static const char *side_name(kvs_side_t side)
-{
-    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
-}
-
 static kvs_status_t no_control(ipc_t *c)
 {
     if (!c->told_control++)
         kvs_error("cuda_ipc link (%s rank %u): carries no control messages; pair it with a "
                   "control channel",
-                  side_name(c->cfg.side), c->cfg.rank);
+                  kvs_side_str(c->cfg.side), c->cfg.rank);
     return KVS_ERR_UNSUPPORTED;
 }
 
@@ -265,11 +237,11 @@ kvs_status_t kvs_cuda_ipc_export(kvs_link_t *link, kvs_cuda_ipc_handle_t *handle
     if (st != KVS_OK) return st;
     kvs_cuda_ipc_handle_t out;
     memset(&out, 0, sizeof(out));
-    put_u32(out.bytes, IPC_MAGIC);
-    put_u32(out.bytes + 4, IPC_VERSION);
-    put_u64(out.bytes + OFF_SIZE, c->ring_size);
-    put_u32(out.bytes + OFF_PID, (uint32_t) getpid());
-    put_u32(out.bytes + OFF_DEVICE, (uint32_t) c->cfg.device);
+    kvs_put_u32(out.bytes, IPC_MAGIC);
+    kvs_put_u32(out.bytes + 4, IPC_VERSION);
+    kvs_put_u64(out.bytes + OFF_SIZE, c->ring_size);
+    kvs_put_u32(out.bytes + OFF_PID, (uint32_t) getpid());
+    kvs_put_u32(out.bytes + OFF_DEVICE, (uint32_t) c->cfg.device);
     memcpy(out.bytes + OFF_CUDA, &h, sizeof(h));
     *handle_p = out;
     return KVS_OK;
@@ -290,14 +262,14 @@ kvs_status_t kvs_cuda_ipc_import(kvs_link_t *link, uint32_t peer,
         return KVS_ERR_INVALID;
     }
     const uint8_t *b = handle->bytes;
-    uint64_t size = get_u64(b + OFF_SIZE);
-    if (get_u32(b) != IPC_MAGIC || get_u32(b + 4) != IPC_VERSION || size == 0) {
+    uint64_t size = kvs_get_u64(b + OFF_SIZE);
+    if (kvs_get_u32(b) != IPC_MAGIC || kvs_get_u32(b + 4) != IPC_VERSION || size == 0) {
         kvs_error("cuda_ipc import: decode rank %u's handle is malformed (magic %08x, version "
                   "%u, size %llu)",
-                  peer, get_u32(b), get_u32(b + 4), (unsigned long long) size);
+                  peer, kvs_get_u32(b), kvs_get_u32(b + 4), (unsigned long long) size);
         return KVS_ERR_INVALID;
     }
-    if (get_u32(b + OFF_PID) == (uint32_t) getpid()) {
+    if (kvs_get_u32(b + OFF_PID) == (uint32_t) getpid()) {
         kvs_error("cuda_ipc import: decode rank %u's ring was exported by this process; CUDA IPC "
                   "works between processes only (use the inproc link here)",
                   peer);
@@ -314,7 +286,8 @@ kvs_status_t kvs_cuda_ipc_import(kvs_link_t *link, uint32_t peer,
         st = KVS_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
                             "cuda_ipc import of decode rank %u's ring (GPU %u of process %u) "
                             "on GPU %d",
-                            peer, get_u32(b + OFF_DEVICE), get_u32(b + OFF_PID), c->cfg.device);
+                            peer, kvs_get_u32(b + OFF_DEVICE), kvs_get_u32(b + OFF_PID),
+                            c->cfg.device);
     if (st == KVS_OK && c->remotes[peer].base != NULL)
         (void) KVS_CUDA_CHECK(cudaIpcCloseMemHandle(c->remotes[peer].base),
                               "cuda_ipc: closing decode rank %u's previous ring", peer);

@@ -8,6 +8,7 @@
  * by prefill until a deadline), then post their pieces, and complete only after a flush. A peer
  * that dies, restarts or re-exposes its ring invalidates its endpoint: writes in flight to it
  * fail, later writes wire up again. */
+#include "base/bytes.h"
 #include "kvstage/net.h"
 
 #include <stdio.h>
@@ -85,35 +86,6 @@ typedef struct {
 
 static const kvs_link_ops_t net_ops;
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t) (v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t) p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t) p[i] << (8 * i);
-    return v;
-}
-
-static const char *side_name(kvs_side_t side)
-{
-    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
-}
-
 /* ---- writes ---- */
 
 static void finish_write(net_t *n, nwrite_t *w, kvs_status_t status)
@@ -124,7 +96,7 @@ static void finish_write(net_t *n, nwrite_t *w, kvs_status_t status)
     if (status != KVS_OK) {
         n->st.writes_failed++;
         kvs_warn("net link: %s rank %u: write %llu to decode rank %u failed: %s",
-                 side_name(n->cfg.side), n->cfg.rank, (unsigned long long) w->ticket, w->peer,
+                 kvs_side_str(n->cfg.side), n->cfg.rank, (unsigned long long) w->ticket, w->peer,
                  kvs_status_str(status));
     }
 }
@@ -215,12 +187,12 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
 {
     if (n->cfg.side != KVS_SIDE_PREFILL || f->len < WIREUP_FIXED) goto reject;
     const uint8_t *b = f->payload;
-    uint32_t gen = get_u32(b);
-    uint32_t addr_len = get_u32(b + 4);
-    uint32_t rkey_len = get_u32(b + 8);
-    uint64_t base = get_u64(b + 16);
-    uint64_t size = get_u64(b + 24);
-    if (get_u32(b + 12) != 0 || gen == 0 || addr_len == 0 || addr_len > WIREUP_ADDR_MAX ||
+    uint32_t gen = kvs_get_u32(b);
+    uint32_t addr_len = kvs_get_u32(b + 4);
+    uint32_t rkey_len = kvs_get_u32(b + 8);
+    uint64_t base = kvs_get_u64(b + 16);
+    uint64_t size = kvs_get_u64(b + 24);
+    if (kvs_get_u32(b + 12) != 0 || gen == 0 || addr_len == 0 || addr_len > WIREUP_ADDR_MAX ||
         rkey_len == 0 || rkey_len > WIREUP_RKEY_MAX ||
         f->len != WIREUP_FIXED + (size_t) addr_len + rkey_len || size == 0 || base + size < base)
         goto reject;
@@ -252,7 +224,7 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
 reject:
     kvs_zch_count_rejected(n->ch);
     kvs_warn("net link: %s rank %u rejected a %zu-byte wireup frame from rank %u",
-             side_name(n->cfg.side), n->cfg.rank, f->len, f->from);
+             kvs_side_str(n->cfg.side), n->cfg.rank, f->len, f->from);
 }
 
 /* Returns 1 if the wireup went out (not yet connected peers get it on a later call). */
@@ -396,7 +368,7 @@ static kvs_status_t net_write(void *ctx, uint32_t peer, uint64_t offset, const v
 {
     net_t *n = ctx;
     if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp || (len > 0 && src == NULL)) {
-        kvs_error("net link: %s rank %u cannot write to decode rank %u", side_name(n->cfg.side),
+        kvs_error("net link: %s rank %u cannot write to decode rank %u", kvs_side_str(n->cfg.side),
                   n->cfg.rank, peer);
         return KVS_ERR_INVALID;
     }
@@ -464,12 +436,12 @@ static kvs_status_t build_wireup(net_t *n, void *ring, uint64_t size)
     size_t len = WIREUP_FIXED + addr_len + rkey_len;
     uint8_t *b = kvs_malloc(len);
     if (b == NULL) return KVS_ERR_NOMEM;
-    put_u32(b, n->gen);
-    put_u32(b + 4, (uint32_t) addr_len);
-    put_u32(b + 8, (uint32_t) rkey_len);
-    put_u32(b + 12, 0);
-    put_u64(b + 16, (uint64_t) (uintptr_t) ring);
-    put_u64(b + 24, size);
+    kvs_put_u32(b, n->gen);
+    kvs_put_u32(b + 4, (uint32_t) addr_len);
+    kvs_put_u32(b + 8, (uint32_t) rkey_len);
+    kvs_put_u32(b + 12, 0);
+    kvs_put_u64(b + 16, (uint64_t) (uintptr_t) ring);
+    kvs_put_u64(b + 24, size);
     memcpy(b + WIREUP_FIXED, addr, addr_len);
     memcpy(b + WIREUP_FIXED + addr_len, rkey, rkey_len);
     kvs_free(n->wireup);

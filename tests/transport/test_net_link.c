@@ -23,6 +23,7 @@
 #include "kvstage/net.h"
 #include "kvstage/rng.h"
 #include "transport/link.h"
+#include "transport/net_harness.h"
 
 #define MS          1000000ull
 #define MIB         (1ull << 20)
@@ -47,192 +48,21 @@ static kvs_net_config_t net_cfg(kvs_side_t side, kvs_net_data_t data)
     return c;
 }
 
-/* Reads exactly n bytes, giving up after 30 s (a stuck peer process must not hang the test). */
-static int read_full(int fd, void *buf, size_t n)
-{
-    size_t got = 0;
-    uint64_t end = kvs_now_ns() + 30000 * MS;
-    while (got < n) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (kvs_now_ns() > end) return -1;
-        if (poll(&p, 1, 100) <= 0) continue;
-        ssize_t r = read(fd, (char *) buf + got, n - got);
-        if (r <= 0) return -1;
-        got += (size_t) r;
-    }
-    return 0;
-}
-
 static int write_str(int fd, const char *s)
 {
     uint32_t n = (uint32_t) strlen(s);
-    return write(fd, &n, 4) == 4 && write(fd, s, n) == (ssize_t) n ? 0 : -1;
+    return nh_write_full(fd, &n, 4) == 0 && nh_write_full(fd, s, n) == 0 ? 0 : -1;
 }
 
 static int read_str(int fd, char *buf, size_t cap)
 {
     uint32_t n;
-    if (read_full(fd, &n, 4) != 0 || n >= cap || read_full(fd, buf, n) != 0) return -1;
+    if (nh_read_full(fd, &n, 4, 30000) != 0 || n >= cap || nh_read_full(fd, buf, n, 30000) != 0)
+        return -1;
     buf[n] = '\0';
     return 0;
 }
 
-typedef struct {
-    pid_t pid;
-    int up, down; /* parent's ends: read from the child, write to the child */
-} child_t;
-
-typedef int (*child_fn)(int up, int down, void *arg);
-
-/* Children of the running test, so a failed test cannot leave them spinning. */
-static child_t g_children[8];
-static pid_t g_parent;
-
-/* Children give up when the test process is gone. */
-static int parent_alive(void)
-{
-    return getppid() == g_parent;
-}
-
-static child_t spawn(child_fn fn, void *arg)
-{
-    int up[2], down[2];
-    assert_int_equal(pipe(up), 0);
-    assert_int_equal(pipe(down), 0);
-    g_parent = getpid();
-    child_t c = {.pid = fork()};
-    assert_true(c.pid >= 0);
-    if (c.pid == 0) {
-        close(up[0]);
-        close(down[1]);
-        kvs_alloc_stats_t before, after; /* the parent's blocks came along with fork() */
-        kvs_alloc_stats(&before);
-        int code = fn(up[1], down[0], arg);
-        kvs_alloc_stats(&after);
-        if (code == 0 && after.live_blocks != before.live_blocks) code = 90;
-        _exit(code);
-    }
-    close(up[1]);
-    close(down[0]);
-    c.up = up[0];
-    c.down = down[1];
-    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
-        if (g_children[i].pid == 0) {
-            g_children[i] = c;
-            break;
-        }
-    }
-    return c;
-}
-
-static void forget(pid_t pid)
-{
-    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
-        if (g_children[i].pid != pid) continue;
-        close(g_children[i].up);
-        close(g_children[i].down);
-        g_children[i].pid = 0;
-    }
-}
-
-/* Waits (bounded) for a child's exit status. */
-static int reap(child_t *c)
-{
-    int status = 0;
-    pid_t got;
-    uint64_t end = kvs_now_ns() + 30000 * MS;
-    while ((got = waitpid(c->pid, &status, WNOHANG)) == 0 && kvs_now_ns() < end) {
-        struct timespec ms1 = {0, 1000000};
-        nanosleep(&ms1, NULL);
-    }
-    if (got == 0) {
-        kill(c->pid, SIGKILL);
-        waitpid(c->pid, &status, 0);
-        forget(c->pid);
-        fail_msg("child %d did not exit within 30 s", (int) c->pid);
-    }
-    forget(c->pid);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-/* Teardown of every test: kills what a failed test left running. */
-static int kill_children(void **state)
-{
-    (void) state;
-    for (size_t i = 0; i < sizeof(g_children) / sizeof(g_children[0]); i++) {
-        if (g_children[i].pid == 0) continue;
-        kill(g_children[i].pid, SIGKILL);
-        waitpid(g_children[i].pid, NULL, 0);
-        forget(g_children[i].pid);
-    }
-    return 0;
-}
-
-/* Shared-memory files UCX may leave behind when a process is killed. */
-typedef struct {
-    char names[64][NAME_MAX + 1];
-    int n;
-} shm_list_t;
-
-static void shm_snapshot(shm_list_t *s)
-{
-    s->n = 0;
-    DIR *d = opendir("/dev/shm");
-    if (d == NULL) return;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL && s->n < 64)
-        if (strncmp(e->d_name, "ucx_shm_posix_", 14) == 0)
-            snprintf(s->names[s->n++], NAME_MAX + 1, "%s", e->d_name);
-    closedir(d);
-}
-
-static int shm_open_anywhere(const char *name)
-{
-    DIR *proc = opendir("/proc");
-    if (proc == NULL) return 1; /* cannot tell: keep it */
-    struct dirent *p;
-    int found = 0;
-    char want[NAME_MAX + 16];
-    snprintf(want, sizeof(want), "/dev/shm/%s", name);
-    while (!found && (p = readdir(proc)) != NULL) {
-        if (p->d_name[0] < '0' || p->d_name[0] > '9') continue;
-        char fdpath[NAME_MAX + 16];
-        snprintf(fdpath, sizeof(fdpath), "/proc/%s/fd", p->d_name);
-        DIR *fds = opendir(fdpath);
-        if (fds == NULL) continue;
-        struct dirent *f;
-        while (!found && (f = readdir(fds)) != NULL) {
-            char link[2 * NAME_MAX + 32], target[NAME_MAX + 80];
-            snprintf(link, sizeof(link), "%s/%s", fdpath, f->d_name);
-            ssize_t n = readlink(link, target, sizeof(target) - 1);
-            if (n <= 0) continue;
-            target[n] = '\0';
-            found = strncmp(target, want, strlen(want)) == 0;
-        }
-        closedir(fds);
-    }
-    closedir(proc);
-    return found;
-}
-
-/* Removes UCX shared-memory files that appeared since `before` and that no process holds open:
- * what a killed process left. Files of tests running in parallel are open, so they stay. */
-static void shm_clean(const shm_list_t *before)
-{
-    shm_list_t now;
-    shm_snapshot(&now);
-    for (int i = 0; i < now.n; i++) {
-        int old = 0;
-        for (int j = 0; j < before->n && !old; j++)
-            old = strcmp(now.names[i], before->names[j]) == 0;
-        if (old || shm_open_anywhere(now.names[i])) continue;
-        char path[NAME_MAX + 16];
-        snprintf(path, sizeof(path), "/dev/shm/%s", now.names[i]);
-        unlink(path);
-    }
-}
-
-/* The bytes of write i, seeded: 64-bit words, so any 8-aligned part can be made alone. */
 static void pat_fill_part(uint8_t *dst, uint64_t seed, uint64_t i, uint64_t from, uint64_t to)
 {
     for (uint64_t w = from / 8; w * 8 < to; w++) {
@@ -330,7 +160,7 @@ static int decode_main(int up, int down, void *argp)
     if (write_str(up, info) != 0) return 5;
     int code = 6; /* no BYE within the deadline */
     uint64_t end = kvs_now_ns() + 60000 * MS;
-    while (kvs_now_ns() < end && parent_alive()) {
+    while (kvs_now_ns() < end && nh_parent_alive()) {
         tmsg_t m;
         if (!trecv(link, &m)) continue;
         if (m.kind == T_BYE) {
@@ -363,7 +193,7 @@ static int decode_main(int up, int down, void *argp)
 /* Connects the parent's prefill link to a decode child: sends our endpoint down, reads the
  * child's endpoint and ring address; sets the peer explicitly if asked (else it is learned from
  * the child's heartbeats). */
-static kvs_link_t *prefill_for(child_t *ch, kvs_net_data_t data, int explicit_peer,
+static kvs_link_t *prefill_for(nh_child_t *ch, kvs_net_data_t data, int explicit_peer,
                                uint64_t *ring_addr_p)
 {
     kvs_net_config_t c = net_cfg(KVS_SIDE_PREFILL, data);
@@ -380,7 +210,7 @@ static kvs_link_t *prefill_for(child_t *ch, kvs_net_data_t data, int explicit_pe
 }
 
 /* Points a link at another rank (for a restart that binds a new endpoint). */
-static void reconnect_for(child_t *ch, kvs_link_t *link, uint64_t *ring_addr_p)
+static void reconnect_for(nh_child_t *ch, kvs_link_t *link, uint64_t *ring_addr_p)
 {
     assert_int_equal(write_str(ch->down, kvs_net_link_endpoint(link)), 0);
     char info[300], ep[256];
@@ -476,13 +306,13 @@ static uint64_t write_verified(kvs_link_t *link, uint64_t seed, uint64_t first_i
 static void run_visibility(kvs_net_data_t data)
 {
     decode_arg_t a = {.data = data, .ring_bytes = 24 * MIB, .seed = kvs_test_seed(21)};
-    child_t ch = spawn(decode_main, &a);
+    nh_child_t ch = nh_spawn(decode_main, &a);
     kvs_link_t *link = prefill_for(&ch, data, 1, NULL);
     uint64_t n = kvs_test_iters(40);
     write_verified(link, a.seed, 0, n, a.ring_bytes, 0, 2);
     tmsg_t bye = {.kind = T_BYE};
     assert_int_equal(tsend(link, &bye), KVS_OK);
-    assert_int_equal(reap(&ch), 0);
+    assert_int_equal(nh_reap(ch.pid, 30000), 0);
     kvs_net_stats_t st;
     assert_int_equal(kvs_net_link_stats(link, &st), KVS_OK);
     assert_int_equal(st.writes, n);
@@ -513,10 +343,10 @@ static void test_visibility_tcp(void **state)
  * once, and nothing hangs. */
 static void run_kill(kvs_net_data_t data)
 {
-    shm_list_t before;
-    shm_snapshot(&before);
+    nh_shm_list_t before;
+    nh_shm_snapshot(&before);
     decode_arg_t a = {.data = data, .ring_bytes = 64 * MIB, .seed = 5};
-    child_t ch = spawn(decode_main, &a);
+    nh_child_t ch = nh_spawn(decode_main, &a);
     kvs_link_t *link = prefill_for(&ch, data, 1, NULL);
     write_verified(link, a.seed, 0, 2, a.ring_bytes, 0, 1); /* wired and working */
     uint8_t *src = kvs_aligned_alloc(4096, 64 * MIB);
@@ -527,7 +357,7 @@ static void run_kill(kvs_net_data_t data)
         assert_int_equal(link->ops->write(link->ctx, 0, 0, src, 64 * MIB, &t[i]), KVS_OK);
     assert_int_equal(kill(ch.pid, SIGKILL), 0);
     uint64_t killed = kvs_now_ns();
-    assert_int_equal(reap(&ch), 128 + SIGKILL);
+    assert_int_equal(nh_reap(ch.pid, 30000), 128 + SIGKILL);
     const uint64_t limit_ms = LIVENESS_MS + 3000;
     uint64_t failed = 0;
     for (int i = 0; i < 4; i++) {
@@ -549,7 +379,7 @@ static void run_kill(kvs_net_data_t data)
     assert_int_equal(st.writes_in_flight, 0);
     kvs_free(src);
     kvs_link_destroy(link);
-    shm_clean(&before);
+    nh_shm_clean(&before);
     kvs_assert_no_leaks();
 }
 
@@ -577,18 +407,18 @@ static int late_decode_main(int up, int down, void *argp)
 
 static void run_restart(kvs_net_data_t data)
 {
-    shm_list_t before;
-    shm_snapshot(&before);
+    nh_shm_list_t before;
+    nh_shm_snapshot(&before);
     uint64_t seed = kvs_test_seed(33);
     decode_arg_t a1 = {.data = data, .ring_bytes = 8 * MIB, .seed = seed};
     decode_arg_t a2 = {.data = data, .ring_bytes = 20 * MIB, .pad_bytes = 3 * MIB, .seed = seed};
-    child_t c1 = spawn(decode_main, &a1);
-    child_t c2 = spawn(late_decode_main, &a2);
+    nh_child_t c1 = nh_spawn(decode_main, &a1);
+    nh_child_t c2 = nh_spawn(late_decode_main, &a2);
     uint64_t ring1, ring2;
     kvs_link_t *link = prefill_for(&c1, data, 0, &ring1);
     write_verified(link, seed, 0, 6, a1.ring_bytes, 0, 2);
     kill(c1.pid, SIGKILL);
-    assert_int_equal(reap(&c1), 128 + SIGKILL);
+    assert_int_equal(nh_reap(c1.pid, 30000), 128 + SIGKILL);
     uint64_t end = kvs_now_ns() + (LIVENESS_MS + 3000) * MS;
     while (link->ops->peer_status(link->ctx, 0) == KVS_OK) assert_true(kvs_now_ns() < end);
     assert_int_equal(write_str(c2.down, "go"), 0);
@@ -600,7 +430,7 @@ static void run_restart(kvs_net_data_t data)
     write_verified(link, seed, 100, 12, a2.ring_bytes, 8 * MIB, 2);
     tmsg_t bye = {.kind = T_BYE};
     assert_int_equal(tsend(link, &bye), KVS_OK);
-    assert_int_equal(reap(&c2), 0);
+    assert_int_equal(nh_reap(c2.pid, 30000), 0);
     kvs_net_stats_t st;
     kvs_net_link_stats(link, &st);
     assert_int_equal(st.peer_restarts, 1);
@@ -608,7 +438,7 @@ static void run_restart(kvs_net_data_t data)
     assert_int_equal(st.writes_failed, 0);
     assert_true(st.wireups_received >= 2);
     kvs_link_destroy(link);
-    shm_clean(&before);
+    nh_shm_clean(&before);
     kvs_assert_no_leaks();
 }
 
@@ -660,7 +490,7 @@ static int prefill_main(int up, int down, void *argp)
         tmsg_t m = {.kind = T_WRITTEN, .index = (uint32_t) i, .len = a->len}, ack;
         if (st != KVS_OK || tsend(link, &m) != KVS_OK) code = 24;
         while (code == 0 && !trecv(link, &ack))
-            if (kvs_now_ns() > end || !parent_alive()) code = 25;
+            if (kvs_now_ns() > end || !nh_parent_alive()) code = 25;
         if (code == 0 && (ack.kind != T_ACK || ack.index != i || ack.len != 0)) code = 26;
     }
     tmsg_t bye = {.kind = T_BYE};
@@ -705,14 +535,14 @@ static uint64_t decode_serve(kvs_link_t *link, const uint8_t *ring, uint64_t see
  * on, and serves the restarted prefill rank (new endpoint, learned from its heartbeats). */
 static void run_prefill_restart(kvs_net_data_t data)
 {
-    shm_list_t before;
-    shm_snapshot(&before);
+    nh_shm_list_t before;
+    nh_shm_snapshot(&before);
     uint64_t seed = kvs_test_seed(55);
     prefill_arg_t a1 = {.data = data, .seed = seed, .first = 0, .count = 0, .len = 12 * MIB};
     prefill_arg_t a2 = {
         .data = data, .seed = seed, .first = 1000, .count = 5, .len = 12 * MIB, .late = 1};
-    child_t c1 = spawn(prefill_main, &a1);
-    child_t c2 = spawn(prefill_main, &a2);
+    nh_child_t c1 = nh_spawn(prefill_main, &a1);
+    nh_child_t c2 = nh_spawn(prefill_main, &a2);
     kvs_net_config_t c = net_cfg(KVS_SIDE_DECODE, data);
     kvs_link_t *link;
     assert_int_equal(kvs_net_link_create(&c, &link), KVS_OK);
@@ -726,7 +556,7 @@ static void run_prefill_restart(kvs_net_data_t data)
     assert_int_equal(decode_serve(link, ring, seed, 3, &bye), 3);
     /* It is writing the next one now: kill it. */
     assert_int_equal(kill(c1.pid, SIGKILL), 0);
-    assert_int_equal(reap(&c1), 128 + SIGKILL);
+    assert_int_equal(nh_reap(c1.pid, 30000), 128 + SIGKILL);
     uint64_t killed = kvs_now_ns();
     while (link->ops->peer_status(link->ctx, 0) == KVS_OK)
         assert_true(kvs_now_ns() - killed < (LIVENESS_MS + 3000) * MS);
@@ -736,7 +566,7 @@ static void run_prefill_restart(kvs_net_data_t data)
     assert_int_equal(decode_serve(link, ring, seed, 1000, &bye), 5);
     if (!bye) assert_int_equal(decode_serve(link, ring, seed, 1, &bye), 0);
     assert_true(bye);
-    assert_int_equal(reap(&c2), 0);
+    assert_int_equal(nh_reap(c2.pid, 30000), 0);
     kvs_net_stats_t st;
     kvs_net_link_stats(link, &st);
     assert_int_equal(st.peer_restarts, 1);
@@ -746,7 +576,7 @@ static void run_prefill_restart(kvs_net_data_t data)
     link->ops->expose(link->ctx, NULL, 0);
     kvs_link_destroy(link);
     kvs_free(ring);
-    shm_clean(&before);
+    nh_shm_clean(&before);
     kvs_assert_no_leaks();
 }
 
@@ -1000,19 +830,19 @@ static void test_hostile_wireup(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_visibility_shm, kill_children),
-        cmocka_unit_test_teardown(test_visibility_tcp, kill_children),
-        cmocka_unit_test_teardown(test_kill_decode_mid_write_shm, kill_children),
-        cmocka_unit_test_teardown(test_kill_decode_mid_write_tcp, kill_children),
-        cmocka_unit_test_teardown(test_restart_decode_shm, kill_children),
-        cmocka_unit_test_teardown(test_restart_decode_tcp, kill_children),
-        cmocka_unit_test_teardown(test_prefill_restart_shm, kill_children),
-        cmocka_unit_test_teardown(test_prefill_restart_tcp, kill_children),
-        cmocka_unit_test_teardown(test_wireup_timeout, kill_children),
-        cmocka_unit_test_teardown(test_mismatched_transports, kill_children),
-        cmocka_unit_test_teardown(test_argument_checks, kill_children),
-        cmocka_unit_test_teardown(test_reexpose, kill_children),
-        cmocka_unit_test_teardown(test_hostile_wireup, kill_children),
+        cmocka_unit_test_teardown(test_visibility_shm, nh_kill_children),
+        cmocka_unit_test_teardown(test_visibility_tcp, nh_kill_children),
+        cmocka_unit_test_teardown(test_kill_decode_mid_write_shm, nh_kill_children),
+        cmocka_unit_test_teardown(test_kill_decode_mid_write_tcp, nh_kill_children),
+        cmocka_unit_test_teardown(test_restart_decode_shm, nh_kill_children),
+        cmocka_unit_test_teardown(test_restart_decode_tcp, nh_kill_children),
+        cmocka_unit_test_teardown(test_prefill_restart_shm, nh_kill_children),
+        cmocka_unit_test_teardown(test_prefill_restart_tcp, nh_kill_children),
+        cmocka_unit_test_teardown(test_wireup_timeout, nh_kill_children),
+        cmocka_unit_test_teardown(test_mismatched_transports, nh_kill_children),
+        cmocka_unit_test_teardown(test_argument_checks, nh_kill_children),
+        cmocka_unit_test_teardown(test_reexpose, nh_kill_children),
+        cmocka_unit_test_teardown(test_hostile_wireup, nh_kill_children),
     };
     const char *filter = getenv("KVS_TEST_FILTER"); /* e.g. "*restart*" */
     if (filter != NULL) cmocka_set_test_filter(filter);

@@ -35,7 +35,7 @@ struct kvs_decode_engine {
     kvs_decode_engine_config_t config;
     uint32_t tp;
     uint32_t page;
-    kvs_pool_t **pools;         /* [tp] */
+    kvs_pool_t *const *pools;   /* [tp], held by ls */
     kvs_receiver_t **receivers; /* [tp] */
     kvs_radix_t *radix;
     kvs_lockstep_t ls;
@@ -60,34 +60,24 @@ kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;
-    e->pools = kvs_calloc(e->tp, sizeof(*e->pools));
     e->receivers = kvs_calloc(e->tp, sizeof(*e->receivers));
     e->infos = kvs_calloc(e->tp, sizeof(*e->infos));
     e->hashes = kvs_calloc(config->max_prompt_len + 1, sizeof(uint64_t));
     uint32_t max_pages = (config->max_prompt_len + e->page - 1) / e->page;
-    e->ls.scratch = kvs_calloc(max_pages + 1, sizeof(uint32_t));
-    if (e->pools == NULL || e->receivers == NULL || e->infos == NULL || e->hashes == NULL ||
-        e->ls.scratch == NULL)
+    if (e->receivers == NULL || e->infos == NULL || e->hashes == NULL ||
+        kvs_lockstep_init(&e->ls, pools, e->tp, e->page, max_pages, config->radix) != KVS_OK)
         goto err_free;
-    memcpy(e->pools, pools, e->tp * sizeof(*e->pools));
     memcpy(e->receivers, receivers, e->tp * sizeof(*e->receivers));
-    e->ls.pools = e->pools;
-    e->ls.tp = e->tp;
-    e->ls.scratch_cap = max_pages + 1;
-    if (config->radix) {
-        kvs_status_t st = kvs_radix_create(e->page, kvs_lockstep_radix_free, &e->ls, &e->radix);
-        if (st != KVS_OK) goto err_free;
-        e->ls.radix = e->radix;
-    }
+    e->pools = e->ls.pools;
+    e->radix = e->ls.radix;
     *engine_p = e;
     return KVS_OK;
 
 err_free:
-    kvs_free(e->ls.scratch);
+    kvs_lockstep_fini(&e->ls);
     kvs_free(e->hashes);
     kvs_free(e->infos);
     kvs_free(e->receivers);
-    kvs_free(e->pools);
     kvs_free(e);
 err_nomem:
     kvs_error("decode engine: out of memory");
@@ -105,12 +95,10 @@ void kvs_decode_engine_destroy(kvs_decode_engine_t *e)
     if (e == NULL) return;
     for (uint32_t i = 0; i < e->nrooms; i++) room_free(e->rooms[i]);
     kvs_free(e->rooms);
-    kvs_radix_destroy(e->radix);
-    kvs_free(e->ls.scratch);
+    kvs_lockstep_fini(&e->ls); /* the radix cache hands its pages back to the pools */
     kvs_free(e->hashes);
     kvs_free(e->infos);
     kvs_free(e->receivers);
-    kvs_free(e->pools);
     kvs_free(e);
 }
 

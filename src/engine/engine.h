@@ -51,6 +51,14 @@ typedef struct {
     uint32_t scratch_cap;
 } kvs_lockstep_t;
 
+/* Copies the pool array (tp entries), sizes the scratch for allocations of up to max_pages, and
+ * creates the instance's radix cache when radix is set (its evictions free on every rank).
+ * ls must not move afterwards: the radix cache keeps a pointer to it. */
+kvs_status_t kvs_lockstep_init(kvs_lockstep_t *ls, kvs_pool_t *const *pools, uint32_t tp,
+                               uint32_t page_size, uint32_t max_pages, int radix);
+/* Destroys the radix cache (its pages go back to the pools) and frees what init took. */
+void kvs_lockstep_fini(kvs_lockstep_t *ls);
+
 /* Takes n pages on every rank, evicting from the radix cache first when too few are free.
  * KVS_ERR_NOSPACE (not logged: the engine simply waits) when they cannot be had. */
 kvs_status_t kvs_lockstep_alloc(kvs_lockstep_t *ls, uint32_t n, uint32_t *pages_p);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "kvstage/alloc.h"
 #include "kvstage/log.h"
 
 kvs_status_t kvs_lockstep_alloc(kvs_lockstep_t *ls, uint32_t n, uint32_t *pages_p)
@@ -46,4 +47,38 @@ void kvs_lockstep_free(kvs_lockstep_t *ls, const uint32_t *pages, uint32_t n)
 void kvs_lockstep_radix_free(void *arg, const uint32_t *pages, size_t count)
 {
     kvs_lockstep_free(arg, pages, (uint32_t) count);
+}
+
+kvs_status_t kvs_lockstep_init(kvs_lockstep_t *ls, kvs_pool_t *const *pools, uint32_t tp,
+                               uint32_t page_size, uint32_t max_pages, int radix)
+{
+    memset(ls, 0, sizeof(*ls));
+    kvs_pool_t **copy = kvs_calloc(tp, sizeof(*copy));
+    ls->scratch = kvs_calloc(max_pages + 1, sizeof(uint32_t));
+    if (copy == NULL || ls->scratch == NULL) {
+        kvs_free(copy);
+        kvs_free(ls->scratch);
+        ls->scratch = NULL;
+        return KVS_ERR_NOMEM;
+    }
+    memcpy(copy, pools, tp * sizeof(*copy));
+    ls->pools = copy;
+    ls->tp = tp;
+    ls->scratch_cap = max_pages + 1;
+    if (radix) {
+        kvs_status_t st = kvs_radix_create(page_size, kvs_lockstep_radix_free, ls, &ls->radix);
+        if (st != KVS_OK) {
+            kvs_lockstep_fini(ls);
+            return st;
+        }
+    }
+    return KVS_OK;
+}
+
+void kvs_lockstep_fini(kvs_lockstep_t *ls)
+{
+    kvs_radix_destroy(ls->radix);
+    kvs_free(ls->scratch);
+    kvs_free((void *) ls->pools);
+    memset(ls, 0, sizeof(*ls));
 }

@@ -45,8 +45,8 @@ struct kvs_prefill_engine {
     kvs_prefill_engine_config_t config;
     uint32_t tp;
     uint32_t page;
-    kvs_pool_t **pools;     /* [tp] */
-    kvs_sender_t **senders; /* [tp] */
+    kvs_pool_t *const *pools; /* [tp], held by ls */
+    kvs_sender_t **senders;   /* [tp] */
     kvs_radix_t *radix;
     kvs_lockstep_t ls;
     kvs_engine_done_fn done;
@@ -69,31 +69,22 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;
-    e->pools = kvs_calloc(e->tp, sizeof(*e->pools));
     e->senders = kvs_calloc(e->tp, sizeof(*e->senders));
     e->infos = kvs_calloc(e->tp, sizeof(*e->infos));
     uint32_t max_pages = (config->max_prompt_len + e->page - 1) / e->page;
-    e->ls.scratch = kvs_calloc(max_pages + 1, sizeof(uint32_t));
-    if (e->pools == NULL || e->senders == NULL || e->infos == NULL || e->ls.scratch == NULL)
+    if (e->senders == NULL || e->infos == NULL ||
+        kvs_lockstep_init(&e->ls, pools, e->tp, e->page, max_pages, config->radix) != KVS_OK)
         goto err_free;
-    memcpy(e->pools, pools, e->tp * sizeof(*e->pools));
     memcpy(e->senders, senders, e->tp * sizeof(*e->senders));
-    e->ls.pools = e->pools;
-    e->ls.tp = e->tp;
-    e->ls.scratch_cap = max_pages + 1;
-    if (config->radix) {
-        kvs_status_t st = kvs_radix_create(e->page, kvs_lockstep_radix_free, &e->ls, &e->radix);
-        if (st != KVS_OK) goto err_free;
-        e->ls.radix = e->radix;
-    }
+    e->pools = e->ls.pools;
+    e->radix = e->ls.radix;
     *engine_p = e;
     return KVS_OK;
 
 err_free:
-    kvs_free(e->ls.scratch);
+    kvs_lockstep_fini(&e->ls);
     kvs_free(e->infos);
     kvs_free(e->senders);
-    kvs_free(e->pools);
     kvs_free(e);
 err_nomem:
     kvs_error("prefill engine: out of memory");
@@ -112,11 +103,9 @@ void kvs_prefill_engine_destroy(kvs_prefill_engine_t *e)
     if (e == NULL) return;
     for (uint32_t i = 0; i < e->nrooms; i++) room_free(e->rooms[i]);
     kvs_free(e->rooms);
-    kvs_radix_destroy(e->radix); /* hands cached pages back to the pools */
-    kvs_free(e->ls.scratch);
+    kvs_lockstep_fini(&e->ls); /* the radix cache hands its pages back to the pools */
     kvs_free(e->infos);
     kvs_free(e->senders);
-    kvs_free(e->pools);
     kvs_free(e);
 }
 

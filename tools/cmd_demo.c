@@ -185,9 +185,20 @@ static int run_processes(int argc, char **argv, int first)
     pargv[pargc++] = "demo";
     for (int i = first; i < argc && pargc < 159; i++) pargv[pargc++] = argv[i];
     int json = 0;
-    for (int i = 1; i < pargc; i++) json |= strcmp(pargv[i], "--json") == 0;
-    int rc = kvs_rank_flags_parse(&f, "kvstage demo [--transport ucx|inproc] [rank flags]", pargc,
-                                  pargv);
+    for (int i = 1; i < pargc; i++) {
+        json |= strcmp(pargv[i], "--json") == 0;
+        /* The launcher assigns these per rank. */
+        if (strncmp(pargv[i], "--rank", 6) == 0 || strncmp(pargv[i], "--registry", 10) == 0 ||
+            strcmp(pargv[i], "--serve-registry") == 0 || strncmp(pargv[i], "--bind", 6) == 0) {
+            fprintf(stderr, "error: the demo sets '%s' for each rank itself\n", pargv[i]);
+            return 2;
+        }
+    }
+    int rc = kvs_rank_flags_parse(
+        &f,
+        "kvstage demo [--transport ucx|inproc] [deployment flags below; the demo sets --rank, "
+        "--registry and --bind for each rank]",
+        pargc, pargv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     const kvs_rank_config_t *c = &f.cfg;
     int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);

@@ -110,6 +110,8 @@ static void test_bad_flags(void **state)
     if (tool() == NULL) skip();
     static char out[1 << 14];
     assert_int_equal(run("demo --transport carrier-pigeon", out, sizeof(out), 1), 2);
+    assert_int_equal(run("demo --rank 1", out, sizeof(out), 1), 2);
+    expect(out, "sets '--rank' for each rank itself");
     assert_int_equal(run("decode --rank 0 --bogus 1", out, sizeof(out), 1), 2);
     expect(out, "unknown flag '--bogus'");
 }

@@ -43,6 +43,8 @@ typedef struct {
 
 /* Defaults for real deployments (seconds); simulations scale them to their virtual time. */
 void kvs_pd_timeouts_default(kvs_pd_timeouts_t *timeouts_p);
+/* Sets every zero field of *timeouts to the matching field of *defaults. */
+void kvs_pd_timeouts_fill(kvs_pd_timeouts_t *timeouts, const kvs_pd_timeouts_t *defaults);
 
 typedef struct {
     kvs_room_status_t status;

@@ -49,12 +49,7 @@ static void default_timeouts(kvs_pd_timeouts_t *t)
                            .waiting_timeout_ns = 60000 * ms,
                            .completion_timeout_ns = 10000 * ms,
                            .release_timeout_ns = 10000 * ms};
-    if (!t->retry_ns) t->retry_ns = d.retry_ns;
-    if (!t->bootstrap_timeout_ns) t->bootstrap_timeout_ns = d.bootstrap_timeout_ns;
-    if (!t->transfer_timeout_ns) t->transfer_timeout_ns = d.transfer_timeout_ns;
-    if (!t->waiting_timeout_ns) t->waiting_timeout_ns = d.waiting_timeout_ns;
-    if (!t->completion_timeout_ns) t->completion_timeout_ns = d.completion_timeout_ns;
-    if (!t->release_timeout_ns) t->release_timeout_ns = d.release_timeout_ns;
+    kvs_pd_timeouts_fill(t, &d);
 }
 
 /* Decode: learns every prefill rank's endpoint from the registry, refusing incompatible ones. */

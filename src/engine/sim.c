@@ -173,14 +173,9 @@ static kvs_pd_timeouts_t sim_timeouts(const kvs_sim_config_t *c)
         .completion_timeout_ns = 200000 * t,
         .release_timeout_ns = 100000 * t,
     };
-    const kvs_pd_timeouts_t *o = &c->timeouts;
-    if (o->retry_ns) d.retry_ns = o->retry_ns;
-    if (o->bootstrap_timeout_ns) d.bootstrap_timeout_ns = o->bootstrap_timeout_ns;
-    if (o->transfer_timeout_ns) d.transfer_timeout_ns = o->transfer_timeout_ns;
-    if (o->waiting_timeout_ns) d.waiting_timeout_ns = o->waiting_timeout_ns;
-    if (o->completion_timeout_ns) d.completion_timeout_ns = o->completion_timeout_ns;
-    if (o->release_timeout_ns) d.release_timeout_ns = o->release_timeout_ns;
-    return d;
+    kvs_pd_timeouts_t out = c->timeouts; /* the caller's non-zero fields win */
+    kvs_pd_timeouts_fill(&out, &d);
+    return out;
 }
 
 static kvs_status_t sim_validate(const kvs_sim_config_t *c, const kvs_pd_geometry_t *geo)

@@ -34,6 +34,16 @@ void kvs_pd_timeouts_default(kvs_pd_timeouts_t *timeouts_p)
     timeouts_p->release_timeout_ns = 30000 * ms;
 }
 
+void kvs_pd_timeouts_fill(kvs_pd_timeouts_t *t, const kvs_pd_timeouts_t *d)
+{
+    if (!t->retry_ns) t->retry_ns = d->retry_ns;
+    if (!t->bootstrap_timeout_ns) t->bootstrap_timeout_ns = d->bootstrap_timeout_ns;
+    if (!t->transfer_timeout_ns) t->transfer_timeout_ns = d->transfer_timeout_ns;
+    if (!t->waiting_timeout_ns) t->waiting_timeout_ns = d->waiting_timeout_ns;
+    if (!t->completion_timeout_ns) t->completion_timeout_ns = d->completion_timeout_ns;
+    if (!t->release_timeout_ns) t->release_timeout_ns = d->release_timeout_ns;
+}
+
 void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg)
 {
     uint8_t buf[KVS_MSG_MAX_SIZE];

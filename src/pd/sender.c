@@ -122,11 +122,9 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
         kvs_error("sender: unknown write mode %d", (int) config->write_mode);
         return KVS_ERR_INVALID;
     }
-    if (config->write_mode == KVS_WRITE_DIRECT &&
-        (link->ops->map == NULL || pc->mem != KVS_MEM_DEVICE)) {
-        kvs_error("sender: direct writes need a device pool and a link that maps decode rings "
-                  "(%s pool, link %s)",
-                  pc->mem == KVS_MEM_DEVICE ? "device" : "host", link->ops->name);
+    if (config->write_mode == KVS_WRITE_DIRECT && link->ops->map == NULL) {
+        kvs_error("sender: direct writes need a link that maps decode rings (link %s)",
+                  link->ops->name);
         return KVS_ERR_UNSUPPORTED;
     }
     kvs_sender_t *tx = kvs_calloc(1, sizeof(*tx));
@@ -691,17 +689,18 @@ static int take_buffer(kvs_sender_t *tx)
     return -1;
 }
 
-/* The granted slot as a pointer this rank's gather kernel can store to, or NULL: staged mode,
- * a link that cannot map the ring, or a ring this GPU cannot reach. */
+/* The granted slot as a pointer this rank's gather can store to, or NULL: staged mode, a link
+ * that cannot map the ring, or a ring this rank's copy backend cannot reach (a device ring for
+ * a host pool, another GPU's ring without peer access). */
 static uint8_t *map_slot(kvs_sender_t *tx, uint32_t decode_rank, uint64_t offset, uint64_t len)
 {
     const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
-    if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL ||
-        pc->mem != KVS_MEM_DEVICE)
-        return NULL;
+    if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL) return NULL;
     uint8_t *p = tx->link->ops->map(tx->link->ctx, decode_rank, offset, len);
     if (p == NULL || tx->direct_ok[decode_rank]) return p;
-    if (!kvs_mem_device_can_access(pc->device, p)) return NULL;
+    if (pc->mem == KVS_MEM_DEVICE ? !kvs_mem_device_can_access(pc->device, p)
+                                  : kvs_mem_device_of(p) >= 0)
+        return NULL;
     tx->direct_ok[decode_rank] = 1;
     return p;
 }
@@ -796,6 +795,29 @@ static int waiting_on_decode(const sroom_t *r)
     return 0;
 }
 
+/* Collects a write of chunk k to destination d if it completed: its buffer comes back and
+ * CHUNK_READY goes out (at once: the receiver can scatter while we gather the next chunk).
+ * Returns 1 if it completed (successfully or not). */
+static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t d, uint64_t now)
+{
+    sdest_t *sd = &r->cd[k * r->ndests + d];
+    kvs_status_t st = write_status(tx, sd);
+    if (st == KVS_INPROGRESS) return 0;
+    if (sd->buffer >= 0) tx->buffer_busy[sd->buffer] = 0;
+    r->writing--;
+    if (st != KVS_OK) {
+        sd->state = SD_GRANTED;
+        fail_room(tx, r, st, "transport write failed");
+        return 1;
+    }
+    sd->state = SD_READY_SENT;
+    if (r->status != KVS_ROOM_FAILED) {
+        send_chunk_ready(tx, r, k, d);
+        arm_retry(sd, now, tx->cfg.timeouts.retry_ns, 0);
+    }
+    return 1;
+}
+
 /* Does everything the room can do now; returns how many steps it took. */
 static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
 {
@@ -805,27 +827,10 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     uint64_t all = kvs_all_bits(r->ndpeers);
 
     /* Writes in flight complete first, failed room or not: buffers come back only then. */
-    for (uint64_t k = r->first_open; k < r->nchunks && r->writing > 0; k++) {
-        for (uint32_t d = 0; d < r->ndests; d++) {
-            sdest_t *sd = &r->cd[k * r->ndests + d];
-            if (sd->state != SD_WRITING) continue;
-            kvs_status_t st = write_status(tx, sd);
-            if (st == KVS_INPROGRESS) continue;
-            if (sd->buffer >= 0) tx->buffer_busy[sd->buffer] = 0;
-            r->writing--;
-            events++;
-            if (st != KVS_OK) {
-                sd->state = SD_GRANTED;
-                fail_room(tx, r, st, "transport write failed");
-                continue;
-            }
-            sd->state = SD_READY_SENT;
-            if (r->status != KVS_ROOM_FAILED) {
-                send_chunk_ready(tx, r, k, d);
-                arm_retry(sd, now, t->retry_ns, 0);
-            }
-        }
-    }
+    for (uint64_t k = r->first_open; k < r->nchunks && r->writing > 0; k++)
+        for (uint32_t d = 0; d < r->ndests; d++)
+            if (r->cd[k * r->ndests + d].state == SD_WRITING)
+                events += collect_write(tx, r, k, d, now);
 
     if (r->status == KVS_ROOM_FAILED) {
         if (r->writing > 0) return events;
@@ -910,7 +915,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (k < r->chunks_issued) {
                     kvs_status_t st = start_write(tx, r, k, d);
                     if (st == KVS_OK)
-                        events++;
+                        events += 1 + collect_write(tx, r, k, d, now);
                     else if (st != KVS_INPROGRESS)
                         fail_room(tx, r, st, "cannot start a write");
                 }

@@ -30,6 +30,11 @@ typedef struct {
      * ring not yet known). Bytes stored there are visible to the decode rank once the storing
      * kernel has completed. NULL op: the link never maps. */
     void *(*map)(void *ctx, uint32_t peer, uint64_t offset, uint64_t len);
+    /* Decode: allocates a host ring of size bytes that writers on this host can map (direct
+     * writes), zeroed; freed with ring_free after expose(NULL). NULL op, or KVS_ERR_UNSUPPORTED:
+     * the receiver allocates the ring itself. */
+    kvs_status_t (*ring_alloc)(void *ctx, uint64_t size, void **ring_p);
+    void (*ring_free)(void *ctx, void *ring);
     /* Decode: exposes this rank's staging ring to writers. */
     kvs_status_t (*expose)(void *ctx, void *ring, uint64_t size);
     /* Decode: makes every completed incoming write visible to local readers (scatter). */

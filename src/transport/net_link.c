@@ -72,6 +72,7 @@ typedef struct {
     npeer_t *peers; /* [peer_tp] */
     /* decode: the exposed ring and the WIREUP payload describing it */
     kvs_ucx_region_t *region;
+    kvs_ucx_region_t *owned; /* the ring ring_alloc made (exposed or not) */
     uint32_t gen;
     uint8_t *wireup; /* [wireup_len] */
     size_t wireup_len;
@@ -452,7 +453,7 @@ static kvs_status_t build_wireup(net_t *n, void *ring, uint64_t size)
 
 static void withdraw(net_t *n)
 {
-    kvs_ucx_region_destroy(n->region);
+    if (n->region != n->owned) kvs_ucx_region_destroy(n->region);
     n->region = NULL;
     kvs_free(n->wireup);
     n->wireup = NULL;
@@ -469,7 +470,11 @@ static kvs_status_t net_expose(void *ctx, void *ring, uint64_t size)
     }
     withdraw(n);
     if (ring == NULL) return KVS_OK;
-    kvs_status_t st = kvs_ucx_region_create(n->ucx, ring, size, &n->region);
+    kvs_status_t st = KVS_OK;
+    if (n->owned != NULL && ring == kvs_ucx_region_base(n->owned))
+        n->region = n->owned; /* mapped when it was allocated */
+    else
+        st = kvs_ucx_region_create(n->ucx, ring, size, &n->region);
     if (st != KVS_OK) return st;
     n->gen++;
     if ((st = build_wireup(n, ring, size)) != KVS_OK) {
@@ -482,6 +487,44 @@ static kvs_status_t net_expose(void *ctx, void *ring, uint64_t size)
         push_wireup(n, i);
     }
     return KVS_OK;
+}
+
+static kvs_status_t net_ring_alloc(void *ctx, uint64_t size, void **ring_p)
+{
+    net_t *n = ctx;
+    if (n->cfg.side != KVS_SIDE_DECODE || n->owned != NULL) {
+        kvs_error("net link: %s rank %u cannot allocate a%s ring", kvs_side_str(n->cfg.side),
+                  n->cfg.rank, n->owned ? " second" : "");
+        return KVS_ERR_INVALID;
+    }
+    kvs_status_t st = kvs_ucx_region_alloc(n->ucx, size, &n->owned);
+    if (st != KVS_OK) return st;
+    *ring_p = kvs_ucx_region_base(n->owned);
+    return KVS_OK;
+}
+
+static void net_ring_free(void *ctx, void *ring)
+{
+    net_t *n = ctx;
+    if (ring == NULL || n->owned == NULL || ring != kvs_ucx_region_base(n->owned)) return;
+    if (n->region == n->owned) withdraw(n);
+    kvs_ucx_region_destroy(n->owned);
+    n->owned = NULL;
+}
+
+/* Prefill: the decode ring through shared memory, once wired up to it (else staged writes). */
+static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
+{
+    net_t *n = ctx;
+    if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp) return NULL;
+    maybe_service(n);
+    npeer_t *p = &n->peers[peer];
+    if (p->remote == NULL || p->dead) {
+        /* Ask now so that a later chunk finds the ring mapped. */
+        if (!p->dead) send_wireup_req(n, peer, kvs_now_ns());
+        return NULL;
+    }
+    return kvs_ucx_remote_map(p->remote, offset, len);
 }
 
 static kvs_status_t net_flush(void *ctx)
@@ -518,6 +561,7 @@ static void net_destroy(void *ctx)
     for (uint32_t i = 0; i < n->cfg.peer_tp; i++)
         drop_remote(n, i, kvs_zch_peer_status(n->ch, i) != KVS_OK, "the link is closing");
     withdraw(n);
+    if (n->owned != NULL) kvs_ucx_region_destroy(n->owned); /* the receiver did not free it */
     kvs_ucx_destroy(n->ucx);
     kvs_zch_destroy(n->ch);
     while (n->inbox_count > 0) {
@@ -535,6 +579,9 @@ static const kvs_link_ops_t net_ops = {
     .recv = net_recv,
     .write = net_write,
     .write_poll = net_write_poll,
+    .map = net_map,
+    .ring_alloc = net_ring_alloc,
+    .ring_free = net_ring_free,
     .expose = net_expose,
     .flush = net_flush,
     .peer_status = net_peer_status,

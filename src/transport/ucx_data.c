@@ -36,6 +36,7 @@ struct kvs_ucx {
 struct kvs_ucx_region {
     kvs_ucx_t *ucx;
     ucp_mem_h memh;
+    void *base;    /* [size] */
     uint8_t *rkey; /* [rkey_len] packed */
     size_t rkey_len;
 };
@@ -45,6 +46,7 @@ struct kvs_ucx_remote {
     ucp_ep_h ep;
     ucp_rkey_h rkey;
     uint64_t base, size;
+    uint8_t *mapped; /* the region in this address space (shared memory), or NULL */
     int failed;
     kvs_ucx_put_t *puts; /* attached puts, doubly linked */
 };
@@ -158,31 +160,39 @@ uint32_t kvs_ucx_progress(kvs_ucx_t *u)
 
 /* ---- regions ---- */
 
-kvs_status_t kvs_ucx_region_create(kvs_ucx_t *u, void *base, uint64_t size,
-                                   kvs_ucx_region_t **region_p)
+/* Maps [base, base + size) (base NULL: UCX allocates it, in shared memory where a shared
+ * memory transport is enabled) and packs its rkey. */
+static kvs_status_t region_map(kvs_ucx_t *u, void *base, uint64_t size, kvs_ucx_region_t **region_p)
 {
-    if (base == NULL || size == 0) {
-        kvs_error("ucx: cannot expose an empty region");
-        return KVS_ERR_INVALID;
-    }
     kvs_ucx_region_t *r = kvs_calloc(1, sizeof(*r));
     if (r == NULL) return KVS_ERR_NOMEM;
-    /* First touch of fresh memory is slow: fault every page in now, not during the first
-     * transfers. Reading and writing back keeps the contents. */
-    volatile uint8_t *p = base;
-    for (uint64_t off = 0; off < size; off += PAGE_BYTES) p[off] = p[off];
-    p[size - 1] = p[size - 1];
     ucp_mem_map_params_t mp = {
-        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS,
         .address = base,
         .length = size,
+        .flags = base == NULL ? UCP_MEM_MAP_ALLOCATE : 0,
     };
     ucs_status_t us = ucp_mem_map(u->ctx, &mp, &r->memh);
     if (us != UCS_OK) {
-        kvs_error("ucx: cannot map a %llu-byte region: %s", (unsigned long long) size,
-                  ucs_status_string(us));
+        kvs_error("ucx: cannot %s a %llu-byte region: %s", base ? "map" : "allocate",
+                  (unsigned long long) size, ucs_status_string(us));
         kvs_free(r);
         return KVS_ERR_IO;
+    }
+    r->base = base;
+    if (base == NULL) {
+        ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+        us = ucp_mem_query(r->memh, &attr);
+        if (us != UCS_OK || attr.address == NULL) {
+            kvs_error("ucx: cannot query an allocated region: %s", ucs_status_string(us));
+            ucp_mem_unmap(u->ctx, r->memh);
+            kvs_free(r);
+            return KVS_ERR_IO;
+        }
+        r->base = attr.address;
+        /* Fault every page in now, not during the first transfers. */
+        memset(r->base, 0, size);
     }
     void *packed;
     size_t len;
@@ -207,6 +217,35 @@ kvs_status_t kvs_ucx_region_create(kvs_ucx_t *u, void *base, uint64_t size,
     u->live++;
     *region_p = r;
     return KVS_OK;
+}
+
+kvs_status_t kvs_ucx_region_create(kvs_ucx_t *u, void *base, uint64_t size,
+                                   kvs_ucx_region_t **region_p)
+{
+    if (base == NULL || size == 0) {
+        kvs_error("ucx: cannot expose an empty region");
+        return KVS_ERR_INVALID;
+    }
+    /* First touch of fresh memory is slow: fault every page in now, not during the first
+     * transfers. Reading and writing back keeps the contents. */
+    volatile uint8_t *p = base;
+    for (uint64_t off = 0; off < size; off += PAGE_BYTES) p[off] = p[off];
+    p[size - 1] = p[size - 1];
+    return region_map(u, base, size, region_p);
+}
+
+kvs_status_t kvs_ucx_region_alloc(kvs_ucx_t *u, uint64_t size, kvs_ucx_region_t **region_p)
+{
+    if (size == 0) {
+        kvs_error("ucx: cannot allocate an empty region");
+        return KVS_ERR_INVALID;
+    }
+    return region_map(u, NULL, size, region_p);
+}
+
+void *kvs_ucx_region_base(const kvs_ucx_region_t *r)
+{
+    return r->base;
 }
 
 void kvs_ucx_region_rkey(const kvs_ucx_region_t *r, const uint8_t **rkey_p, size_t *len_p)
@@ -269,9 +308,20 @@ kvs_status_t kvs_ucx_remote_create(kvs_ucx_t *u, const uint8_t *addr, size_t add
         kvs_ucx_remote_destroy(rm, 1);
         return KVS_ERR_PROTOCOL;
     }
+    /* Shared-memory rkeys can be mapped into this process: kernels and memcpy then store
+     * straight into the peer's region (direct write). Other transports say unreachable. */
+    void *mapped = NULL;
+    if (ucp_rkey_ptr(rm->rkey, base, &mapped) == UCS_OK) rm->mapped = mapped;
     u->live++;
     *remote_p = rm;
     return KVS_OK;
+}
+
+void *kvs_ucx_remote_map(const kvs_ucx_remote_t *rm, uint64_t offset, uint64_t len)
+{
+    if (rm->mapped == NULL || rm->failed || offset > rm->size || len > rm->size - offset)
+        return NULL;
+    return rm->mapped + offset;
 }
 
 int kvs_ucx_remote_failed(const kvs_ucx_remote_t *rm)

@@ -35,6 +35,11 @@ uint32_t kvs_ucx_progress(kvs_ucx_t *ucx);
 /* Target side: pre-faults and maps [base, base + size) for remote writes. */
 kvs_status_t kvs_ucx_region_create(kvs_ucx_t *ucx, void *base, uint64_t size,
                                    kvs_ucx_region_t **region_p);
+/* Target side: UCX allocates and maps the region (in shared memory when a shared-memory
+ * transport is enabled, so that initiators on this host can map it: kvs_ucx_remote_map). The
+ * memory is zeroed and pre-faulted, and lives until kvs_ucx_region_destroy. */
+kvs_status_t kvs_ucx_region_alloc(kvs_ucx_t *ucx, uint64_t size, kvs_ucx_region_t **region_p);
+void *kvs_ucx_region_base(const kvs_ucx_region_t *region);
 void kvs_ucx_region_rkey(const kvs_ucx_region_t *region, const uint8_t **rkey_p, size_t *len_p);
 void kvs_ucx_region_destroy(kvs_ucx_region_t *region);
 
@@ -46,6 +51,10 @@ kvs_status_t kvs_ucx_remote_create(kvs_ucx_t *ucx, const uint8_t *addr, size_t a
 /* 1 once UCX reported an error on the endpoint: every put fails, make a new remote. */
 int kvs_ucx_remote_failed(const kvs_ucx_remote_t *remote);
 uint64_t kvs_ucx_remote_size(const kvs_ucx_remote_t *remote);
+/* [offset, offset + len) of the remote region as a pointer in this process, or NULL when the
+ * region cannot be mapped here (not shared memory, another host) or the range is outside it.
+ * Valid until the remote is destroyed. */
+void *kvs_ucx_remote_map(const kvs_ucx_remote_t *remote, uint64_t offset, uint64_t len);
 /* Closes the endpoint. Puts still attached fail with KVS_ERR_IO and stay valid until
  * released; UCX calls nothing of theirs afterwards. peer_gone: do not wait for the peer. */
 void kvs_ucx_remote_destroy(kvs_ucx_remote_t *remote, int peer_gone);

@@ -205,9 +205,16 @@ static int prefill_main(const run_t *run, int up, int done)
     for (uint32_t r = 0; r < run->ptp; r++) {
         kvs_net_stats_t st;
         kvs_net_link_stats(h.plink[r], &st);
-        if (code == 0 && (st.writes_failed != 0 || st.rejected != 0 || st.writes == 0)) code = 12;
         kvs_pd_metrics_t m;
         kvs_sender_metrics(h.tx[r], &m);
+        if (code == 0 && (st.writes_failed != 0 || st.rejected != 0 || m.bulk_writes == 0))
+            code = 12;
+        /* Over shared memory the decode ring is mapped once wired up: gathers go straight into
+         * it (direct writes); over tcp every write is a staged put. */
+        int shm = run->data != KVS_NET_DATA_TCP;
+        if (code == 0 &&
+            (shm ? m.direct_writes == 0 : m.direct_writes != 0 || st.writes != m.bulk_writes))
+            code = 16;
         if (code == 0 && (m.live_rooms != 0 || m.rooms_succeeded != run->nrooms)) code = 13;
         if (code == 0 && kvs_pool_free_pages(h.ppool[r]) != kvs_pool_total_pages(h.ppool[r]))
             code = 14;

@@ -40,6 +40,11 @@ typedef struct {
     const char *peers[KVS_MAX_TP];
     kvs_net_data_t data;
     const char *net_device; /* UCX_NET_DEVICES for TCP (e.g. "lo"); NULL: UCX's choice */
+    /* Decode: the bootstrap registry the peers' endpoints came from, or NULL. When a prefill
+     * rank's heartbeats announce another endpoint than the one configured (it restarted on a
+     * new port before this rank ever heard it), the link asks the registry again, at most once
+     * a second per rank, waiting at most 50 ms. Copied. */
+    const char *registry;
     /* Zero picks the default (in parentheses). */
     uint64_t heartbeat_ns;        /* heartbeat period to each peer (200 ms) */
     uint64_t liveness_timeout_ns; /* a peer silent this long is dead (3 s) */

@@ -197,10 +197,16 @@ static kvs_status_t ask(const char *registry, const kvs_msg_t *req, uint32_t ran
         goto out;
     }
     uint64_t deadline = kvs_now_ns() + timeout_ns;
-    while (kvs_now_ns() < deadline) {
+    /* The first sends fail until the connection is up (ZMQ_IMMEDIATE): resend soon, then back
+     * off to RESEND_MS; never wait past the deadline. */
+    long wait_ms = 2;
+    for (uint64_t now = kvs_now_ns(); now < deadline; now = kvs_now_ns()) {
         (void) zmq_send(sock, buf, len, ZMQ_DONTWAIT);
+        long left_ms = (long) ((deadline - now + 999999) / 1000000);
+        long poll_ms = wait_ms < left_ms ? wait_ms : left_ms;
+        if (wait_ms < RESEND_MS) wait_ms *= 2;
         zmq_pollitem_t item = {sock, 0, ZMQ_POLLIN, 0};
-        if (zmq_poll(&item, 1, RESEND_MS) <= 0) continue;
+        if (zmq_poll(&item, 1, poll_ms) <= 0) continue;
         uint8_t in[KVS_MSG_MAX_SIZE + 1];
         int n;
         while ((n = zmq_recv(sock, in, sizeof(in), ZMQ_DONTWAIT)) >= 0) {
@@ -215,7 +221,7 @@ static kvs_status_t ask(const char *registry, const kvs_msg_t *req, uint32_t ran
             }
         }
         /* Not registered yet: ask again after a pause. */
-        zmq_poll(NULL, 0, RESEND_MS);
+        zmq_poll(NULL, 0, poll_ms);
     }
     kvs_warn("registry %s: no answer for prefill rank %u before the deadline", registry, rank);
 out:

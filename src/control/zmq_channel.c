@@ -33,6 +33,7 @@ typedef struct {
     char *endpoint;  /* [KVS_ZCH_ENDPOINT_MAX + 1] */
     uint64_t inc;    /* incarnation last heard; 0: never */
     uint64_t ep_inc; /* incarnation that announced `endpoint`; 0: configured, unconfirmed */
+    int disputed;    /* the peer announces another endpoint than the unconfirmed configured one */
     uint64_t heard;  /* when a valid frame last came; 0: never */
     uint64_t since;  /* start of the connect timeout (creation or endpoint change) */
     uint64_t next_hb;
@@ -265,7 +266,13 @@ kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint
         kvs_error("zmq channel: bad peer %u (of %u) or endpoint", peer, ch->cfg.peer_tp);
         return KVS_ERR_INVALID;
     }
+    ch->peers[peer].disputed = 0;
     return connect_peer(ch, peer, endpoint, len, 0);
+}
+
+int kvs_zch_peer_disputed(const kvs_zch_t *ch, uint32_t peer)
+{
+    return peer < ch->cfg.peer_tp && ch->peers[peer].disputed;
 }
 
 static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind,
@@ -442,8 +449,12 @@ static void learn_endpoint(kvs_zch_t *ch, uint32_t peer, uint64_t inc, const cha
     if (p->endpoint != NULL) {
         if (strlen(p->endpoint) == eplen && memcmp(p->endpoint, ep, eplen) == 0) {
             p->ep_inc = inc; /* confirmed by this life */
+            p->disputed = 0;
             return;
         }
+        /* Keep a configured endpoint (a proxy address?), but let the owner of the
+         * configuration look again (kvs_zch_peer_disputed): it may be a dead life's. */
+        if (p->ep_inc == 0) p->disputed = 1;
         if (p->ep_inc == 0 || p->ep_inc == inc) return;
     }
     if (connect_peer(ch, peer, ep, eplen, inc) == KVS_OK)

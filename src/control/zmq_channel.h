@@ -85,6 +85,11 @@ uint32_t kvs_zch_tick(kvs_zch_t *ch);
 kvs_status_t kvs_zch_peer_status(kvs_zch_t *ch, uint32_t peer);
 /* The incarnation last heard from peer (0: never heard). */
 uint64_t kvs_zch_peer_incarnation(const kvs_zch_t *ch, uint32_t peer);
+/* 1 when the peer's heartbeats announce another endpoint than the configured one, which no
+ * heartbeat ever confirmed: a proxy address, or the endpoint of a life that died before it was
+ * heard. The channel keeps the configured one; whoever configured it should look it up again
+ * (kvs_zch_set_peer with the same endpoint is a no-op and clears the flag). */
+int kvs_zch_peer_disputed(const kvs_zch_t *ch, uint32_t peer);
 
 /* For payloads that the channel's user finds malformed. */
 void kvs_zch_count_rejected(kvs_zch_t *ch);

@@ -153,6 +153,7 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                            .bind = c.bind ? c.bind : "tcp://127.0.0.1:*",
                            .data = c.data,
                            .net_device = c.net_device,
+                           .registry = prefill ? NULL : c.registry,
                            .liveness_timeout_ns = c.liveness_timeout_ns};
     if ((st = kvs_net_link_create(&nc, &link)) != KVS_OK) goto out;
     const uint64_t boot_ns = c.timeouts.bootstrap_timeout_ns;

@@ -21,6 +21,7 @@
 #include "kvstage/clock.h"
 #include "kvstage/log.h"
 #include "kvstage/msg.h"
+#include "kvstage/registry.h"
 #include "transport/link.h"
 #include "transport/ucx_data.h"
 
@@ -35,6 +36,8 @@
 #define WIREUP_FIXED      32
 #define WIREUP_ADDR_MAX   16384
 #define WIREUP_RKEY_MAX   4096
+#define RESOLVE_GAP_NS    (1000 * MS) /* registry lookups of one disputed peer */
+#define RESOLVE_WAIT_NS   (50 * MS)
 
 typedef struct {
     size_t len;
@@ -62,11 +65,13 @@ typedef struct {
     kvs_status_t wire_error;  /* prefill: why the last wireup could not be used */
     uint64_t wire_error_inc;  /* and the peer incarnation it came from */
     uint64_t pushed_inc;      /* decode: incarnation our current wireup went to */
+    uint64_t next_resolve;    /* decode: next registry lookup of a disputed endpoint */
     int dead;                 /* liveness as last acted upon */
 } npeer_t;
 
 typedef struct {
-    kvs_net_config_t cfg; /* string pointers are not kept */
+    kvs_net_config_t cfg;                    /* string pointers are not kept */
+    char registry[KVS_ZCH_ENDPOINT_MAX + 1]; /* decode: "" when none */
     kvs_zch_t *ch;
     kvs_ucx_t *ucx;
     npeer_t *peers; /* [peer_tp] */
@@ -268,6 +273,22 @@ static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
 
 /* ---- service: everything an op call drives ---- */
 
+/* Decode: asks the registry where prefill rank `peer` listens now (its configured endpoint is
+ * disputed by its heartbeats). A short, rate-limited wait: this runs only while a peer that
+ * restarted unseen is unreachable. */
+static uint32_t resolve(net_t *n, uint32_t peer)
+{
+    npeer_t *p = &n->peers[peer];
+    uint64_t now = kvs_now_ns();
+    if (now < p->next_resolve) return 0;
+    p->next_resolve = now + RESOLVE_GAP_NS;
+    kvs_msg_register_t reg;
+    if (kvs_registry_query(n->registry, peer, RESOLVE_WAIT_NS, &reg) != KVS_OK) return 0;
+    kvs_info("net link: decode rank %u: the registry places prefill rank %u at %s", n->cfg.rank,
+             peer, reg.endpoint);
+    return kvs_zch_set_peer(n->ch, peer, reg.endpoint) == KVS_OK;
+}
+
 static uint32_t check_peers(net_t *n)
 {
     uint32_t events = 0;
@@ -276,6 +297,7 @@ static uint32_t check_peers(net_t *n)
         uint64_t inc = kvs_zch_peer_incarnation(n->ch, i);
         int dead = kvs_zch_peer_status(n->ch, i) != KVS_OK;
         if (n->cfg.side == KVS_SIDE_DECODE) {
+            if (n->registry[0] && kvs_zch_peer_disputed(n->ch, i)) events += resolve(n, i);
             /* A new prefill life (or a new ring) needs our wireup. */
             if (n->region != NULL && !dead && inc != 0 && inc != p->pushed_inc)
                 events += (uint32_t) push_wireup(n, i);
@@ -676,9 +698,12 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
         if ((st = kvs_zch_set_peer(n->ch, i, config->peers[i])) != KVS_OK) goto err_ch;
     }
     if ((st = kvs_ucx_create(&uc, &n->ucx)) != KVS_OK) goto err_ch;
+    if (config->registry != NULL && c->side == KVS_SIDE_DECODE)
+        snprintf(n->registry, sizeof(n->registry), "%s", config->registry);
     /* Nothing below keeps the caller's strings. */
     c->bind = NULL;
     c->net_device = NULL;
+    c->registry = NULL;
     memset(c->peers, 0, sizeof(c->peers));
     link->ops = &net_ops;
     link->ctx = n;

@@ -254,6 +254,7 @@ static int rk_setup(rk_t *k)
                            .bind = a->bind,
                            .data = a->data,
                            .net_device = a->net_device,
+                           .registry = !prefill && a->registry[0] ? a->registry : NULL,
                            .heartbeat_ns = HEARTBEAT_MS * MS,
                            .liveness_timeout_ns = LIVENESS_MS * MS,
                            .connect_timeout_ns = 5000 * MS,
@@ -950,8 +951,7 @@ static void test_kill_prefill_mid_transfer(void **state)
     for (int i = 0; i < 3; i++) room_add(&rooms[i], pre, 2, dec, 2);
     /* Kill it well into the transfer, and after its heartbeats reached decode: the link adopts
      * the endpoint a restarted peer announces only if an earlier life confirmed the configured
-     * one with a heartbeat. (A known gap: a rank killed after its first messages but before its
-     * first heartbeat arrived is never reached again at its new endpoint.) */
+     * one with a heartbeat (test_restart_prefill_unheard covers the other case). */
     ev_t m;
     WAIT_COUNTERS(dec[0], m, m.m.chunks >= 6, EVENT_MS, "6 chunks scattered");
     WAIT_COUNTERS(pre[0], m, m.net.heartbeats_sent >= 20, EVENT_MS, "heartbeats sent");
@@ -993,6 +993,44 @@ static void test_kill_prefill_mid_transfer(void **state)
     assert_int_equal(f.m.rooms_succeeded, 5);
     f = proc_quit_clean(pre[0], 3); /* the ABORTs of rooms 101-103 reached its new life */
     assert_int_equal(f.m.rooms_succeeded, 2);
+    kvs_assert_no_leaks();
+}
+
+/* ---- 1b: a prefill rank that dies before decode ever heard it ---- */
+
+static void test_restart_prefill_unheard(void **state)
+{
+    (void) state;
+    /* Prefill rank 1 registers and dies before decode starts: decode bootstraps with its dead
+     * endpoint and never hears that life. It comes back on a new port and registers again; its
+     * heartbeats dispute the configured endpoint, decode asks the registry again, and rooms
+     * through both prefill ranks are exact. */
+    deploy_t d = deploy_default(2, 1, 2, KVS_NET_DATA_SHM, 2000);
+    d.registry = 1;
+    proc_t *pre[2], *dec[1];
+    rank_arg_t a = arg_for(&d, KVS_SIDE_PREFILL, 0);
+    snprintf(a.registry_bind, sizeof(a.registry_bind), "tcp://%s:0", d.prefill_host);
+    pre[0] = proc_start(&a);
+    a = arg_for(&d, KVS_SIDE_PREFILL, 1);
+    snprintf(a.registry, sizeof(a.registry), "%s", pre[0]->registry);
+    pre[1] = proc_start(&a);
+    const char *dead_endpoint = pre[1]->endpoint;
+    proc_kill(pre[1]);
+    a = arg_for(&d, KVS_SIDE_DECODE, 0);
+    snprintf(a.registry, sizeof(a.registry), "%s", pre[0]->registry);
+    dec[0] = proc_start(&a);
+    a = arg_for(&d, KVS_SIDE_PREFILL, 1);
+    snprintf(a.registry, sizeof(a.registry), "%s", pre[0]->registry);
+    snprintf(a.peers[0], sizeof(a.peers[0]), "%s", dec[0]->endpoint);
+    pre[1] = proc_start(&a);
+    assert_string_not_equal(pre[1]->endpoint, dead_endpoint);
+    const room_t rooms[] = {{201, 1024, 0, 0, 0, 0}, {202, 600, 128, 0, 0, 0}};
+    for (int i = 0; i < 2; i++) room_add(&rooms[i], pre, 2, dec, 1);
+    for (int i = 0; i < 2; i++) expect_all_succeed(&rooms[i], pre, 2, dec, 1);
+    ev_t f = proc_quit_clean(dec[0], 0);
+    assert_int_equal(f.m.rooms_succeeded, 2);
+    assert_int_equal(f.m.rooms_failed, 0);
+    for (int i = 0; i < 2; i++) assert_int_equal(proc_quit_clean(pre[i], 0).m.rooms_succeeded, 2);
     kvs_assert_no_leaks();
 }
 
@@ -1582,6 +1620,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN); /* a killed rank's pipe must not kill the test */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_kill_prefill_mid_transfer, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_restart_prefill_unheard, setup, teardown),
         cmocka_unit_test_setup_teardown(test_kill_decode_mid_transfer, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stop_prefill_quarantine, setup, teardown),
         cmocka_unit_test_setup_teardown(test_hostile_messages, setup, teardown),

@@ -168,3 +168,22 @@ int kvs_args_parse(const char *usage, const kvs_arg_t *args, size_t count, int a
     }
     return KVS_ARGS_OK;
 }
+
+/* "a" or "a,b" of GPU ordinals: prefill on a, decode on b (or a). 0 on success. */
+int kvs_args_parse_gpus(const char *s, int *prefill_p, int *decode_p)
+{
+    long v[2];
+    int n = 0;
+    for (const char *p = s;;) {
+        char *end;
+        if (n == 2 || *p < '0' || *p > '9') return -1;
+        v[n++] = strtol(p, &end, 10);
+        if (v[n - 1] > 1024) return -1;
+        if (*end == '\0') break;
+        if (*end != ',') return -1;
+        p = end + 1;
+    }
+    *prefill_p = (int) v[0];
+    *decode_p = (int) v[n - 1];
+    return 0;
+}

@@ -34,6 +34,9 @@ int kvs_args_parse(const char *usage, const kvs_arg_t *args, size_t count, int a
                    int first);
 
 /* Prints "usage + one line per flag" to f. */
+/* "a" or "a,b" of GPU ordinals: prefill on a, decode on b (or a). 0 on success. */
+int kvs_args_parse_gpus(const char *s, int *prefill_p, int *decode_p);
+
 void kvs_args_usage(void *file, const char *usage, const kvs_arg_t *args, size_t count);
 
 #endif

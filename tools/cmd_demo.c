@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "args.h"
+#include "base/mem.h"
 #include "json.h"
 #include "kvstage/clock.h"
 #include "kvstage/grid.h"
@@ -29,6 +30,7 @@ typedef struct {
     int fd; /* its stdout: progress lines, then one JSON result */
     int side_decode;
     uint32_t rank;
+    char gpu[12]; /* --gpu of this rank ("": host pools) */
     char buf[4096];
     size_t len;
     uint32_t concluded, requests;
@@ -36,7 +38,7 @@ typedef struct {
     /* Parsed from the result. */
     int have_result, ok;
     unsigned long long succeeded, failed, mismatched, leaked_slots, leaked_pages, leaked_rooms;
-    unsigned long long chunks, bulk_writes, bytes, msgs, retries, rejected;
+    unsigned long long chunks, bulk_writes, direct_writes, bytes, msgs, retries, rejected;
 } child_t;
 
 static const char intro[] =
@@ -73,6 +75,7 @@ static void parse_line(child_t *c, const char *line)
     c->leaked_rooms = json_u64(line, "leaked_rooms");
     c->chunks = json_u64(line, "chunks");
     c->bulk_writes = json_u64(line, "bulk_writes");
+    c->direct_writes = json_u64(line, "direct_writes");
     c->bytes = json_u64(line, "bytes_moved");
     c->msgs = json_u64(line, "control_messages");
     c->retries = json_u64(line, "retries");
@@ -116,6 +119,10 @@ static pid_t spawn(child_t *c, const char *registry, int argc, char **argv, int 
     args[n++] = (char *) registry;
     args[n++] = "--json";
     args[n++] = "--progress";
+    if (c->gpu[0]) {
+        args[n++] = "--gpu";
+        args[n++] = c->gpu;
+    }
     for (int i = first; i < argc && n < 158; i++) args[n++] = argv[i];
     args[n] = NULL;
     pid_t pid = fork();
@@ -175,7 +182,8 @@ static unsigned long long per_page_writes(const kvs_rank_config_t *c)
     return n;
 }
 
-static int run_processes(int argc, char **argv, int first)
+/* gpus: "P,D" or "P" from --gpus (prefill ranks' and decode ranks' GPU), or NULL. */
+static int run_processes(int argc, char **argv, int first, const char *gpus)
 {
     kvs_rank_flags_t f;
     kvs_rank_flags_default(&f);
@@ -189,19 +197,28 @@ static int run_processes(int argc, char **argv, int first)
         json |= strcmp(pargv[i], "--json") == 0;
         /* The launcher assigns these per rank. */
         if (strncmp(pargv[i], "--rank", 6) == 0 || strncmp(pargv[i], "--registry", 10) == 0 ||
-            strcmp(pargv[i], "--serve-registry") == 0 || strncmp(pargv[i], "--bind", 6) == 0) {
+            strcmp(pargv[i], "--serve-registry") == 0 || strncmp(pargv[i], "--bind", 6) == 0 ||
+            strcmp(pargv[i], "--gpu") == 0 || strncmp(pargv[i], "--gpu=", 6) == 0) {
             fprintf(stderr, "error: the demo sets '%s' for each rank itself\n", pargv[i]);
             return 2;
         }
     }
     int rc = kvs_rank_flags_parse(
         &f,
-        "kvstage demo [--transport ucx|inproc] [deployment flags below; the demo sets --rank, "
-        "--registry and --bind for each rank]",
+        "kvstage demo [--transport ucx|inproc] [--gpus P,D] [deployment flags below; the demo "
+        "sets --rank, --registry, --bind and --gpu for each rank: with --device cuda, prefill "
+        "ranks on GPU P and decode ranks on GPU D (default 0,1, or 0 on a one-GPU host)]",
         pargc, pargv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     const kvs_rank_config_t *c = &f.cfg;
     int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
+    /* Prefill on GPU 0, decode on GPU 1 (both on 0 when there is one). */
+    int gpu[2] = {0, c->mem == KVS_MEM_DEVICE && kvs_mem_device_count() > 1};
+    if (gpus != NULL && (c->mem != KVS_MEM_DEVICE || kvs_args_parse_gpus(gpus, &gpu[0], &gpu[1]))) {
+        fprintf(stderr, "error: --gpus takes one or two GPU ordinals (e.g. 0,1) and needs "
+                        "--device cuda\n");
+        return 2;
+    }
     kvs_registry_t *registry;
     if (kvs_registry_create("tcp://127.0.0.1:*", &registry) != KVS_OK) {
         fprintf(stderr, "error: cannot start the bootstrap registry\n");
@@ -225,6 +242,8 @@ static int run_processes(int argc, char **argv, int first)
     for (int i = 0; i < n; i++) {
         cs[i].side_decode = (uint32_t) i >= c->geo.prefill_tp;
         cs[i].rank = cs[i].side_decode ? (uint32_t) i - c->geo.prefill_tp : (uint32_t) i;
+        if (c->mem == KVS_MEM_DEVICE)
+            snprintf(cs[i].gpu, sizeof(cs[i].gpu), "%d", gpu[cs[i].side_decode]);
         if (spawn(&cs[i], ep, argc, argv, first) < 0) {
             fprintf(stderr, "error: cannot start rank processes: %s\n", strerror(errno));
             break;
@@ -259,8 +278,8 @@ static int run_processes(int argc, char **argv, int first)
 
     int ok = started == n;
     unsigned long long succeeded = ~0ull, failed = 0, mismatched = 0, lslots = 0, lpages = 0,
-                       lrooms = 0, chunks = 0, writes = 0, bytes = 0, msgs = 0, retries = 0,
-                       rejected = 0;
+                       lrooms = 0, chunks = 0, writes = 0, direct = 0, bytes = 0, msgs = 0,
+                       retries = 0, rejected = 0;
     for (int i = 0; i < started; i++) {
         const child_t *k = &cs[i];
         int exited_ok = WIFEXITED(k->status) && WEXITSTATUS(k->status) == 0;
@@ -275,6 +294,7 @@ static int run_processes(int argc, char **argv, int first)
             chunks += k->chunks;
         else {
             writes += k->bulk_writes;
+            direct += k->direct_writes;
             bytes += k->bytes;
         }
         msgs += k->msgs;
@@ -305,7 +325,9 @@ static int run_processes(int argc, char **argv, int first)
         kvs_json_u64(&j, "leaked_pages", lpages);
         kvs_json_u64(&j, "leaked_rooms", lrooms);
         kvs_json_u64(&j, "chunks", chunks);
+        kvs_json_str(&j, "device", c->mem == KVS_MEM_DEVICE ? "cuda" : "cpu");
         kvs_json_u64(&j, "bulk_writes", writes);
+        kvs_json_u64(&j, "direct_writes", direct);
         kvs_json_u64(&j, "per_page_writes", ok ? per_page_writes(c) : 0);
         kvs_json_u64(&j, "control_messages", msgs);
         kvs_json_u64(&j, "retries", retries);
@@ -319,9 +341,10 @@ static int run_processes(int argc, char **argv, int first)
         printf("  exact      %s (%llu mismatched bytes)\n", mismatched ? "NO" : "yes", mismatched);
         printf("  leaks      slots %llu, pages %llu, rooms %llu\n", lslots, lpages, lrooms);
         unsigned long long pp = per_page_writes(c);
-        printf("  transfers  %llu chunks scattered, %llu bulk writes (a per-page path: %llu, "
-               "%.0fx more), %.1f MiB\n",
-               chunks, writes, pp, writes ? (double) pp / (double) writes : 0.0, bytes / 1048576.0);
+        printf("  transfers  %llu chunks scattered, %llu bulk writes of which %llu direct (a "
+               "per-page path: %llu, %.0fx more), %.1f MiB\n",
+               chunks, writes, direct, pp, writes ? (double) pp / (double) writes : 0.0,
+               bytes / 1048576.0);
         printf("  control    %llu messages (retries %llu, rejected %llu)\n", msgs, retries,
                rejected);
         printf("  time       %.2f s wall\n\n%s\n", (kvs_now_ns() - t0) / 1e9,
@@ -362,25 +385,21 @@ int kvs_cmd_demo(int argc, char **argv)
                 transport);
         return 2;
     }
-    /* Rank processes keep their pools in host memory (the cross-process GPU data plane,
-     * cuda_ipc, is not part of the net link yet): --device cpu is what they do anyway. */
+    /* --gpus maps the two sides to GPUs; each rank gets its own --gpu. */
+    const char *gpus = NULL;
     int kept = 1;
     for (int i = 1; i < n; i++) {
-        const char *v = strncmp(rest[i], "--device=", 9) == 0           ? rest[i] + 9
-                        : strcmp(rest[i], "--device") == 0 && i + 1 < n ? rest[i + 1]
-                                                                        : NULL;
-        if ((v != NULL && strcmp(v, "cpu") != 0) || strncmp(rest[i], "--gpus", 6) == 0) {
-            fprintf(stderr, "error: GPU pools run in one process for now: add --transport "
-                            "inproc\n");
-            return 2;
+        if (strcmp(rest[i], "--gpus") == 0 && i + 1 < n) {
+            gpus = rest[++i];
+            continue;
         }
-        if (v != NULL) {
-            i += strcmp(rest[i], "--device") == 0; /* the value too */
+        if (strncmp(rest[i], "--gpus=", 7) == 0) {
+            gpus = rest[i] + 7;
             continue;
         }
         rest[kept++] = rest[i];
     }
     n = kept;
     rest[n] = NULL;
-    return run_processes(n, rest, 1);
+    return run_processes(n, rest, 1, gpus);
 }

@@ -31,6 +31,7 @@ static void print_json(const kvs_rank_config_t *c, const kvs_rank_result_t *r, i
     kvs_json_u64(&j, "leaked_rooms", r->leaked_rooms);
     kvs_json_u64(&j, "chunks", r->metrics.chunks);
     kvs_json_u64(&j, "bulk_writes", r->metrics.bulk_writes);
+    kvs_json_u64(&j, "direct_writes", r->metrics.direct_writes);
     kvs_json_u64(&j, "bytes_moved", r->metrics.bytes);
     kvs_json_u64(&j, "control_messages", r->metrics.msgs_sent);
     kvs_json_u64(&j, "retries", r->metrics.retries);

@@ -169,25 +169,6 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
               : "FAIL");
 }
 
-/* "a" or "a,b" of GPU ordinals: prefill on a, decode on b (or a). 0 on success. */
-static int parse_gpus(const char *s, int *prefill_p, int *decode_p)
-{
-    long v[2];
-    int n = 0;
-    for (const char *p = s;;) {
-        char *end;
-        if (n == 2 || *p < '0' || *p > '9') return -1;
-        v[n++] = strtol(p, &end, 10);
-        if (v[n - 1] > 1024) return -1;
-        if (*end == '\0') break;
-        if (*end != ',') return -1;
-        p = end + 1;
-    }
-    *prefill_p = (int) v[0];
-    *decode_p = (int) v[n - 1];
-    return 0;
-}
-
 int kvs_cmd_sim(int argc, char **argv)
 {
     kvs_sim_config_t c;
@@ -342,7 +323,7 @@ int kvs_cmd_sim(int argc, char **argv)
         fprintf(stderr, "error: --gpus needs --device cuda\n");
         return 2;
     }
-    if (parse_gpus(gpus, &c.prefill_device, &c.decode_device) != 0) {
+    if (kvs_args_parse_gpus(gpus, &c.prefill_device, &c.decode_device) != 0) {
         fprintf(stderr, "error: --gpus takes one or two GPU ordinals, e.g. 0 or 0,1 (got '%s')\n",
                 gpus);
         return 2;

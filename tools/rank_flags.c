@@ -36,6 +36,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     uint32_t head_dim = 0, kv_heads = c->geo.shape.kv_heads, layers = c->geo.shape.layers;
     uint32_t dtype = c->geo.shape.elem_bytes;
     int mla = 0, layout = 0, data = 0, workload = (int) c->workload.kind, seen_hd = 0;
+    int device = c->mem == KVS_MEM_DEVICE;
+    uint32_t gpu = (uint32_t) c->device;
+    int write_mode = (int) c->write_mode;
     uint64_t liveness_ms = 0, deadline_s = 0;
     const kvs_arg_t args[] = {
         {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", NULL, NULL},
@@ -47,6 +50,15 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
          NULL},
         {"data", KVS_ARG_CHOICE, &data, "UCX transports for data (auto)", "auto|shm|tcp", NULL},
         {"net-device", KVS_ARG_STR, &c->net_device, "UCX_NET_DEVICES for tcp, e.g. lo", NULL, NULL},
+        {"device", KVS_ARG_CHOICE, &device,
+         "where this rank's pool, ring and staging buffers live (cuda: CUDA IPC between the "
+         "processes, so every rank on one host) (cpu)",
+         "cpu|cuda", NULL},
+        {"gpu", KVS_ARG_U32, &gpu, "with --device cuda: this rank's GPU (0)", NULL, NULL},
+        {"write-mode", KVS_ARG_CHOICE, &write_mode,
+         "prefill: auto gathers straight into the decode ring where the link maps it (shared "
+         "memory, CUDA IPC), else through a staging buffer and one bulk write (auto)",
+         "auto|staged|direct", NULL},
         {"prefill-tp", KVS_ARG_U32, &c->geo.prefill_tp, "prefill TP size (4)", NULL, NULL},
         {"decode-tp", KVS_ARG_U32, &c->geo.decode_tp, "decode TP size (2)", NULL, NULL},
         {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", NULL, NULL},
@@ -85,6 +97,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     if (seen_hd) c->geo.shape.head_dim_k = head_dim;
     c->geo.shape.head_dim_v = mla ? 0 : c->geo.shape.head_dim_k;
     c->layout = layout ? KVS_POOL_HND : KVS_POOL_NHD;
+    c->mem = device ? KVS_MEM_DEVICE : KVS_MEM_HOST;
+    c->device = (int) gpu;
+    c->write_mode = (kvs_write_mode_t) write_mode;
     c->data = (kvs_net_data_t) data;
     c->workload.kind = (kvs_workload_kind_t) workload;
     c->liveness_timeout_ns = liveness_ms * 1000000ull;

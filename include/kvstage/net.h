@@ -16,6 +16,7 @@
 
 #include "kvstage/layout.h"
 #include "kvstage/link.h"
+#include "kvstage/mem.h"
 #include "kvstage/status.h"
 
 /* Which UCX transports carry data writes. */
@@ -45,6 +46,12 @@ typedef struct {
      * new port before this rank ever heard it), the link asks the registry again, at most once
      * a second per rank, waiting at most 50 ms. Copied. */
     const char *registry;
+    /* Where this rank's pool (and so its ring or staging buffers) lives. With KVS_MEM_DEVICE
+     * the data plane to a peer whose ring is on a GPU is CUDA IPC (kvstage/cuda_ipc.h: NVLink
+     * or PCIe peer copies, and direct writes through the mapped ring) instead of UCX, and both
+     * sides must run on one host. */
+    kvs_mem_kind_t mem;
+    int device; /* CUDA device of this rank, for KVS_MEM_DEVICE */
     /* Zero picks the default (in parentheses). */
     uint64_t heartbeat_ns;        /* heartbeat period to each peer (200 ms) */
     uint64_t liveness_timeout_ns; /* a peer silent this long is dead (3 s) */

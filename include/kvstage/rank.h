@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "kvstage/link.h"
+#include "kvstage/mem.h"
 #include "kvstage/net.h"
 #include "kvstage/pd.h"
 #include "kvstage/sim.h"
@@ -25,6 +26,10 @@ typedef struct {
     const char *bind;     /* this rank's control endpoint (default tcp://127.0.0.1:*) */
     kvs_net_data_t data;
     const char *net_device;
+    kvs_mem_kind_t mem; /* the pool, ring and staging buffers: host, or GPU `device` (then the
+                           data plane between processes is CUDA IPC) */
+    int device;
+    kvs_write_mode_t write_mode;    /* prefill: staged, direct, or auto (direct where mapped) */
     kvs_workload_config_t workload; /* identical on every rank of both instances */
     uint32_t concurrency;           /* rooms in flight on this rank */
     uint64_t ring_bytes;            /* decode: 0 = four full slots */

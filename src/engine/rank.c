@@ -144,7 +144,8 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                             .page_size = c.geo.page_size,
                             .num_pages = (uint32_t) (pages_per_room * c.concurrency + 16),
                             .layout = c.layout,
-                            .mem = KVS_MEM_HOST};
+                            .mem = c.mem,
+                            .device = c.device};
     if ((st = kvs_pool_create(&pc, &pool)) != KVS_OK) goto out;
 
     kvs_net_config_t nc = {.side = c.side,
@@ -154,6 +155,8 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                            .data = c.data,
                            .net_device = c.net_device,
                            .registry = prefill ? NULL : c.registry,
+                           .mem = c.mem,
+                           .device = c.device,
                            .liveness_timeout_ns = c.liveness_timeout_ns};
     if ((st = kvs_net_link_create(&nc, &link)) != KVS_OK) goto out;
     const uint64_t boot_ns = c.timeouts.bootstrap_timeout_ns;
@@ -167,7 +170,8 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                                   .rank = c.rank,
                                   .timeouts = c.timeouts,
                                   .window_chunks = 4,
-                                  .staging_buffers = 4};
+                                  .staging_buffers = 4,
+                                  .write_mode = c.write_mode};
         if ((st = kvs_sender_create(&sc, pool, link, &clock, &tx)) != KVS_OK) goto out;
         kvs_prefill_engine_config_t ec = {.geo = c.geo,
                                           .batch = c.concurrency,

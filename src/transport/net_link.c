@@ -11,6 +11,8 @@
 #include "base/bytes.h"
 #include "kvstage/net.h"
 
+#include "kvstage/cuda_ipc.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +38,8 @@
 #define WIREUP_FIXED      32
 #define WIREUP_ADDR_MAX   16384
 #define WIREUP_RKEY_MAX   4096
+#define WIREUP_UCX        0           /* payload: UCX worker address + rkey */
+#define WIREUP_CUDA_IPC   1           /* payload: a kvs_cuda_ipc_handle_t (the ring is on a GPU) */
 #define RESOLVE_GAP_NS    (1000 * MS) /* registry lookups of one disputed peer */
 #define RESOLVE_WAIT_NS   (50 * MS)
 
@@ -47,7 +51,9 @@ typedef struct {
 typedef struct {
     uint64_t ticket;
     uint32_t peer;
-    int wiring;          /* waiting for the peer's wireup */
+    int wiring;  /* waiting for the peer's wireup */
+    int via_ipc; /* a CUDA IPC peer copy (ipc_ticket), not UCX puts */
+    uint64_t ipc_ticket;
     kvs_status_t status; /* KVS_INPROGRESS until the outcome is known */
     const void *src;     /* [len] caller-owned until the outcome is collected */
     uint64_t offset, len;
@@ -59,6 +65,7 @@ typedef struct {
 
 typedef struct {
     kvs_ucx_remote_t *remote; /* prefill: endpoint + rkey of the peer's ring */
+    int ipc_ready;            /* prefill: the peer's GPU ring is imported (CUDA IPC) instead */
     uint64_t remote_inc;      /* the peer incarnation it was built from */
     uint32_t remote_gen;      /* and the ring generation */
     uint64_t next_req;        /* prefill: next WIREUP_REQ may go then */
@@ -74,7 +81,8 @@ typedef struct {
     char registry[KVS_ZCH_ENDPOINT_MAX + 1]; /* decode: "" when none */
     kvs_zch_t *ch;
     kvs_ucx_t *ucx;
-    npeer_t *peers; /* [peer_tp] */
+    kvs_link_t *ipc; /* device pools: the CUDA IPC data plane; NULL for host pools */
+    npeer_t *peers;  /* [peer_tp] */
     /* decode: the exposed ring and the WIREUP payload describing it */
     kvs_ucx_region_t *region;
     kvs_ucx_region_t *owned; /* the ring ring_alloc made (exposed or not) */
@@ -107,15 +115,23 @@ static void finish_write(net_t *n, nwrite_t *w, kvs_status_t status)
     }
 }
 
-/* Drops the endpoint to a peer: its puts fail, later writes wire up again. */
+/* 1 once writes to the peer's ring can start (UCX endpoint, or imported GPU ring). */
+static int wired(const npeer_t *p)
+{
+    return p->remote != NULL || p->ipc_ready;
+}
+
+/* Drops the endpoint to a peer: its puts fail, later writes wire up again. (An imported GPU
+ * ring stays open until the next import replaces it: its copies in flight still land.) */
 static void drop_remote(net_t *n, uint32_t peer, int peer_gone, const char *why)
 {
     npeer_t *p = &n->peers[peer];
-    if (p->remote == NULL) return;
+    if (!wired(p)) return;
     kvs_info("net link: prefill rank %u drops its endpoint to decode rank %u: %s", n->cfg.rank,
              peer, why);
     kvs_ucx_remote_destroy(p->remote, peer_gone);
     p->remote = NULL;
+    p->ipc_ready = 0;
     p->remote_inc = 0;
     p->remote_gen = 0;
 }
@@ -123,7 +139,13 @@ static void drop_remote(net_t *n, uint32_t peer, int peer_gone, const char *why)
 static void start_put(net_t *n, nwrite_t *w)
 {
     npeer_t *p = &n->peers[w->peer];
-    kvs_status_t st = kvs_ucx_put_start(p->remote, w->offset, w->src, w->len, &w->put);
+    kvs_status_t st;
+    if (p->ipc_ready) {
+        st = n->ipc->ops->write(n->ipc->ctx, w->peer, w->offset, w->src, w->len, &w->ipc_ticket);
+        w->via_ipc = st == KVS_OK;
+    } else {
+        st = kvs_ucx_put_start(p->remote, w->offset, w->src, w->len, &w->put);
+    }
     if (st != KVS_OK) {
         finish_write(n, w, st);
         return;
@@ -146,7 +168,7 @@ static uint32_t advance_write(net_t *n, nwrite_t *w, uint64_t now)
     if (w->status != KVS_INPROGRESS) return 0;
     npeer_t *p = &n->peers[w->peer];
     if (w->wiring) {
-        if (p->remote != NULL) {
+        if (wired(p)) {
             start_put(n, w);
             return 1;
         }
@@ -163,6 +185,13 @@ static uint32_t advance_write(net_t *n, nwrite_t *w, uint64_t now)
         }
         send_wireup_req(n, w->peer, now);
         return 0;
+    }
+    if (w->via_ipc) {
+        /* A peer copy on this GPU's queue: it completes (or fails) on its own. */
+        kvs_status_t st = n->ipc->ops->write_poll(n->ipc->ctx, w->ipc_ticket);
+        if (st == KVS_INPROGRESS) return 0;
+        finish_write(n, w, st);
+        return 1;
     }
     kvs_status_t st = kvs_ucx_put_poll(w->put);
     if (st != KVS_INPROGRESS) {
@@ -196,22 +225,39 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
     uint32_t gen = kvs_get_u32(b);
     uint32_t addr_len = kvs_get_u32(b + 4);
     uint32_t rkey_len = kvs_get_u32(b + 8);
+    uint32_t kind = kvs_get_u32(b + 12);
     uint64_t base = kvs_get_u64(b + 16);
     uint64_t size = kvs_get_u64(b + 24);
-    if (kvs_get_u32(b + 12) != 0 || gen == 0 || addr_len == 0 || addr_len > WIREUP_ADDR_MAX ||
-        rkey_len == 0 || rkey_len > WIREUP_RKEY_MAX ||
+    int ipc = kind == WIREUP_CUDA_IPC;
+    if ((kind != WIREUP_UCX && !ipc) || gen == 0 ||
+        (ipc ? addr_len != 0 || rkey_len != KVS_CUDA_IPC_HANDLE_BYTES
+             : addr_len == 0 || addr_len > WIREUP_ADDR_MAX || rkey_len == 0 ||
+                   rkey_len > WIREUP_RKEY_MAX) ||
         f->len != WIREUP_FIXED + (size_t) addr_len + rkey_len || size == 0 || base + size < base)
         goto reject;
     npeer_t *p = &n->peers[f->from];
     n->st.wireups_received++;
-    if (p->remote != NULL && p->remote_inc == f->incarnation && gen <= p->remote_gen)
+    if (wired(p) && p->remote_inc == f->incarnation && gen <= p->remote_gen)
         return; /* a repeat, or older than what we use */
     /* A new incarnation means the old process is gone: do not wait for it. */
     drop_remote(n, f->from, p->remote_inc != f->incarnation,
                 "the decode rank announced a new ring");
-    kvs_ucx_remote_t *rm;
-    kvs_status_t st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len,
-                                            b + WIREUP_FIXED + addr_len, rkey_len, base, size, &rm);
+    kvs_ucx_remote_t *rm = NULL;
+    kvs_status_t st;
+    if (ipc != (n->ipc != NULL)) {
+        /* UCX here moves host memory only, and a GPU ring needs a GPU writer. */
+        kvs_error("net link: prefill rank %u has its pool in %s memory, decode rank %u in %s "
+                  "memory: both sides need the same kind",
+                  n->cfg.rank, n->ipc ? "device" : "host", f->from, ipc ? "device" : "host");
+        st = KVS_ERR_INCOMPATIBLE;
+    } else if (ipc) {
+        kvs_cuda_ipc_handle_t h;
+        memcpy(h.bytes, b + WIREUP_FIXED, sizeof(h.bytes));
+        st = kvs_cuda_ipc_import(n->ipc, f->from, &h);
+    } else {
+        st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len, b + WIREUP_FIXED + addr_len,
+                                   rkey_len, base, size, &rm);
+    }
     if (st != KVS_OK) {
         kvs_error("net link: prefill rank %u cannot reach decode rank %u's ring: %s (do both "
                   "sides use the same data transport?)",
@@ -222,6 +268,7 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
     }
     p->wire_error = KVS_OK;
     p->remote = rm;
+    p->ipc_ready = ipc;
     p->remote_inc = f->incarnation;
     p->remote_gen = gen;
     kvs_debug("net link: prefill rank %u wired to decode rank %u (ring of %llu bytes, gen %u)",
@@ -260,7 +307,7 @@ static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
             return;
         }
         n->st.wireups_received++;
-        if (n->region != NULL) push_wireup(n, f->from);
+        if (n->wireup != NULL) push_wireup(n, f->from);
         return;
     case KVS_ZCH_WIREUP:
         handle_wireup(n, f);
@@ -299,14 +346,14 @@ static uint32_t check_peers(net_t *n)
         if (n->cfg.side == KVS_SIDE_DECODE) {
             if (n->registry[0] && kvs_zch_peer_disputed(n->ch, i)) events += resolve(n, i);
             /* A new prefill life (or a new ring) needs our wireup. */
-            if (n->region != NULL && !dead && inc != 0 && inc != p->pushed_inc)
+            if (n->wireup != NULL && !dead && inc != 0 && inc != p->pushed_inc)
                 events += (uint32_t) push_wireup(n, i);
             continue;
         }
-        if (p->remote != NULL && dead) {
+        if (wired(p) && dead) {
             drop_remote(n, i, 1, "the decode rank is dead");
             events++;
-        } else if (p->remote != NULL && inc != p->remote_inc) {
+        } else if (wired(p) && inc != p->remote_inc) {
             drop_remote(n, i, 1, "the decode rank restarted");
             events++;
         } else if (p->remote != NULL && kvs_ucx_remote_failed(p->remote)) {
@@ -414,7 +461,7 @@ static kvs_status_t net_write(void *ctx, uint32_t peer, uint64_t offset, const v
         return st;
     }
     npeer_t *p = &n->peers[peer];
-    if (p->remote != NULL) {
+    if (wired(p)) {
         start_put(n, w);
     } else {
         uint64_t now = kvs_now_ns();
@@ -445,12 +492,25 @@ static kvs_status_t net_write_poll(void *ctx, uint64_t ticket)
     return st;
 }
 
+/* The WIREUP payload: [0,4) generation, [4,8) address length, [8,12) key length, [12,16) kind,
+ * [16,24) ring base, [24,32) ring size, then the address and the key (UCX worker address and
+ * rkey; or no address and a CUDA IPC handle as the key). */
 static kvs_status_t build_wireup(net_t *n, void *ring, uint64_t size)
 {
     const uint8_t *addr, *rkey;
     size_t addr_len, rkey_len;
-    kvs_ucx_address(n->ucx, &addr, &addr_len);
-    kvs_ucx_region_rkey(n->region, &rkey, &rkey_len);
+    kvs_cuda_ipc_handle_t h;
+    if (n->ipc != NULL) {
+        kvs_status_t st = kvs_cuda_ipc_export(n->ipc, &h);
+        if (st != KVS_OK) return st;
+        addr = NULL;
+        addr_len = 0;
+        rkey = h.bytes;
+        rkey_len = sizeof(h.bytes);
+    } else {
+        kvs_ucx_address(n->ucx, &addr, &addr_len);
+        kvs_ucx_region_rkey(n->region, &rkey, &rkey_len);
+    }
     if (addr_len > WIREUP_ADDR_MAX || rkey_len > WIREUP_RKEY_MAX) {
         kvs_error("net link: UCX address (%zu bytes) or rkey (%zu) too large for a wireup",
                   addr_len, rkey_len);
@@ -462,10 +522,10 @@ static kvs_status_t build_wireup(net_t *n, void *ring, uint64_t size)
     kvs_put_u32(b, n->gen);
     kvs_put_u32(b + 4, (uint32_t) addr_len);
     kvs_put_u32(b + 8, (uint32_t) rkey_len);
-    kvs_put_u32(b + 12, 0);
+    kvs_put_u32(b + 12, n->ipc != NULL ? WIREUP_CUDA_IPC : WIREUP_UCX);
     kvs_put_u64(b + 16, (uint64_t) (uintptr_t) ring);
     kvs_put_u64(b + 24, size);
-    memcpy(b + WIREUP_FIXED, addr, addr_len);
+    if (addr_len > 0) memcpy(b + WIREUP_FIXED, addr, addr_len);
     memcpy(b + WIREUP_FIXED + addr_len, rkey, rkey_len);
     kvs_free(n->wireup);
     n->wireup = b;
@@ -477,6 +537,8 @@ static void withdraw(net_t *n)
 {
     if (n->region != n->owned) kvs_ucx_region_destroy(n->region);
     n->region = NULL;
+    if (n->ipc != NULL && n->cfg.side == KVS_SIDE_DECODE)
+        (void) n->ipc->ops->expose(n->ipc->ctx, NULL, 0);
     kvs_free(n->wireup);
     n->wireup = NULL;
     n->wireup_len = 0;
@@ -493,7 +555,9 @@ static kvs_status_t net_expose(void *ctx, void *ring, uint64_t size)
     withdraw(n);
     if (ring == NULL) return KVS_OK;
     kvs_status_t st = KVS_OK;
-    if (n->owned != NULL && ring == kvs_ucx_region_base(n->owned))
+    if (n->ipc != NULL)
+        st = n->ipc->ops->expose(n->ipc->ctx, ring, size); /* a GPU ring: CUDA IPC */
+    else if (n->owned != NULL && ring == kvs_ucx_region_base(n->owned))
         n->region = n->owned; /* mapped when it was allocated */
     else
         st = kvs_ucx_region_create(n->ucx, ring, size, &n->region);
@@ -541,11 +605,12 @@ static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
     if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp) return NULL;
     maybe_service(n);
     npeer_t *p = &n->peers[peer];
-    if (p->remote == NULL || p->dead) {
+    if (!wired(p) || p->dead) {
         /* Ask now so that a later chunk finds the ring mapped. */
         if (!p->dead) send_wireup_req(n, peer, kvs_now_ns());
         return NULL;
     }
+    if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len);
     return kvs_ucx_remote_map(p->remote, offset, len);
 }
 
@@ -584,6 +649,7 @@ static void net_destroy(void *ctx)
         drop_remote(n, i, kvs_zch_peer_status(n->ch, i) != KVS_OK, "the link is closing");
     withdraw(n);
     if (n->owned != NULL) kvs_ucx_region_destroy(n->owned); /* the receiver did not free it */
+    kvs_link_destroy(n->ipc); /* waits for peer copies still reading staging buffers */
     kvs_ucx_destroy(n->ucx);
     kvs_zch_destroy(n->ch);
     while (n->inbox_count > 0) {
@@ -698,6 +764,14 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
         if ((st = kvs_zch_set_peer(n->ch, i, config->peers[i])) != KVS_OK) goto err_ch;
     }
     if ((st = kvs_ucx_create(&uc, &n->ucx)) != KVS_OK) goto err_ch;
+    if (c->mem == KVS_MEM_DEVICE) {
+        kvs_cuda_ipc_config_t ic = {
+            .side = c->side, .rank = c->rank, .peer_tp = c->peer_tp, .device = c->device};
+        if ((st = kvs_cuda_ipc_link_create(&ic, &n->ipc)) != KVS_OK) {
+            kvs_ucx_destroy(n->ucx);
+            goto err_ch;
+        }
+    }
     if (config->registry != NULL && c->side == KVS_SIDE_DECODE)
         snprintf(n->registry, sizeof(n->registry), "%s", config->registry);
     /* Nothing below keeps the caller's strings. */

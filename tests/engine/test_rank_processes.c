@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "base/mem.h"
+
 static const char *tool(void)
 {
     return getenv("KVS_TOOL");
@@ -45,6 +47,30 @@ static void demo_ok(const char *flags)
     expect(out, "\"failed\":0");
     expect(out, "\"exact\":true");
     expect(out, "\"leaked_slots\":0,\"leaked_pages\":0,\"leaked_rooms\":0");
+}
+
+/* GPU pools in every rank process: the net link's data plane is CUDA IPC (peer copies, or the
+ * gather kernel storing straight into the imported decode ring). Prefill ranks share GPU 0 and
+ * decode ranks GPU 1 (one GPU: both on 0): fan-in and fan-out between processes. */
+static void test_gpu_cuda_ipc(void **state)
+{
+    (void) state;
+    if (tool() == NULL || kvs_mem_device_count() == 0) {
+        print_message("no CUDA device here: the cross-process GPU deployment is skipped\n");
+        skip();
+    }
+    static char out[1 << 16];
+    demo_ok("--device cuda --requests 16 --concurrency 8");
+    assert_int_equal(
+        run("demo --json --device cuda --requests 16 --concurrency 8", out, sizeof(out), 0), 0);
+    if (strstr(out, "\"direct_writes\":0,") != NULL)
+        fail_msg("auto mode wrote nothing straight into the imported rings:\n%s", out);
+    demo_ok("--device cuda --write-mode staged --prefill-tp 2 --decode-tp 4 --requests 12");
+    assert_int_equal(
+        run("demo --json --device cuda --write-mode staged --requests 8", out, sizeof(out), 0), 0);
+    expect(out, "\"direct_writes\":0,");
+    demo_ok("--device cuda --prefill-tp 4 --decode-tp 1 --kv-heads 2 --layout hnd --requests 8");
+    demo_ok("--device cuda --prefill-tp 2 --decode-tp 2 --mla --head-dim 48 --requests 8");
 }
 
 static void test_tp4_to_tp2_shm(void **state)
@@ -124,6 +150,7 @@ int main(void)
         cmocka_unit_test(test_replicated_and_mla),
         cmocka_unit_test(test_incompatible_decode_refused),
         cmocka_unit_test(test_bad_flags),
+        cmocka_unit_test(test_gpu_cuda_ipc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

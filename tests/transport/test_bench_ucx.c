@@ -61,6 +61,7 @@ static void check_run(const char *args, const char *data)
         assert_non_null(rows[i]);
         assert_true(number_after(rows[i], "\"bulk_gbs\":") > 0);
         assert_true(number_after(rows[i], "\"staged_gbs\":") > 0);
+        assert_true(number_after(rows[i], "\"direct_gbs\":") > 0);
         assert_true(number_after(rows[i], "\"per_page_gbs\":") > 0);
         assert_true(number_after(rows[i], "\"staged_writes\":") >= 1);
         assert_true(number_after(rows[i], "\"bytes_wrong\":") == 0);
@@ -76,6 +77,8 @@ static void test_shm_tp1(void **state)
     /* 8 pages, one write per page x layer x K/V */
     const char *row = strstr(g_out, "{\"tokens\":128,");
     assert_true(number_after(row, "\"per_page_writes\":") == 8.0 * 32 * 2);
+    /* over shared memory the default mode gathers straight into the mapped decode ring */
+    assert_true(number_after(row, "\"direct_writes\":") == number_after(row, "\"staged_writes\":"));
 }
 
 /* tcp data and two prefill ranks writing into one decode rank: per page, one write per writer */
@@ -86,6 +89,8 @@ static void test_tcp_tp2_to_tp1(void **state)
               "tcp");
     const char *row = strstr(g_out, "{\"tokens\":128,");
     assert_true(number_after(row, "\"per_page_writes\":") == 8.0 * 2 * 32 * 2);
+    /* tcp cannot map the decode ring: every write is a put */
+    assert_true(number_after(row, "\"direct_writes\":") == 0);
 }
 
 static void test_usage(void **state)

@@ -3,11 +3,15 @@
 # cross-GPU paths):  bash scripts/gpu-check.sh
 # Builds with CUDA in a fresh build dir, runs the whole test suite, then each GPU test on its
 # own (none may skip): the CUDA copy backend, device memory (test_mem), the simulation's
-# exactness suite on GPUs (test_sim_gpu) and the cross-process CUDA IPC test (test_cuda_ipc);
-# `kvstage sim --device cuda` (prefill on GPU 0, decode on GPU 1 when there are two);
-# `kvstage bench transfer` and `kvstage bench kernels`; then compute-sanitizer memcheck (with
-# leak check) on the four GPU tests, racecheck and initcheck on the copy test; prints a
-# summary. Logs go to $LOGS (default $BUILD/gpu-check/).
+# exactness suite on GPUs (test_sim_gpu), the cross-process CUDA IPC test (test_cuda_ipc) and
+# the multi-process deployments (test_rank_processes: GPU pools in every rank process, CUDA
+# IPC through the net link); `kvstage sim --device cuda` and `kvstage demo --device cuda`
+# (prefill on GPU 0, decode on GPU 1 when there are two); `kvstage bench transfer` (table, and
+# JSON in $LOGS/bench-transfer.json for bench/plot_transfer.py), `kvstage bench kernels` and
+# `kvstage bench transfer --transport ucx` (host memory, this machine's CPUs); then
+# compute-sanitizer memcheck (with leak check) on the GPU tests, racecheck and initcheck on the
+# copy test and racecheck on the GPU simulation; prints a summary. Logs go to $LOGS (default
+# $BUILD/gpu-check/).
 # Environment: BUILD (default build-gpu), JOBS (default nproc), SAN_ITERS (random cases per
 # sanitizer run, default 100), BENCH_ARGS (extra flags for bench kernels), TRANSFER_ARGS (extra
 # flags for bench transfer), DEPS_DIR (default build-deps), CMAKE_ARGS (extra configure flags,
@@ -117,6 +121,10 @@ summary() {
         echo
         grep -E '^(hardware|summary|check):' "$LOGS/bench-transfer.log" | sed 's/^/  transfer /'
     fi
+    if [ -f "$LOGS/bench-ucx.log" ]; then
+        echo
+        grep -E '^(hardware|summary|check):' "$LOGS/bench-ucx.log" | sed 's/^/  ucx /'
+    fi
     echo
     if [ "$failed" -eq 0 ]; then echo "gpu-check: ALL PASSED"; else echo "gpu-check: FAILED"; fi
     echo "logs: $LOGS/"
@@ -164,7 +172,8 @@ fi
 step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS'"
 
 # Each GPU test alone, verbose: on a GPU machine nothing may be skipped.
-GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc)
+export KVS_TOOL=$(pwd)/$BUILD/kvstage
+GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes)
 for t in "${GPU_TESTS[@]}"; do
     if step "$t" "$BUILD/$t" && ! skipped "$t"; then
         if grep -q "SKIPPED" "$LOGS/$t.log"; then
@@ -178,12 +187,17 @@ done
 GPUS=0,0
 [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 1 ] && GPUS=0,1
 step sim-cuda "$BUILD/kvstage" sim --device cuda --gpus "$GPUS"
+step demo-cuda "$BUILD/kvstage" demo --device cuda --gpus "$GPUS"
 
 # shellcheck disable=SC2086 # TRANSFER_ARGS is a flag list
 step bench-transfer timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench transfer --device cuda \
     $TRANSFER_ARGS
+# shellcheck disable=SC2086 # TRANSFER_ARGS is a flag list
+skipped bench-transfer || timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench transfer --device cuda \
+    $TRANSFER_ARGS --json >"$LOGS/bench-transfer.json" 2>/dev/null
 # shellcheck disable=SC2086 # BENCH_ARGS is a flag list
 step bench timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench kernels $BENCH_ARGS
+step bench-ucx timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench transfer --transport ucx
 
 # Sanitizers last: they are the slowest steps.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -200,6 +214,8 @@ if [ -x "$SAN" ]; then
         "$BUILD/test_copy_cuda"
     step initcheck timeout "$STEP_TIMEOUT" "$SAN" --tool initcheck --error-exitcode 99 \
         "$BUILD/test_copy_cuda"
+    step racecheck-sim timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck --error-exitcode 99 \
+        "$BUILD/test_sim_gpu"
     unset KVS_ITERS
 else
     mark compute-sanitizer "FAIL (compute-sanitizer not found)"

@@ -696,11 +696,12 @@ static uint8_t *map_slot(kvs_sender_t *tx, uint32_t decode_rank, uint64_t offset
 {
     const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
     if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL) return NULL;
-    uint8_t *p = tx->link->ops->map(tx->link->ctx, decode_rank, offset, len);
-    if (p == NULL || tx->direct_ok[decode_rank]) return p;
-    if (pc->mem == KVS_MEM_DEVICE ? !kvs_mem_device_can_access(pc->device, p)
-                                  : kvs_mem_device_of(p) >= 0)
-        return NULL;
+    int host = 0;
+    uint8_t *p = tx->link->ops->map(tx->link->ctx, decode_rank, offset, len, &host);
+    if (p == NULL || (pc->mem == KVS_MEM_HOST) != host) return NULL;
+    if (tx->direct_ok[decode_rank]) return p;
+    /* A host pool asks no CUDA call: initialising CUDA could stall progress for seconds. */
+    if (pc->mem == KVS_MEM_DEVICE && !kvs_mem_device_can_access(pc->device, p)) return NULL;
     tx->direct_ok[decode_rank] = 1;
     return p;
 }

@@ -98,12 +98,13 @@ static kvs_status_t ipc_write_poll(void *ctx, uint64_t ticket)
     return kvs_mem_queue_poll(c->queue, ticket);
 }
 
-static void *ipc_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
+static void *ipc_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
 {
     ipc_t *c = ctx;
     if (c->cfg.side != KVS_SIDE_PREFILL || peer >= c->cfg.peer_tp) return NULL;
     const ipc_remote_t *r = &c->remotes[peer];
     if (r->base == NULL || offset > r->size || len > r->size - offset) return NULL;
+    *host_p = 0;
     return r->base + offset;
 }
 

@@ -323,7 +323,7 @@ static kvs_status_t ep_write_poll(void *ctx, uint64_t ticket)
     return st;
 }
 
-static void *ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
+static void *ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
 {
     inproc_ep_t *ep = ctx;
     inproc_ep_t *to = endpoint(ep->net, KVS_SIDE_DECODE, peer);
@@ -332,6 +332,7 @@ static void *ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
     if (ep->side != KVS_SIDE_PREFILL || to == NULL || to->ring == NULL || to->ring_device < 0)
         return NULL;
     if (offset > to->ring_size || len > to->ring_size - offset) return NULL;
+    *host_p = 0;
     return to->ring + offset;
 }
 

@@ -599,7 +599,7 @@ static void net_ring_free(void *ctx, void *ring)
 }
 
 /* Prefill: the decode ring through shared memory, once wired up to it (else staged writes). */
-static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
+static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
 {
     net_t *n = ctx;
     if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp) return NULL;
@@ -610,7 +610,8 @@ static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len)
         if (!p->dead) send_wireup_req(n, peer, kvs_now_ns());
         return NULL;
     }
-    if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len);
+    if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len, host_p);
+    *host_p = 1; /* UCX moves host memory only */
     return kvs_ucx_remote_map(p->remote, offset, len);
 }
 

@@ -25,17 +25,24 @@ demo: build
 asan:
 	@$(MAKE) --no-print-directory test BUILD=build-asan CMAKE_FLAGS="-DKVS_SANITIZE=ON -DKVS_CUDA=OFF"
 
-# libFuzzer on the message codec (needs clang and libclang-rt-14-dev); see fuzz/README.md.
-# The seeds are copied into fuzz/out/, where the grown corpus and any crash inputs stay.
+# libFuzzer on the message codec and the GGUF reader (needs clang and libclang-rt-14-dev), each
+# for FUZZ_SECONDS; see fuzz/README.md. The seeds are copied into fuzz/out/, where the grown
+# corpus and any crash inputs stay.
 FUZZ_SECONDS ?= 30
+FUZZ_CFLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+  -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc -Itests
 fuzz: setup
-	@mkdir -p fuzz/out/corpus-codec
-	clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-	  -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc \
-	  fuzz/fuzz_codec.c src/control/codec.c src/base/*.c -lpthread -lm -o fuzz/out/fuzz_codec
+	@mkdir -p fuzz/out/corpus-codec fuzz/out/corpus-gguf
+	clang $(FUZZ_CFLAGS) fuzz/fuzz_codec.c src/control/codec.c src/base/*.c -lpthread -lm \
+	  -o fuzz/out/fuzz_codec
+	clang $(FUZZ_CFLAGS) fuzz/fuzz_gguf.c src/model/gguf.c src/model/quant.c src/base/*.c \
+	  -lpthread -lm -o fuzz/out/fuzz_gguf
 	@cp fuzz/corpus/codec/* fuzz/out/corpus-codec/
+	@cp fuzz/corpus/gguf/* fuzz/out/corpus-gguf/
 	./fuzz/out/fuzz_codec -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	  -artifact_prefix=fuzz/out/ fuzz/out/corpus-codec
+	./fuzz/out/fuzz_gguf -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  -artifact_prefix=fuzz/out/ fuzz/out/corpus-gguf
 
 format:
 	@git ls-files '*.c' '*.h' '*.cu' '*.cuh' | xargs -r clang-format -i

@@ -59,7 +59,8 @@ typedef struct kvs_gguf kvs_gguf_t;
 /* Maps and parses the file: header, metadata, tensor directory (offsets aligned to
  * general.alignment, data inside the file, sizes consistent with type and shape).
  * KVS_ERR_IO if it cannot be opened or mapped, KVS_ERR_PROTOCOL (message naming the field)
- * if malformed, KVS_ERR_UNSUPPORTED for a tensor type outside kvs_ggml_type_t. */
+ * if malformed, KVS_ERR_UNSUPPORTED for a version other than 2 or 3 or a tensor type outside
+ * kvs_ggml_type_t. */
 kvs_status_t kvs_gguf_open(const char *path, kvs_gguf_t **gguf_p);
 /* The same over a caller-owned buffer that must outlive the handle (tests, fuzzing). */
 kvs_status_t kvs_gguf_open_buffer(const void *data, size_t size, kvs_gguf_t **gguf_p);
@@ -85,13 +86,19 @@ kvs_status_t kvs_gguf_array_i64(const kvs_gguf_t *gguf, const char *key, uint64_
 kvs_status_t kvs_gguf_array_f32(const kvs_gguf_t *gguf, const char *key, uint64_t i,
                                 float *value_p);
 
+/* Metadata in file order, for dumps and fuzzing: the key and value type of entry i
+ * (0..count-1); KVS_ERR_INVALID (logged) for i out of range. */
+uint64_t kvs_gguf_kv_count(const kvs_gguf_t *gguf);
+kvs_status_t kvs_gguf_kv_at(const kvs_gguf_t *gguf, uint64_t i, kvs_gguf_str_t *key_p,
+                            kvs_gguf_type_t *type_p);
+
 uint64_t kvs_gguf_tensor_count(const kvs_gguf_t *gguf);
 /* By index (0..count-1) or by name; KVS_ERR_NOT_FOUND (not logged) for an absent name. */
 kvs_status_t kvs_gguf_tensor_at(const kvs_gguf_t *gguf, uint64_t i, kvs_gguf_tensor_t *tensor_p);
-kvs_status_t kvs_gguf_tensor(const kvs_gguf_t *gguf, const char *name,
-                             kvs_gguf_tensor_t *tensor_p);
+kvs_status_t kvs_gguf_tensor(const kvs_gguf_t *gguf, const char *name, kvs_gguf_tensor_t *tensor_p);
 
-/* Dequantises a sub-matrix of a 1- or 2-D tensor viewed as rows of ne[0] elements:
+/* Dequantises a sub-matrix of a tensor viewed as rows of ne[0] elements (a 1-D tensor is one
+ * row; dims above 2 are flattened into rows):
  * rows [row0, row0+nrows) and, within each row, columns [col0, col0+ncols). Output is
  * dst[nrows][ncols] row-major. Any col0/ncols works for every type (a quantised block that
  * straddles the range is decoded and cut). KVS_ERR_INVALID for a range outside the tensor. */
@@ -108,5 +115,11 @@ float kvs_f16_to_f32(uint16_t h);
 uint16_t kvs_f32_to_f16(float f);
 float kvs_bf16_to_f32(uint16_t h);
 uint16_t kvs_f32_to_bf16(float f);
+
+/* The embedded default model: $KVS_MODEL if set, else
+ * ${KVS_CACHE_DIR:-$HOME/.cache/kvstage}/models/SmolLM2-135M-Instruct.Q4_1.gguf.
+ * KVS_ERR_NOT_FOUND (logged, saying to run scripts/setup.sh) if that file does not exist,
+ * KVS_ERR_NOSPACE if the path does not fit in cap bytes. */
+kvs_status_t kvs_model_default_path(char *buf, size_t cap);
 
 #endif

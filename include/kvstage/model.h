@@ -47,8 +47,8 @@ kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **m
 
 /* Random weights for tests: every element of the full (TP1) tensors is a function of (seed,
  * tensor, element index) only, so shard r of TP T equals the same slice of the TP1 weights.
- * Matrices are uniform with variance 1/fan_in, norm weights near 1, embeddings (tied)
- * variance 1. */
+ * Matrices (the output matrix too: it is not tied) are uniform with variance 1/fan_in, norm
+ * weights near 1, embeddings variance 1. */
 kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
                               kvs_model_t **model_p);
 

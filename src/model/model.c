@@ -516,7 +516,7 @@ static kvs_status_t seed_shard(void *arg, const shard_t *s)
     if (s->is_norm) {
         scale = 0.1f;
         offset = 1.0f;
-    } else if (s->id == ID_EMBED || s->id == ID_OUTPUT) {
+    } else if (s->id == ID_EMBED) {
         scale = 1.0f;
         offset = 0.0f;
     } else {
@@ -543,9 +543,12 @@ kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_
         return KVS_ERR_INVALID;
     }
     kvs_model_t *m = NULL;
-    kvs_status_t st = model_create(cfg, tp, 1, &m);
+    /* Untied: with tied embeddings of variance 1 the logit of the input token dominates and a
+     * greedy continuation of random weights just repeats it, whatever the context; a separate
+     * output matrix (variance 1/dim) makes the next token depend on the whole sequence. */
+    kvs_status_t st = model_create(cfg, tp, 0, &m);
     if (st != KVS_OK) return st;
-    st = for_each_shard(m, 1, seed_shard, &seed);
+    st = for_each_shard(m, 0, seed_shard, &seed);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;

@@ -537,10 +537,18 @@ static void test_alloc_failures(void **state)
 /* ---- loading from GGUF ---- */
 
 /* What to get wrong in the GGUF written from a model. */
-typedef enum { GG_OK, GG_UNTIED, GG_NO_TENSOR, GG_BAD_SHAPE, GG_ARCH, GG_NO_LAYERS } gg_fault_t;
+typedef enum {
+    GG_OK,
+    GG_HALF,
+    GG_TIED,
+    GG_NO_TENSOR,
+    GG_BAD_SHAPE,
+    GG_ARCH,
+    GG_NO_LAYERS
+} gg_fault_t;
 
-/* Writes the (TP1) model m as an F32 GGUF; kvs_free the result. With GG_UNTIED the output
- * matrix is its own tensor holding half the embeddings. */
+/* Writes the (TP1) model m as an F32 GGUF; kvs_free the result. With GG_HALF the output matrix
+ * holds half of m's; with GG_TIED there is none (the embeddings serve as output). */
 static uint8_t *write_gguf(const kvs_model_t *m, gg_fault_t fault, size_t *len_p)
 {
     const kvs_model_config_t *c = kvs_model_config(m);
@@ -561,11 +569,12 @@ static uint8_t *write_gguf(const kvs_model_t *m, gg_fault_t fault, size_t *len_p
     const uint64_t ne_embed[2] = {dim, c->vocab}, ne_norm[1] = {dim};
     gw_tensor_f32(&w, "token_embd.weight", KVS_GGML_F32, 2, ne_embed, m->embed);
     float *half = NULL;
-    if (fault == GG_UNTIED) {
+    if (fault == GG_HALF) {
         half = falloc((size_t) c->vocab * dim);
-        for (size_t i = 0; i < (size_t) c->vocab * dim; i++) half[i] = m->embed[i] * 0.5f;
-        gw_tensor_f32(&w, "output.weight", KVS_GGML_F32, 2, ne_embed, half);
+        for (size_t i = 0; i < (size_t) c->vocab * dim; i++) half[i] = m->output[i] * 0.5f;
     }
+    if (fault != GG_TIED)
+        gw_tensor_f32(&w, "output.weight", KVS_GGML_F32, 2, ne_embed, half ? half : m->output);
     gw_tensor_f32(&w, "output_norm.weight", KVS_GGML_F32, 1, ne_norm, m->output_norm);
     for (uint32_t l = 0; l < c->layers; l++) {
         const kvs_model_layer_t *L = &m->layers[l];
@@ -642,7 +651,7 @@ static void test_load_gguf(void **state)
             kvs_model_t *loaded = NULL, *want = NULL;
             assert_int_equal(kvs_model_load(g, (kvs_tp_t){sizes[k], r}, &loaded), KVS_OK);
             assert_int_equal(kvs_model_seeded(&c, 31, (kvs_tp_t){sizes[k], r}, &want), KVS_OK);
-            assert_ptr_equal(loaded->output, loaded->embed); /* tied */
+            assert_ptr_not_equal(loaded->output, loaded->embed); /* seeded: untied */
             assert_same_weights(loaded, want);
             kvs_model_destroy(loaded);
             kvs_model_destroy(want);
@@ -650,8 +659,18 @@ static void test_load_gguf(void **state)
     kvs_gguf_close(g);
     kvs_free(buf);
 
-    /* an output.weight of its own is used for the logits */
-    buf = write_gguf(seeded, GG_UNTIED, &len);
+    /* without output.weight the embeddings are the output matrix */
+    buf = write_gguf(seeded, GG_TIED, &len);
+    assert_int_equal(kvs_gguf_open_buffer(buf, len, &g), KVS_OK);
+    kvs_model_t *tied = NULL;
+    assert_int_equal(kvs_model_load(g, (kvs_tp_t){1, 0}, &tied), KVS_OK);
+    assert_ptr_equal(tied->output, tied->embed);
+    kvs_model_destroy(tied);
+    kvs_gguf_close(g);
+    kvs_free(buf);
+
+    /* output.weight is what the logits use */
+    buf = write_gguf(seeded, GG_HALF, &len);
     assert_int_equal(kvs_gguf_open_buffer(buf, len, &g), KVS_OK);
     kvs_model_t *untied = NULL;
     assert_int_equal(kvs_model_load(g, (kvs_tp_t){1, 0}, &untied), KVS_OK);

@@ -1,0 +1,460 @@
+/* The serving engine (kvstage/llm.h) in one process: colocated generation equals a direct
+ * forward-pass reference token for token (radix cache on and off, chunked prefill, batched
+ * requests), TP2 ranks as threads equal TP1, and the disaggregated path (a prefill engine and
+ * a decode engine joined by kvstage over the in-process transport, reliable and hostile)
+ * generates exactly the colocated tokens, with radix hits on either side. */
+#include "kvs_test.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvstage/inproc.h"
+#include "kvstage/llm.h"
+
+#define PAGE      16
+#define CHUNK     32
+#define MAX_NEW   12
+#define NPROMPTS  4
+#define MAX_TOKEN 200
+
+static const kvs_model_config_t CFG = {.layers = 2,
+                                       .dim = 64,
+                                       .ffn_dim = 128,
+                                       .heads = 4,
+                                       .kv_heads = 2,
+                                       .head_dim = 16,
+                                       .vocab = 256,
+                                       .max_ctx = 512,
+                                       .rope_theta = 10000.0f,
+                                       .norm_eps = 1e-5f};
+#define MODEL_SEED 7
+
+/* Prompts 0-2 share a 40-token prefix (two and a half pages); 3 is unrelated. */
+static uint32_t g_prompt[NPROMPTS][MAX_TOKEN];
+static uint32_t g_len[NPROMPTS] = {70, 55, 93, 21};
+static uint32_t g_ref[NPROMPTS][MAX_NEW]; /* greedy reference */
+
+static void make_prompts(void)
+{
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, 42);
+    for (uint32_t i = 0; i < 40; i++) g_prompt[0][i] = (uint32_t) kvs_rng_below(&rng, 256);
+    for (int p = 1; p < 3; p++) memcpy(g_prompt[p], g_prompt[0], 40 * sizeof(uint32_t));
+    for (int p = 0; p < NPROMPTS; p++)
+        for (uint32_t i = p < 3 ? 40 : 0; i < g_len[p]; i++)
+            g_prompt[p][i] = (uint32_t) kvs_rng_below(&rng, 256);
+}
+
+static kvs_pool_t *make_pool(const kvs_model_t *m, uint32_t pages)
+{
+    kvs_pool_config_t pc = {.shape = kvs_model_kv_shape(m),
+                            .tp = kvs_model_tp(m),
+                            .page_size = PAGE,
+                            .num_pages = pages,
+                            .layout = KVS_POOL_HND,
+                            .mem = KVS_MEM_HOST};
+    kvs_pool_t *pool = NULL;
+    assert_int_equal(kvs_pool_create(&pc, &pool), KVS_OK);
+    return pool;
+}
+
+/* Greedy tokens straight from the model: the whole prompt in one pass, then one per pass. */
+static void reference(void)
+{
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    kvs_pool_t *pool = make_pool(m, 64);
+    uint32_t pages[32];
+    assert_int_equal(kvs_pool_alloc(pool, 32, pages), KVS_OK);
+    static float logits[256];
+    for (int p = 0; p < NPROMPTS; p++) {
+        kvs_model_seq_t s = {
+            .tokens = g_prompt[p], .n = g_len[p], .pos0 = 0, .pages = pages, .npages = 32};
+        assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
+        for (int t = 0; t < MAX_NEW; t++) {
+            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL);
+            s = (kvs_model_seq_t){
+                .tokens = &g_ref[p][t], .n = 1, .pos0 = g_len[p] + t, .pages = pages, .npages = 32};
+            if (t + 1 < MAX_NEW)
+                assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
+        }
+    }
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(m);
+}
+
+static int setup(void **state)
+{
+    (void) state;
+    make_prompts();
+    reference();
+    return 0;
+}
+
+/* What the tests collect from rank 0's events. */
+typedef struct {
+    uint32_t tokens[NPROMPTS][MAX_NEW];
+    uint32_t ntokens[NPROMPTS];
+    int done[NPROMPTS];
+    kvs_llm_event_t last[NPROMPTS];
+} outcome_t;
+
+static void drain(kvs_llm_t *e, outcome_t *o)
+{
+    kvs_llm_event_t ev;
+    while (kvs_llm_next_event(e, &ev) == KVS_OK) {
+        assert_true(ev.room >= 1 && ev.room <= NPROMPTS);
+        int p = (int) ev.room - 1;
+        assert_false(o->done[p]);
+        if (ev.kind == KVS_LLM_EV_TOKEN) {
+            assert_int_equal(ev.index, o->ntokens[p]);
+            assert_true(o->ntokens[p] < MAX_NEW);
+            o->tokens[p][o->ntokens[p]++] = ev.token;
+        } else {
+            o->done[p] = 1;
+            o->last[p] = ev;
+        }
+    }
+}
+
+static kvs_llm_request_t request(int p)
+{
+    return (kvs_llm_request_t){.room = (uint64_t) p + 1,
+                               .prompt = g_prompt[p],
+                               .prompt_len = g_len[p],
+                               .max_new_tokens = MAX_NEW,
+                               .eos = UINT32_MAX};
+}
+
+static void expect_reference(const outcome_t *o, int p)
+{
+    if (!o->done[p] || o->last[p].status != KVS_OK)
+        fail_msg("request %d did not finish ok (%s)", p, kvs_status_str(o->last[p].status));
+    assert_int_equal(o->ntokens[p], MAX_NEW);
+    assert_int_equal(o->last[p].generated, MAX_NEW);
+    assert_int_equal(o->last[p].finish, KVS_LLM_FINISH_LENGTH);
+    for (int t = 0; t < MAX_NEW; t++)
+        if (o->tokens[p][t] != g_ref[p][t])
+            fail_msg("request %d token %d: %u, reference %u", p, t, o->tokens[p][t], g_ref[p][t]);
+}
+
+/* ---- colocated, one rank ---- */
+
+typedef struct {
+    kvs_model_t *model;
+    kvs_pool_t *pool;
+    kvs_llm_t *llm;
+} single_t;
+
+static void single_open(single_t *s, kvs_llm_role_t role, int radix, kvs_sender_t *tx,
+                        kvs_receiver_t *rx, kvs_model_t *shared_model, kvs_pool_t *shared_pool)
+{
+    memset(s, 0, sizeof(*s));
+    if (shared_model == NULL)
+        assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &s->model), KVS_OK);
+    else
+        s->model = shared_model;
+    s->pool = shared_pool ? shared_pool : make_pool(s->model, 64);
+    kvs_llm_config_t c = {.role = role,
+                          .model = s->model,
+                          .pool = s->pool,
+                          .sender = tx,
+                          .receiver = rx,
+                          .chunk_tokens = CHUNK,
+                          .batch_tokens = 2 * CHUNK,
+                          .max_running = 3,
+                          .max_prompt = 128,
+                          .radix = radix};
+    assert_int_equal(kvs_llm_create(&c, &s->llm), KVS_OK);
+}
+
+static void single_close(single_t *s, int own)
+{
+    kvs_llm_destroy(s->llm);
+    if (own) {
+        assert_int_equal(kvs_pool_free_pages(s->pool), kvs_pool_total_pages(s->pool));
+        kvs_pool_destroy(s->pool);
+        kvs_model_destroy(s->model);
+    }
+}
+
+static void run_colocated(int radix, int sequential)
+{
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, radix, NULL, NULL, NULL, NULL);
+    outcome_t o;
+    memset(&o, 0, sizeof(o));
+    int next = 0;
+    for (int steps = 0; steps < 10000; steps++) {
+        if (next < NPROMPTS && (!sequential || next == 0 || o.done[next - 1])) {
+            kvs_llm_request_t q = request(next++);
+            assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+        }
+        int quit = 0;
+        uint32_t work = 0;
+        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+        drain(s.llm, &o);
+        if (next == NPROMPTS && kvs_llm_live(s.llm) == 0) break;
+    }
+    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    /* Sequential with radix: prompts 1 and 2 find the shared prefix (two full pages). */
+    for (int p = 1; p < 3; p++)
+        assert_int_equal(o.last[p].cached_tokens, radix && sequential ? 2 * PAGE : 0);
+    assert_int_equal(o.last[0].cached_tokens, 0);
+    kvs_llm_stats_t st;
+    kvs_llm_stats(s.llm, &st);
+    assert_int_equal(st.requests_ok, NPROMPTS);
+    assert_int_equal(st.running + st.queued, 0);
+    single_close(&s, 1);
+}
+
+static void test_colocated_equals_reference(void **state)
+{
+    (void) state;
+    run_colocated(0, 0);
+    run_colocated(1, 0);
+    run_colocated(1, 1);
+    run_colocated(0, 1);
+    kvs_assert_no_leaks();
+}
+
+/* ---- colocated, TP2 ranks as threads ---- */
+
+typedef struct {
+    uint32_t rank;
+    outcome_t *o;
+    int rc;
+} tp_arg_t;
+
+static void *tp_rank(void *argp)
+{
+    tp_arg_t *a = argp;
+    a->rc = 1;
+    kvs_model_t *m = NULL;
+    kvs_pool_t *pool = NULL;
+    kvs_tpgroup_t *g = NULL;
+    kvs_llm_t *e = NULL;
+    char name[64];
+    snprintf(name, sizeof(name), "/kvs-test-llm-%d", (int) getpid());
+    kvs_tpgroup_config_t gc = {.name = name,
+                               .size = 2,
+                               .rank = a->rank,
+                               .max_doubles = 2 * CHUNK * CFG.dim + 64,
+                               .max_bytes = 65536,
+                               .timeout_ms = 20000};
+    if (kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){2, a->rank}, &m) != KVS_OK) goto out;
+    pool = make_pool(m, 64);
+    if (kvs_tpgroup_join(&gc, &g) != KVS_OK) goto out;
+    kvs_llm_config_t c = {.role = KVS_LLM_COLOCATED,
+                          .model = m,
+                          .pool = pool,
+                          .group = g,
+                          .chunk_tokens = CHUNK,
+                          .batch_tokens = 2 * CHUNK,
+                          .max_running = 3,
+                          .max_prompt = 128,
+                          .radix = 1};
+    if (kvs_llm_create(&c, &e) != KVS_OK) goto out;
+    int next = 0, quit = 0;
+    for (int steps = 0; steps < 10000 && !quit; steps++) {
+        if (a->rank == 0 && next < NPROMPTS) {
+            kvs_llm_request_t q = request(next++);
+            if (kvs_llm_submit(e, &q) != KVS_OK) goto out;
+        }
+        int done = a->rank == 0 && next == NPROMPTS && kvs_llm_live(e) == 0;
+        uint32_t work;
+        if (kvs_llm_step(e, done, &quit, &work) != KVS_OK) goto out;
+        if (a->rank == 0) drain(e, a->o);
+    }
+    a->rc = quit ? 0 : 2;
+out:
+    kvs_llm_destroy(e);
+    if (pool != NULL && kvs_pool_free_pages(pool) != kvs_pool_total_pages(pool)) a->rc = 3;
+    kvs_tpgroup_leave(g);
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(m);
+    return NULL;
+}
+
+static void test_colocated_tp2_threads(void **state)
+{
+    (void) state;
+    outcome_t o;
+    memset(&o, 0, sizeof(o));
+    tp_arg_t a[2] = {{0, &o, 1}, {1, &o, 1}};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, tp_rank, &a[i]), 0);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    assert_int_equal(a[0].rc, 0);
+    assert_int_equal(a[1].rc, 0);
+    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    kvs_assert_no_leaks();
+}
+
+/* ---- disaggregated over kvstage, in one process ---- */
+
+static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_radix,
+                              int decode_radix)
+{
+    kvs_clock_t clock = kvs_clock_monotonic();
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    kvs_pool_t *ppool = make_pool(m, 64), *dpool = make_pool(m, 64);
+    kvs_inproc_net_t *net;
+    assert_int_equal(kvs_inproc_net_create(1, 1, faults, &clock, &net), KVS_OK);
+    kvs_link_t *pl, *dl;
+    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_PREFILL, 0, &pl), KVS_OK);
+    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_DECODE, 0, &dl), KVS_OK);
+    kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(m),
+                             .prefill_tp = 1,
+                             .decode_tp = 1,
+                             .page_size = PAGE,
+                             .chunk_tokens = CHUNK};
+    kvs_pd_timeouts_t to;
+    kvs_pd_timeouts_default(&to);
+    to.retry_ns = 2000000; /* 2 ms: lost messages come back quickly */
+    kvs_sender_config_t sc = {
+        .geo = geo, .rank = 0, .timeouts = to, .window_chunks = 2, .staging_buffers = 2};
+    kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 1 << 20};
+    kvs_sender_t *tx;
+    kvs_receiver_t *rx;
+    assert_int_equal(kvs_sender_create(&sc, ppool, pl, &clock, &tx), KVS_OK);
+    assert_int_equal(kvs_receiver_create(&rc, dpool, dl, &clock, &rx), KVS_OK);
+    single_t pre, dec;
+    single_open(&pre, KVS_LLM_PREFILL, prefill_radix, tx, NULL, m, ppool);
+    single_open(&dec, KVS_LLM_DECODE, decode_radix, NULL, rx, m, dpool);
+    outcome_t po, o;
+    memset(&po, 0, sizeof(po));
+    memset(&o, 0, sizeof(o));
+    int next = 0;
+    uint64_t deadline = kvs_now_ns() + 60000000000ull;
+    while (kvs_now_ns() < deadline) {
+        /* One request at a time, so later ones can hit both radix caches. */
+        if (next < NPROMPTS && (next == 0 || o.done[next - 1])) {
+            kvs_llm_request_t q = request(next++);
+            assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(pre.llm, &q), KVS_OK);
+        }
+        int quit;
+        uint32_t w1 = 0, w2 = 0;
+        assert_int_equal(kvs_llm_step(pre.llm, 0, &quit, &w1), KVS_OK);
+        assert_int_equal(kvs_llm_step(dec.llm, 0, &quit, &w2), KVS_OK);
+        drain(pre.llm, &po);
+        drain(dec.llm, &o);
+        if (next == NPROMPTS && kvs_llm_live(dec.llm) == 0 && kvs_llm_live(pre.llm) == 0) break;
+        if (w1 + w2 == 0) {
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    for (int p = 0; p < NPROMPTS; p++) {
+        expect_reference(&o, p);
+        /* prefill: the first token and a finished handoff */
+        assert_true(po.done[p]);
+        assert_int_equal(po.last[p].status, KVS_OK);
+        assert_int_equal(po.last[p].finish, KVS_LLM_FINISH_HANDOFF);
+        assert_int_equal(po.ntokens[p], 1);
+        assert_int_equal(po.tokens[p][0], g_ref[p][0]);
+        assert_true(o.last[p].kv_ready_ns >= o.last[p].admitted_ns);
+    }
+    for (int p = 1; p < 3; p++) {
+        assert_int_equal(po.last[p].cached_tokens, prefill_radix ? 2 * PAGE : 0);
+        /* decode caches prompt + generated tokens: prompt 1 shares 40 tokens with prompt 0 */
+        assert_int_equal(o.last[p].cached_tokens, decode_radix ? 2 * PAGE : 0);
+    }
+    kvs_pd_metrics_t pm;
+    kvs_sender_metrics(tx, &pm);
+    assert_int_equal(pm.rooms_succeeded, NPROMPTS);
+    assert_int_equal(pm.live_rooms, 0);
+    single_close(&pre, 0);
+    single_close(&dec, 0);
+    kvs_sender_destroy(tx);
+    kvs_receiver_destroy(rx);
+    kvs_link_destroy(pl);
+    kvs_link_destroy(dl);
+    kvs_inproc_net_destroy(net);
+    assert_int_equal(kvs_pool_free_pages(ppool), kvs_pool_total_pages(ppool));
+    assert_int_equal(kvs_pool_free_pages(dpool), kvs_pool_total_pages(dpool));
+    kvs_pool_destroy(ppool);
+    kvs_pool_destroy(dpool);
+    kvs_model_destroy(m);
+}
+
+static void test_disaggregated_equals_colocated(void **state)
+{
+    (void) state;
+    for (int pr = 0; pr < 2; pr++)
+        for (int dr = 0; dr < 2; dr++) run_disaggregated(NULL, pr, dr);
+    kvs_assert_no_leaks();
+}
+
+static void test_disaggregated_hostile_network(void **state)
+{
+    (void) state;
+    kvs_inproc_faults_t f = {.seed = kvs_test_seed(1),
+                             .delay_max_ns = 3000000,
+                             .drop_permille = 100,
+                             .dup_permille = 100,
+                             .write_delay_max_ns = 2000000};
+    run_disaggregated(&f, 1, 1);
+    kvs_assert_no_leaks();
+}
+
+/* ---- bad input ---- */
+
+static void test_submit_refusals(void **state)
+{
+    (void) state;
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, NULL, NULL);
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    kvs_llm_request_t q = request(0);
+    q.prompt_len = 0;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    q = request(0);
+    q.prompt_len = 129; /* over max_prompt */
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    q = request(0);
+    q.max_new_tokens = 0;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    uint32_t bad[3] = {1, 256, 2};
+    q = request(0);
+    q.prompt = bad;
+    q.prompt_len = 3;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    q = request(0);
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID); /* room already live */
+    assert_int_equal(kvs_llm_stop(s.llm, 99), KVS_ERR_NOT_FOUND);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 5);
+    /* A stop ends the request at the next step, with what it generated so far. */
+    assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
+    int quit;
+    uint32_t work;
+    assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+    outcome_t o;
+    memset(&o, 0, sizeof(o));
+    drain(s.llm, &o);
+    assert_true(o.done[0]);
+    assert_int_equal(o.last[0].finish, KVS_LLM_FINISH_STOP);
+    assert_int_equal(kvs_llm_live(s.llm), 0);
+    single_close(&s, 1);
+    kvs_assert_no_leaks();
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_colocated_equals_reference),
+        cmocka_unit_test(test_colocated_tp2_threads),
+        cmocka_unit_test(test_disaggregated_equals_colocated),
+        cmocka_unit_test(test_disaggregated_hostile_network),
+        cmocka_unit_test(test_submit_refusals),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}

@@ -226,13 +226,17 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
     }
     if (!json) {
         printf("%s", intro);
+        char data[96] = "UCX data (host pools)";
+        if (c->mem == KVS_MEM_DEVICE)
+            snprintf(data, sizeof(data),
+                     "CUDA IPC data (prefill pools on GPU %d, decode on GPU %d)", gpu[0], gpu[1]);
         printf("kvstage demo: prefill TP%u -> decode TP%u, each rank a process; ZeroMQ control, "
-               "UCX data;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
+               "%s;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
                "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
-               c->geo.prefill_tp, c->geo.decode_tp, c->geo.shape.kv_heads, c->geo.shape.layers,
-               c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, c->geo.page_size,
-               c->geo.chunk_tokens, c->workload.requests, c->workload.prompt_len, c->concurrency,
-               kvs_registry_endpoint(registry));
+               c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads,
+               c->geo.shape.layers, c->geo.shape.head_dim_k, c->geo.shape.elem_bytes,
+               c->geo.page_size, c->geo.chunk_tokens, c->workload.requests, c->workload.prompt_len,
+               c->concurrency, kvs_registry_endpoint(registry));
         fflush(stdout);
     }
     child_t cs[MAX_CHILDREN];

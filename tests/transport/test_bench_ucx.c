@@ -3,8 +3,11 @@
  * with every staged row checked byte-exact on decode, and a CUDA device is refused. */
 #include "kvs_test.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 static const char *g_tool;
 static char g_out[1 << 16];
@@ -16,17 +19,31 @@ static int setup(void **state)
     return 0;
 }
 
-/* Runs `kvstage bench transfer <args>`, stdout into g_out; returns the exit code. */
+/* Runs `kvstage bench transfer <args>`, stdout into g_out; returns the exit code. A run that
+ * fails shows its stderr (kept in a temporary file), so a CI failure says why. */
 static int bench(const char *args)
 {
+    char errpath[] = "/tmp/kvs-bench-ucx-XXXXXX";
+    int fd = mkstemp(errpath);
+    assert_true(fd >= 0);
+    close(fd);
     char cmd[1024];
-    snprintf(cmd, sizeof(cmd), "'%s' bench transfer %s 2>/dev/null", g_tool, args);
+    snprintf(cmd, sizeof(cmd), "'%s' bench transfer %s 2>%s", g_tool, args, errpath);
     FILE *p = popen(cmd, "r");
     assert_non_null(p);
     size_t n = fread(g_out, 1, sizeof(g_out) - 1, p);
     g_out[n] = '\0';
     int st = pclose(p);
     assert_true(st != -1 && WIFEXITED(st));
+    if (WEXITSTATUS(st) != 0 && WEXITSTATUS(st) != 2) {
+        FILE *e = fopen(errpath, "r");
+        char line[512];
+        print_message("'kvstage bench transfer %s' exited %d; its stderr:\n", args,
+                      WEXITSTATUS(st));
+        while (e != NULL && fgets(line, sizeof(line), e) != NULL) print_message("  %s", line);
+        if (e != NULL) fclose(e);
+    }
+    unlink(errpath);
     return WEXITSTATUS(st);
 }
 

@@ -46,12 +46,12 @@
 #define LAYERS            32
 #define KV_HEADS          8
 
-enum { OP_ROOM = 1, OP_BULK, OP_PAGES, OP_QUIT };
+enum { OP_ROOM = 1, OP_BULK, OP_PAGES, OP_MODE, OP_QUIT };
 
 /* One command to the prefill process and its answer (each well under PIPE_BUF: atomic). */
 typedef struct {
     uint32_t op, tokens;
-    uint64_t room, count; /* OP_BULK: bytes; OP_PAGES: writes; OP_ROOM: kvs_write_mode_t */
+    uint64_t room, count; /* OP_BULK: bytes; OP_PAGES: writes; OP_MODE: kvs_write_mode_t */
 } cmd_t;
 
 typedef struct {
@@ -309,7 +309,9 @@ static uint64_t sender_writes(side_t *s, int direct)
     return n;
 }
 
-/* (Re)creates the senders on the same links when the write mode changes (no room is live). */
+/* (Re)creates the senders on the same links when the write mode changes. Only between rooms
+ * and before decode adds the next one: a sender may hold (and has acknowledged) metadata of a
+ * room it was not given yet, which a new sender would never see. */
 static kvs_status_t senders_mode(side_t *s, kvs_write_mode_t mode)
 {
     if (s->tx[0] != NULL && s->mode == mode) return KVS_OK;
@@ -334,8 +336,7 @@ static kvs_status_t senders_mode(side_t *s, kvs_write_mode_t mode)
 static kvs_status_t prefill_room(side_t *s, const cmd_t *c, rsp_t *out)
 {
     const uint32_t final = 42;
-    kvs_status_t st = senders_mode(s, (kvs_write_mode_t) c->count);
-    if (st != KVS_OK) return st;
+    kvs_status_t st = KVS_OK;
     const uint64_t before = sender_writes(s, 0), before_direct = sender_writes(s, 1);
     out->t0 = kvs_now_ns();
     for (uint32_t r = 0; r < s->tp && st == KVS_OK; r++) {
@@ -471,6 +472,7 @@ static int prefill_main(const kvs_bench_ucx_cfg_t *cfg, int cmd_fd, int rsp_fd)
         kvs_status_t st = c.op == OP_ROOM    ? prefill_room(&s, &c, &out)
                           : c.op == OP_BULK  ? prefill_bulk(&s, &c, &out)
                           : c.op == OP_PAGES ? prefill_pages(&s, &c, &out)
+                          : c.op == OP_MODE  ? senders_mode(&s, (kvs_write_mode_t) c.count)
                                              : KVS_ERR_INVALID;
         out.status = (int32_t) st;
         if (!write_full(rsp_fd, &out, sizeof(out))) code = 4;
@@ -532,12 +534,11 @@ static int command(run_t *u, uint32_t op, uint32_t tokens, uint64_t room, uint64
 
 /* One request through the protocol; *sec_p from the first add_room to the last Success of
  * either process. */
-static int protocol_room(run_t *u, uint32_t tokens, kvs_write_mode_t mode, double *sec_p,
-                         rsp_t *out_p)
+static int protocol_room(run_t *u, uint32_t tokens, double *sec_p, rsp_t *out_p)
 {
     side_t *s = &u->s;
     const uint64_t room = ++u->next_room;
-    if (!command(u, OP_ROOM, tokens, room, (uint64_t) mode)) return 0;
+    if (!command(u, OP_ROOM, tokens, room, 0)) return 0;
     const uint64_t t0 = kvs_now_ns();
     kvs_status_t st = KVS_OK;
     for (uint32_t r = 0; r < s->tp && st == KVS_OK; r++)
@@ -579,6 +580,9 @@ static int protocol_rows(run_t *u, row_t *row, kvs_write_mode_t mode, double *gb
     const side_t *s = &u->s;
     const uint32_t n = cfg->warmup + cfg->reps;
     double t[1000];
+    rsp_t ack;
+    if (!command(u, OP_MODE, 0, 0, (uint64_t) mode) || !await(u, &ack, "the write mode switch"))
+        return 0;
     for (uint32_t i = 0; i < n; i++) {
         if (i + 1 == n)
             for (uint32_t r = 0; r < s->tp; r++) {
@@ -589,7 +593,7 @@ static int protocol_rows(run_t *u, row_t *row, kvs_write_mode_t mode, double *gb
                            (uint64_t) s->num_pages * last->page_stride);
             }
         double sec = 0;
-        if (!protocol_room(u, row->tokens, mode, &sec, last_p)) return 0;
+        if (!protocol_room(u, row->tokens, &sec, last_p)) return 0;
         if (i >= cfg->warmup) t[i - cfg->warmup] = sec;
     }
     *gbs_p = (double) row->bytes / 1e9 / kvs_bt_median(t, cfg->reps);

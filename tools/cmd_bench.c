@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bench_engine.h"
 #include "bench_kernels.h"
 #include "bench_protocol.h"
 #include "bench_radix.h"
@@ -15,6 +16,8 @@ static const kvs_command_t benches[] = {
     {"protocol", kvs_bench_protocol,
      "control-plane cost per chunk and room, bulk vs per-page writes"},
     {"kernels", kvs_bench_kernels, "CUDA gather/scatter kernels vs a device-to-device memcpy"},
+    {"engine", kvs_bench_engine,
+     "the reference engine on CPU: prefill and decode tok/s, colocated vs disaggregated"},
     {"transfer", kvs_bench_transfer,
      "one request's KV between GPUs: staged, direct, per-page copies vs one bulk copy"},
 };

@@ -6,10 +6,12 @@
 
 static const kvs_command_t commands[] = {
     {"plan", kvs_cmd_plan, "print the transfer plan between two TP layouts"},
-    {"bench", kvs_cmd_bench, "run a benchmark (radix, protocol, kernels, transfer)"},
+    {"bench", kvs_cmd_bench, "run a benchmark (radix, protocol, kernels, transfer, engine)"},
     {"demo", kvs_cmd_demo, "run the default deployment (what `make demo` runs)"},
     {"prefill", kvs_cmd_prefill, "run one prefill rank of a multi-process deployment"},
     {"decode", kvs_cmd_decode, "run one decode rank of a multi-process deployment"},
+    {"generate", kvs_cmd_generate,
+     "run a real model disaggregated through kvstage, every rank a process"},
     {"sim", kvs_cmd_sim, "simulate prefill -> decode transfers on a virtual clock and verify them"},
 };
 
@@ -39,6 +41,7 @@ int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "llm-rank") == 0) return kvs_cmd_llm_rank(argc - 1, argv + 1);
     return kvs_dispatch("kvstage <command>", commands, sizeof(commands) / sizeof(commands[0]), argc,
                         argv);
 }

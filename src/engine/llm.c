@@ -48,7 +48,6 @@ typedef struct {
     kvs_radix_node_t *inserted;
     uint32_t keep_from, keep_to;
     int cached_early;
-    kvs_rng_t rng;
     int in_protocol; /* added to the sender or receiver, not yet released */
     int aborted;     /* abort sent to the sender or receiver */
     int stop;        /* kvs_llm_stop reached this rank */
@@ -370,7 +369,6 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     for (uint32_t i = 0; i < n; i++) r->tokens[i] = kvs_get_u32(b + REQ_FIXED + 4 * i);
     q->prompt = r->tokens;
     r->ntokens = n;
-    kvs_rng_seed(&r->rng, q->seed);
     r->ev.room = q->room;
     r->ev.prompt_len = n;
     r->ev.submitted_ns = kvs_now_ns();
@@ -708,10 +706,20 @@ static uint32_t apply_stops(kvs_llm_t *e)
 
 /* ---- the forward pass ---- */
 
+/* Token number `index` of a request. Its random draw depends on (seed, index) only, not on how
+ * many draws came before, so the prefill side's first token and the decode side's later ones
+ * form the same stream as one colocated run. */
+static uint32_t sample(const kvs_llm_t *e, const rq_t *r, const float *logits, uint32_t index)
+{
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
+    return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &rng);
+}
+
 /* After the last prompt chunk: the first token. */
 static void prompt_done(kvs_llm_t *e, rq_t *r, const float *logits)
 {
-    uint32_t tok = kvs_sample(logits, e->mc.vocab, &r->req.sampling, &r->rng);
+    uint32_t tok = sample(e, r, logits, 0);
     r->ev.prefilled_ns = r->ev.first_token_ns = kvs_now_ns();
     r->tokens[r->ntokens++] = tok;
     r->generated = 1;
@@ -789,7 +797,7 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
             continue;
         }
         e->st.decode_tokens++;
-        uint32_t tok = kvs_sample(lg, e->mc.vocab, &r->req.sampling, &r->rng);
+        uint32_t tok = sample(e, r, lg, r->generated);
         r->tokens[r->ntokens++] = tok;
         r->generated++;
         emit_token(e, r, tok);

@@ -36,6 +36,9 @@ static const kvs_model_config_t CFG = {.layers = 2,
 static uint32_t g_prompt[NPROMPTS][MAX_TOKEN];
 static uint32_t g_len[NPROMPTS] = {70, 55, 93, 21};
 static uint32_t g_ref[NPROMPTS][MAX_NEW]; /* greedy reference */
+/* What runs must produce: g_ref when greedy; a colocated sampled run's tokens when sampling. */
+static uint32_t (*g_expect)[MAX_NEW] = g_ref;
+static float g_temperature; /* of every request; 0: greedy */
 
 static void make_prompts(void)
 {
@@ -126,6 +129,8 @@ static kvs_llm_request_t request(int p)
                                .prompt = g_prompt[p],
                                .prompt_len = g_len[p],
                                .max_new_tokens = MAX_NEW,
+                               .sampling = {.temperature = g_temperature, .top_p = 0.95f},
+                               .seed = 1000 + (uint64_t) p,
                                .eos = UINT32_MAX};
 }
 
@@ -137,8 +142,9 @@ static void expect_reference(const outcome_t *o, int p)
     assert_int_equal(o->last[p].generated, MAX_NEW);
     assert_int_equal(o->last[p].finish, KVS_LLM_FINISH_LENGTH);
     for (int t = 0; t < MAX_NEW; t++)
-        if (o->tokens[p][t] != g_ref[p][t])
-            fail_msg("request %d token %d: %u, reference %u", p, t, o->tokens[p][t], g_ref[p][t]);
+        if (o->tokens[p][t] != g_expect[p][t])
+            fail_msg("request %d token %d: %u, reference %u", p, t, o->tokens[p][t],
+                     g_expect[p][t]);
 }
 
 /* ---- colocated, one rank ---- */
@@ -181,7 +187,7 @@ static void single_close(single_t *s, int own)
     }
 }
 
-static void run_colocated(int radix, int sequential)
+static void run_colocated(int radix, int sequential, outcome_t *out_p)
 {
     single_t s;
     single_open(&s, KVS_LLM_COLOCATED, radix, NULL, NULL, NULL, NULL);
@@ -199,6 +205,7 @@ static void run_colocated(int radix, int sequential)
         drain(s.llm, &o);
         if (next == NPROMPTS && kvs_llm_live(s.llm) == 0) break;
     }
+    if (out_p != NULL) *out_p = o;
     for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
     /* Sequential with radix: prompts 1 and 2 find the shared prefix (two full pages). */
     for (int p = 1; p < 3; p++)
@@ -214,10 +221,10 @@ static void run_colocated(int radix, int sequential)
 static void test_colocated_equals_reference(void **state)
 {
     (void) state;
-    run_colocated(0, 0);
-    run_colocated(1, 0);
-    run_colocated(1, 1);
-    run_colocated(0, 1);
+    run_colocated(0, 0, NULL);
+    run_colocated(1, 0, NULL);
+    run_colocated(1, 1, NULL);
+    run_colocated(0, 1, NULL);
     kvs_assert_no_leaks();
 }
 
@@ -357,7 +364,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
         assert_int_equal(po.last[p].status, KVS_OK);
         assert_int_equal(po.last[p].finish, KVS_LLM_FINISH_HANDOFF);
         assert_int_equal(po.ntokens[p], 1);
-        assert_int_equal(po.tokens[p][0], g_ref[p][0]);
+        assert_int_equal(po.tokens[p][0], g_expect[p][0]);
         assert_true(o.last[p].kv_ready_ns >= o.last[p].admitted_ns);
     }
     for (int p = 1; p < 3; p++) {
@@ -400,6 +407,47 @@ static void test_disaggregated_hostile_network(void **state)
                              .dup_permille = 100,
                              .write_delay_max_ns = 2000000};
     run_disaggregated(&f, 1, 1);
+    kvs_assert_no_leaks();
+}
+
+/* Sampling (temperature 0.9, top-p 0.95): every token's draw depends on (seed, token index)
+ * only, so the prefill side's first token and the decode side's later ones give exactly the
+ * tokens of one colocated run. */
+static void test_disaggregated_sampling(void **state)
+{
+    (void) state;
+    static uint32_t sampled[NPROMPTS][MAX_NEW];
+    outcome_t o;
+    g_temperature = 0.9f;
+    g_expect = sampled;
+    /* The colocated run defines the expectation: fill it from a first run, then require it. */
+    memcpy(sampled, g_ref, sizeof(sampled));
+    int differs = 0;
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, 0, NULL, NULL, NULL, NULL);
+    memset(&o, 0, sizeof(o));
+    for (int p = 0; p < NPROMPTS; p++) {
+        kvs_llm_request_t q = request(p);
+        assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    }
+    for (int steps = 0; steps < 10000 && kvs_llm_live(s.llm) > 0; steps++) {
+        int quit;
+        uint32_t work;
+        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+        drain(s.llm, &o);
+    }
+    single_close(&s, 1);
+    for (int p = 0; p < NPROMPTS; p++) {
+        assert_int_equal(o.ntokens[p], MAX_NEW);
+        memcpy(sampled[p], o.tokens[p], sizeof(sampled[p]));
+        differs |= memcmp(sampled[p], g_ref[p], sizeof(sampled[p])) != 0;
+    }
+    assert_true(differs); /* sampling changed something, or this test would prove nothing */
+    run_colocated(1, 1, NULL);
+    run_disaggregated(NULL, 1, 1);
+    run_disaggregated(NULL, 0, 1);
+    g_temperature = 0.0f;
+    g_expect = g_ref;
     kvs_assert_no_leaks();
 }
 
@@ -454,6 +502,7 @@ int main(void)
         cmocka_unit_test(test_colocated_tp2_threads),
         cmocka_unit_test(test_disaggregated_equals_colocated),
         cmocka_unit_test(test_disaggregated_hostile_network),
+        cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -3,7 +3,7 @@
 # Idempotent and quiet when everything is already present.
 set -euo pipefail
 
-packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev iproute2 python3-pip unzip)
+packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev libmicrohttpd-dev libjansson-dev libcurl4-openssl-dev iproute2 python3-pip unzip)
 
 missing=()
 for p in "${packages[@]}"; do

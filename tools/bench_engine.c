@@ -18,6 +18,7 @@
 #include "kvstage/alloc.h"
 #include "kvstage/gguf.h"
 #include "kvstage/rng.h"
+#include "spawn.h"
 
 #define MAX_RUNS 32
 #define SEEDED   "8,512,1536,8,8,64,4096" /* layers, dim, ffn, heads, kv heads, head dim, vocab */
@@ -65,23 +66,9 @@ static double num_after(const char *from, const char *key, const char **end_p)
 /* Runs the tool with argv and returns its stdout (kvs_free it), or NULL if it failed. */
 static char *run_tool(char **argv)
 {
-    int fds[2];
-    if (pipe(fds) != 0) return NULL;
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        execv("/proc/self/exe", argv);
-        fprintf(stderr, "bench engine: cannot run kvstage: %s\n", strerror(errno));
-        _exit(127);
-    }
-    close(fds[1]);
-    if (pid < 0) {
-        close(fds[0]);
+    kvs_spawned_t k;
+    if (kvs_spawn_self("bench engine", argv, KVS_SPAWN_INHERIT, KVS_SPAWN_PIPE, &k) != 0)
         return NULL;
-    }
     size_t len = 0, cap = 1 << 16;
     char *out = kvs_malloc(cap);
     for (;;) {
@@ -97,14 +84,14 @@ static char *run_tool(char **argv)
         }
         char sink[4096];
         char *dst = out ? out + len : sink;
-        ssize_t n = read(fds[0], dst, out ? cap - len - 1 : sizeof(sink));
+        ssize_t n = read(k.out_fd, dst, out ? cap - len - 1 : sizeof(sink));
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;
         if (out) len += (size_t) n;
     }
-    close(fds[0]);
+    close(k.out_fd);
     int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    while (waitpid(k.pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (out != NULL) out[len] = '\0';
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {

@@ -22,6 +22,7 @@
 #include "kvstage/grid.h"
 #include "kvstage/registry.h"
 #include "rank_flags.h"
+#include "spawn.h"
 
 #define MAX_CHILDREN (2 * KVS_MAX_TP)
 
@@ -105,8 +106,6 @@ static void read_child(child_t *c)
 
 static pid_t spawn(child_t *c, const char *registry, int argc, char **argv, int first)
 {
-    int fds[2];
-    if (pipe(fds) != 0) return -1;
     char rank[16];
     snprintf(rank, sizeof(rank), "%u", c->rank);
     char *args[160];
@@ -125,23 +124,11 @@ static pid_t spawn(child_t *c, const char *registry, int argc, char **argv, int 
     }
     for (int i = first; i < argc && n < 158; i++) args[n++] = argv[i];
     args[n] = NULL;
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        execv("/proc/self/exe", args);
-        fprintf(stderr, "demo: cannot run kvstage: %s\n", strerror(errno));
-        _exit(127);
-    }
-    close(fds[1]);
-    if (pid < 0) {
-        close(fds[0]);
-        return -1;
-    }
-    c->fd = fds[0];
-    c->pid = pid;
-    return pid;
+    kvs_spawned_t k;
+    if (kvs_spawn_self("demo", args, KVS_SPAWN_INHERIT, KVS_SPAWN_PIPE, &k) != 0) return -1;
+    c->fd = k.out_fd;
+    c->pid = k.pid;
+    return k.pid;
 }
 
 /* Redraws the progress line when the count changed, or every half second. */

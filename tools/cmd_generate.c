@@ -7,7 +7,6 @@
 #include "commands.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -27,6 +26,7 @@
 #include "kvstage/model.h"
 #include "kvstage/registry.h"
 #include "kvstage/tokenizer.h"
+#include "spawn.h"
 
 #define MAX_PROMPTS 256
 #define MAX_RANKS   (2 * KVS_MAX_TP)
@@ -564,48 +564,15 @@ static int spawn(gen_t *g, child_t *c, const char *registry)
     args[n++] = g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto";
     args[n] = NULL;
 
-    int out[2], in[2] = {-1, -1};
-    if (pipe(out) != 0) return -1;
-    if (c->rank == 0 && pipe(in) != 0) {
-        close(out[0]);
-        close(out[1]);
+    /* Rank 0 reads its requests on stdin; the others get none. The launcher's ends of earlier
+     * ranks' pipes are close-on-exec: a rank 0 must see EOF when the launcher goes. */
+    kvs_spawned_t k;
+    if (kvs_spawn_self("generate", args, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
+                       KVS_SPAWN_PIPE, &k) != 0)
         return -1;
-    }
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(out[1], STDOUT_FILENO);
-        if (in[0] >= 0) {
-            dup2(in[0], STDIN_FILENO);
-        } else {
-            int devnull = open("/dev/null", O_RDONLY);
-            if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-        }
-        /* Only this rank's own ends stay open: a rank 0 must see EOF when the launcher goes. */
-        for (int i = 0; i < g->nchildren; i++) {
-            if (g->cs[i].out_fd >= 0) close(g->cs[i].out_fd);
-            if (g->cs[i].in_fd >= 0) close(g->cs[i].in_fd);
-        }
-        close(out[0]);
-        close(out[1]);
-        if (in[0] >= 0) {
-            close(in[0]);
-            close(in[1]);
-        }
-        execv("/proc/self/exe", args);
-        fprintf(stderr, "generate: cannot run kvstage: %s\n", strerror(errno));
-        _exit(127);
-    }
-    close(out[1]);
-    if (in[0] >= 0) close(in[0]);
-    if (pid < 0) {
-        close(out[0]);
-        if (in[1] >= 0) close(in[1]);
-        return -1;
-    }
-    c->pid = pid;
-    c->out_fd = out[0];
-    c->in_fd = in[1];
+    c->pid = k.pid;
+    c->out_fd = k.out_fd;
+    c->in_fd = k.in_fd;
     return 0;
 }
 

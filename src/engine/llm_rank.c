@@ -13,10 +13,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/plumbing.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/gguf.h"
-#include "kvstage/grid.h"
 #include "kvstage/log.h"
 #include "kvstage/registry.h"
 #include "kvstage/tpgroup.h"
@@ -253,18 +253,6 @@ static void read_input(io_t *io)
 
 /* ---- setup ---- */
 
-static void default_timeouts(kvs_pd_timeouts_t *t)
-{
-    kvs_pd_timeouts_t d = {.retry_ns = 20 * MS,
-                           .bootstrap_timeout_ns = 30000 * MS,
-                           .transfer_timeout_ns = 20000 * MS,
-                           .waiting_timeout_ns = 60000 * MS,
-                           .completion_timeout_ns = 10000 * MS,
-                           .release_timeout_ns = 10000 * MS};
-    memset(t, 0, sizeof(*t));
-    kvs_pd_timeouts_fill(t, &d);
-}
-
 static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_model_t **model_p)
 {
     if (c->model_path == NULL) return kvs_model_seeded(&c->seeded, c->model_seed, tp, model_p);
@@ -274,49 +262,6 @@ static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_
     st = kvs_model_load(g, tp, model_p);
     kvs_gguf_close(g);
     return st;
-}
-
-/* Decode: every prefill rank's endpoint from the registry, refusing incompatible ones. */
-static kvs_status_t bootstrap_decode(const kvs_llm_rank_config_t *c, const kvs_pd_geometry_t *geo,
-                                     kvs_link_t *link, uint64_t timeout_ns)
-{
-    for (uint32_t p = 0; p < geo->prefill_tp; p++) {
-        kvs_msg_register_t reg;
-        kvs_status_t st = kvs_registry_query(c->registry, p, timeout_ns, &reg);
-        if (st != KVS_OK) {
-            kvs_error("decode rank %u: prefill rank %u did not register at %s", c->rank, p,
-                      c->registry);
-            return st;
-        }
-        if (reg.tp_size != geo->prefill_tp) {
-            kvs_error("decode rank %u: the prefill instance runs TP %u, this deployment expects "
-                      "TP %u",
-                      c->rank, reg.tp_size, geo->prefill_tp);
-            return KVS_ERR_INCOMPATIBLE;
-        }
-        char why[256];
-        if ((st = kvs_registry_check(&reg, geo, why, sizeof(why))) != KVS_OK) return st;
-        if ((st = kvs_net_link_set_peer(link, p, reg.endpoint)) != KVS_OK) return st;
-    }
-    return KVS_OK;
-}
-
-/* Prefill rank 0 serving the registry: answers until every prefill rank registered, so that
- * the others (blocked in kvs_registry_register) get on with their setup. */
-static kvs_status_t serve_until_registered(kvs_registry_t *registry, kvs_link_t *link,
-                                           uint32_t ranks, uint64_t timeout_ns)
-{
-    uint64_t end = kvs_now_ns() + timeout_ns;
-    while (kvs_registry_count(registry) < ranks) {
-        if (kvs_now_ns() >= end) {
-            kvs_error("prefill rank 0: %u of %u prefill ranks registered in time",
-                      kvs_registry_count(registry), ranks);
-            return KVS_ERR_TIMEOUT;
-        }
-        kvs_registry_serve(registry, 5);
-        kvs_net_link_progress(link);
-    }
-    return KVS_OK;
 }
 
 static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
@@ -380,19 +325,14 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     if (c.liveness_timeout_ns == 0) c.liveness_timeout_ns = 10000 * MS;
     if (c.quit_grace_ns == 0) c.quit_grace_ns = 5000 * MS;
     const uint64_t t0 = kvs_now_ns();
-    const kvs_clock_t clock = kvs_clock_monotonic();
-    kvs_pd_timeouts_t timeouts;
-    default_timeouts(&timeouts);
 
     kvs_llm_rank_result_t res;
     memset(&res, 0, sizeof(res));
     kvs_model_t *model = NULL;
     kvs_pool_t *pool = NULL;
     kvs_tpgroup_t *group = NULL;
-    kvs_registry_t *registry = NULL;
-    kvs_link_t *link = NULL;
-    kvs_sender_t *tx = NULL;
-    kvs_receiver_t *rx = NULL;
+    kvs_plumbing_t pl;
+    memset(&pl, 0, sizeof(pl));
     kvs_llm_t *llm = NULL;
     io_t io;
     memset(&io, 0, sizeof(io));
@@ -439,53 +379,27 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     }
 
     if (prefill || decode) {
-        kvs_net_config_t nc = {.side = prefill ? KVS_SIDE_PREFILL : KVS_SIDE_DECODE,
-                               .rank = c.rank,
-                               .peer_tp = prefill ? c.decode_tp : c.prefill_tp,
-                               .bind = c.bind ? c.bind : "tcp://127.0.0.1:*",
-                               .data = c.data,
-                               .net_device = c.net_device,
-                               .registry = decode ? c.registry : NULL,
-                               .mem = KVS_MEM_HOST,
-                               .liveness_timeout_ns = c.liveness_timeout_ns};
-        if ((st = kvs_net_link_create(&nc, &link)) != KVS_OK) goto out;
-        const uint64_t boot_ns = timeouts.bootstrap_timeout_ns;
-        if (prefill) {
-            kvs_msg_register_t reg;
-            kvs_registry_describe(&geo, c.rank, kvs_net_link_endpoint(link), &reg);
-            if (c.serve_registry && c.rank == 0) {
-                if ((st = kvs_registry_create(c.registry, &registry)) != KVS_OK) goto out;
-                if ((st = kvs_registry_add(registry, &reg)) != KVS_OK) goto out;
-                st = serve_until_registered(registry, link, c.prefill_tp, boot_ns);
-            } else {
-                st = kvs_registry_register(c.registry, &reg, boot_ns);
-            }
-            if (st != KVS_OK) goto out;
-            kvs_sender_config_t sc = {.geo = geo,
-                                      .rank = c.rank,
-                                      .timeouts = timeouts,
-                                      .window_chunks = 4,
-                                      .staging_buffers = 4,
-                                      .write_mode = KVS_WRITE_AUTO};
-            if ((st = kvs_sender_create(&sc, pool, link, &clock, &tx)) != KVS_OK) goto out;
-        } else {
-            if ((st = bootstrap_decode(&c, &geo, link, boot_ns)) != KVS_OK) goto out;
-            kvs_writer_t w[KVS_MAX_WRITERS];
-            uint32_t n = 0;
-            kvs_plan_writers(&geo.shape, geo.prefill_tp, geo.decode_tp, c.rank, 0, w, &n);
-            uint64_t ring = 4 * kvs_slot_layout(w, n, kvs_grid_tokens(geo.chunk_tokens, P), NULL);
-            kvs_receiver_config_t rc = {
-                .geo = geo, .rank = c.rank, .timeouts = timeouts, .ring_bytes = ring};
-            if ((st = kvs_receiver_create(&rc, pool, link, &clock, &rx)) != KVS_OK) goto out;
-        }
+        kvs_plumbing_config_t plc = {.side = prefill ? KVS_SIDE_PREFILL : KVS_SIDE_DECODE,
+                                     .rank = c.rank,
+                                     .geo = geo,
+                                     .registry = c.registry,
+                                     .serve_registry = prefill && c.serve_registry && c.rank == 0,
+                                     .await_registrations = 1,
+                                     .bind = c.bind,
+                                     .data = c.data,
+                                     .net_device = c.net_device,
+                                     .mem = KVS_MEM_HOST,
+                                     .liveness_timeout_ns = c.liveness_timeout_ns,
+                                     .write_mode = KVS_WRITE_AUTO};
+        if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;
     }
 
     kvs_llm_config_t lc = {.role = c.role,
                            .model = model,
                            .pool = pool,
                            .group = group,
-                           .sender = tx,
-                           .receiver = rx,
+                           .sender = pl.sender,
+                           .receiver = pl.receiver,
                            .chunk_tokens = c.chunk_tokens,
                            .batch_tokens = c.batch_tokens,
                            .max_running = c.max_running,
@@ -519,7 +433,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                              live);
             }
         }
-        uint32_t work = registry ? kvs_registry_serve(registry, 0) : 0, stepped = 0;
+        uint32_t work = pl.registry ? kvs_registry_serve(pl.registry, 0) : 0, stepped = 0;
         int quit = 0;
         if ((st = kvs_llm_step(llm, want_quit, &quit, &stepped)) != KVS_OK) {
             kvs_error("%s rank %u: the instance cannot go on: %s", role_str(c.role), c.rank,
@@ -543,14 +457,12 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         }
     }
     /* Late acknowledgements and repeats from the other side. */
-    for (uint64_t end = kvs_now_ns() + DRAIN_NS; (tx || rx) && kvs_now_ns() < end;) {
-        uint32_t work = tx ? kvs_sender_progress(tx) : kvs_receiver_progress(rx);
-        if (registry) work += kvs_registry_serve(registry, 0);
-        if (work == 0) sleep_us(200);
+    for (uint64_t end = kvs_now_ns() + DRAIN_NS;
+         (pl.sender || pl.receiver) && kvs_now_ns() < end;) {
+        if (kvs_plumbing_progress(&pl) == 0) sleep_us(200);
     }
     kvs_llm_stats(llm, &res.stats);
-    if (tx) kvs_sender_metrics(tx, &res.metrics);
-    if (rx) kvs_receiver_metrics(rx, &res.metrics);
+    kvs_plumbing_metrics(&pl, &res.metrics);
     res.wall_s = (double) (kvs_now_ns() - t0) / 1e9;
     write_stats(&c, &res);
     if (result_p) *result_p = res;
@@ -559,10 +471,7 @@ out:
         kvs_error("%s rank %u of TP %u could not start: %s", role_str(c.role), c.rank, tp,
                   kvs_status_str(st));
     kvs_llm_destroy(llm);
-    kvs_sender_destroy(tx);
-    kvs_receiver_destroy(rx);
-    kvs_link_destroy(link);
-    kvs_registry_destroy(registry);
+    kvs_plumbing_destroy(&pl);
     kvs_tpgroup_leave(group);
     kvs_pool_destroy(pool);
     kvs_model_destroy(model);

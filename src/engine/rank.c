@@ -1,5 +1,6 @@
-/* One rank as a process: bootstrap through the registry, a net link, the rank's pool and
- * sender or receiver, and the simulation's engine driving the workload for this one rank.
+/* One rank as a process: the rank's pool, its plumbing (engine/plumbing.h: net link, bootstrap
+ * through the registry, sender or receiver), and the simulation's engine driving the workload
+ * for this one rank.
  * Radix caches stay off here: in separate processes each rank would insert at its own pace and
  * the ranks of one instance could disagree on a prefix hit, which a real engine avoids by
  * scheduling on one rank and broadcasting; that coordination is not built yet. */
@@ -9,11 +10,9 @@
 #include <time.h>
 
 #include "engine/engine.h"
-#include "kvstage/alloc.h"
+#include "engine/plumbing.h"
 #include "kvstage/clock.h"
-#include "kvstage/grid.h"
 #include "kvstage/log.h"
-#include "kvstage/registry.h"
 
 typedef struct {
     const kvs_rank_config_t *cfg;
@@ -38,43 +37,6 @@ static void on_done(void *arg, const kvs_request_t *req, const kvs_engine_outcom
     kvs_warn("%s rank %u: room %llx (%u tokens) failed: %s",
              rk->cfg->side == KVS_SIDE_PREFILL ? "prefill" : "decode", rk->cfg->rank,
              (unsigned long long) req->room, req->len, kvs_status_str(o->reason));
-}
-
-static void default_timeouts(kvs_pd_timeouts_t *t)
-{
-    const uint64_t ms = 1000000ull;
-    kvs_pd_timeouts_t d = {.retry_ns = 20 * ms,
-                           .bootstrap_timeout_ns = 30000 * ms,
-                           .transfer_timeout_ns = 20000 * ms,
-                           .waiting_timeout_ns = 60000 * ms,
-                           .completion_timeout_ns = 10000 * ms,
-                           .release_timeout_ns = 10000 * ms};
-    kvs_pd_timeouts_fill(t, &d);
-}
-
-/* Decode: learns every prefill rank's endpoint from the registry, refusing incompatible ones. */
-static kvs_status_t bootstrap_decode(const kvs_rank_config_t *c, kvs_link_t *link,
-                                     uint64_t timeout_ns)
-{
-    for (uint32_t p = 0; p < c->geo.prefill_tp; p++) {
-        kvs_msg_register_t reg;
-        kvs_status_t st = kvs_registry_query(c->registry, p, timeout_ns, &reg);
-        if (st != KVS_OK) {
-            kvs_error("decode rank %u: prefill rank %u did not register at %s", c->rank, p,
-                      c->registry);
-            return st;
-        }
-        if (reg.tp_size != c->geo.prefill_tp) {
-            kvs_error("decode rank %u: the prefill instance runs TP %u, this deployment expects "
-                      "TP %u",
-                      c->rank, reg.tp_size, c->geo.prefill_tp);
-            return KVS_ERR_INCOMPATIBLE;
-        }
-        char why[256];
-        if ((st = kvs_registry_check(&reg, &c->geo, why, sizeof(why))) != KVS_OK) return st;
-        if ((st = kvs_net_link_set_peer(link, p, reg.endpoint)) != KVS_OK) return st;
-    }
-    return KVS_OK;
 }
 
 static void sleep_us(long us)
@@ -118,23 +80,18 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                   c.registry ? c.registry : "(none)", c.concurrency);
         return KVS_ERR_INVALID;
     }
-    default_timeouts(&c.timeouts);
     if (!c.deadline_ns) c.deadline_ns = 600ull * 1000000000ull;
     if (!c.drain_ns) c.drain_ns = 500ull * 1000000ull;
     const uint64_t t0 = kvs_now_ns();
     const uint64_t P = c.geo.page_size;
-    const kvs_clock_t clock = kvs_clock_monotonic();
 
-    kvs_registry_t *registry = NULL;
     kvs_workload_t *wl = NULL;
     kvs_pool_t *pool = NULL;
-    kvs_link_t *link = NULL;
-    kvs_sender_t *tx = NULL;
-    kvs_receiver_t *rx = NULL;
+    kvs_plumbing_t pl;
+    memset(&pl, 0, sizeof(pl));
     kvs_prefill_engine_t *pe = NULL;
     kvs_decode_engine_t *de = NULL;
 
-    if (c.serve_registry && (st = kvs_registry_create(c.registry, &registry)) != KVS_OK) goto out;
     if ((st = kvs_workload_create(&c.workload, &wl)) != KVS_OK) goto out;
     res.requests = wl->count;
 
@@ -148,52 +105,33 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                             .device = c.device};
     if ((st = kvs_pool_create(&pc, &pool)) != KVS_OK) goto out;
 
-    kvs_net_config_t nc = {.side = c.side,
-                           .rank = c.rank,
-                           .peer_tp = prefill ? c.geo.decode_tp : c.geo.prefill_tp,
-                           .bind = c.bind ? c.bind : "tcp://127.0.0.1:*",
-                           .data = c.data,
-                           .net_device = c.net_device,
-                           .registry = prefill ? NULL : c.registry,
-                           .mem = c.mem,
-                           .device = c.device,
-                           .liveness_timeout_ns = c.liveness_timeout_ns};
-    if ((st = kvs_net_link_create(&nc, &link)) != KVS_OK) goto out;
-    const uint64_t boot_ns = c.timeouts.bootstrap_timeout_ns;
+    kvs_plumbing_config_t plc = {.side = c.side,
+                                 .rank = c.rank,
+                                 .geo = c.geo,
+                                 .registry = c.registry,
+                                 .serve_registry = c.serve_registry,
+                                 .bind = c.bind,
+                                 .data = c.data,
+                                 .net_device = c.net_device,
+                                 .mem = c.mem,
+                                 .device = c.device,
+                                 .liveness_timeout_ns = c.liveness_timeout_ns,
+                                 .timeouts = c.timeouts,
+                                 .write_mode = c.write_mode,
+                                 .ring_bytes = c.ring_bytes};
+    if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;
     if (prefill) {
-        kvs_msg_register_t reg;
-        kvs_registry_describe(&c.geo, c.rank, kvs_net_link_endpoint(link), &reg);
-        st = registry ? kvs_registry_add(registry, &reg)
-                      : kvs_registry_register(c.registry, &reg, boot_ns);
-        if (st != KVS_OK) goto out;
-        kvs_sender_config_t sc = {.geo = c.geo,
-                                  .rank = c.rank,
-                                  .timeouts = c.timeouts,
-                                  .window_chunks = 4,
-                                  .staging_buffers = 4,
-                                  .write_mode = c.write_mode};
-        if ((st = kvs_sender_create(&sc, pool, link, &clock, &tx)) != KVS_OK) goto out;
         kvs_prefill_engine_config_t ec = {.geo = c.geo,
                                           .batch = c.concurrency,
                                           .max_prompt_len = c.workload.prompt_len,
                                           .local_ranks = 1};
-        if ((st = kvs_prefill_engine_create(&ec, &pool, &tx, on_done, &rk, &pe)) != KVS_OK)
+        if ((st = kvs_prefill_engine_create(&ec, &pool, &pl.sender, on_done, &rk, &pe)) != KVS_OK)
             goto out;
     } else {
-        if ((st = bootstrap_decode(&c, link, boot_ns)) != KVS_OK) goto out;
-        uint64_t ring = c.ring_bytes;
-        if (ring == 0) {
-            kvs_writer_t w[KVS_MAX_WRITERS];
-            uint32_t n = 0;
-            kvs_plan_writers(&c.geo.shape, c.geo.prefill_tp, c.geo.decode_tp, c.rank, 0, w, &n);
-            ring = 4 * kvs_slot_layout(w, n, kvs_grid_tokens(c.geo.chunk_tokens, P), NULL);
-        }
-        kvs_receiver_config_t rc = {
-            .geo = c.geo, .rank = c.rank, .timeouts = c.timeouts, .ring_bytes = ring};
-        if ((st = kvs_receiver_create(&rc, pool, link, &clock, &rx)) != KVS_OK) goto out;
         kvs_decode_engine_config_t ec = {
             .geo = c.geo, .max_prompt_len = c.workload.prompt_len, .local_ranks = 1};
-        if ((st = kvs_decode_engine_create(&ec, &pool, &rx, on_done, &rk, &de)) != KVS_OK) goto out;
+        if ((st = kvs_decode_engine_create(&ec, &pool, &pl.receiver, on_done, &rk, &de)) != KVS_OK)
+            goto out;
     }
 
     uint32_t next = 0;
@@ -209,11 +147,8 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
             *c.metrics_request = 0;
             kvs_pd_metrics_t m;
             kvs_net_stats_t ns;
-            if (prefill)
-                kvs_sender_metrics(tx, &m);
-            else
-                kvs_receiver_metrics(rx, &m);
-            kvs_net_link_stats(link, &ns);
+            kvs_plumbing_metrics(&pl, &m);
+            kvs_net_link_stats(pl.link, &ns);
             c.metrics(c.progress_arg, &m, &ns);
         }
         if (finished) break;
@@ -223,37 +158,27 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
             res.timed_out = 1;
             break;
         }
-        uint32_t work = registry ? kvs_registry_serve(registry, 0) : 0;
-        work += prefill ? kvs_sender_progress(tx) : kvs_receiver_progress(rx);
+        uint32_t work = kvs_plumbing_progress(&pl);
         work += submit_more(&c, wl, &next, pe, de);
         work += prefill ? kvs_prefill_engine_step(pe) : kvs_decode_engine_step(de);
         if (work == 0) sleep_us(50);
     }
     /* Keep answering peers a little longer: late ACKs, repeats, the other side's last rooms. */
     for (uint64_t end = kvs_now_ns() + c.drain_ns; kvs_now_ns() < end;) {
-        uint32_t work = registry ? kvs_registry_serve(registry, 0) : 0;
-        work += prefill ? kvs_sender_progress(tx) : kvs_receiver_progress(rx);
-        if (work == 0) sleep_us(200);
+        if (kvs_plumbing_progress(&pl) == 0) sleep_us(200);
     }
-    if (prefill) {
-        kvs_sender_metrics(tx, &res.metrics);
-    } else {
-        kvs_receiver_metrics(rx, &res.metrics);
-        res.leaked_slots = res.metrics.live_slots + (res.metrics.ring_used != 0);
-    }
+    kvs_plumbing_metrics(&pl, &res.metrics);
+    if (!prefill) res.leaked_slots = res.metrics.live_slots + (res.metrics.ring_used != 0);
     res.leaked_rooms = res.metrics.live_rooms;
     res.leaked_pages = kvs_pool_total_pages(pool) - kvs_pool_free_pages(pool);
-    kvs_net_link_stats(link, &res.net);
+    kvs_net_link_stats(pl.link, &res.net);
     st = KVS_OK;
 out:
     kvs_prefill_engine_destroy(pe);
     kvs_decode_engine_destroy(de);
-    kvs_sender_destroy(tx);
-    kvs_receiver_destroy(rx);
-    kvs_link_destroy(link);
+    kvs_plumbing_destroy(&pl);
     kvs_pool_destroy(pool);
     kvs_workload_destroy(wl);
-    kvs_registry_destroy(registry);
     res.wall_s = (double) (kvs_now_ns() - t0) / 1e9;
     *result_p = res;
     return st;

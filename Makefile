@@ -20,7 +20,7 @@ test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 demo: build
-	@./$(BUILD)/kvstage demo
+	@./$(BUILD)/kvstage serve-demo
 
 asan:
 	@$(MAKE) --no-print-directory test BUILD=build-asan CMAKE_FLAGS="-DKVS_SANITIZE=ON -DKVS_CUDA=OFF"

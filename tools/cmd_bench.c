@@ -9,6 +9,7 @@
 #include "bench_kernels.h"
 #include "bench_protocol.h"
 #include "bench_radix.h"
+#include "bench_serve.h"
 #include "bench_transfer.h"
 
 static const kvs_command_t benches[] = {
@@ -18,6 +19,8 @@ static const kvs_command_t benches[] = {
     {"kernels", kvs_bench_kernels, "CUDA gather/scatter kernels vs a device-to-device memcpy"},
     {"engine", kvs_bench_engine,
      "the reference engine on CPU: prefill and decode tok/s, colocated vs disaggregated"},
+    {"serve", kvs_bench_serve,
+     "HTTP serving under concurrent clients: TTFT and tok/s, colocated vs disaggregated"},
     {"transfer", kvs_bench_transfer,
      "one request's KV between GPUs: staged, direct, per-page copies vs one bulk copy"},
 };

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "args.h"
+#include "instance.h"
 #include "json.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
@@ -33,35 +34,6 @@
 #define EXIT_NS     (15ull * 1000000000ull) /* ranks get this long to exit after quit */
 
 /* ---- shared by `generate` and `llm-rank` ---- */
-
-/* "L,dim,ffn,heads,kv_heads,head_dim,vocab" into a model configuration. 0 on success. */
-static int parse_seeded(const char *s, kvs_model_config_t *cfg_p)
-{
-    unsigned long v[7];
-    int n = 0;
-    for (const char *p = s;;) {
-        if (n == 7 || *p < '0' || *p > '9') return -1;
-        char *end;
-        errno = 0;
-        v[n++] = strtoul(p, &end, 10);
-        if (errno != 0 || v[n - 1] == 0 || v[n - 1] > (1ul << 22)) return -1;
-        if (*end == '\0') break;
-        if (*end != ',') return -1;
-        p = end + 1;
-    }
-    if (n != 7) return -1;
-    *cfg_p = (kvs_model_config_t){.layers = (uint32_t) v[0],
-                                  .dim = (uint32_t) v[1],
-                                  .ffn_dim = (uint32_t) v[2],
-                                  .heads = (uint32_t) v[3],
-                                  .kv_heads = (uint32_t) v[4],
-                                  .head_dim = (uint32_t) v[5],
-                                  .vocab = (uint32_t) v[6],
-                                  .max_ctx = 4096,
-                                  .rope_theta = 10000.0f,
-                                  .norm_eps = 1e-5f};
-    return 0;
-}
 
 /* "1,2,3" into a kvs_malloc'd array. 0 on success. */
 static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
@@ -138,7 +110,7 @@ int kvs_cmd_llm_rank(int argc, char **argv)
     c.data = (kvs_net_data_t) data;
     char path[4096];
     if (seeded != NULL) {
-        if (parse_seeded(seeded, &c.seeded) != 0) {
+        if (kvs_parse_seeded(seeded, &c.seeded) != 0) {
             fprintf(stderr, "error: bad value '%s' for '--seeded'\n", seeded);
             return 2;
         }
@@ -860,7 +832,7 @@ static int open_model(gen_t *g)
             fprintf(stderr, "error: --model and --seeded exclude each other\n");
             return 2;
         }
-        if (parse_seeded(g->seeded, &g->mc) != 0) {
+        if (kvs_parse_seeded(g->seeded, &g->mc) != 0) {
             fprintf(stderr,
                     "error: bad value '%s' for '--seeded' (expected "
                     "L,dim,ffn,heads,kv_heads,head_dim,vocab)\n",

@@ -23,6 +23,9 @@ int kvs_cmd_prefill(int argc, char **argv);
 int kvs_cmd_decode(int argc, char **argv);
 int kvs_cmd_sim(int argc, char **argv);
 int kvs_cmd_generate(int argc, char **argv);
+int kvs_cmd_serve(int argc, char **argv);
+int kvs_cmd_router(int argc, char **argv);
+int kvs_cmd_serve_demo(int argc, char **argv);
 /* One rank of a `generate` deployment; launched by generate, not listed. */
 int kvs_cmd_llm_rank(int argc, char **argv);
 

@@ -12,13 +12,18 @@ static const kvs_command_t commands[] = {
     {"decode", kvs_cmd_decode, "run one decode rank of a multi-process deployment"},
     {"generate", kvs_cmd_generate,
      "run a real model disaggregated through kvstage, every rank a process"},
+    {"serve", kvs_cmd_serve,
+     "serve one instance of a real model over HTTP (OpenAI API), every rank a process"},
+    {"router", kvs_cmd_router, "route requests to prefill and decode servers"},
+    {"serve-demo", kvs_cmd_serve_demo,
+     "what `make demo` runs: router, prefill and decode servers of a real model, two chats"},
     {"sim", kvs_cmd_sim, "simulate prefill -> decode transfers on a virtual clock and verify them"},
 };
 
 static void usage(FILE *f, const char *what, const kvs_command_t *table, size_t count)
 {
     fprintf(f, "usage: %s [flags]   (%s --help for its flags)\n\n", what, what);
-    for (size_t i = 0; i < count; i++) fprintf(f, "  %-9s %s\n", table[i].name, table[i].summary);
+    for (size_t i = 0; i < count; i++) fprintf(f, "  %-10s %s\n", table[i].name, table[i].summary);
 }
 
 int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int argc, char **argv)

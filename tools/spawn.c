@@ -43,8 +43,8 @@ static int wire(kvs_spawn_io_t io, int pipe_end, int target, int null_flags)
     return fd < 0 || dup2(fd, target) < 0 ? -1 : 0;
 }
 
-int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
-                   kvs_spawned_t *child_p)
+static int spawn(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
+                 int group, kvs_spawned_t *child_p)
 {
     int ip[2], op[2]; /* [read end, write end] */
     if (open_pipe(in, ip) != 0) return -1;
@@ -56,7 +56,10 @@ int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_s
      * stdout. */
     fflush(stdout);
     pid_t pid = fork();
+    /* Both sides set the group, so it is set before either goes on. */
+    if (pid > 0 && group) (void) setpgid(pid, pid);
     if (pid == 0) {
+        if (group) (void) setpgid(0, 0);
         /* Both pipe ends above 2 before any dup2: wiring stdin must not close stdout's source. */
         if (ip[0] >= 0 && ip[0] <= 2) ip[0] = fcntl(ip[0], F_DUPFD_CLOEXEC, 3);
         if (op[1] >= 0 && op[1] <= 2) op[1] = fcntl(op[1], F_DUPFD_CLOEXEC, 3);
@@ -78,4 +81,16 @@ int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_s
     }
     *child_p = (kvs_spawned_t){.pid = pid, .in_fd = ip[1], .out_fd = op[0]};
     return 0;
+}
+
+int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
+                   kvs_spawned_t *child_p)
+{
+    return spawn(who, argv, in, out, 0, child_p);
+}
+
+int kvs_spawn_self_group(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
+                         kvs_spawned_t *child_p)
+{
+    return spawn(who, argv, in, out, 1, child_p);
 }

@@ -26,5 +26,10 @@ typedef struct {
  * Returns 0, or -1 with errno set and nothing left open when no child could be started. */
 int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
                    kvs_spawned_t *child_p);
+/* As kvs_spawn_self, the child leading a process group of its own (its pgid is its pid), so
+ * that kill(-pid, sig) reaches it and every process it starts, and a terminal's signals to the
+ * caller's group do not. */
+int kvs_spawn_self_group(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
+                         kvs_spawned_t *child_p);
 
 #endif

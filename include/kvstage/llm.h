@@ -120,6 +120,13 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */
 kvs_status_t kvs_llm_stop(kvs_llm_t *llm, uint64_t room);
 
+/* Read-only, between steps: how many tokens of prompt[0, prompt_len) admission would find in
+ * this rank's radix cache now (0 without a cache), e.g. for a router's prefix-aware choice.
+ * Unlike admission it neither splits a node nor touches the LRU order, so a query answered by
+ * one rank leaves the caches (and page ids) of the ranks identical. */
+kvs_status_t kvs_llm_cached(const kvs_llm_t *llm, const uint32_t *prompt, uint32_t prompt_len,
+                            uint32_t *cached_p);
+
 /* One scheduler iteration on every rank of the instance, in lockstep: rank 0's new requests,
  * stops and quit flag are broadcast; transfers progress; transfer outcomes are agreed; queued
  * requests are admitted; one forward pass runs (prefill chunks and decode tokens together).

@@ -35,6 +35,13 @@ typedef struct {
 kvs_status_t kvs_radix_match(kvs_radix_t *radix, uint64_t ns, const int32_t *tokens, size_t len,
                              uint32_t *pages_p, kvs_radix_match_t *match_p);
 
+/* Read-only: the length of the longest cached prefix of tokens[0, len) in namespace ns (a
+ * multiple of the page size), as kvs_radix_match would find it, without splitting a node or
+ * touching the LRU order: a query that leaves the cache exactly as it was, e.g. one that only
+ * one of several lockstep replicas of a cache answers. */
+kvs_status_t kvs_radix_lookup(const kvs_radix_t *radix, uint64_t ns, const int32_t *tokens,
+                              size_t len, size_t *tokens_p);
+
 /* Inserts the first floor(len/P)*P tokens with their pages (pages[i] holds tokens
  * [i*P, (i+1)*P)). *present_p receives how many tokens were already cached: the caller keeps
  * (and should free) its pages for [0, present); the cache owns the rest. node_p (optional)

@@ -5,7 +5,11 @@
  * Per request: pick a prefill server (round robin, or prefix-aware: POST /internal/match with
  * the client's body to every live prefill server, the longest cached prefix wins, ties in
  * round-robin order) and a decode server (round robin or prefix-aware likewise), assign a room
- * id, and forward the client's body, with a "kvstage" object added, to both at once:
+ * id, and forward the client's body, with a "kvstage" object added, to both at once.
+ * Pairing: a decode server whose GET /internal/info declares a bootstrap is bound to the
+ * prefill server declaring the same one, and only those two are chosen together; a prefill
+ * server without a live partner is passed over (a server declaring none pairs with any).
+ * A match that times out counts as no cache hit (it does not take the server out). Bodies:
  *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
  *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
  * (bootstrap as the prefill server's GET /internal/info declares it, omitted when it declares

@@ -182,16 +182,24 @@ kvs_server_tokenizer_t kvs_server_byte_tokenizer(void);
 /* The server                                                                                */
 
 typedef struct {
-    const char *host;             /* IPv4 address to bind; NULL: "127.0.0.1" */
-    uint16_t port;                /* 0: chosen by the system (read it back with kvs_server_port) */
-    uint32_t threads;             /* HTTP worker threads; 0: 4 */
-    const char *model;            /* the model name served; a request naming another is 404 */
-    uint32_t max_context;         /* prompt + max_tokens at most; 0: 4096 */
-    uint32_t default_max_tokens;  /* when a request gives none; 0: the rest of the context */
-    size_t max_body;              /* request body bytes at most; 0: 1 MiB */
-    kvs_server_role_t role;       /* informational (/internal/info) */
-    const char *bootstrap;        /* this instance's bootstrap endpoint for decode peers; or
-                                     NULL (/internal/info) */
+    const char *host;            /* IPv4 address to bind; NULL: "127.0.0.1" */
+    uint16_t port;               /* 0: chosen by the system (read it back with kvs_server_port) */
+    uint32_t threads;            /* HTTP worker threads; 0: 4 */
+    const char *model;           /* the model name served; a request naming another is 404 */
+    uint32_t max_context;        /* prompt + max_tokens at most; 0: 4096 */
+    uint32_t default_max_tokens; /* when a request gives none; 0: the rest of the context */
+    size_t max_body;             /* request body bytes at most; 0: 1 MiB */
+    kvs_server_role_t role;      /* /internal/info; with strict_role also what it serves */
+    /* /internal/info. PREFILL: this instance's bootstrap endpoint for decode peers. DECODE: the
+     * prefill instance's endpoint this one is bound to, so that a router pairs them; with
+     * strict_role a request naming another one is refused. NULL: none. */
+    const char *bootstrap;
+    /* 1: serve only requests of this role: a PREFILL or DECODE server refuses requests without
+     * "kvstage" or for the other role, a colocated (NONE) one refuses requests with "kvstage",
+     * and a DECODE server with a bootstrap refuses a "kvstage.bootstrap" naming another
+     * instance; each with 400 {"param": "kvstage", "code": "wrong_role" or "wrong_bootstrap"}
+     * and a message naming this server's role. 0: every request goes to the backend. */
+    int strict_role;
     uint64_t first_room;          /* rooms of requests without "kvstage"; 0: from the clock,
                                      in [2^62, 2^63) */
     kvs_server_backend_t backend; /* borrowed; must outlive the server */

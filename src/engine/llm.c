@@ -849,6 +849,24 @@ kvs_status_t kvs_llm_next_event(kvs_llm_t *e, kvs_llm_event_t *ev_p)
     return KVS_OK;
 }
 
+kvs_status_t kvs_llm_cached(const kvs_llm_t *e, const uint32_t *prompt, uint32_t prompt_len,
+                            uint32_t *cached_p)
+{
+    if (prompt == NULL && prompt_len > 0) {
+        kvs_error("llm: cached-prefix query without a prompt (%u tokens)", prompt_len);
+        return KVS_ERR_INVALID;
+    }
+    /* As admit_one: all but the last token, and only past the first page. */
+    size_t cached = 0;
+    if (e->radix != NULL && prompt_len > e->page) {
+        kvs_status_t st =
+            kvs_radix_lookup(e->radix, 0, (const int32_t *) prompt, prompt_len - 1, &cached);
+        if (st != KVS_OK) return st;
+    }
+    *cached_p = (uint32_t) cached;
+    return KVS_OK;
+}
+
 uint32_t kvs_llm_live(const kvs_llm_t *e)
 {
     return e->nrqs + e->npending;

@@ -99,6 +99,9 @@ static void write_event(int fd, const kvs_llm_event_t *ev)
 typedef struct {
     const kvs_llm_rank_config_t *cfg;
     kvs_llm_t *llm;
+    const kvs_plumbing_t *pl;
+    uint64_t t0;
+    double load_s;
     char *buf; /* [cap] bytes read, not yet a whole line */
     size_t len, cap;
     uint32_t *ids; /* [max_prompt] scratch for one prompt */
@@ -192,6 +195,48 @@ static void handle_submit(io_t *io, char *p)
                  (unsigned long long) room, kvs_status_str(st));
 }
 
+static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final);
+
+/* `match N IDS`: answered with one match line whatever happens, so that the asker can pair
+ * answers with questions in order. */
+static void handle_match(io_t *io, char *p)
+{
+    uint64_t n;
+    uint32_t cached = 0;
+    const char *why = NULL;
+    if (next_u64(&p, &n) || n == 0) why = "match needs N >= 1 and N token ids";
+    for (uint64_t i = 0; why == NULL && i < n; i++) {
+        uint64_t id;
+        if (next_u64(&p, &id) || id > UINT32_MAX)
+            why = "match: prompt token ids";
+        else if (i < io->cfg->max_prompt)
+            io->ids[i] = (uint32_t) id;
+    }
+    if (why == NULL && *p != '\0') why = "match: more token ids than N";
+    /* A prompt longer than max_prompt is refused on submit: nothing of it would be reused. */
+    if (why == NULL && n <= io->cfg->max_prompt &&
+        kvs_llm_cached(io->llm, io->ids, (uint32_t) n, &cached) != KVS_OK)
+        cached = 0;
+    if (why != NULL) {
+        kvs_warn("llm rank: bad request line: %s", why);
+        out_line(io->cfg->out_fd, "{\"event\":\"match\",\"cached\":0,\"error\":\"%s\"}", why);
+        return;
+    }
+    out_line(io->cfg->out_fd, "{\"event\":\"match\",\"cached\":%u,\"prompt_len\":%llu}", cached,
+             (unsigned long long) n);
+}
+
+static void handle_stats(io_t *io)
+{
+    kvs_llm_rank_result_t r;
+    memset(&r, 0, sizeof(r));
+    kvs_llm_stats(io->llm, &r.stats);
+    kvs_plumbing_metrics(io->pl, &r.metrics);
+    r.load_s = io->load_s;
+    r.wall_s = (double) (kvs_now_ns() - io->t0) / 1e9;
+    write_stats(io->cfg, &r, 0);
+}
+
 static void handle_line(io_t *io, char *line)
 {
     if (strncmp(line, "submit ", 7) == 0) {
@@ -205,11 +250,15 @@ static void handle_line(io_t *io, char *line)
         }
         /* A room that already ended is no error: the stop raced its last token. */
         (void) kvs_llm_stop(io->llm, room);
+    } else if (strncmp(line, "match ", 6) == 0) {
+        handle_match(io, line + 5);
+    } else if (strcmp(line, "stats") == 0) {
+        handle_stats(io);
     } else if (strcmp(line, "quit") == 0) {
         if (!io->quitting) io->quit_at = kvs_now_ns() + io->cfg->quit_grace_ns;
         io->quitting = 1;
     } else if (line[0] != '\0') {
-        parse_error(io, "expected submit, stop or quit");
+        parse_error(io, "expected submit, stop, match, stats or quit");
     }
 }
 
@@ -289,7 +338,7 @@ static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
     return KVS_ERR_INVALID;
 }
 
-static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r)
+static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final)
 {
     const kvs_llm_stats_t *s = &r->stats;
     const kvs_pd_metrics_t *m = &r->metrics;
@@ -299,8 +348,9 @@ static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_resul
              "\"cached_tokens\":%llu,\"decode_tokens\":%llu,\"requests_ok\":%llu,"
              "\"requests_failed\":%llu,\"radix_pages\":%llu,\"rooms_succeeded\":%llu,"
              "\"rooms_failed\":%llu,\"chunks\":%llu,\"bulk_writes\":%llu,\"direct_writes\":%llu,"
-             "\"bytes_moved\":%llu,\"control_messages\":%llu,\"retries\":%llu,\"load_s\":%.3f,"
-             "\"wall_s\":%.3f}",
+             "\"bytes_moved\":%llu,\"control_messages\":%llu,\"retries\":%llu,\"rejected\":%llu,"
+             "\"ring_used\":%llu,\"ring_capacity\":%llu,\"queued\":%u,\"running\":%u,"
+             "\"load_s\":%.3f,\"wall_s\":%.3f,\"final\":%s}",
              role_str(c->role), c->rank, (unsigned long long) s->steps,
              (unsigned long long) s->forward_passes, (unsigned long long) s->forward_ns,
              (unsigned long long) s->prompt_tokens, (unsigned long long) s->cached_tokens,
@@ -309,8 +359,10 @@ static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_resul
              (unsigned long long) m->rooms_succeeded, (unsigned long long) m->rooms_failed,
              (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
              (unsigned long long) m->direct_writes, (unsigned long long) m->bytes,
-             (unsigned long long) m->msgs_sent, (unsigned long long) m->retries, r->load_s,
-             r->wall_s);
+             (unsigned long long) m->msgs_sent, (unsigned long long) m->retries,
+             (unsigned long long) m->rejected, (unsigned long long) m->ring_used,
+             (unsigned long long) m->ring_capacity, s->queued, s->running, r->load_s, r->wall_s,
+             final ? "true" : "false");
 }
 
 kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_result_t *result_p)
@@ -407,6 +459,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                            .radix = c.radix};
     if ((st = kvs_llm_create(&lc, &llm)) != KVS_OK) goto out;
     io.llm = llm;
+    io.pl = &pl;
+    io.t0 = t0;
     if (c.rank == 0) {
         io.ids = kvs_malloc((size_t) c.max_prompt * sizeof(uint32_t));
         if (io.ids == NULL) {
@@ -414,7 +468,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
             goto out;
         }
     }
-    res.load_s = (double) (kvs_now_ns() - t0) / 1e9;
+    res.load_s = io.load_s = (double) (kvs_now_ns() - t0) / 1e9;
     if (c.rank == 0)
         out_line(c.out_fd, "{\"event\":\"ready\",\"role\":\"%s\",\"tp\":%u,\"load_s\":%.3f}",
                  role_str(c.role), tp, res.load_s);
@@ -464,7 +518,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     kvs_llm_stats(llm, &res.stats);
     kvs_plumbing_metrics(&pl, &res.metrics);
     res.wall_s = (double) (kvs_now_ns() - t0) / 1e9;
-    write_stats(&c, &res);
+    write_stats(&c, &res, 1);
     if (result_p) *result_p = res;
 out:
     if (st != KVS_OK && llm == NULL)

@@ -346,6 +346,20 @@ kvs_status_t kvs_radix_match(kvs_radix_t *radix, uint64_t ns, const int32_t *tok
     return KVS_OK;
 }
 
+kvs_status_t kvs_radix_lookup(const kvs_radix_t *radix, uint64_t ns, const int32_t *tokens,
+                              size_t len, size_t *tokens_p)
+{
+    if (radix == NULL || tokens_p == NULL || (tokens == NULL && len >= radix->page_size)) {
+        kvs_error("radix: lookup with invalid arguments (len %zu)", len);
+        return KVS_ERR_INVALID;
+    }
+    kvs_radix_node_t *node, *partial;
+    size_t matched, partial_len;
+    walk(radix, ns, tokens, len / radix->page_size, &node, &matched, &partial, &partial_len);
+    *tokens_p = (matched + partial_len) * radix->page_size;
+    return KVS_OK;
+}
+
 kvs_status_t kvs_radix_insert(kvs_radix_t *radix, uint64_t ns, const int32_t *tokens, size_t len,
                               const uint32_t *pages, size_t *present_p, kvs_radix_node_t **node_p)
 {

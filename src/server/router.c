@@ -350,19 +350,44 @@ static void run_legs(CURLM *multi, leg_t **legs, size_t n, job_t *j, int all)
 
 /* ---- choosing servers ---- */
 
-/* The prefill leg's and decode leg's JSON bodies and choices for a job. */
-static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side)
+/* A decode server bound to a prefill instance (it declares that instance's bootstrap) can only
+ * take that instance's rooms; one that declares none, or a prefill server that declares none,
+ * pairs with anything. */
+static int paired(kvs_router_t *rt, const rserver_t *pre, const rserver_t *dec)
+{
+    pthread_mutex_lock(&rt->mu);
+    int ok = pre->bootstrap == NULL || dec->bootstrap == NULL ||
+             strcmp(pre->bootstrap, dec->bootstrap) == 0;
+    pthread_mutex_unlock(&rt->mu);
+    return ok;
+}
+
+/* Whether s can be chosen: in rotation and, for a prefill server, with a live decode partner;
+ * for a decode server, a partner of the chosen prefill server (pre). */
+static int eligible(kvs_router_t *rt, rserver_t *s, const rserver_t *pre)
+{
+    if (!__atomic_load_n(&s->up, __ATOMIC_RELAXED)) return 0;
+    if (s->side == KVS_ROUTER_DECODE) return pre == NULL || paired(rt, pre, s);
+    for (size_t i = 0; i < rt->n[KVS_ROUTER_DECODE]; i++) {
+        const rserver_t *d = &rt->servers[KVS_ROUTER_DECODE][i];
+        if (__atomic_load_n(&d->up, __ATOMIC_RELAXED) && paired(rt, s, d)) return 1;
+    }
+    return 0;
+}
+
+static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side, const rserver_t *pre)
 {
     size_t n = rt->n[side];
     uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
     for (size_t i = 0; i < n; i++) {
         rserver_t *s = &rt->servers[side][(start + i) % n];
-        if (__atomic_load_n(&s->up, __ATOMIC_RELAXED)) return s;
+        if (eligible(rt, s, pre)) return s;
     }
     return NULL;
 }
 
-static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j)
+static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j,
+                              const rserver_t *pre)
 {
     size_t n = rt->n[side];
     uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
@@ -374,7 +399,7 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
     if (legs == NULL || ptrs == NULL || multi == NULL) goto out;
     for (size_t i = 0; i < n; i++) {
         rserver_t *s = &rt->servers[side][(start + i) % n];
-        if (!__atomic_load_n(&s->up, __ATOMIC_RELAXED)) continue;
+        if (!eligible(rt, s, pre)) continue;
         char *payload = kvs_malloc(j->body.len + 1);
         if (payload == NULL) continue;
         memcpy(payload, j->body.data, j->body.len);
@@ -391,7 +416,7 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
     /* In round-robin order from start, so ties go to the next server in turn. */
     for (size_t i = 0; i < n; i++) {
         rserver_t *s = &rt->servers[side][(start + i) % n];
-        if (!__atomic_load_n(&s->up, __ATOMIC_RELAXED)) continue;
+        if (!eligible(rt, s, pre)) continue;
         long cached = 0;
         leg_t *leg = ptrs[i];
         if (leg && leg->done && leg->result == CURLE_OK && leg->status == 200) {
@@ -399,7 +424,9 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
             json_t *c = json_object_get(ans, "cached_tokens");
             if (json_is_integer(c)) cached = (long) json_integer_value(c);
             json_decref(ans);
-        } else if (leg && leg->done && connection_failure(leg->result)) {
+        } else if (leg && leg->done && connection_failure(leg->result) &&
+                   leg->result != CURLE_OPERATION_TIMEDOUT) {
+            /* A slow answer (a server in a long forward pass) only counts as no cache hit. */
             mark_down(s, curl_easy_strerror(leg->result));
             continue;
         }
@@ -417,13 +444,15 @@ out:
     if (multi) curl_multi_cleanup(multi);
     kvs_free(ptrs);
     kvs_free(legs);
-    return best ? best : pick_round_robin(rt, side);
+    return best ? best : pick_round_robin(rt, side, pre);
 }
 
-static rserver_t *pick(kvs_router_t *rt, kvs_router_side_t side, job_t *j)
+/* pre: for the decode side, the prefill server already chosen. */
+static rserver_t *pick(kvs_router_t *rt, kvs_router_side_t side, job_t *j, const rserver_t *pre)
 {
-    if (rt->policy[side] == KVS_ROUTER_PREFIX && j->body.len > 0) return pick_prefix(rt, side, j);
-    return pick_round_robin(rt, side);
+    if (rt->policy[side] == KVS_ROUTER_PREFIX && j->body.len > 0)
+        return pick_prefix(rt, side, j, pre);
+    return pick_round_robin(rt, side, pre);
 }
 
 /* The client's body with "kvstage" added (and, for the prefill leg, streaming off). */
@@ -477,14 +506,15 @@ static void fail_passthrough(job_t *j, leg_t *leg)
 static void run_generate(job_t *j)
 {
     kvs_router_t *rt = j->rt;
-    rserver_t *pre = pick(rt, KVS_ROUTER_PREFILL, j);
+    rserver_t *pre = pick(rt, KVS_ROUTER_PREFILL, j, NULL);
     if (pre == NULL) {
-        job_fail(j, 503, "no_server", "no prefill server is available");
+        job_fail(j, 503, "no_server", "no prefill server with a live decode partner is available");
         return;
     }
-    rserver_t *dec = pick(rt, KVS_ROUTER_DECODE, j);
+    rserver_t *dec = pick(rt, KVS_ROUTER_DECODE, j, pre);
     if (dec == NULL) {
-        job_fail(j, 503, "no_server", "no decode server is available");
+        job_fail(j, 503, "no_server", "no decode server is available for prefill server %s",
+                 pre->url);
         return;
     }
     uint64_t room = __atomic_fetch_add(&rt->next_room, 1, __ATOMIC_RELAXED);
@@ -566,7 +596,7 @@ out:
 static void run_proxy_get(job_t *j, const char *path)
 {
     kvs_router_t *rt = j->rt;
-    rserver_t *dec = pick_round_robin(rt, KVS_ROUTER_DECODE);
+    rserver_t *dec = pick_round_robin(rt, KVS_ROUTER_DECODE, NULL);
     if (dec == NULL) {
         job_fail(j, 503, "no_server", "no decode server is available");
         return;
@@ -936,8 +966,9 @@ static void check_server(kvs_router_t *rt, rserver_t *s)
     curl_easy_getinfo(leg.easy, CURLINFO_RESPONSE_CODE, &code);
     leg_fini(&leg);
     int ok = c == CURLE_OK && code == 200;
-    if (ok && s->side == KVS_ROUTER_PREFILL &&
-        leg_init(&leg, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
+    /* Prefill servers declare their bootstrap endpoint; decode servers the prefill instance
+     * they are bound to, if any. */
+    if (ok && leg_init(&leg, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
         curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
         if (curl_easy_perform(leg.easy) == CURLE_OK) {
             json_t *info = json_loadb(leg.resp.ptr ? leg.resp.ptr : "", leg.resp.len, 0, NULL);

@@ -50,6 +50,7 @@ typedef struct req req_t;
 struct kvs_server {
     char *model, *bootstrap;
     kvs_server_role_t role;
+    int strict_role;
     size_t max_body;
     kvs__api_limits_t limits;
     kvs_server_backend_t backend;
@@ -655,6 +656,41 @@ static enum MHD_Result answer_submit_error(req_t *r, kvs_status_t st)
     return send_error(r, 500, msg, NULL, NULL);
 }
 
+static const char *role_name(kvs_server_role_t role);
+
+/* strict_role: why this server does not serve the request (written to msg), or NULL. */
+static const char *role_refusal(const kvs_server_t *srv, const kvs__api_req_t *api, char *msg,
+                                size_t cap)
+{
+    const char *mine = role_name(srv->role);
+    if (srv->role == KVS_SERVER_ROLE_NONE && api->has_room) {
+        snprintf(msg, cap,
+                 "this is a colocated server: it serves whole requests, without \"kvstage\"");
+        return "wrong_role";
+    }
+    if (srv->role != KVS_SERVER_ROLE_NONE && !api->has_room) {
+        snprintf(msg, cap,
+                 "this is a %s server: it serves the %s side of requests a router sends (with "
+                 "\"kvstage\"); send this request to the router or to a colocated server",
+                 mine, mine);
+        return "wrong_role";
+    }
+    if (srv->role != KVS_SERVER_ROLE_NONE && api->role != srv->role) {
+        snprintf(msg, cap, "this is a %s server; the request is for a %s server", mine,
+                 role_name(api->role));
+        return "wrong_role";
+    }
+    if (srv->role == KVS_SERVER_ROLE_DECODE && srv->bootstrap != NULL && api->bootstrap != NULL &&
+        strcmp(srv->bootstrap, api->bootstrap) != 0) {
+        snprintf(msg, cap,
+                 "this decode server is bound to the prefill instance at %s; the request's KV "
+                 "would come from %s",
+                 srv->bootstrap, api->bootstrap);
+        return "wrong_bootstrap";
+    }
+    return NULL;
+}
+
 static enum MHD_Result handle_generate(req_t *r)
 {
     kvs_server_t *srv = r->srv;
@@ -662,6 +698,11 @@ static enum MHD_Result handle_generate(req_t *r)
     kvs_status_t st = kvs__api_parse(&srv->limits, &srv->tok, r->ep == EP_CHAT, r->body.data,
                                      r->body.len, &r->api, &err);
     if (st != KVS_OK) return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+    if (srv->strict_role) {
+        char msg[384];
+        const char *code = role_refusal(srv, &r->api, msg, sizeof(msg));
+        if (code != NULL) return send_error(r, 400, msg, "kvstage", code);
+    }
     if (r->api.role == KVS_SERVER_ROLE_PREFILL) {
         r->api.stream = 0;
         r->api.include_usage = 0;
@@ -979,6 +1020,7 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
         goto free_strings;
     }
     srv->role = config->role;
+    srv->strict_role = config->strict_role;
     srv->max_body = config->max_body ? config->max_body : (size_t) 1 << 20;
     srv->limits.max_context = config->max_context ? config->max_context : 4096;
     srv->limits.default_max_tokens = config->default_max_tokens;

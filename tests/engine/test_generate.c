@@ -267,6 +267,9 @@ static void test_rank_pipe(void **state)
           "submit 5 4 0 1 0 -1 9 1 2 3 4 5 6 7 8 9\n"
           "submit 4 100 0 1 0 -1 3 1 2 3\n"
           "stop 4\n"
+          "match 3 1 2 3\n"
+          "match 3 1 2\n"
+          "stats\n"
           "quit\n",
           p);
     int status = pclose(p);
@@ -280,7 +283,8 @@ static void test_rank_pipe(void **state)
     unlink(path);
     static const char *expect[] = {
         "{\"event\":\"ready\",\"role\":\"colocated\",\"tp\":1,",
-        "{\"event\":\"error\",\"message\":\"bad request line: expected submit, stop or quit\"}",
+        "{\"event\":\"error\",\"message\":\"bad request line: expected submit, stop, match, "
+        "stats or quit\"}",
         "{\"event\":\"rejected\",\"room\":2,",
         "{\"event\":\"error\",\"message\":\"bad request line: more token ids than N\"}",
         "{\"event\":\"rejected\",\"room\":5,",
@@ -291,6 +295,11 @@ static void test_rank_pipe(void **state)
         "{\"event\":\"done\",\"room\":4,\"status\":\"ok\",\"finish\":\"stop\",",
         "{\"event\":\"stats\",\"role\":\"colocated\",\"rank\":0,",
         "\"requests_ok\":2,\"requests_failed\":0,",
+        /* match and stats: one answer each, in order (prompts shorter than a page hit nothing) */
+        "{\"event\":\"match\",\"cached\":0,\"prompt_len\":3}",
+        "{\"event\":\"match\",\"cached\":0,\"error\":",
+        "\"final\":false}",
+        "\"final\":true}",
     };
     for (size_t i = 0; i < sizeof(expect) / sizeof(expect[0]); i++)
         if (strstr(out, expect[i]) == NULL)

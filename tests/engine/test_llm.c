@@ -495,6 +495,57 @@ static void test_submit_refusals(void **state)
     kvs_assert_no_leaks();
 }
 
+/* kvs_llm_cached answers what the next admission finds, and asking changes nothing: the cache
+ * hit a later request gets is the same whether or not the question was asked before. */
+static void test_cached_query(void **state)
+{
+    (void) state;
+    uint32_t hit[2];
+    for (int ask = 0; ask < 2; ask++) {
+        single_t s;
+        single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, NULL, NULL);
+        uint32_t cached = 999;
+        assert_int_equal(kvs_llm_cached(s.llm, g_prompt[1], g_len[1], &cached), KVS_OK);
+        assert_int_equal(cached, 0);
+        outcome_t o;
+        memset(&o, 0, sizeof(o));
+        kvs_llm_request_t q = request(0);
+        assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+        while (!o.done[0]) {
+            int quit;
+            uint32_t work;
+            assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+            drain(s.llm, &o);
+        }
+        /* Prompt 1 shares 40 tokens (two whole pages) with prompt 0, now cached. */
+        uint32_t expect = 40 / PAGE * PAGE;
+        if (ask) {
+            for (int i = 0; i < 3; i++) {
+                assert_int_equal(kvs_llm_cached(s.llm, g_prompt[1], g_len[1], &cached), KVS_OK);
+                assert_int_equal(cached, expect);
+            }
+            assert_int_equal(kvs_llm_cached(s.llm, g_prompt[3], g_len[3], &cached), KVS_OK);
+            assert_int_equal(cached, 0);
+            assert_int_equal(kvs_llm_cached(s.llm, g_prompt[0], PAGE, &cached), KVS_OK);
+            assert_int_equal(cached, 0); /* one page: the last token is always computed */
+        }
+        q = request(1);
+        assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+        while (!o.done[1]) {
+            int quit;
+            uint32_t work;
+            assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+            drain(s.llm, &o);
+        }
+        hit[ask] = o.last[1].cached_tokens;
+        assert_int_equal(hit[ask], expect);
+        assert_memory_equal(o.tokens[1], g_ref[1], sizeof(g_ref[1]));
+        single_close(&s, 1);
+    }
+    assert_int_equal(hit[0], hit[1]);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -504,6 +555,7 @@ int main(void)
         cmocka_unit_test(test_disaggregated_hostile_network),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
+        cmocka_unit_test(test_cached_query),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

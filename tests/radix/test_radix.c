@@ -450,6 +450,49 @@ static void test_eviction_lru_leaves(void **state)
     kvs_assert_no_leaks();
 }
 
+/* lookup answers what match would, but splits nothing and leaves the LRU order alone: the
+ * eviction order after lookups is the order the inserts and matches alone set. */
+static void test_lookup_read_only(void **state)
+{
+    (void) state;
+    const uint32_t P = 2;
+    kvs_radix_t *r = make(P);
+    int32_t a[6] = {1, 1, 2, 2, 3, 3}, b[6] = {5, 5, 6, 6, 7, 7}, q[6] = {1, 1, 2, 2, 9, 9};
+    uint32_t ia[3], ib[3];
+    put(r, P, 0, a, 6, ia, NULL);
+    put(r, P, 0, b, 6, ib, NULL);
+    size_t t = 999;
+    assert_int_equal(kvs_radix_lookup(r, 0, a, 6, &t), KVS_OK);
+    assert_int_equal(t, 6);
+    assert_int_equal(kvs_radix_lookup(r, 0, a, 5, &t), KVS_OK); /* whole pages only */
+    assert_int_equal(t, 4);
+    assert_int_equal(kvs_radix_lookup(r, 0, q, 6, &t), KVS_OK); /* ends inside a's node */
+    assert_int_equal(t, 4);
+    assert_int_equal(kvs_radix_lookup(r, 1, a, 6, &t), KVS_OK); /* another namespace */
+    assert_int_equal(t, 0);
+    assert_int_equal(kvs_radix_lookup(r, 0, NULL, 1, &t), KVS_OK); /* shorter than a page */
+    assert_int_equal(t, 0);
+    assert_int_equal(stats_of(r).nodes, 2); /* no split */
+    /* a was inserted first and only looked up since: it is still the least recently used. */
+    log_reset();
+    assert_int_equal(kvs_radix_evict(r, 1), 3);
+    assert_int_equal(g_tr.log[0], ia[0]);
+    /* A match of the same key does split (the contrast that makes the lookup necessary). */
+    put(r, P, 0, a, 6, ia, NULL);
+    assert_int_equal(get(r, 0, q, 6, NULL, NULL), 4);
+    assert_int_equal(stats_of(r).nodes, 3);
+
+    kvs_log_set_sink(quiet_sink, NULL);
+    g_logged = 0;
+    assert_int_equal(kvs_radix_lookup(NULL, 0, a, 6, &t), KVS_ERR_INVALID);
+    assert_int_equal(kvs_radix_lookup(r, 0, a, 6, NULL), KVS_ERR_INVALID);
+    assert_int_equal(kvs_radix_lookup(r, 0, NULL, 4, &t), KVS_ERR_INVALID);
+    assert_int_equal(g_logged, 3);
+    kvs_log_set_sink(NULL, NULL);
+    kvs_radix_destroy(r);
+    kvs_assert_no_leaks();
+}
+
 static void test_destroy_frees_all(void **state)
 {
     (void) state;
@@ -824,6 +867,11 @@ static void op_match(void)
     int want_pages = kvs_rng_below(&g_p.rng, 4) != 0;
     memset(out, 0, sizeof(out));
     out[npages] = 0xdeadbeef; /* nothing past len/P is written */
+    /* The read-only lookup agrees with the model (and so with the match below), and it never
+     * allocates, so it cannot fail under injection. */
+    size_t looked = 999;
+    PCHECK(kvs_radix_lookup(g_p.r, k.ns, k.tok, k.len, &looked) == KVS_OK, "lookup failed");
+    PCHECK(looked == mm * P, "lookup length %zu, model %zu", looked, mm * P);
     int armed;
     inject_maybe(&armed);
     kvs_radix_match_t m;
@@ -1034,12 +1082,19 @@ static void test_property(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_create_invalid),       cmocka_unit_test(test_basic_split),
-        cmocka_unit_test(test_namespaces_isolate),   cmocka_unit_test(test_partial_page_ignored),
-        cmocka_unit_test(test_insert_present),       cmocka_unit_test(test_lock_protects),
-        cmocka_unit_test(test_unlock_errors),        cmocka_unit_test(test_eviction_lru_leaves),
-        cmocka_unit_test(test_destroy_frees_all),    cmocka_unit_test(test_alloc_failures),
-        cmocka_unit_test(test_table_growth_failure), cmocka_unit_test(test_property),
+        cmocka_unit_test(test_create_invalid),
+        cmocka_unit_test(test_basic_split),
+        cmocka_unit_test(test_namespaces_isolate),
+        cmocka_unit_test(test_partial_page_ignored),
+        cmocka_unit_test(test_insert_present),
+        cmocka_unit_test(test_lock_protects),
+        cmocka_unit_test(test_unlock_errors),
+        cmocka_unit_test(test_eviction_lru_leaves),
+        cmocka_unit_test(test_destroy_frees_all),
+        cmocka_unit_test(test_alloc_failures),
+        cmocka_unit_test(test_table_growth_failure),
+        cmocka_unit_test(test_lookup_read_only),
+        cmocka_unit_test(test_property),
     };
     /* KVS_TEST_FILTER=test_property runs one test (e.g. a long soak with KVS_ITERS). */
     const char *filter = getenv("KVS_TEST_FILTER");

@@ -165,6 +165,38 @@ static void model_args(const opts_t *o, char **args, int *n)
     }
 }
 
+/* Appends one server's command line: role, its TP size and (disaggregated) the peer's, the
+ * model, a free port and the engine limits. */
+static void server_args(const opts_t *o, const char *role, const char *tp, const char *peer_tp,
+                        const char *bootstrap, const char *running, const char *max_new,
+                        char **args, int *n)
+{
+    args[(*n)++] = "kvstage";
+    args[(*n)++] = "serve";
+    args[(*n)++] = "--role";
+    args[(*n)++] = (char *) role;
+    args[(*n)++] = "--tp";
+    args[(*n)++] = (char *) tp;
+    if (peer_tp != NULL) {
+        args[(*n)++] = "--peer-tp";
+        args[(*n)++] = (char *) peer_tp;
+    }
+    model_args(o, args, n);
+    if (bootstrap != NULL) {
+        args[(*n)++] = "--bootstrap";
+        args[(*n)++] = (char *) bootstrap;
+    }
+    args[(*n)++] = "--port";
+    args[(*n)++] = "0";
+    args[(*n)++] = "--max-running";
+    args[(*n)++] = (char *) running;
+    args[(*n)++] = "--max-new";
+    args[(*n)++] = (char *) max_new;
+    args[(*n)++] = "--max-prompt";
+    args[(*n)++] = "1024";
+    args[*n] = NULL;
+}
+
 /* Starts the deployment (colocated, or router + prefill + decode); url_p: where clients go. */
 static int deploy(const opts_t *o, int disaggregated, kvs_child_t *cs, const char **url_p)
 {
@@ -178,26 +210,8 @@ static int deploy(const opts_t *o, int disaggregated, kvs_child_t *cs, const cha
     snprintf(max_new, sizeof(max_new), "%u", o->max_tokens);
     char *args[40];
     int n = 0;
-    args[n++] = "kvstage";
-    args[n++] = "serve";
-    args[n++] = "--role";
-    args[n++] = disaggregated ? "prefill" : "colocated";
-    args[n++] = "--tp";
-    args[n++] = disaggregated ? ptp : dtp;
-    if (disaggregated) {
-        args[n++] = "--peer-tp";
-        args[n++] = dtp;
-    }
-    model_args(o, args, &n);
-    args[n++] = "--port";
-    args[n++] = "0";
-    args[n++] = "--max-running";
-    args[n++] = running;
-    args[n++] = "--max-new";
-    args[n++] = max_new;
-    args[n++] = "--max-prompt";
-    args[n++] = "1024";
-    args[n] = NULL;
+    server_args(o, disaggregated ? "prefill" : "colocated", disaggregated ? ptp : dtp,
+                disaggregated ? dtp : NULL, NULL, running, max_new, args, &n);
     cs[0].name = disaggregated ? "prefill server" : "colocated server";
     if (kvs_child_start(&cs[0], args) != 0 || kvs_child_wait_line(&cs[0], "serving on", 300) != 0)
         return -1;
@@ -206,24 +220,7 @@ static int deploy(const opts_t *o, int disaggregated, kvs_child_t *cs, const cha
         return 0;
     }
     n = 0;
-    args[n++] = "kvstage";
-    args[n++] = "serve";
-    args[n++] = "--role";
-    args[n++] = "decode";
-    args[n++] = "--tp";
-    args[n++] = dtp;
-    model_args(o, args, &n);
-    args[n++] = "--bootstrap";
-    args[n++] = cs[0].bootstrap;
-    args[n++] = "--port";
-    args[n++] = "0";
-    args[n++] = "--max-running";
-    args[n++] = running;
-    args[n++] = "--max-new";
-    args[n++] = max_new;
-    args[n++] = "--max-prompt";
-    args[n++] = "1024";
-    args[n] = NULL;
+    server_args(o, "decode", dtp, NULL, cs[0].bootstrap, running, max_new, args, &n);
     cs[1].name = "decode server";
     if (kvs_child_start(&cs[1], args) != 0 || kvs_child_wait_line(&cs[1], "serving on", 300) != 0)
         return -1;

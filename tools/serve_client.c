@@ -110,6 +110,22 @@ int kvs_child_stop(kvs_child_t *c, uint32_t timeout_s)
     return clean;
 }
 
+/* Appends n bytes to a growing NUL-terminated buffer; 0 when out of memory. */
+static int buf_append(char **buf, size_t *len, size_t *cap, const char *data, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t c = (*len + n + 1) * 2;
+        char *b = kvs_realloc(*buf, c);
+        if (b == NULL) return 0;
+        *buf = b;
+        *cap = c;
+    }
+    memcpy(*buf + *len, data, n);
+    *len += n;
+    (*buf)[*len] = '\0';
+    return 1;
+}
+
 /* ---- a streamed request ---- */
 
 static void on_event(kvs_stream_t *s, const char *data, size_t len)
@@ -159,16 +175,7 @@ static size_t on_bytes(char *data, size_t size, size_t n, void *ud)
 {
     kvs_stream_t *s = ud;
     size_t len = size * n;
-    if (s->len + len + 1 > s->cap) {
-        size_t cap = (s->len + len + 1) * 2;
-        char *b = kvs_realloc(s->buf, cap);
-        if (b == NULL) return 0;
-        s->buf = b;
-        s->cap = cap;
-    }
-    memcpy(s->buf + s->len, data, len);
-    s->len += len;
-    s->buf[s->len] = '\0';
+    if (!buf_append(&s->buf, &s->len, &s->cap, data, len)) return 0;
     char *end;
     while ((end = strstr(s->buf, "\n\n")) != NULL) {
         if (strncmp(s->buf, "data: ", 6) == 0) on_event(s, s->buf + 6, (size_t) (end - s->buf - 6));
@@ -245,17 +252,7 @@ static size_t on_text(char *data, size_t size, size_t n, void *ud)
 {
     text_t *t = ud;
     size_t len = size * n;
-    if (t->len + len + 1 > t->cap) {
-        size_t cap = (t->len + len + 1) * 2;
-        char *b = kvs_realloc(t->buf, cap);
-        if (b == NULL) return 0;
-        t->buf = b;
-        t->cap = cap;
-    }
-    memcpy(t->buf + t->len, data, len);
-    t->len += len;
-    t->buf[t->len] = '\0';
-    return len;
+    return buf_append(&t->buf, &t->len, &t->cap, data, len) ? len : 0;
 }
 
 double kvs_metric_get(const char *url, const char *name)

@@ -142,4 +142,12 @@ kvs_status_t kvs_llm_next_event(kvs_llm_t *llm, kvs_llm_event_t *event_p);
 uint32_t kvs_llm_live(const kvs_llm_t *llm);
 void kvs_llm_stats(const kvs_llm_t *llm, kvs_llm_stats_t *stats_p);
 
+/* Rank 0: asks every rank of the instance for its sender's or receiver's counters at the next
+ * step (they are summed over the TP group there: bytes moved, chunks, retries, ring use... of
+ * the whole instance, not of rank 0 alone). */
+void kvs_llm_collect_metrics(kvs_llm_t *llm);
+/* Rank 0: the instance's summed counters as of the last collection; returns how many
+ * collections have completed (0: none yet, *metrics_p untouched). */
+uint64_t kvs_llm_instance_metrics(const kvs_llm_t *llm, kvs_pd_metrics_t *metrics_p);
+
 #endif

@@ -10,7 +10,10 @@
  *   stop ROOM             ends a live request at the next step
  *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
  *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
- *   stats                 the stats line below, now (with "final":false)
+ *   stats                 the stats line below (with "final":false), after the next step: its
+ *                         transfer counters (bytes_moved, chunks, retries, ring...) are then
+ *                         summed over every rank of the instance (kvs_llm_collect_metrics);
+ *                         answers asked after it wait behind it
  *   quit                  ends the instance once no request is live (or after quit_grace_ns);
  *                         end of file means the same
  * Lines are taken between steps, so an answer can wait for one forward pass. Every match and
@@ -36,7 +39,8 @@
  *                                                          messages, retries, rejected,
  *                                                          ring_used, ring_capacity), load_s
  *                                                          and wall_s; rank 0 writes the same
- *                                                          line with "final":false for stats */
+ *                                                          line with "final":false for stats,
+ *                                                          its metrics those of the instance */
 #ifndef KVSTAGE_LLM_RANK_H
 #define KVSTAGE_LLM_RANK_H
 

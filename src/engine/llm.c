@@ -84,6 +84,9 @@ struct kvs_llm {
     double *agree;         /* [3 * max_running] */
     uint8_t *wire;         /* broadcast assembly */
     size_t wire_cap;
+    int want_metrics;          /* rank 0: collect at the next step */
+    kvs_pd_metrics_t instance; /* summed over the ranks at the last collection */
+    uint64_t collections;
     kvs_llm_stats_t st;
 };
 
@@ -376,7 +379,33 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     return KVS_OK;
 }
 
-/* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [16,24) payload bytes. */
+/* Every rank's sender or receiver counters, summed over the group (every field is a u64
+ * counter or gauge, so the sum is the instance's). */
+static kvs_status_t collect_metrics(kvs_llm_t *e)
+{
+    enum { N = sizeof(kvs_pd_metrics_t) / sizeof(uint64_t) };
+    typedef char all_u64[sizeof(kvs_pd_metrics_t) == N * sizeof(uint64_t) ? 1 : -1];
+    (void) sizeof(all_u64);
+    kvs_pd_metrics_t m;
+    memset(&m, 0, sizeof(m));
+    if (e->cfg.sender != NULL) kvs_sender_metrics(e->cfg.sender, &m);
+    if (e->cfg.receiver != NULL) kvs_receiver_metrics(e->cfg.receiver, &m);
+    uint64_t u[N];
+    double d[N];
+    memcpy(u, &m, sizeof(u));
+    for (size_t i = 0; i < N; i++) d[i] = (double) u[i]; /* exact below 2^53 */
+    if (e->cfg.group != NULL) {
+        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, d, N);
+        if (st != KVS_OK) return st;
+    }
+    for (size_t i = 0; i < N; i++) u[i] = (uint64_t) d[i];
+    memcpy(&e->instance, u, sizeof(u));
+    e->collections++;
+    return KVS_OK;
+}
+
+/* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
+ * collect metrics), [16,24) payload bytes. */
 static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
 {
     uint8_t head[HEADER_BYTES] = {0};
@@ -387,7 +416,9 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
         kvs_put_u32(head, (uint32_t) (quit != 0));
         kvs_put_u32(head + 4, e->npending);
         kvs_put_u32(head + 8, e->nstops);
+        kvs_put_u32(head + 12, (uint32_t) (e->want_metrics != 0));
         kvs_put_u64(head + 16, payload);
+        e->want_metrics = 0;
     }
     kvs_status_t st;
     if (e->cfg.group != NULL &&
@@ -395,6 +426,7 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
         return st;
     *quit_p = kvs_get_u32(head) != 0;
     uint32_t nnew = kvs_get_u32(head + 4), nstop = kvs_get_u32(head + 8);
+    if ((kvs_get_u32(head + 12) & 1) && (st = collect_metrics(e)) != KVS_OK) return st;
     payload = kvs_get_u64(head + 16);
     if (payload == 0) return KVS_OK;
     if (payload > e->wire_cap) {
@@ -883,4 +915,15 @@ void kvs_llm_stats(const kvs_llm_t *e, kvs_llm_stats_t *stats_p)
         s.radix_pages = rs.total_pages;
     }
     *stats_p = s;
+}
+
+void kvs_llm_collect_metrics(kvs_llm_t *e)
+{
+    if (e->rank == 0) e->want_metrics = 1;
+}
+
+uint64_t kvs_llm_instance_metrics(const kvs_llm_t *e, kvs_pd_metrics_t *metrics_p)
+{
+    if (e->collections > 0) *metrics_p = e->instance;
+    return e->collections;
 }

@@ -107,6 +107,12 @@ typedef struct {
     uint32_t *ids; /* [max_prompt] scratch for one prompt */
     int eof, quitting;
     uint64_t quit_at;
+    /* Answers held back behind a `stats` (answered after the next step, when the instance's
+     * counters were summed), so that answers still come in the order asked: one entry per
+     * question, a match line or NULL for a stats line. */
+    char **held;
+    uint32_t nheld, cap_held;
+    uint64_t stats_after; /* the stats answers are due once collections exceed this */
 } io_t;
 
 static int next_u64(char **p, uint64_t *v)
@@ -197,6 +203,20 @@ static void handle_submit(io_t *io, char *p)
 
 static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final);
 
+/* Queues an answer behind a held stats answer; 0 when out of memory. */
+static int hold(io_t *io, char *line)
+{
+    if (io->nheld == io->cap_held) {
+        uint32_t n = io->cap_held ? io->cap_held * 2 : 8;
+        char **p = kvs_realloc(io->held, (size_t) n * sizeof(*p));
+        if (p == NULL) return 0;
+        io->held = p;
+        io->cap_held = n;
+    }
+    io->held[io->nheld++] = line;
+    return 1;
+}
+
 /* `match N IDS`: answered with one match line whatever happens, so that the asker can pair
  * answers with questions in order. */
 static void handle_match(io_t *io, char *p)
@@ -217,24 +237,56 @@ static void handle_match(io_t *io, char *p)
     if (why == NULL && n <= io->cfg->max_prompt &&
         kvs_llm_cached(io->llm, io->ids, (uint32_t) n, &cached) != KVS_OK)
         cached = 0;
+    char line[256];
     if (why != NULL) {
         kvs_warn("llm rank: bad request line: %s", why);
-        out_line(io->cfg->out_fd, "{\"event\":\"match\",\"cached\":0,\"error\":\"%s\"}", why);
+        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":0,\"error\":\"%s\"}", why);
+    } else {
+        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":%u,\"prompt_len\":%llu}",
+                 cached, (unsigned long long) n);
+    }
+    if (io->nheld == 0) {
+        out_line(io->cfg->out_fd, "%s", line);
         return;
     }
-    out_line(io->cfg->out_fd, "{\"event\":\"match\",\"cached\":%u,\"prompt_len\":%llu}", cached,
-             (unsigned long long) n);
+    char *copy = kvs_strdup(line);
+    if (copy == NULL || !hold(io, copy)) {
+        kvs_free(copy);
+        out_line(io->cfg->out_fd, "%s", line); /* out of memory: late order beats no answer */
+    }
 }
 
+/* `stats`: the instance's transfer counters are summed over every rank at the next step, so
+ * the answer waits for it (answer_held, after each step). */
 static void handle_stats(io_t *io)
+{
+    kvs_pd_metrics_t unused;
+    if (io->nheld == 0) io->stats_after = kvs_llm_instance_metrics(io->llm, &unused);
+    if (!hold(io, NULL)) {
+        parse_error(io, "out of memory holding a stats question");
+        return;
+    }
+    kvs_llm_collect_metrics(io->llm);
+}
+
+/* Writes the held answers, in order, once the instance's counters have been summed. */
+static void answer_held(io_t *io)
 {
     kvs_llm_rank_result_t r;
     memset(&r, 0, sizeof(r));
+    if (io->nheld == 0 || kvs_llm_instance_metrics(io->llm, &r.metrics) <= io->stats_after) return;
     kvs_llm_stats(io->llm, &r.stats);
-    kvs_plumbing_metrics(io->pl, &r.metrics);
     r.load_s = io->load_s;
     r.wall_s = (double) (kvs_now_ns() - io->t0) / 1e9;
-    write_stats(io->cfg, &r, 0);
+    for (uint32_t i = 0; i < io->nheld; i++) {
+        if (io->held[i] == NULL) {
+            write_stats(io->cfg, &r, 0);
+        } else {
+            out_line(io->cfg->out_fd, "%s", io->held[i]);
+            kvs_free(io->held[i]);
+        }
+    }
+    io->nheld = 0;
 }
 
 static void handle_line(io_t *io, char *line)
@@ -500,6 +552,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         work += stepped;
         kvs_llm_event_t ev;
         while (c.rank == 0 && kvs_llm_next_event(llm, &ev) == KVS_OK) write_event(c.out_fd, &ev);
+        if (c.rank == 0) answer_held(&io);
         if (quit) break;
         if (work != 0) {
             last_work = kvs_now_ns();
@@ -529,6 +582,8 @@ out:
     kvs_tpgroup_leave(group);
     kvs_pool_destroy(pool);
     kvs_model_destroy(model);
+    for (uint32_t i = 0; i < io.nheld; i++) kvs_free(io.held[i]);
+    kvs_free(io.held);
     kvs_free(io.buf);
     kvs_free(io.ids);
     return st;

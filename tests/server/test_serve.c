@@ -437,10 +437,11 @@ static void test_metrics(void **state)
 {
     (void) state;
     proc_t *servers[5] = {g_d.pre[0], g_d.pre[1], g_d.dec[0], g_d.dec[1], g_d.colo};
-    double fin[2], bytes[2], chunks[2];
+    double fin[2], bytes[2], chunks[2], sent[2];
     for (int i = 0; i < 2; i++) {
         fin[i] = metric_of(g_d.dec[i]->port, "kvstage_requests_finished_total{reason=\"length\"}");
         bytes[i] = metric_of(g_d.dec[i]->port, "kvstage_kv_bytes_total");
+        sent[i] = metric_of(g_d.pre[i]->port, "kvstage_kv_bytes_total");
         chunks[i] = metric_of(g_d.dec[i]->port, "kvstage_kv_chunks_total");
     }
     char text[1024];
@@ -449,8 +450,9 @@ static void test_metrics(void **state)
         snprintf(prompt, sizeof(prompt), "metrics request %d with some text", k);
         assert_int_equal(complete(g_d.router->port, prompt, 6, 0, text, sizeof(text), NULL), 200);
     }
-    double f = 0, b = 0, c = 0;
+    double f = 0, b = 0, c = 0, sb = 0;
     for (int i = 0; i < 2; i++) {
+        sb += metric_of(g_d.pre[i]->port, "kvstage_kv_bytes_total") - sent[i];
         f += metric_of(g_d.dec[i]->port, "kvstage_requests_finished_total{reason=\"length\"}") -
              fin[i];
         b += metric_of(g_d.dec[i]->port, "kvstage_kv_bytes_total") - bytes[i];
@@ -458,6 +460,9 @@ static void test_metrics(void **state)
     }
     assert_true(f == 4);
     assert_true(b > 0);
+    /* Every rank's counters are summed: what the prefill instances sent (TP2 and TP1) is what
+     * the decode instances (TP1 and TP2) scattered, whichever pair served which request. */
+    if (sb != b) fail_msg("prefill instances sent %.0f KV bytes, decode instances got %.0f", sb, b);
     assert_true(c >= 4);
     for (int i = 0; i < 5; i++) {
         http_resp_t r = {0};

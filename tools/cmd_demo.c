@@ -83,25 +83,16 @@ static void parse_line(child_t *c, const char *line)
     c->rejected = json_u64(line, "rejected_messages");
 }
 
+static void on_child_line(void *arg, char *line)
+{
+    parse_line(arg, line);
+}
+
 static void read_child(child_t *c)
 {
-    ssize_t n = read(c->fd, c->buf + c->len, sizeof(c->buf) - 1 - c->len);
-    if (n <= 0) {
-        close(c->fd);
-        c->fd = -1;
-        return;
-    }
-    c->len += (size_t) n;
-    c->buf[c->len] = '\0';
-    char *nl;
-    while ((nl = strchr(c->buf, '\n')) != NULL) {
-        *nl = '\0';
-        parse_line(c, c->buf);
-        size_t used = (size_t) (nl - c->buf) + 1;
-        memmove(c->buf, nl + 1, c->len - used + 1);
-        c->len -= used;
-    }
-    if (c->len == sizeof(c->buf) - 1) c->len = 0; /* an overlong line: drop it */
+    if (kvs_read_lines(c->fd, c->buf, sizeof(c->buf), &c->len, on_child_line, c)) return;
+    close(c->fd);
+    c->fd = -1;
 }
 
 static pid_t spawn(child_t *c, const char *registry, int argc, char **argv, int first)

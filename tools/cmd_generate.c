@@ -453,26 +453,23 @@ static void on_line(gen_t *g, child_t *c, const char *line)
     }
 }
 
+typedef struct {
+    gen_t *g;
+    child_t *c;
+} line_ctx_t;
+
+static void on_child_line(void *arg, char *line)
+{
+    line_ctx_t *x = arg;
+    on_line(x->g, x->c, line);
+}
+
 static void read_child(gen_t *g, child_t *c)
 {
-    ssize_t n = read(c->out_fd, c->buf + c->len, sizeof(c->buf) - 1 - c->len);
-    if (n < 0 && errno == EINTR) return;
-    if (n <= 0) {
-        close(c->out_fd);
-        c->out_fd = -1;
-        return;
-    }
-    c->len += (size_t) n;
-    c->buf[c->len] = '\0';
-    char *nl;
-    while ((nl = strchr(c->buf, '\n')) != NULL) {
-        *nl = '\0';
-        on_line(g, c, c->buf);
-        size_t used = (size_t) (nl - c->buf) + 1;
-        memmove(c->buf, nl + 1, c->len - used + 1);
-        c->len -= used;
-    }
-    if (c->len == sizeof(c->buf) - 1) c->len = 0; /* an overlong line: drop it */
+    line_ctx_t x = {g, c};
+    if (kvs_read_lines(c->out_fd, c->buf, sizeof(c->buf), &c->len, on_child_line, &x)) return;
+    close(c->out_fd);
+    c->out_fd = -1;
 }
 
 /* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */

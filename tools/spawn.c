@@ -94,3 +94,23 @@ int kvs_spawn_self_group(const char *who, char *const argv[], kvs_spawn_io_t in,
 {
     return spawn(who, argv, in, out, 1, child_p);
 }
+
+int kvs_read_lines(int fd, char *buf, size_t cap, size_t *len,
+                   void (*on_line)(void *arg, char *line), void *arg)
+{
+    ssize_t n = read(fd, buf + *len, cap - 1 - *len);
+    if (n < 0 && errno == EINTR) return 1;
+    if (n <= 0) return 0;
+    *len += (size_t) n;
+    buf[*len] = '\0';
+    char *nl;
+    while ((nl = strchr(buf, '\n')) != NULL) {
+        *nl = '\0';
+        on_line(arg, buf);
+        size_t used = (size_t) (nl - buf) + 1;
+        memmove(buf, nl + 1, *len - used + 1);
+        *len -= used;
+    }
+    if (*len == cap - 1) *len = 0; /* an overlong line: drop it */
+    return 1;
+}

@@ -4,6 +4,7 @@
 #ifndef KVSTAGE_TOOLS_SPAWN_H
 #define KVSTAGE_TOOLS_SPAWN_H
 
+#include <stddef.h>
 #include <sys/types.h>
 
 /* What the child's stdin or stdout is. */
@@ -31,5 +32,12 @@ int kvs_spawn_self(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_s
  * caller's group do not. */
 int kvs_spawn_self_group(const char *who, char *const argv[], kvs_spawn_io_t in, kvs_spawn_io_t out,
                          kvs_spawned_t *child_p);
+
+/* Reads what a child's pipe has into buf (cap bytes, *len of them holding the start of a line,
+ * NUL-terminated) and calls on_line for every whole line, without its newline; a line longer
+ * than the buffer is dropped. 0: the pipe is at its end or failed (close it); 1: go on (an
+ * interrupted read included). */
+int kvs_read_lines(int fd, char *buf, size_t cap, size_t *len,
+                   void (*on_line)(void *arg, char *line), void *arg);
 
 #endif

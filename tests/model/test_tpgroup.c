@@ -325,6 +325,28 @@ static void run_threads(worker_t *w, uint32_t size, uint64_t stagger_us)
     for (uint32_t r = 0; r < size; r++) pthread_join(th[r], NULL);
 }
 
+/* A group config with room for 8 doubles. */
+static kvs_tpgroup_config_t small_config(const char *name, uint32_t size, uint32_t rank,
+                                         size_t max_bytes, uint64_t timeout_ms)
+{
+    return (kvs_tpgroup_config_t){.name = name,
+                                  .size = size,
+                                  .rank = rank,
+                                  .max_doubles = 8,
+                                  .max_bytes = max_bytes,
+                                  .timeout_ms = timeout_ms};
+}
+
+/* Ranks 0..size-1 of one group, sharing the entry counter. */
+static void workers_init(worker_t *w, uint32_t size, const char *name, uint64_t timeout_ms,
+                         uint64_t seed, uint64_t rounds, _Atomic uint64_t *entered)
+{
+    for (uint32_t r = 0; r < size; r++) {
+        worker_init(&w[r], name, size, r, timeout_ms, seed, rounds);
+        w[r].entered = entered;
+    }
+}
+
 /* Children still running if a test fails half-way; they have deadlines, but don't wait. */
 static pid_t g_children[MAX_RANKS];
 static int g_nchildren;
@@ -428,42 +450,25 @@ static void test_data_is_order_sensitive(void **state)
     assert_true(differ > MAX_DOUBLES / 10);
 }
 
-static void rounds_threads(uint32_t size, int slow_rank, uint64_t rounds, uint64_t seed)
+/* Every rank runs the rounds, as threads or as processes (run_processes checks the children,
+ * so only rank 0 is left to check here). */
+static void run_rounds_group(int processes, uint32_t size, int slow_rank, uint64_t rounds,
+                             uint64_t seed)
 {
     char name[96];
-    group_name(name, sizeof(name), "thr");
+    group_name(name, sizeof(name), processes ? "proc" : "thr");
     _Atomic uint64_t *entered = shared_counter();
     worker_t w[MAX_RANKS];
-    for (uint32_t r = 0; r < size; r++) {
-        worker_init(&w[r], name, size, r, LONG_TIMEOUT_MS, seed, rounds);
-        w[r].slow = (int) r == slow_rank;
-        w[r].entered = entered;
-    }
+    workers_init(w, size, name, LONG_TIMEOUT_MS, seed, rounds, entered);
+    for (uint32_t r = 0; r < size; r++) w[r].slow = (int) r == slow_rank;
     collect_start(); /* the refused oversized calls log errors */
-    run_threads(w, size, 0);
+    if (processes)
+        run_processes(w, size);
+    else
+        run_threads(w, size, 0);
     collect_stop();
     munmap((void *) entered, sizeof(*entered));
-    check_all_ok(w, size);
-    assert_false(shm_exists(name));
-    kvs_assert_no_leaks();
-}
-
-static void rounds_processes(uint32_t size, int slow_rank, uint64_t rounds, uint64_t seed)
-{
-    char name[96];
-    group_name(name, sizeof(name), "proc");
-    _Atomic uint64_t *entered = shared_counter();
-    worker_t w[MAX_RANKS];
-    for (uint32_t r = 0; r < size; r++) {
-        worker_init(&w[r], name, size, r, LONG_TIMEOUT_MS, seed, rounds);
-        w[r].slow = (int) r == slow_rank;
-        w[r].entered = entered;
-    }
-    collect_start();
-    run_processes(w, size);
-    collect_stop();
-    munmap((void *) entered, sizeof(*entered));
-    check_all_ok(w, 1);
+    check_all_ok(w, processes ? 1 : size);
     assert_false(shm_exists(name));
     kvs_assert_no_leaks();
 }
@@ -473,9 +478,9 @@ static void test_threads(void **state)
     (void) state;
     uint64_t seed = kvs_test_seed(0x7e57), n = kvs_test_iters(400);
     for (uint32_t size = 2; size <= 4; size++) {
-        rounds_threads(size, -1, n, seed + size);
-        rounds_threads(size, (int) size - 1, n / 8 + 1, seed + 10 + size); /* slow last rank */
-        rounds_threads(size, 0, n / 8 + 1, seed + 20 + size);              /* slow rank 0 */
+        run_rounds_group(0, size, -1, n, seed + size);
+        run_rounds_group(0, size, (int) size - 1, n / 8 + 1, seed + 10 + size); /* slow last rank */
+        run_rounds_group(0, size, 0, n / 8 + 1, seed + 20 + size);              /* slow rank 0 */
     }
 }
 
@@ -484,9 +489,9 @@ static void test_processes(void **state)
     (void) state;
     uint64_t seed = kvs_test_seed(0x9a0c), n = kvs_test_iters(400);
     for (uint32_t size = 2; size <= 3; size++) {
-        rounds_processes(size, -1, n, seed + size);
-        rounds_processes(size, 1, n / 8 + 1, seed + 10 + size); /* a slow child */
-        rounds_processes(size, 0, n / 8 + 1, seed + 20 + size); /* a slow rank 0 */
+        run_rounds_group(1, size, -1, n, seed + size);
+        run_rounds_group(1, size, 1, n / 8 + 1, seed + 10 + size); /* a slow child */
+        run_rounds_group(1, size, 0, n / 8 + 1, seed + 20 + size); /* a slow rank 0 */
     }
 }
 
@@ -599,12 +604,7 @@ static void test_join_timeout(void **state)
     (void) state;
     char name[96];
     group_name(name, sizeof(name), "alone");
-    kvs_tpgroup_config_t c = {.name = name,
-                              .size = 3,
-                              .rank = 0,
-                              .max_doubles = 8,
-                              .max_bytes = 8,
-                              .timeout_ms = SHORT_TIMEOUT_MS};
+    kvs_tpgroup_config_t c = small_config(name, 3, 0, 8, SHORT_TIMEOUT_MS);
     kvs_tpgroup_t *g = NULL;
     collect_start();
     uint64_t t0 = kvs_now_ns();
@@ -716,13 +716,7 @@ static void test_mismatched_calls(void **state)
         group_name(name, sizeof(name), "mismatch");
         mismatch_t m[2];
         memset(m, 0, sizeof(m));
-        for (uint32_t r = 0; r < 2; r++)
-            m[r].cfg = (kvs_tpgroup_config_t){.name = name,
-                                              .size = 2,
-                                              .rank = r,
-                                              .max_doubles = 8,
-                                              .max_bytes = 64,
-                                              .timeout_ms = LONG_TIMEOUT_MS};
+        for (uint32_t r = 0; r < 2; r++) m[r].cfg = small_config(name, 2, r, 64, LONG_TIMEOUT_MS);
         m[0].op = cases[i].op0, m[0].n = cases[i].n0;
         m[1].op = cases[i].op1, m[1].n = cases[i].n1;
         pthread_t th[2];
@@ -748,10 +742,7 @@ static void test_peer_stops_threads(void **state)
     group_name(name, sizeof(name), "stop");
     _Atomic uint64_t *entered = shared_counter();
     worker_t w[3];
-    for (uint32_t r = 0; r < 3; r++) {
-        worker_init(&w[r], name, 3, r, SHORT_TIMEOUT_MS, kvs_test_seed(5), 50);
-        w[r].entered = entered;
-    }
+    workers_init(w, 3, name, SHORT_TIMEOUT_MS, kvs_test_seed(5), 50, entered);
     w[2].die_at = 5;
     collect_start();
     run_threads(w, 3, 0);
@@ -781,10 +772,7 @@ static void test_killed_child(void **state)
     group_name(name, sizeof(name), "kill");
     _Atomic uint64_t *entered = shared_counter();
     worker_t w[3];
-    for (uint32_t r = 0; r < 3; r++) {
-        worker_init(&w[r], name, 3, r, SHORT_TIMEOUT_MS, kvs_test_seed(6), 50);
-        w[r].entered = entered;
-    }
+    workers_init(w, 3, name, SHORT_TIMEOUT_MS, kvs_test_seed(6), 50, entered);
     w[2].die_at = 5;
     collect_start();
     pid_t p1 = spawn(&w[1]), p2 = spawn(&w[2]);
@@ -811,12 +799,7 @@ static void test_dead_peer_detected(void **state)
     (void) state;
     char name[96];
     group_name(name, sizeof(name), "dead");
-    kvs_tpgroup_config_t c = {.name = name,
-                              .size = 2,
-                              .rank = 1,
-                              .max_doubles = 8,
-                              .max_bytes = 8,
-                              .timeout_ms = LONG_TIMEOUT_MS};
+    kvs_tpgroup_config_t c = small_config(name, 2, 1, 8, LONG_TIMEOUT_MS);
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
@@ -854,11 +837,8 @@ static void test_stale_segment(void **state)
     group_name(name, sizeof(name), "stale");
     _Atomic uint64_t *entered = shared_counter();
     worker_t w[2];
-    for (uint32_t r = 0; r < 2; r++) {
-        worker_init(&w[r], name, 2, r, LONG_TIMEOUT_MS, seed, 20);
-        w[r].entered = entered;
-        w[r].die_at = 7;
-    }
+    workers_init(w, 2, name, LONG_TIMEOUT_MS, seed, 20, entered);
+    w[0].die_at = w[1].die_at = 7;
     collect_start();
     pid_t p0 = spawn(&w[0]), p1 = spawn(&w[1]);
     collect_stop();
@@ -875,10 +855,7 @@ static void test_stale_segment(void **state)
             assert_int_equal(write(fd, junk, sizeof(junk)), (ssize_t) sizeof(junk));
             close(fd);
         }
-        for (uint32_t r = 0; r < 2; r++) {
-            worker_init(&w[r], name, 2, r, LONG_TIMEOUT_MS, seed + 1, 40);
-            w[r].entered = entered;
-        }
+        workers_init(w, 2, name, LONG_TIMEOUT_MS, seed + 1, 40, entered);
         atomic_store(entered, 0);
         collect_start();
         run_threads(w, 2, 100000); /* rank 1, then 100 ms later rank 0 */

@@ -68,9 +68,9 @@ static void echo(const char *prompt, size_t n, char *out)
     out[n] = '\0';
 }
 
-static const char *str_at(json_t *obj, const char *path)
+/* The value at a.b.c, with numeric parts for arrays; NULL when there is none. */
+static json_t *json_at(json_t *obj, const char *path)
 {
-    /* a.b.c with numeric parts for arrays */
     char buf[128];
     snprintf(buf, sizeof(buf), "%s", path);
     json_t *cur = obj;
@@ -81,23 +81,40 @@ static const char *str_at(json_t *obj, const char *path)
         else
             cur = json_object_get(cur, tok);
     }
-    return json_string_value(cur);
+    return cur;
+}
+
+static const char *str_at(json_t *obj, const char *path)
+{
+    return json_string_value(json_at(obj, path));
 }
 
 static json_int_t int_at(json_t *obj, const char *path)
 {
-    char buf[128];
-    snprintf(buf, sizeof(buf), "%s", path);
-    json_t *cur = obj;
-    char *save = NULL;
-    for (char *tok = strtok_r(buf, ".", &save); tok && cur; tok = strtok_r(NULL, ".", &save)) {
-        if (json_is_array(cur))
-            cur = json_array_get(cur, (size_t) atoi(tok));
-        else
-            cur = json_object_get(cur, tok);
+    json_t *v = json_at(obj, path);
+    if (!json_is_integer(v)) fail_msg("%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+/* Calls path (a POST with a body, a GET without), requires a 200 and returns the parsed answer (r
+ * still owns the body). */
+static json_t *call_ok(uint16_t port, const char *path, const char *body, http_resp_t *r)
+{
+    http_call(port, NULL, path, body, r);
+    assert_int_equal(r->status, 200);
+    return http_json(r);
+}
+
+/* Concatenates the string at path of SSE events [0, n) into text. */
+static void sse_concat(char **ev, size_t n, const char *path, char *text)
+{
+    text[0] = '\0';
+    for (size_t i = 0; i < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_non_null(c);
+        strcat(text, str_at(c, path));
+        json_decref(c);
     }
-    if (!json_is_integer(cur)) fail_msg("%s is not an integer", path);
-    return json_integer_value(cur);
 }
 
 static void test_completion(void **state)
@@ -142,9 +159,7 @@ static void test_completion(void **state)
 
     /* The same prompt again: the fake's prefix cache has it; max_tokens defaults to the rest of
      * the context (256 - 5). Token-id prompts are accepted. */
-    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":[104,101,108,108,111]}", &r);
-    assert_int_equal(r.status, 200);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/completions", "{\"prompt\":[104,101,108,108,111]}", &r);
     assert_int_equal(int_at(j, "usage.completion_tokens"), 251);
     assert_int_equal(int_at(j, "usage.prompt_tokens_details.cached_tokens"), 5);
     assert_int_equal(strlen(str_at(j, "choices.0.text")), 251);
@@ -160,14 +175,12 @@ static void test_chat(void **state)
     fixture_t f;
     start(&f, NULL);
     http_resp_t r = {0};
-    http_call(f.port, NULL, "/v1/chat/completions",
-              "{\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},"
-              "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"h\"},"
-              "{\"type\":\"text\",\"text\":\"i\"}]}],\"max_tokens\":12,\"temperature\":0,"
-              "\"seed\":7,\"user\":\"u1\",\"n\":1}",
-              &r);
-    assert_int_equal(r.status, 200);
-    json_t *j = http_json(&r);
+    json_t *j = call_ok(f.port, "/v1/chat/completions",
+                        "{\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},"
+                        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"h\"},"
+                        "{\"type\":\"text\",\"text\":\"i\"}]}],\"max_tokens\":12,\"temperature\":0,"
+                        "\"seed\":7,\"user\":\"u1\",\"n\":1}",
+                        &r);
     assert_true(strncmp(str_at(j, "id"), "chatcmpl-", 9) == 0);
     assert_string_equal(str_at(j, "object"), "chat.completion");
     json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
@@ -184,11 +197,9 @@ static void test_chat(void **state)
     http_resp_fini(&r);
 
     /* max_completion_tokens is the newer name. */
-    http_call(f.port, NULL, "/v1/chat/completions",
-              "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":3}",
-              &r);
-    assert_int_equal(r.status, 200);
-    j = http_json(&r);
+    j = call_ok(
+        f.port, "/v1/chat/completions",
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":3}", &r);
     assert_string_equal(str_at(j, "choices.0.message.content"), "use");
     json_decref(j);
     http_resp_fini(&r);
@@ -294,10 +305,8 @@ static void test_stop_strings(void **state)
     start(&f, &fc);
     http_resp_t r = {0};
     /* Non-streaming: cut before the match, generation cancelled at the backend. */
-    http_call(f.port, NULL, "/v1/completions",
-              "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":\"wor\"}", &r);
-    assert_int_equal(r.status, 200);
-    json_t *j = http_json(&r);
+    json_t *j = call_ok(f.port, "/v1/completions",
+                        "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":\"wor\"}", &r);
     assert_string_equal(str_at(j, "choices.0.text"), "hello ");
     assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
     assert_int_equal(int_at(j, "usage.completion_tokens"), 9); /* "hello wor" */
@@ -310,10 +319,9 @@ static void test_stop_strings(void **state)
     http_resp_fini(&r);
 
     /* Several stop strings: the earliest match wins. */
-    http_call(f.port, NULL, "/v1/completions",
-              "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":[\"zz\",\"lo w\",\"d\"]}",
-              &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":[\"zz\",\"lo w\",\"d\"]}",
+                &r);
     assert_string_equal(str_at(j, "choices.0.text"), "hel");
     json_decref(j);
     http_resp_fini(&r);
@@ -324,12 +332,9 @@ static void test_stop_strings(void **state)
     assert_int_equal(r.status, 200);
     char *ev[64];
     size_t n = sse_split(&r.body, ev, 64);
-    char text[64] = "";
-    for (size_t i = 0; i + 2 < n; i++) {
-        json_t *c = json_loads(ev[i], 0, NULL);
-        strcat(text, str_at(c, "choices.0.text"));
-        json_decref(c);
-    }
+    char text[64];
+    assert_true(n >= 2);
+    sse_concat(ev, n - 2, "choices.0.text", text);
     assert_string_equal(text, "abc");
     json_t *last = json_loads(ev[n - 2], 0, NULL);
     assert_string_equal(str_at(last, "choices.0.finish_reason"), "stop");
@@ -337,25 +342,21 @@ static void test_stop_strings(void **state)
     http_resp_fini(&r);
 
     /* A stop string spanning tokens and a chat request. */
-    http_call(f.port, NULL, "/v1/chat/completions",
-              "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"stop\":\"r: \"}", &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"stop\":\"r: \"}", &r);
     assert_string_equal(str_at(j, "choices.0.message.content"), "use");
     json_decref(j);
     http_resp_fini(&r);
 
     /* Stop tokens: the EOS (256 for the byte tokenizer) and stop_token_ids, not rendered. */
-    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":[104,105,256,33],\"max_tokens\":50}",
-              &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/completions", "{\"prompt\":[104,105,256,33],\"max_tokens\":50}", &r);
     assert_string_equal(str_at(j, "choices.0.text"), "hi");
     assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
     assert_int_equal(int_at(j, "usage.completion_tokens"), 3);
     json_decref(j);
     http_resp_fini(&r);
-    http_call(f.port, NULL, "/v1/completions",
-              "{\"prompt\":\"hey\",\"max_tokens\":50,\"stop_token_ids\":[121]}", &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"hey\",\"max_tokens\":50,\"stop_token_ids\":[121]}", &r);
     assert_string_equal(str_at(j, "choices.0.text"), "he");
     assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
     json_decref(j);
@@ -565,12 +566,8 @@ static void test_backend_failure(void **state)
     char *ev[64];
     size_t n = sse_split(&r.body, ev, 64);
     assert_true(n >= 3);
-    char text[64] = "";
-    for (size_t i = 0; i + 3 < n; i++) {
-        json_t *c = json_loads(ev[i], 0, NULL);
-        strcat(text, str_at(c, "choices.0.text"));
-        json_decref(c);
-    }
+    char text[64];
+    sse_concat(ev, n - 3, "choices.0.text", text);
     assert_string_equal(text, "xy");
     json_t *fin = json_loads(ev[n - 3], 0, NULL);
     assert_string_equal(str_at(fin, "choices.0.finish_reason"), "error");
@@ -588,9 +585,7 @@ static void test_backend_failure(void **state)
 
     /* The server keeps serving. */
     kvs_server_fake_set_fail_at(f.fake, 0);
-    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
-    assert_int_equal(r.status, 200);
-    json_t *j = http_json(&r);
+    json_t *j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
     assert_string_equal(str_at(j, "choices.0.text"), "xyzx");
     json_decref(j);
     http_resp_fini(&r);
@@ -782,14 +777,13 @@ static void test_bad_inputs(void **state)
               &r);
     assert_int_equal(r.status, 200);
     http_resp_fini(&r);
-    http_call(f.port, NULL, "/v1/chat/completions",
-              "{\"messages\":[{\"role\":\"developer\",\"content\":\"d\",\"name\":\"n\"}],"
-              "\"logprobs\":false,\"top_logprobs\":0,\"tools\":[],\"tool_choice\":\"none\","
-              "\"response_format\":{\"type\":\"text\"},\"parallel_tool_calls\":true,"
-              "\"store\":false,\"metadata\":{},\"max_tokens\":2}",
-              &r);
-    assert_int_equal(r.status, 200);
-    json_t *j = http_json(&r);
+    json_t *j =
+        call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"developer\",\"content\":\"d\",\"name\":\"n\"}],"
+                "\"logprobs\":false,\"top_logprobs\":0,\"tools\":[],\"tool_choice\":\"none\","
+                "\"response_format\":{\"type\":\"text\"},\"parallel_tool_calls\":true,"
+                "\"store\":false,\"metadata\":{},\"max_tokens\":2}",
+                &r);
     assert_string_equal(str_at(j, "choices.0.message.content"), "sy"); /* developer = system */
     json_decref(j);
     http_resp_fini(&r);
@@ -819,26 +813,21 @@ static void test_health(void **state)
     assert_int_equal(r.status, 200);
     http_resp_fini(&r);
 
-    http_call(f.port, NULL, "/v1/models", NULL, &r);
-    assert_int_equal(r.status, 200);
-    j = http_json(&r);
+    j = call_ok(f.port, "/v1/models", NULL, &r);
     assert_string_equal(str_at(j, "object"), "list");
     assert_string_equal(str_at(j, "data.0.id"), MODEL);
     assert_string_equal(str_at(j, "data.0.object"), "model");
     json_decref(j);
     http_resp_fini(&r);
 
-    http_call(f.port, NULL, "/internal/info", NULL, &r);
-    assert_int_equal(r.status, 200);
-    j = http_json(&r);
+    j = call_ok(f.port, "/internal/info", NULL, &r);
     assert_string_equal(str_at(j, "role"), "prefill");
     assert_string_equal(str_at(j, "bootstrap"), "tcp://10.0.0.1:5555");
     json_decref(j);
     http_resp_fini(&r);
 
     /* /internal/match answers from the backend's prefix cache. */
-    http_call(f.port, NULL, "/internal/match", "{\"prompt\":\"the cat sat\"}", &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/internal/match", "{\"prompt\":\"the cat sat\"}", &r);
     assert_int_equal(int_at(j, "cached_tokens"), 0);
     assert_int_equal(int_at(j, "prompt_tokens"), 11);
     json_decref(j);
@@ -846,14 +835,12 @@ static void test_health(void **state)
     http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"the cat sat\",\"max_tokens\":2}", &r);
     assert_int_equal(r.status, 200);
     http_resp_fini(&r);
-    http_call(f.port, NULL, "/internal/match", "{\"prompt\":\"the cat ran\",\"max_tokens\":2}", &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/internal/match", "{\"prompt\":\"the cat ran\",\"max_tokens\":2}", &r);
     assert_int_equal(int_at(j, "cached_tokens"), 8);
     json_decref(j);
     http_resp_fini(&r);
-    http_call(f.port, NULL, "/internal/match",
-              "{\"messages\":[{\"role\":\"user\",\"content\":\"z\"}]}", &r);
-    j = http_json(&r);
+    j = call_ok(f.port, "/internal/match", "{\"messages\":[{\"role\":\"user\",\"content\":\"z\"}]}",
+                &r);
     assert_int_equal(int_at(j, "prompt_tokens"), 19); /* "user: z\nassistant: " */
     json_decref(j);
     http_resp_fini(&r);
@@ -995,10 +982,8 @@ static void test_real_tokenizer(void **state)
     /* ChatML: "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"; the echo starts with
      * <|im_start|> (rendered as nothing), then "user\nhi", then <|im_end|>, the EOS. */
     http_resp_t r = {0};
-    http_call(f.port, NULL, "/v1/chat/completions",
-              "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
-    assert_int_equal(r.status, 200);
-    json_t *j = http_json(&r);
+    json_t *j = call_ok(f.port, "/v1/chat/completions",
+                        "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
     assert_string_equal(str_at(j, "choices.0.message.content"), "user\nhi");
     assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
     assert_int_equal(int_at(j, "usage.prompt_tokens"), 1 + 5 + 2 + 1 + 1 + 1 + 10);

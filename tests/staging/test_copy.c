@@ -2,24 +2,7 @@
  * descriptor validation, and a seeded property test that gathers from one pool and scatters
  * into another (random shapes, page sizes, NHD/HND on either side, page lists and head ranges)
  * and checks every byte of both pools and the region against independent index arithmetic. */
-#include "kvs_test.h"
-
-#include <string.h>
-
-#include "kvstage/log.h"
-#include "kvstage/pool.h"
-#include "kvstage/rng.h"
-#include "staging/copy.h"
-
-static void quiet_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                       const char *msg)
-{
-    (void) level;
-    (void) file;
-    (void) line;
-    (void) msg;
-    (*(int *) arg)++;
-}
+#include "copy_fixture.h"
 
 static kvs_pool_t *make_pool(kvs_kv_shape_t shape, uint32_t tp_size, uint32_t page_size,
                              uint32_t pages, kvs_pool_layout_t layout)
@@ -50,39 +33,6 @@ static kvs_region_t *pool_regions(const kvs_pool_t *pool)
     return r;
 }
 
-static kvs_copy_desc_t make_desc(const kvs_pool_t *pool, const kvs_region_t *regions,
-                                 const uint32_t *pages, uint32_t npages, uint32_t pool_head,
-                                 uint32_t heads, uint8_t *region, uint64_t region_bytes)
-{
-    const kvs_pool_config_t *c = kvs_pool_config(pool);
-    kvs_copy_desc_t d;
-    memset(&d, 0, sizeof(d));
-    d.regions = regions;
-    d.layers = c->shape.layers;
-    d.components = c->shape.attn == KVS_ATTN_MLA ? 1 : 2;
-    d.shape = &c->shape;
-    d.pages = pages;
-    d.npages = npages;
-    d.pool_pages = c->num_pages;
-    d.page_size = c->page_size;
-    d.pool_head = pool_head;
-    d.heads = heads;
-    d.region = region;
-    d.region_bytes = region_bytes;
-    return d;
-}
-
-static void run_copy(const kvs_copy_backend_t *b, kvs_copy_dir_t dir, const kvs_copy_desc_t *d)
-{
-    uint64_t ticket = 0;
-    assert_int_equal(kvs_copy_submit(b, dir, d, &ticket), KVS_OK);
-    assert_true(ticket > 0);
-    kvs_status_t st;
-    while ((st = kvs_copy_poll(b, ticket)) == KVS_INPROGRESS) {
-    }
-    assert_int_equal(st, KVS_OK);
-}
-
 /* L=1, H=3, Dk=1, Dv=2, E=1, P=2, NHD, 2 pages; copy pages [2, 0], heads [1, 3). Pool bytes
  * are their own offsets within the region so every expected byte can be written by hand. */
 static void test_layout_vector(void **state)
@@ -103,7 +53,7 @@ static void test_layout_vector(void **state)
     uint8_t region[40];
     memset(region, 0xee, sizeof(region));
     assert_int_equal(kvs_copy_region_bytes(&shape, 2, 4), 24);
-    kvs_copy_desc_t d = make_desc(pool, regions, pages, 2, 1, 2, region, 24);
+    kvs_copy_desc_t d = copy_desc(pool, regions, pages, 2, 1, 2, region, 24);
     kvs_copy_backend_t b;
     assert_int_equal(kvs_copy_cpu_create(&b), KVS_OK);
     assert_string_equal(b.ops->name, "cpu");
@@ -122,7 +72,7 @@ static void test_layout_vector(void **state)
     memset(regions[0].base, 0, 18);
     memset(regions[1].base, 0, 36);
     uint32_t back[] = {1, 2};
-    d = make_desc(pool, regions, back, 2, 0, 2, region, 24);
+    d = copy_desc(pool, regions, back, 2, 0, 2, region, 24);
     run_copy(&b, KVS_COPY_SCATTER, &d);
     const uint8_t want_k[18] = {0, 0, 0, 0, 0, 0, 13, 14, 0, 16, 17, 0, 1, 2, 0, 4, 5, 0};
     assert_memory_equal(regions[0].base, want_k, 18);
@@ -159,7 +109,7 @@ static void test_invalid_descriptors(void **state)
     int logged = 0;
     kvs_log_set_sink(quiet_sink, &logged);
 
-    kvs_copy_desc_t good = make_desc(pool, regions, pages, 3, 0, 2, region, need), d;
+    kvs_copy_desc_t good = copy_desc(pool, regions, pages, 3, 0, 2, region, need), d;
     uint64_t ticket = 99;
 #define REFUSED(dir)                                                                               \
     do {                                                                                           \
@@ -267,31 +217,6 @@ static uint8_t fill_byte(uint64_t salt, uint32_t region, uint64_t off)
     return (uint8_t) kvs_mix64(salt ^ ((uint64_t) region << 40) ^ off);
 }
 
-/* Picks n distinct ids from [0, total) in random order. */
-static void pick_pages(kvs_rng_t *rng, uint32_t total, uint32_t n, uint32_t *out)
-{
-    uint32_t *all = malloc(sizeof(uint32_t) * total);
-    assert_non_null(all);
-    for (uint32_t i = 0; i < total; i++) all[i] = i;
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t k = i + (uint32_t) kvs_rng_below(rng, total - i);
-        uint32_t t = all[i];
-        all[i] = all[k];
-        all[k] = t;
-        out[i] = all[i];
-    }
-    free(all);
-}
-
-static uint32_t pick_tp(kvs_rng_t *rng, uint32_t H)
-{
-    static const uint32_t tps[] = {1, 2, 3, 4, 6, 8};
-    for (;;) {
-        uint32_t t = tps[kvs_rng_below(rng, 6)];
-        if (H % t == 0 || t % H == 0) return t;
-    }
-}
-
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         if (!(cond)) {                                                                             \
@@ -369,7 +294,7 @@ static void test_gather_scatter_property(void **state)
         uint8_t *region = buf + guard;
 
         /* gather A -> region */
-        kvs_copy_desc_t d = make_desc(pa, ra, list_a, npages, head_a, heads, region, rbytes);
+        kvs_copy_desc_t d = copy_desc(pa, ra, list_a, npages, head_a, heads, region, rbytes);
         run_copy(&b, KVS_COPY_GATHER, &d);
         for (uint64_t k = 0; k < guard; k++) {
             CHECK(buf[k] == fill_byte(salt_r, 0, k), "gather wrote before the region");
@@ -409,7 +334,7 @@ static void test_gather_scatter_property(void **state)
         /* scatter region -> B */
         uint8_t *snapshot = malloc(rbytes);
         memcpy(snapshot, region, rbytes);
-        d = make_desc(pb, rb, list_b, npages, head_b, heads, region, rbytes);
+        d = copy_desc(pb, rb, list_b, npages, head_b, heads, region, rbytes);
         run_copy(&b, KVS_COPY_SCATTER, &d);
         CHECK(memcmp(snapshot, region, rbytes) == 0, "scatter wrote the region");
         for (uint32_t l = 0; l < s.layers; l++) {

@@ -8,25 +8,7 @@
  * device pools. Without a GPU those report
  * skipped; the launch plan and the kernels' division arithmetic are host code and are checked
  * in every CUDA build. */
-#include "kvs_test.h"
-
-#include <string.h>
-
-#include "kvstage/log.h"
-#include "kvstage/pool.h"
-#include "kvstage/rng.h"
-#include "staging/copy.h"
-
-/* Counts messages instead of printing them, for calls that are meant to fail. */
-static void quiet_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                       const char *msg)
-{
-    (void) level;
-    (void) file;
-    (void) line;
-    (void) msg;
-    (*(int *) arg)++;
-}
+#include "copy_fixture.h"
 
 #if KVS_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -195,55 +177,6 @@ static void rbuf_free(rbuf_t *b)
     memset(b, 0, sizeof(*b));
 }
 
-static kvs_copy_desc_t desc_of(const kvs_pool_t *pool, const kvs_region_t *regions,
-                               const uint32_t *pages, uint32_t npages, uint32_t pool_head,
-                               uint32_t heads, uint8_t *region, uint64_t region_bytes)
-{
-    const kvs_pool_config_t *c = kvs_pool_config(pool);
-    kvs_copy_desc_t d;
-    memset(&d, 0, sizeof(d));
-    d.regions = regions;
-    d.layers = c->shape.layers;
-    d.components = kvs_kv_shape_components(&c->shape);
-    d.shape = &c->shape;
-    d.pages = pages;
-    d.npages = npages;
-    d.pool_pages = c->num_pages;
-    d.page_size = c->page_size;
-    d.pool_head = pool_head;
-    d.heads = heads;
-    d.region = region;
-    d.region_bytes = region_bytes;
-    return d;
-}
-
-static void run_copy(const kvs_copy_backend_t *b, kvs_copy_dir_t dir, const kvs_copy_desc_t *d)
-{
-    uint64_t ticket = 0;
-    assert_int_equal(kvs_copy_submit(b, dir, d, &ticket), KVS_OK);
-    assert_true(ticket > 0);
-    kvs_status_t st;
-    while ((st = kvs_copy_poll(b, ticket)) == KVS_INPROGRESS) {
-    }
-    assert_int_equal(st, KVS_OK);
-}
-
-/* Picks n distinct ids from [0, total) in random order. */
-static void pick_pages(kvs_rng_t *rng, uint32_t total, uint32_t n, uint32_t *out)
-{
-    uint32_t *all = malloc(sizeof(uint32_t) * total);
-    assert_non_null(all);
-    for (uint32_t i = 0; i < total; i++) all[i] = i;
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t k = i + (uint32_t) kvs_rng_below(rng, total - i);
-        uint32_t x = all[i];
-        all[i] = all[k];
-        all[k] = x;
-        out[i] = all[i];
-    }
-    free(all);
-}
-
 /* ---- one gather + scatter case, compared with the CPU reference ---- */
 
 typedef struct {
@@ -298,9 +231,9 @@ static kvs_cuda_plan_t run_case(const case_t *c, const kvs_copy_backend_t *cpu,
     uint8_t *hregion = r.hbuf + GUARD + c->misalign, *dregion = r.dbuf + GUARD + c->misalign;
 
     kvs_copy_desc_t hd =
-        desc_of(a.host, a.hreg, list_a, c->npages, c->head_a, c->heads, hregion, rbytes);
+        copy_desc(a.host, a.hreg, list_a, c->npages, c->head_a, c->heads, hregion, rbytes);
     kvs_copy_desc_t dd =
-        desc_of(a.dev, a.dreg, list_a, c->npages, c->head_a, c->heads, dregion, rbytes);
+        copy_desc(a.dev, a.dreg, list_a, c->npages, c->head_a, c->heads, dregion, rbytes);
     kvs_cuda_plan_t plan;
     assert_int_equal(kvs__copy_cuda_plan(&dd, &plan), KVS_OK);
     run_copy(cpu, KVS_COPY_GATHER, &hd);
@@ -314,8 +247,8 @@ static kvs_cuda_plan_t run_case(const case_t *c, const kvs_copy_backend_t *cpu,
     diff = twin_diff(&a);
     CHECK(diff == UINT64_MAX, "gather wrote pool A at byte %llu", (unsigned long long) diff);
 
-    hd = desc_of(b.host, b.hreg, list_b, c->npages, c->head_b, c->heads, hregion, rbytes);
-    dd = desc_of(b.dev, b.dreg, list_b, c->npages, c->head_b, c->heads, dregion, rbytes);
+    hd = copy_desc(b.host, b.hreg, list_b, c->npages, c->head_b, c->heads, hregion, rbytes);
+    dd = copy_desc(b.dev, b.dreg, list_b, c->npages, c->head_b, c->heads, dregion, rbytes);
     kvs_cuda_plan_t splan;
     assert_int_equal(kvs__copy_cuda_plan(&dd, &splan), KVS_OK);
     run_copy(cpu, KVS_COPY_SCATTER, &hd);
@@ -441,8 +374,8 @@ static void test_plan_choices(void **state)
         uint32_t *pages = calloc(c->npages, sizeof(uint32_t));
         uint8_t *region = (uint8_t *) (uintptr_t) (0x7f0000000000ull + c->misalign);
         const uint64_t T = (uint64_t) c->npages * c->page_size;
-        kvs_copy_desc_t d = desc_of(pool, regs, pages, c->npages, c->head_a, c->heads, region,
-                                    kvs_copy_region_bytes(&c->shape, c->heads, T));
+        kvs_copy_desc_t d = copy_desc(pool, regs, pages, c->npages, c->head_a, c->heads, region,
+                                      kvs_copy_region_bytes(&c->shape, c->heads, T));
         assert_int_equal(kvs_copy_desc_validate(KVS_COPY_GATHER, &d), KVS_OK);
         kvs_cuda_plan_t plan;
         assert_int_equal(kvs__copy_cuda_plan(&d, &plan), KVS_OK);
@@ -492,15 +425,6 @@ static void test_plan_cases_on_gpu(void **state)
     kvs_copy_backend_destroy(&gpu);
     kvs_copy_backend_destroy(&cpu);
     kvs_assert_no_leaks();
-}
-
-static uint32_t pick_tp(kvs_rng_t *rng, uint32_t H)
-{
-    static const uint32_t tps[] = {1, 2, 3, 4, 6, 8};
-    for (;;) {
-        uint32_t t = tps[kvs_rng_below(rng, 6)];
-        if (H % t == 0 || t % H == 0) return t;
-    }
 }
 
 static uint32_t pick_dim(kvs_rng_t *rng)
@@ -597,9 +521,9 @@ static void test_in_order_many_in_flight(void **state)
         kvs_copy_dir_t dir = k % 3 == 2 ? KVS_COPY_GATHER : KVS_COPY_SCATTER;
         pick_pages(&rng, POOL_PAGES, NPAGES, caller_pages);
         kvs_copy_desc_t hd =
-            desc_of(p.host, p.hreg, caller_pages, NPAGES, 0, 4, bufs[k].hbuf + GUARD, rbytes);
+            copy_desc(p.host, p.hreg, caller_pages, NPAGES, 0, 4, bufs[k].hbuf + GUARD, rbytes);
         kvs_copy_desc_t dd =
-            desc_of(p.dev, p.dreg, caller_pages, NPAGES, 0, 4, bufs[k].dbuf + GUARD, rbytes);
+            copy_desc(p.dev, p.dreg, caller_pages, NPAGES, 0, 4, bufs[k].dbuf + GUARD, rbytes);
         run_copy(&cpu, dir, &hd);
         uint64_t t = 0;
         /* both launch paths, interleaved on the one stream */
@@ -663,7 +587,7 @@ static void test_refusals(void **state)
     const uint64_t need = kvs_copy_region_bytes(&kvs_pool_config(p.dev)->shape, 2, 12);
     rbuf_t r;
     rbuf_make(&r, need, 0, &rng);
-    kvs_copy_desc_t good = desc_of(p.dev, p.dreg, pages, 3, 0, 2, r.dbuf + GUARD, need), d;
+    kvs_copy_desc_t good = copy_desc(p.dev, p.dreg, pages, 3, 0, 2, r.dbuf + GUARD, need), d;
     uint64_t ticket = 99;
     kvs_log_set_sink(quiet_sink, &logged);
     d = good, d.heads = 3;

@@ -187,30 +187,24 @@ static void single_close(single_t *s, int own)
     }
 }
 
-static void run_colocated(int radix, int sequential, outcome_t *out_p)
+/* Every prompt through one colocated engine (sequential: each once the previous finished). */
+static void colocated(int radix, int sequential, outcome_t *o)
 {
     single_t s;
     single_open(&s, KVS_LLM_COLOCATED, radix, NULL, NULL, NULL, NULL);
-    outcome_t o;
-    memset(&o, 0, sizeof(o));
+    memset(o, 0, sizeof(*o));
     int next = 0;
     for (int steps = 0; steps < 10000; steps++) {
-        if (next < NPROMPTS && (!sequential || next == 0 || o.done[next - 1])) {
+        if (next < NPROMPTS && (!sequential || next == 0 || o->done[next - 1])) {
             kvs_llm_request_t q = request(next++);
             assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
         }
         int quit = 0;
         uint32_t work = 0;
         assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
-        drain(s.llm, &o);
+        drain(s.llm, o);
         if (next == NPROMPTS && kvs_llm_live(s.llm) == 0) break;
     }
-    if (out_p != NULL) *out_p = o;
-    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
-    /* Sequential with radix: prompts 1 and 2 find the shared prefix (two full pages). */
-    for (int p = 1; p < 3; p++)
-        assert_int_equal(o.last[p].cached_tokens, radix && sequential ? 2 * PAGE : 0);
-    assert_int_equal(o.last[0].cached_tokens, 0);
     kvs_llm_stats_t st;
     kvs_llm_stats(s.llm, &st);
     assert_int_equal(st.requests_ok, NPROMPTS);
@@ -218,13 +212,24 @@ static void run_colocated(int radix, int sequential, outcome_t *out_p)
     single_close(&s, 1);
 }
 
+static void run_colocated(int radix, int sequential)
+{
+    outcome_t o;
+    colocated(radix, sequential, &o);
+    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    /* Sequential with radix: prompts 1 and 2 find the shared prefix (two full pages). */
+    for (int p = 1; p < 3; p++)
+        assert_int_equal(o.last[p].cached_tokens, radix && sequential ? 2 * PAGE : 0);
+    assert_int_equal(o.last[0].cached_tokens, 0);
+}
+
 static void test_colocated_equals_reference(void **state)
 {
     (void) state;
-    run_colocated(0, 0, NULL);
-    run_colocated(1, 0, NULL);
-    run_colocated(1, 1, NULL);
-    run_colocated(0, 1, NULL);
+    run_colocated(0, 0);
+    run_colocated(1, 0);
+    run_colocated(1, 1);
+    run_colocated(0, 1);
     kvs_assert_no_leaks();
 }
 
@@ -421,29 +426,15 @@ static void test_disaggregated_sampling(void **state)
     g_temperature = 0.9f;
     g_expect = sampled;
     /* The colocated run defines the expectation: fill it from a first run, then require it. */
-    memcpy(sampled, g_ref, sizeof(sampled));
     int differs = 0;
-    single_t s;
-    single_open(&s, KVS_LLM_COLOCATED, 0, NULL, NULL, NULL, NULL);
-    memset(&o, 0, sizeof(o));
-    for (int p = 0; p < NPROMPTS; p++) {
-        kvs_llm_request_t q = request(p);
-        assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
-    }
-    for (int steps = 0; steps < 10000 && kvs_llm_live(s.llm) > 0; steps++) {
-        int quit;
-        uint32_t work;
-        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
-        drain(s.llm, &o);
-    }
-    single_close(&s, 1);
+    colocated(0, 0, &o);
     for (int p = 0; p < NPROMPTS; p++) {
         assert_int_equal(o.ntokens[p], MAX_NEW);
         memcpy(sampled[p], o.tokens[p], sizeof(sampled[p]));
         differs |= memcmp(sampled[p], g_ref[p], sizeof(sampled[p])) != 0;
     }
     assert_true(differs); /* sampling changed something, or this test would prove nothing */
-    run_colocated(1, 1, NULL);
+    run_colocated(1, 1);
     run_disaggregated(NULL, 1, 1);
     run_disaggregated(NULL, 0, 1);
     g_temperature = 0.0f;

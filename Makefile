@@ -30,12 +30,12 @@ asan:
 # corpus and any crash inputs stay.
 FUZZ_SECONDS ?= 30
 FUZZ_CFLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-  -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc -Itests
+  -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc -Iserve -Itests
 fuzz: setup
 	@mkdir -p fuzz/out/corpus-codec fuzz/out/corpus-gguf
 	clang $(FUZZ_CFLAGS) fuzz/fuzz_codec.c src/control/codec.c src/base/*.c -lpthread -lm \
 	  -o fuzz/out/fuzz_codec
-	clang $(FUZZ_CFLAGS) fuzz/fuzz_gguf.c src/model/gguf.c src/model/quant.c src/base/*.c \
+	clang $(FUZZ_CFLAGS) fuzz/fuzz_gguf.c serve/model/gguf.c serve/model/quant.c src/base/*.c \
 	  -lpthread -lm -o fuzz/out/fuzz_gguf
 	@cp fuzz/corpus/codec/* fuzz/out/corpus-codec/
 	@cp fuzz/corpus/gguf/* fuzz/out/corpus-gguf/

@@ -1,4 +1,4 @@
-/* libFuzzer target for the GGUF reader (src/model/gguf.c, src/model/quant.c): open must
+/* libFuzzer target for the GGUF reader (serve/model/gguf.c, serve/model/quant.c): open must
  * survive any input, fail without leaking, and whatever it accepts must be readable through
  * the whole public API (every key with every getter, every array element, every tensor by
  * index and name, dequantised whole and cut) without reading outside the input.
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "kvstage/alloc.h"
-#include "kvstage/gguf.h"
+#include "model/gguf.h"
 #include "kvstage/log.h"
 #include "model/gguf_writer.h"
 

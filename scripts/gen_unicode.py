@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerates the character-class table in src/model/unicode.c from Python's unicodedata.
+"""Regenerates the character-class table in serve/model/unicode.c from Python's unicodedata.
 
 The table must use the Unicode version of the reference tokenizer's regex engine (Oniguruma in
 HF tokenizers), or characters assigned since then split differently. That version is 16.0:

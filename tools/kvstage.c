@@ -1,5 +1,5 @@
 /* `kvstage`: the command-line entry point; dispatches to one subcommand per file. */
-#include "commands.h"
+#include "cmd/commands.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -105,4 +105,23 @@ uint64_t kvs_slot_layout(const kvs_writer_t *writers, uint32_t count, uint64_t t
 uint64_t kvs_region_block_offset(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens,
                                  uint32_t layer, uint32_t component);
 
+/* Which side of a deployment a rank is on. */
+typedef enum { KVS_SIDE_PREFILL = 0, KVS_SIDE_DECODE = 1 } kvs_side_t;
+
+static inline const char *kvs_side_str(kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
+}
+
+/* What both sides of a deployment must agree on (checked at bootstrap). */
+typedef struct {
+    kvs_kv_shape_t shape;
+    uint32_t prefill_tp;
+    uint32_t decode_tp;
+    uint32_t page_size;    /* P */
+    uint32_t chunk_tokens; /* C: chunked-prefill size; G = max(1, C/P) * P */
+} kvs_pd_geometry_t;
+
+kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
+
 #endif

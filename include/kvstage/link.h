@@ -5,14 +5,9 @@
 #ifndef KVSTAGE_LINK_H
 #define KVSTAGE_LINK_H
 
+#include "kvstage/layout.h" /* kvs_side_t */
+
 typedef struct kvs_link kvs_link_t;
-
-typedef enum { KVS_SIDE_PREFILL = 0, KVS_SIDE_DECODE = 1 } kvs_side_t;
-
-static inline const char *kvs_side_str(kvs_side_t side)
-{
-    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
-}
 
 /* Destroys the link; no call may be in flight. NULL is ignored. */
 void kvs_link_destroy(kvs_link_t *link);

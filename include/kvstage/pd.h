@@ -21,17 +21,6 @@
 #include "kvstage/pool.h"
 #include "kvstage/status.h"
 
-/* What both sides of a deployment must agree on (checked at bootstrap). */
-typedef struct {
-    kvs_kv_shape_t shape;
-    uint32_t prefill_tp;
-    uint32_t decode_tp;
-    uint32_t page_size;    /* P */
-    uint32_t chunk_tokens; /* C: chunked-prefill size; G = max(1, C/P) * P */
-} kvs_pd_geometry_t;
-
-kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
-
 typedef struct {
     uint64_t retry_ns;              /* resend an unacknowledged control message after this */
     uint64_t bootstrap_timeout_ns;  /* prefill: room added -> metadata from every decode peer */

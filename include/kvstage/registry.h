@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #include "kvstage/msg.h"
-#include "kvstage/pd.h"
+#include "kvstage/layout.h"
 #include "kvstage/status.h"
 
 typedef struct kvs_registry kvs_registry_t;

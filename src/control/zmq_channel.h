@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvstage/link.h"
+#include "kvstage/layout.h" /* kvs_side_t */
 #include "kvstage/status.h"
 
 #define KVS_ZCH_VERSION      1

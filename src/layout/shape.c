@@ -129,3 +129,22 @@ uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32
     if (shape->attn == KVS_ATTN_MLA) return 0;
     return (rank / kvs_tp_replication(shape, tp_size)) * kvs_tp_heads_per_rank(shape, tp_size);
 }
+
+kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
+{
+    kvs_status_t st = kvs_kv_shape_validate(&geo->shape);
+    if (st != KVS_OK) return st;
+    kvs_tp_t p = {geo->prefill_tp, 0}, d = {geo->decode_tp, 0};
+    if ((st = kvs_tp_validate(&geo->shape, &p)) != KVS_OK) return st;
+    if ((st = kvs_tp_validate(&geo->shape, &d)) != KVS_OK) return st;
+    if (geo->page_size == 0) {
+        kvs_error("page size must be > 0");
+        return KVS_ERR_INVALID;
+    }
+    if (geo->chunk_tokens == 0 || geo->chunk_tokens % geo->page_size != 0) {
+        kvs_error("chunk size %u must be a positive multiple of the page size %u",
+                  geo->chunk_tokens, geo->page_size);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}

@@ -1,27 +1,8 @@
-/* Geometry checks, default timeouts and message I/O shared by sender and receiver. */
+/* Default timeouts and message I/O shared by sender and receiver. */
 #include "pd/pd_internal.h"
 
 #include "kvstage/grid.h"
 #include "kvstage/log.h"
-
-kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
-{
-    kvs_status_t st = kvs_kv_shape_validate(&geo->shape);
-    if (st != KVS_OK) return st;
-    kvs_tp_t p = {geo->prefill_tp, 0}, d = {geo->decode_tp, 0};
-    if ((st = kvs_tp_validate(&geo->shape, &p)) != KVS_OK) return st;
-    if ((st = kvs_tp_validate(&geo->shape, &d)) != KVS_OK) return st;
-    if (geo->page_size == 0) {
-        kvs_error("page size must be > 0");
-        return KVS_ERR_INVALID;
-    }
-    if (geo->chunk_tokens == 0 || geo->chunk_tokens % geo->page_size != 0) {
-        kvs_error("chunk size %u must be a positive multiple of the page size %u",
-                  geo->chunk_tokens, geo->page_size);
-        return KVS_ERR_INVALID;
-    }
-    return KVS_OK;
-}
 
 void kvs_pd_timeouts_default(kvs_pd_timeouts_t *timeouts_p)
 {

@@ -8,6 +8,7 @@
 #include <zmq.h>
 
 #include "kvstage/log.h"
+#include "kvstage/clock.h"
 #include "kvstage/registry.h"
 
 typedef struct {

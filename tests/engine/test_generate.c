@@ -10,7 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "kvstage/gguf.h"
+#include "model/gguf.h"
 
 #define MAX_REQ 8
 #define MAX_IDS 64
@@ -244,7 +244,7 @@ static void test_seeded_tp_changes(void **state)
     }
 }
 
-/* The request pipe of one rank (`kvstage llm-rank`, kvstage/llm_rank.h) driven by hand. */
+/* The request pipe of one rank (`kvstage llm-rank`, engine/llm_rank.h) driven by hand. */
 static void test_rank_pipe(void **state)
 {
     (void) state;

@@ -1,4 +1,4 @@
-/* The serving engine (kvstage/llm.h) in one process: colocated generation equals a direct
+/* The serving engine (engine/llm.h) in one process: colocated generation equals a direct
  * forward-pass reference token for token (radix cache on and off, chunked prefill, batched
  * requests), TP2 ranks as threads equal TP1, and the disaggregated path (a prefill engine and
  * a decode engine joined by kvstage over the in-process transport, reliable and hostile)
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "kvstage/inproc.h"
-#include "kvstage/llm.h"
+#include "engine/llm.h"
 
 #define PAGE      16
 #define CHUNK     32

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "kvstage/alloc.h"
-#include "kvstage/gguf.h"
+#include "model/gguf.h"
 
 #define GW_MAX_ITEMS 64 /* kvs and tensors whose field positions are recorded */
 

@@ -1,4 +1,4 @@
-/* Tests for the model and its forward pass (src/model/model.c, forward.c): configuration and
+/* Tests for the model and its forward pass (serve/model/model.c, forward.c): configuration and
  * TP validation; chunked prefill and batching give bitwise the logits and pool contents of a
  * one-shot run; seeded models at TP 2 and 4 (one thread per rank, a test-local all-reduce)
  * give bitwise the TP1 logits and the matching head slices of the TP1 pool, with and without
@@ -11,8 +11,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvstage/gguf.h"
-#include "kvstage/model.h"
+#include "model/gguf.h"
+#include "model/model.h"
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
 #include "model/gguf_writer.h"

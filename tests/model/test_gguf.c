@@ -1,4 +1,4 @@
-/* Tests for the GGUF reader and dequantisation (src/model/gguf.c, src/model/quant.c): half
+/* Tests for the GGUF reader and dequantisation (serve/model/gguf.c, serve/model/quant.c): half
  * conversions, hand-computed quantised blocks, builder round trips of every metadata and
  * tensor type, sub-range dequantisation, malformed files (every truncation, corrupted fields,
  * random flips, allocation failures), the default model path, and the real SmolLM2 file
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "kvstage/clock.h"
-#include "kvstage/gguf.h"
+#include "model/gguf.h"
 #include "kvstage/rng.h"
 #include "model/data/gguf_smollm2_ref.h"
 #include "model/gguf_writer.h"

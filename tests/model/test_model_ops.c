@@ -1,4 +1,4 @@
-/* Tests for the CPU model ops (src/model/ops_cpu.c) against naive references written here in
+/* Tests for the CPU model ops (serve/model/ops_cpu.c) against naive references written here in
  * double: rmsnorm, RoPE (including a rotation checked by hand), projections (and their
  * batch independence), the row-split partials (exactly split-invariant), SwiGLU, K/V writes
  * and attention over a paged pool with random page tables in NHD and HND at several page
@@ -8,7 +8,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "kvstage/model.h"
+#include "model/model.h"
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
 #include "model/ops.h"

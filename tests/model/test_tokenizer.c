@@ -6,9 +6,9 @@
 
 #include <string.h>
 
-#include "kvstage/gguf.h"
+#include "model/gguf.h"
 #include "kvstage/rng.h"
-#include "kvstage/tokenizer.h"
+#include "model/tokenizer.h"
 #include "model/gguf_writer.h"
 #include "model/unicode.h"
 

@@ -21,7 +21,7 @@
 #include "kvstage/clock.h"
 #include "kvstage/rng.h"
 #include "kvstage/status.h"
-#include "kvstage/tpgroup.h"
+#include "model/tpgroup.h"
 
 #define MAX_RANKS        4
 #define MAX_DOUBLES      1000

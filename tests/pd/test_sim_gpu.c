@@ -12,7 +12,7 @@
 
 #include "base/mem.h"
 #include "kvstage/log.h"
-#include "kvstage/sim.h"
+#include "sim/sim.h"
 
 static kvs_sim_config_t gpu_config(kvs_write_mode_t mode)
 {

@@ -9,7 +9,7 @@
 
 #include "kvstage/log.h"
 #include "kvstage/rng.h"
-#include "kvstage/sim.h"
+#include "sim/sim.h"
 
 static uint32_t pick(kvs_rng_t *rng, const uint32_t *v, size_t n)
 {

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "kvstage/log.h"
-#include "kvstage/sim.h"
+#include "sim/sim.h"
 
 /* A small model shape so that many scenarios fit in a few seconds, even under ASan. */
 static kvs_sim_config_t small_config(void)

@@ -1,0 +1,929 @@
+/* The reference serving engine of one TP rank (engine/llm.h).
+ *
+ * Lockstep without sending page ids: every rank keeps the same request list in the same order
+ * and makes the same pool and radix calls, so it gets the same page ids. Only three things can
+ * differ between ranks, and each goes through the TP group once per step:
+ *   inputs   - rank 0's new requests, stops and quit flag: broadcast (sync_inputs);
+ *   outcomes - a room's status on this rank's sender or receiver: summed over the ranks
+ *              (agree), so every rank takes the same decision at the same step;
+ *   logits   - identical by construction (the model's all-reduce), so sampling agrees.
+ * Requests live in one array in admission order; a step runs at most one forward pass holding
+ * every prefill chunk and every decode token it can. */
+#include "engine/llm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/bytes.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
+#include "kvstage/radix.h"
+
+#define PIECE_BYTES  65536 /* broadcast piece; the group's max_bytes must be at least this */
+#define HEADER_BYTES 32
+#define REQ_FIXED    40 /* bytes of one request in the broadcast, before its tokens */
+
+typedef enum {
+    RQ_QUEUED = 0, /* waiting for pages */
+    RQ_PREFILL,    /* prompt being computed (prefill, colocated) */
+    RQ_HANDOFF,    /* prefill: computed, the transfer concludes */
+    RQ_WAIT_KV,    /* decode: the receiver waits for the KV */
+    RQ_DECODE,     /* generating (decode, colocated) */
+} rq_state_t;
+
+typedef struct {
+    kvs_llm_request_t req; /* req.prompt points into tokens */
+    rq_state_t state;
+    uint32_t *tokens; /* [prompt_len + max_new_tokens] prompt, then generated tokens */
+    uint32_t ntokens; /* prompt_len + tokens generated so far */
+    uint32_t *pages;  /* [npages] page table from position 0 */
+    uint32_t npages;
+    uint32_t cached;   /* prompt tokens found in the radix cache (page multiple) */
+    uint32_t computed; /* prompt tokens whose KV is at rest */
+    uint32_t generated;
+    kvs_radix_node_t *node; /* locked radix match, or NULL */
+    /* prefill: the computed prompt went into the radix cache at once (node locked until the
+     * transfer concludes); pages [keep_from, keep_to) became the cache's */
+    kvs_radix_node_t *inserted;
+    uint32_t keep_from, keep_to;
+    int cached_early;
+    int in_protocol; /* added to the sender or receiver, not yet released */
+    int aborted;     /* abort sent to the sender or receiver */
+    int stop;        /* kvs_llm_stop reached this rank */
+    int local_fail;  /* this rank could not add the room to its sender or receiver */
+    kvs_status_t status;
+    kvs_llm_event_t ev; /* timestamps, filled as the request goes */
+} rq_t;
+
+typedef struct {
+    uint64_t room;
+    uint8_t *bytes; /* one request as broadcast */
+    size_t len;
+} pending_t;
+
+struct kvs_llm {
+    kvs_llm_config_t cfg;
+    kvs_model_config_t mc;
+    uint32_t tp, rank, page;
+    kvs_radix_t *radix;
+    rq_t **rqs; /* admission order */
+    uint32_t nrqs, cap_rqs;
+    /* rank 0: submitted, not yet broadcast */
+    pending_t *pending;
+    uint32_t npending, cap_pending;
+    uint64_t *stops;
+    uint32_t nstops, cap_stops;
+    /* rank 0: events not yet taken */
+    kvs_llm_event_t *events;
+    uint32_t ev_head, ev_count, ev_cap;
+    /* scratch */
+    kvs_model_seq_t *seqs; /* [max_running] */
+    rq_t **seq_rq;         /* [max_running] */
+    float *logits;         /* [max_running][vocab] */
+    double *agree;         /* [3 * max_running] */
+    uint8_t *wire;         /* broadcast assembly */
+    size_t wire_cap;
+    int want_metrics;          /* rank 0: collect at the next step */
+    kvs_pd_metrics_t instance; /* summed over the ranks at the last collection */
+    uint64_t collections;
+    kvs_llm_stats_t st;
+};
+
+/* ---- small helpers ---- */
+
+static int grow(void **arr, uint32_t *cap, uint32_t need, size_t elem)
+{
+    if (need <= *cap) return 1;
+    uint32_t n = *cap ? *cap * 2 : 16;
+    while (n < need) n *= 2;
+    void *p = kvs_realloc(*arr, (size_t) n * elem);
+    if (p == NULL) return 0;
+    *arr = p;
+    *cap = n;
+    return 1;
+}
+
+static void emit(kvs_llm_t *e, const kvs_llm_event_t *ev)
+{
+    if (e->rank != 0) return;
+    if (e->ev_count == e->ev_cap) {
+        uint32_t n = e->ev_cap ? e->ev_cap * 2 : 64;
+        kvs_llm_event_t *p = kvs_malloc((size_t) n * sizeof(*p));
+        if (p == NULL) {
+            kvs_error("llm: out of memory queueing an event of room %llu",
+                      (unsigned long long) ev->room);
+            return;
+        }
+        for (uint32_t i = 0; i < e->ev_count; i++) p[i] = e->events[(e->ev_head + i) % e->ev_cap];
+        kvs_free(e->events);
+        e->events = p;
+        e->ev_cap = n;
+        e->ev_head = 0;
+    }
+    e->events[(e->ev_head + e->ev_count) % e->ev_cap] = *ev;
+    e->ev_count++;
+}
+
+static void emit_token(kvs_llm_t *e, rq_t *r, uint32_t token)
+{
+    kvs_llm_event_t ev = {
+        .kind = KVS_LLM_EV_TOKEN, .room = r->req.room, .token = token, .index = r->generated - 1};
+    emit(e, &ev);
+}
+
+static uint32_t pages_for(uint32_t tokens, uint32_t page)
+{
+    return (tokens + page - 1) / page;
+}
+
+/* Pages a request holds from admission on: the prompt, plus (where tokens are generated) the
+ * positions fed back: the last generated token is never fed. */
+static uint32_t capacity_pages(const kvs_llm_t *e, const kvs_llm_request_t *q)
+{
+    uint32_t positions = q->prompt_len;
+    if (e->cfg.role != KVS_LLM_PREFILL) positions += q->max_new_tokens - 1;
+    return pages_for(positions, e->page);
+}
+
+static void radix_free(void *arg, const uint32_t *pages, size_t count)
+{
+    kvs_llm_t *e = arg;
+    if (kvs_pool_free(e->cfg.pool, pages, (uint32_t) count) != KVS_OK)
+        kvs_error("llm: the radix cache handed back pages the pool did not lend");
+}
+
+/* n pages, evicting from the radix cache first when short; KVS_ERR_NOSPACE (not logged). */
+static kvs_status_t take_pages(kvs_llm_t *e, uint32_t n, uint32_t *pages_p)
+{
+    if (n == 0) return KVS_OK;
+    uint32_t free_pages = kvs_pool_free_pages(e->cfg.pool);
+    if (free_pages < n && e->radix != NULL) {
+        kvs_radix_evict(e->radix, n - free_pages);
+        free_pages = kvs_pool_free_pages(e->cfg.pool);
+    }
+    if (free_pages < n) return KVS_ERR_NOSPACE;
+    return kvs_pool_alloc(e->cfg.pool, n, pages_p);
+}
+
+static void give_pages(kvs_llm_t *e, const uint32_t *pages, uint32_t n)
+{
+    if (n > 0 && kvs_pool_free(e->cfg.pool, pages, n) != KVS_OK)
+        kvs_error("llm: freeing %u pages failed (engine bookkeeping)", n);
+}
+
+/* ---- lifecycle ---- */
+
+kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
+{
+    if (c == NULL || c->model == NULL || c->pool == NULL || c->max_running == 0 ||
+        c->chunk_tokens == 0 || c->batch_tokens < c->chunk_tokens || c->max_prompt == 0 ||
+        (unsigned) c->role > KVS_LLM_DECODE) {
+        kvs_error("llm: needs a model, a pool, max_running >= 1, chunk_tokens >= 1, "
+                  "batch_tokens >= chunk_tokens, max_prompt >= 1 and a role");
+        return KVS_ERR_INVALID;
+    }
+    if ((c->role == KVS_LLM_PREFILL && c->sender == NULL) ||
+        (c->role == KVS_LLM_DECODE && c->receiver == NULL)) {
+        kvs_error("llm: a %s engine needs its %s",
+                  c->role == KVS_LLM_PREFILL ? "prefill" : "decode",
+                  c->role == KVS_LLM_PREFILL ? "sender" : "receiver");
+        return KVS_ERR_INVALID;
+    }
+    kvs_tp_t tp = kvs_model_tp(c->model);
+    const kvs_pool_config_t *pc = kvs_pool_config(c->pool);
+    kvs_kv_shape_t shape = kvs_model_kv_shape(c->model);
+    if (pc->mem != KVS_MEM_HOST || memcmp(&pc->shape, &shape, sizeof(shape)) != 0 ||
+        pc->tp.tp_size != tp.tp_size || pc->tp.tp_rank != tp.tp_rank) {
+        kvs_error("llm: the pool must be host memory with the model's KV shape and TP rank %u of "
+                  "%u",
+                  tp.tp_rank, tp.tp_size);
+        return KVS_ERR_INVALID;
+    }
+    if ((tp.tp_size > 1) != (c->group != NULL) ||
+        (c->group != NULL &&
+         (kvs_tpgroup_size(c->group) != tp.tp_size || kvs_tpgroup_rank(c->group) != tp.tp_rank))) {
+        kvs_error("llm: TP rank %u of %u needs %s", tp.tp_rank, tp.tp_size,
+                  tp.tp_size > 1 ? "its TP group (same size and rank)" : "no TP group");
+        return KVS_ERR_INVALID;
+    }
+    const kvs_model_config_t *mc = kvs_model_config(c->model);
+    if (c->max_prompt >= mc->max_ctx) {
+        kvs_error("llm: max_prompt %u does not fit the model's context of %u", c->max_prompt,
+                  mc->max_ctx);
+        return KVS_ERR_INVALID;
+    }
+    kvs_llm_t *e = kvs_calloc(1, sizeof(*e));
+    if (e == NULL) return KVS_ERR_NOMEM;
+    e->cfg = *c;
+    e->mc = *mc;
+    e->tp = tp.tp_size;
+    e->rank = tp.tp_rank;
+    e->page = pc->page_size;
+    kvs_status_t st = KVS_ERR_NOMEM;
+    e->seqs = kvs_calloc(c->max_running, sizeof(*e->seqs));
+    e->seq_rq = kvs_calloc(c->max_running, sizeof(*e->seq_rq));
+    e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
+    e->agree = kvs_malloc((size_t) 3 * c->max_running * sizeof(double));
+    if (e->seqs == NULL || e->seq_rq == NULL || e->logits == NULL || e->agree == NULL) goto err;
+    if (c->radix && (st = kvs_radix_create(e->page, radix_free, e, &e->radix)) != KVS_OK) goto err;
+    *llm_p = e;
+    return KVS_OK;
+err:
+    kvs_llm_destroy(e);
+    return st;
+}
+
+static void rq_free(rq_t *r)
+{
+    if (r == NULL) return;
+    kvs_free(r->tokens);
+    kvs_free(r->pages);
+    kvs_free(r);
+}
+
+void kvs_llm_destroy(kvs_llm_t *e)
+{
+    if (e == NULL) return;
+    for (uint32_t i = 0; i < e->nrqs; i++) {
+        rq_t *r = e->rqs[i];
+        if (r->npages > 0) {
+            uint32_t first = r->cached / e->page;
+            give_pages(e, r->pages + first, r->npages - first);
+        }
+        rq_free(r);
+    }
+    kvs_radix_destroy(e->radix); /* its pages go back to the pool */
+    for (uint32_t i = 0; i < e->npending; i++) kvs_free(e->pending[i].bytes);
+    kvs_free(e->pending);
+    kvs_free(e->stops);
+    kvs_free(e->rqs);
+    kvs_free(e->events);
+    kvs_free(e->seqs);
+    kvs_free(e->seq_rq);
+    kvs_free(e->logits);
+    kvs_free(e->agree);
+    kvs_free(e->wire);
+    kvs_free(e);
+}
+
+/* ---- rank 0's inputs ---- */
+
+static rq_t *find(const kvs_llm_t *e, uint64_t room)
+{
+    for (uint32_t i = 0; i < e->nrqs; i++)
+        if (e->rqs[i]->req.room == room) return e->rqs[i];
+    return NULL;
+}
+
+kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
+{
+    if (e->rank != 0) {
+        kvs_error("llm: requests go to rank 0 (this is rank %u)", e->rank);
+        return KVS_ERR_INVALID;
+    }
+    const int generates = e->cfg.role != KVS_LLM_PREFILL;
+    if (q == NULL || q->prompt == NULL || q->prompt_len == 0 || q->prompt_len > e->cfg.max_prompt ||
+        (generates && q->max_new_tokens == 0) ||
+        (uint64_t) q->prompt_len + (generates ? q->max_new_tokens : 0) > e->mc.max_ctx) {
+        kvs_error("llm: room %llu: prompt of %u tokens (1..%u) with %u new tokens does not fit "
+                  "(context %u)",
+                  q ? (unsigned long long) q->room : 0ull, q ? q->prompt_len : 0, e->cfg.max_prompt,
+                  q ? q->max_new_tokens : 0, e->mc.max_ctx);
+        return KVS_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < q->prompt_len; i++) {
+        if (q->prompt[i] >= e->mc.vocab) {
+            kvs_error("llm: room %llu: token %u at %u is outside the vocabulary (%u)",
+                      (unsigned long long) q->room, q->prompt[i], i, e->mc.vocab);
+            return KVS_ERR_INVALID;
+        }
+    }
+    int live = find(e, q->room) != NULL;
+    for (uint32_t i = 0; i < e->npending && !live; i++) live = e->pending[i].room == q->room;
+    if (live) {
+        kvs_error("llm: room %llu is already live", (unsigned long long) q->room);
+        return KVS_ERR_INVALID;
+    }
+    if (!grow((void **) &e->pending, &e->cap_pending, e->npending + 1, sizeof(pending_t)))
+        return KVS_ERR_NOMEM;
+    size_t len = REQ_FIXED + (size_t) q->prompt_len * 4;
+    uint8_t *b = kvs_malloc(len);
+    if (b == NULL) return KVS_ERR_NOMEM;
+    uint32_t t, p;
+    memcpy(&t, &q->sampling.temperature, 4);
+    memcpy(&p, &q->sampling.top_p, 4);
+    kvs_put_u64(b, q->room);
+    kvs_put_u32(b + 8, q->prompt_len);
+    kvs_put_u32(b + 12, q->max_new_tokens);
+    kvs_put_u32(b + 16, t);
+    kvs_put_u32(b + 20, p);
+    kvs_put_u64(b + 24, q->seed);
+    kvs_put_u32(b + 32, q->eos);
+    kvs_put_u32(b + 36, 0);
+    for (uint32_t i = 0; i < q->prompt_len; i++) kvs_put_u32(b + REQ_FIXED + 4 * i, q->prompt[i]);
+    e->pending[e->npending++] = (pending_t){.room = q->room, .bytes = b, .len = len};
+    return KVS_OK;
+}
+
+kvs_status_t kvs_llm_stop(kvs_llm_t *e, uint64_t room)
+{
+    if (e->rank != 0) {
+        kvs_error("llm: stops go to rank 0 (this is rank %u)", e->rank);
+        return KVS_ERR_INVALID;
+    }
+    int live = find(e, room) != NULL;
+    for (uint32_t i = 0; i < e->npending && !live; i++) live = e->pending[i].room == room;
+    if (!live) return KVS_ERR_NOT_FOUND;
+    if (!grow((void **) &e->stops, &e->cap_stops, e->nstops + 1, sizeof(uint64_t)))
+        return KVS_ERR_NOMEM;
+    e->stops[e->nstops++] = room;
+    return KVS_OK;
+}
+
+/* Builds a request from its broadcast bytes and queues it (every rank). */
+static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *used_p)
+{
+    if (len < REQ_FIXED) return KVS_ERR_PROTOCOL;
+    uint32_t n = kvs_get_u32(b + 8);
+    if (n == 0 || len - REQ_FIXED < (size_t) n * 4) return KVS_ERR_PROTOCOL;
+    *used_p = REQ_FIXED + (size_t) n * 4;
+    rq_t *r = kvs_calloc(1, sizeof(*r));
+    if (r == NULL || !grow((void **) &e->rqs, &e->cap_rqs, e->nrqs + 1, sizeof(rq_t *))) {
+        kvs_free(r);
+        return KVS_ERR_NOMEM;
+    }
+    kvs_llm_request_t *q = &r->req;
+    q->room = kvs_get_u64(b);
+    q->prompt_len = n;
+    q->max_new_tokens = kvs_get_u32(b + 12);
+    uint32_t t = kvs_get_u32(b + 16), p = kvs_get_u32(b + 20);
+    memcpy(&q->sampling.temperature, &t, 4);
+    memcpy(&q->sampling.top_p, &p, 4);
+    q->seed = kvs_get_u64(b + 24);
+    q->eos = kvs_get_u32(b + 32);
+    uint32_t cap = n + (e->cfg.role == KVS_LLM_PREFILL ? 1 : q->max_new_tokens);
+    r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
+    r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
+    if (r->tokens == NULL || r->pages == NULL) {
+        rq_free(r);
+        return KVS_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < n; i++) r->tokens[i] = kvs_get_u32(b + REQ_FIXED + 4 * i);
+    q->prompt = r->tokens;
+    r->ntokens = n;
+    r->ev.room = q->room;
+    r->ev.prompt_len = n;
+    r->ev.submitted_ns = kvs_now_ns();
+    e->rqs[e->nrqs++] = r;
+    return KVS_OK;
+}
+
+/* Every rank's sender or receiver counters, summed over the group (every field is a u64
+ * counter or gauge, so the sum is the instance's). */
+static kvs_status_t collect_metrics(kvs_llm_t *e)
+{
+    enum { N = sizeof(kvs_pd_metrics_t) / sizeof(uint64_t) };
+    typedef char all_u64[sizeof(kvs_pd_metrics_t) == N * sizeof(uint64_t) ? 1 : -1];
+    (void) sizeof(all_u64);
+    kvs_pd_metrics_t m;
+    memset(&m, 0, sizeof(m));
+    if (e->cfg.sender != NULL) kvs_sender_metrics(e->cfg.sender, &m);
+    if (e->cfg.receiver != NULL) kvs_receiver_metrics(e->cfg.receiver, &m);
+    uint64_t u[N];
+    double d[N];
+    memcpy(u, &m, sizeof(u));
+    for (size_t i = 0; i < N; i++) d[i] = (double) u[i]; /* exact below 2^53 */
+    if (e->cfg.group != NULL) {
+        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, d, N);
+        if (st != KVS_OK) return st;
+    }
+    for (size_t i = 0; i < N; i++) u[i] = (uint64_t) d[i];
+    memcpy(&e->instance, u, sizeof(u));
+    e->collections++;
+    return KVS_OK;
+}
+
+/* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
+ * collect metrics), [16,24) payload bytes. */
+static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
+{
+    uint8_t head[HEADER_BYTES] = {0};
+    size_t payload = 0;
+    if (e->rank == 0) {
+        for (uint32_t i = 0; i < e->npending; i++) payload += e->pending[i].len;
+        payload += (size_t) e->nstops * 8;
+        kvs_put_u32(head, (uint32_t) (quit != 0));
+        kvs_put_u32(head + 4, e->npending);
+        kvs_put_u32(head + 8, e->nstops);
+        kvs_put_u32(head + 12, (uint32_t) (e->want_metrics != 0));
+        kvs_put_u64(head + 16, payload);
+        e->want_metrics = 0;
+    }
+    kvs_status_t st;
+    if (e->cfg.group != NULL &&
+        (st = kvs_tpgroup_broadcast(e->cfg.group, head, sizeof(head))) != KVS_OK)
+        return st;
+    *quit_p = kvs_get_u32(head) != 0;
+    uint32_t nnew = kvs_get_u32(head + 4), nstop = kvs_get_u32(head + 8);
+    if ((kvs_get_u32(head + 12) & 1) && (st = collect_metrics(e)) != KVS_OK) return st;
+    payload = kvs_get_u64(head + 16);
+    if (payload == 0) return KVS_OK;
+    if (payload > e->wire_cap) {
+        uint8_t *w = kvs_realloc(e->wire, payload);
+        if (w == NULL) return KVS_ERR_NOMEM; /* fatal: the ranks would diverge */
+        e->wire = w;
+        e->wire_cap = payload;
+    }
+    if (e->rank == 0) {
+        size_t at = 0;
+        for (uint32_t i = 0; i < e->npending; i++) {
+            memcpy(e->wire + at, e->pending[i].bytes, e->pending[i].len);
+            at += e->pending[i].len;
+            kvs_free(e->pending[i].bytes);
+        }
+        for (uint32_t i = 0; i < e->nstops; i++, at += 8) kvs_put_u64(e->wire + at, e->stops[i]);
+        e->npending = e->nstops = 0;
+    }
+    for (size_t at = 0; e->cfg.group != NULL && at < payload; at += PIECE_BYTES) {
+        size_t n = payload - at < PIECE_BYTES ? payload - at : PIECE_BYTES;
+        if ((st = kvs_tpgroup_broadcast(e->cfg.group, e->wire + at, n)) != KVS_OK) return st;
+    }
+    size_t at = 0;
+    for (uint32_t i = 0; i < nnew; i++) {
+        size_t used = 0;
+        if ((st = enqueue(e, e->wire + at, payload - at, &used)) != KVS_OK) {
+            kvs_error("llm: rank %u cannot queue a broadcast request: %s", e->rank,
+                      kvs_status_str(st));
+            return st;
+        }
+        at += used;
+    }
+    for (uint32_t i = 0; i < nstop && at + 8 <= payload; i++, at += 8) {
+        rq_t *r = find(e, kvs_get_u64(e->wire + at));
+        if (r != NULL) r->stop = 1;
+    }
+    return KVS_OK;
+}
+
+/* ---- ending requests ---- */
+
+/* Inserts tokens [0, valid) with the request's pages into the radix cache and works out which
+ * of its pages the cache now owns ([keep_from, keep_to)); node_p (optional) receives the node
+ * ending the key. Without a cache, or on failure, the cache owns none. */
+static void cache_insert(kvs_llm_t *e, rq_t *r, uint32_t valid, kvs_radix_node_t **node_p)
+{
+    uint32_t first = r->cached / e->page;
+    r->keep_from = r->keep_to = first;
+    size_t present = 0;
+    if (e->radix == NULL || valid < e->page ||
+        kvs_radix_insert(e->radix, 0, (const int32_t *) r->tokens, valid, r->pages, &present,
+                         node_p) != KVS_OK)
+        return;
+    /* [cached, present) was inserted meanwhile by another request: ours are duplicates. The
+     * partial last page is not inserted. */
+    uint32_t present_pages = (uint32_t) (present / e->page);
+    r->keep_from = present_pages > first ? present_pages : first;
+    r->keep_to = valid / e->page;
+    if (r->keep_to < r->keep_from) r->keep_to = r->keep_from;
+}
+
+/* Removes request i: pages to the radix cache (what it computed) or the pool, then EV_DONE. */
+static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish_t why)
+{
+    rq_t *r = e->rqs[i];
+    uint32_t first = r->cached / e->page;
+    if (r->npages > 0 && r->cached_early) {
+        /* Prefill put its prompt in the cache when it was computed. */
+        give_pages(e, r->pages + first, r->keep_from - first);
+        give_pages(e, r->pages + r->keep_to, r->npages - r->keep_to);
+        if (r->inserted != NULL) (void) kvs_radix_unlock(e->radix, r->inserted);
+    } else if (r->npages > 0) {
+        /* KV is valid for the prompt (prefill) or for every position fed (decode, colocated). */
+        uint32_t valid = e->cfg.role == KVS_LLM_PREFILL ? r->req.prompt_len : r->ntokens - 1;
+        if (r->state == RQ_WAIT_KV || r->state == RQ_QUEUED || r->computed < r->req.prompt_len)
+            valid = r->cached; /* nothing trustworthy beyond the cached prefix */
+        if (status == KVS_OK)
+            cache_insert(e, r, valid, NULL);
+        else
+            r->keep_from = r->keep_to = first;
+        give_pages(e, r->pages + first, r->keep_from - first);
+        give_pages(e, r->pages + r->keep_to, r->npages - r->keep_to);
+    }
+    if (r->node != NULL) (void) kvs_radix_unlock(e->radix, r->node);
+    if (status == KVS_OK)
+        e->st.requests_ok++;
+    else
+        e->st.requests_failed++;
+    r->ev.kind = KVS_LLM_EV_DONE;
+    r->ev.status = status;
+    r->ev.finish = why;
+    r->ev.cached_tokens = r->cached;
+    r->ev.generated = r->generated;
+    r->ev.done_ns = kvs_now_ns();
+    emit(e, &r->ev);
+    rq_free(r);
+    memmove(e->rqs + i, e->rqs + i + 1, (size_t) (e->nrqs - i - 1) * sizeof(rq_t *));
+    e->nrqs--;
+}
+
+/* ---- transfer outcomes, agreed over the ranks ---- */
+
+static int in_agreement(const kvs_llm_t *e, const rq_t *r)
+{
+    return r->in_protocol || r->local_fail;
+}
+
+static void local_outcome(kvs_llm_t *e, rq_t *r, double *v)
+{
+    kvs_room_info_t info;
+    int ok = 0, failed = r->local_fail, quiet = r->local_fail;
+    if (!r->local_fail) {
+        kvs_status_t st = e->cfg.role == KVS_LLM_PREFILL
+                              ? kvs_sender_poll(e->cfg.sender, r->req.room, &info)
+                              : kvs_receiver_poll(e->cfg.receiver, r->req.room, &info);
+        if (st != KVS_OK) {
+            failed = quiet = 1;
+        } else {
+            ok = info.status == KVS_ROOM_SUCCESS && info.quiescent;
+            failed = info.status == KVS_ROOM_FAILED;
+            quiet = info.quiescent;
+            if (failed && r->status == KVS_OK) r->status = info.reason ? info.reason : KVS_ERR_IO;
+            if (ok && e->cfg.role == KVS_LLM_DECODE && r->generated == 0 && info.final_len == 4)
+                r->tokens[r->ntokens] = kvs_get_u32(info.final); /* the first token */
+        }
+    }
+    v[0] = ok;
+    v[1] = failed;
+    v[2] = quiet;
+}
+
+static void protocol_abort(kvs_llm_t *e, rq_t *r)
+{
+    if (r->aborted || !r->in_protocol) return;
+    r->aborted = 1;
+    if (e->cfg.role == KVS_LLM_PREFILL)
+        (void) kvs_sender_abort(e->cfg.sender, r->req.room);
+    else
+        (void) kvs_receiver_abort(e->cfg.receiver, r->req.room);
+}
+
+static void protocol_release(kvs_llm_t *e, rq_t *r)
+{
+    if (!r->in_protocol) return;
+    r->in_protocol = 0;
+    if (e->cfg.role == KVS_LLM_PREFILL)
+        (void) kvs_sender_release(e->cfg.sender, r->req.room);
+    else
+        (void) kvs_receiver_release(e->cfg.receiver, r->req.room);
+}
+
+static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
+{
+    if (e->cfg.role == KVS_LLM_COLOCATED) return KVS_OK;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs; i++)
+        if (in_agreement(e, e->rqs[i])) local_outcome(e, e->rqs[i], e->agree + 3 * n++);
+    if (n == 0) return KVS_OK;
+    if (e->cfg.group != NULL) {
+        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, e->agree, 3 * (size_t) n);
+        if (st != KVS_OK) return st;
+    }
+    const double T = e->tp;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < e->nrqs;) {
+        rq_t *r = e->rqs[i];
+        if (!in_agreement(e, r)) {
+            i++;
+            continue;
+        }
+        const double *v = e->agree + 3 * k++;
+        if (v[1] > 0) {
+            /* Failed somewhere: stop everywhere, and conclude once no rank can still write. */
+            protocol_abort(e, r);
+            if (v[2] < T) {
+                i++;
+                continue;
+            }
+            protocol_release(e, r);
+            (*work)++;
+            finish(e, i,
+                   r->stop               ? KVS_OK
+                   : r->status != KVS_OK ? r->status
+                                         : KVS_ERR_IO,
+                   r->stop ? KVS_LLM_FINISH_STOP : KVS_LLM_FINISH_ERROR);
+            continue;
+        }
+        if (v[0] < T) {
+            i++;
+            continue;
+        }
+        protocol_release(e, r);
+        (*work)++;
+        if (e->cfg.role == KVS_LLM_PREFILL) {
+            finish(e, i, KVS_OK, KVS_LLM_FINISH_HANDOFF);
+            continue;
+        }
+        /* Decode: the KV and the first token are on every rank. */
+        uint32_t first = r->tokens[r->ntokens];
+        r->ntokens++;
+        r->generated = 1;
+        r->computed = r->req.prompt_len;
+        r->ev.kv_ready_ns = r->ev.first_token_ns = kvs_now_ns();
+        emit_token(e, r, first);
+        if (first == r->req.eos || r->req.max_new_tokens == 1) {
+            finish(e, i, KVS_OK, first == r->req.eos ? KVS_LLM_FINISH_EOS : KVS_LLM_FINISH_LENGTH);
+            continue;
+        }
+        r->state = RQ_DECODE;
+        i++;
+    }
+    return KVS_OK;
+}
+
+/* ---- admission ---- */
+
+static uint32_t running(const kvs_llm_t *e)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs; i++) n += e->rqs[i]->state != RQ_QUEUED;
+    return n;
+}
+
+/* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait). */
+static int admit_one(kvs_llm_t *e, rq_t *r)
+{
+    const kvs_llm_request_t *q = &r->req;
+    uint32_t cached = 0;
+    kvs_radix_node_t *node = NULL;
+    /* All but the last prompt token: at least one is computed here (prefill: it yields the
+     * first token; decode: at least one position is transferred). */
+    if (e->radix != NULL && q->prompt_len > e->page) {
+        kvs_radix_match_t m;
+        if (kvs_radix_match(e->radix, 0, (const int32_t *) r->tokens, q->prompt_len - 1, r->pages,
+                            &m) == KVS_OK &&
+            m.tokens > 0) {
+            kvs_radix_lock(e->radix, m.node); /* before allocating: eviction must spare it */
+            node = m.node;
+            cached = (uint32_t) m.tokens;
+        }
+    }
+    uint32_t first = cached / e->page, total = capacity_pages(e, q);
+    if (take_pages(e, total - first, r->pages + first) != KVS_OK) {
+        if (node != NULL) (void) kvs_radix_unlock(e->radix, node);
+        return 0;
+    }
+    r->node = node;
+    r->npages = total;
+    r->cached = r->computed = cached;
+    r->ev.admitted_ns = kvs_now_ns();
+    e->st.cached_tokens += cached;
+    kvs_status_t st = KVS_OK;
+    if (e->cfg.role == KVS_LLM_PREFILL) {
+        st = kvs_sender_add_room(e->cfg.sender, q->room, q->prompt_len, r->pages);
+        /* The cached prefix is at rest now: the sender may ship it during the first pass. */
+        if (st == KVS_OK) st = kvs_sender_advance(e->cfg.sender, q->room, cached, cached);
+        r->state = RQ_PREFILL;
+    } else if (e->cfg.role == KVS_LLM_DECODE) {
+        st = kvs_receiver_add_room(e->cfg.receiver, q->room, cached, q->prompt_len,
+                                   r->pages + first);
+        r->state = RQ_WAIT_KV;
+    } else {
+        r->state = RQ_PREFILL;
+    }
+    if (e->cfg.role != KVS_LLM_COLOCATED) {
+        r->in_protocol = st == KVS_OK;
+        if (st != KVS_OK) {
+            r->local_fail = 1; /* agreed next step: the room fails on every rank */
+            r->status = st;
+        }
+    }
+    return 1;
+}
+
+static uint32_t admit(kvs_llm_t *e)
+{
+    uint32_t n = 0, live = running(e);
+    for (uint32_t i = 0; i < e->nrqs && live < e->cfg.max_running; i++) {
+        rq_t *r = e->rqs[i];
+        if (r->state != RQ_QUEUED) continue;
+        if (!admit_one(e, r)) break;
+        live++;
+        n++;
+    }
+    return n;
+}
+
+/* Stops that reached this step: queued or generating requests end now; requests inside the
+ * protocol are aborted and end through the agreement. */
+static uint32_t apply_stops(kvs_llm_t *e)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs;) {
+        rq_t *r = e->rqs[i];
+        if (!r->stop) {
+            i++;
+            continue;
+        }
+        if (r->in_protocol || r->local_fail) {
+            protocol_abort(e, r);
+            i++;
+            continue;
+        }
+        n++;
+        finish(e, i, KVS_OK, KVS_LLM_FINISH_STOP);
+    }
+    return n;
+}
+
+/* ---- the forward pass ---- */
+
+/* Token number `index` of a request. Its random draw depends on (seed, index) only, not on how
+ * many draws came before, so the prefill side's first token and the decode side's later ones
+ * form the same stream as one colocated run. */
+static uint32_t sample(const kvs_llm_t *e, const rq_t *r, const float *logits, uint32_t index)
+{
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
+    return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &rng);
+}
+
+/* After the last prompt chunk: the first token. */
+static void prompt_done(kvs_llm_t *e, rq_t *r, const float *logits)
+{
+    uint32_t tok = sample(e, r, logits, 0);
+    r->ev.prefilled_ns = r->ev.first_token_ns = kvs_now_ns();
+    r->tokens[r->ntokens++] = tok;
+    r->generated = 1;
+    emit_token(e, r, tok);
+    if (e->cfg.role == KVS_LLM_PREFILL) {
+        /* The prompt's KV is final: later requests may share it now, while it is still being
+         * sent (the pages stay locked, and the sender only reads them). */
+        cache_insert(e, r, r->req.prompt_len, &r->inserted);
+        if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
+        r->cached_early = 1;
+        uint8_t meta[4];
+        kvs_put_u32(meta, tok);
+        if (kvs_sender_finish(e->cfg.sender, r->req.room, meta, sizeof(meta)) != KVS_OK)
+            protocol_abort(e, r);
+        r->state = RQ_HANDOFF;
+        return;
+    }
+    r->state = RQ_DECODE;
+}
+
+static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
+{
+    uint32_t nseq = 0, budget = e->cfg.batch_tokens;
+    for (uint32_t i = 0; i < e->nrqs && nseq < e->cfg.max_running; i++) {
+        rq_t *r = e->rqs[i];
+        kvs_model_seq_t *s = &e->seqs[nseq];
+        if (r->state == RQ_PREFILL && budget > 0 && !r->aborted) {
+            uint32_t n = r->req.prompt_len - r->computed;
+            if (n > e->cfg.chunk_tokens) n = e->cfg.chunk_tokens;
+            if (n > budget) n = budget;
+            budget -= n;
+            *s = (kvs_model_seq_t){.tokens = r->tokens + r->computed,
+                                   .n = n,
+                                   .pos0 = r->computed,
+                                   .pages = r->pages,
+                                   .npages = r->npages};
+        } else if (r->state == RQ_DECODE) {
+            *s = (kvs_model_seq_t){.tokens = r->tokens + r->ntokens - 1,
+                                   .n = 1,
+                                   .pos0 = r->ntokens - 1,
+                                   .pages = r->pages,
+                                   .npages = r->npages};
+        } else {
+            continue;
+        }
+        e->seq_rq[nseq++] = r;
+    }
+    if (nseq == 0) return KVS_OK;
+    for (uint32_t j = 0; j < nseq; j++) {
+        rq_t *r = e->seq_rq[j];
+        if (r->state == RQ_PREFILL && e->cfg.role == KVS_LLM_PREFILL)
+            (void) kvs_sender_advance(e->cfg.sender, r->req.room, r->computed,
+                                      r->computed + e->seqs[j].n);
+    }
+    uint64_t t0 = kvs_now_ns();
+    kvs_status_t st =
+        kvs_model_forward(e->cfg.model, e->cfg.pool, e->seqs, nseq,
+                          e->cfg.group ? kvs_tpgroup_allreduce_cb : NULL, e->cfg.group, e->logits);
+    e->st.forward_ns += kvs_now_ns() - t0;
+    e->st.forward_passes++;
+    if (st != KVS_OK) {
+        kvs_error("llm: rank %u: forward pass failed: %s", e->rank, kvs_status_str(st));
+        return st;
+    }
+    (*work) += nseq;
+    for (uint32_t j = 0; j < nseq; j++) {
+        rq_t *r = e->seq_rq[j];
+        const float *lg = e->logits + (size_t) j * e->mc.vocab;
+        if (r->state == RQ_PREFILL) {
+            r->computed += e->seqs[j].n;
+            e->st.prompt_tokens += e->seqs[j].n;
+            if (e->cfg.role == KVS_LLM_PREFILL)
+                (void) kvs_sender_advance(e->cfg.sender, r->req.room, r->computed, r->computed);
+            if (r->computed == r->req.prompt_len) prompt_done(e, r, lg);
+            continue;
+        }
+        e->st.decode_tokens++;
+        uint32_t tok = sample(e, r, lg, r->generated);
+        r->tokens[r->ntokens++] = tok;
+        r->generated++;
+        emit_token(e, r, tok);
+    }
+    /* Requests that reached a stop condition end after the pass. */
+    for (uint32_t i = 0; i < e->nrqs;) {
+        rq_t *r = e->rqs[i];
+        if (r->state != RQ_DECODE || r->generated == 0) {
+            i++;
+            continue;
+        }
+        uint32_t last = r->tokens[r->ntokens - 1];
+        if (last == r->req.eos)
+            finish(e, i, KVS_OK, KVS_LLM_FINISH_EOS);
+        else if (r->generated >= r->req.max_new_tokens)
+            finish(e, i, KVS_OK, KVS_LLM_FINISH_LENGTH);
+        else
+            i++;
+    }
+    return KVS_OK;
+}
+
+/* ---- the step ---- */
+
+kvs_status_t kvs_llm_step(kvs_llm_t *e, int quit, int *quit_p, uint32_t *work_p)
+{
+    uint32_t work = 0;
+    int q = 0;
+    e->st.steps++;
+    kvs_status_t st = sync_inputs(e, quit, &q);
+    if (st != KVS_OK) return st;
+    if (e->cfg.sender != NULL) work += kvs_sender_progress(e->cfg.sender);
+    if (e->cfg.receiver != NULL) work += kvs_receiver_progress(e->cfg.receiver);
+    work += apply_stops(e);
+    if ((st = agree(e, &work)) != KVS_OK) return st;
+    work += admit(e);
+    if ((st = forward(e, &work)) != KVS_OK) return st;
+    *quit_p = q;
+    *work_p = work;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_llm_next_event(kvs_llm_t *e, kvs_llm_event_t *ev_p)
+{
+    if (e->ev_count == 0) return KVS_INPROGRESS;
+    *ev_p = e->events[e->ev_head];
+    e->ev_head = (e->ev_head + 1) % e->ev_cap;
+    e->ev_count--;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_llm_cached(const kvs_llm_t *e, const uint32_t *prompt, uint32_t prompt_len,
+                            uint32_t *cached_p)
+{
+    if (prompt == NULL && prompt_len > 0) {
+        kvs_error("llm: cached-prefix query without a prompt (%u tokens)", prompt_len);
+        return KVS_ERR_INVALID;
+    }
+    /* As admit_one: all but the last token, and only past the first page. */
+    size_t cached = 0;
+    if (e->radix != NULL && prompt_len > e->page) {
+        kvs_status_t st =
+            kvs_radix_lookup(e->radix, 0, (const int32_t *) prompt, prompt_len - 1, &cached);
+        if (st != KVS_OK) return st;
+    }
+    *cached_p = (uint32_t) cached;
+    return KVS_OK;
+}
+
+uint32_t kvs_llm_live(const kvs_llm_t *e)
+{
+    return e->nrqs + e->npending;
+}
+
+void kvs_llm_stats(const kvs_llm_t *e, kvs_llm_stats_t *stats_p)
+{
+    kvs_llm_stats_t s = e->st;
+    s.running = running(e);
+    s.queued = e->nrqs - s.running;
+    if (e->radix != NULL) {
+        kvs_radix_stats_t rs;
+        kvs_radix_stats(e->radix, &rs);
+        s.radix_pages = rs.total_pages;
+    }
+    *stats_p = s;
+}
+
+void kvs_llm_collect_metrics(kvs_llm_t *e)
+{
+    if (e->rank == 0) e->want_metrics = 1;
+}
+
+uint64_t kvs_llm_instance_metrics(const kvs_llm_t *e, kvs_pd_metrics_t *metrics_p)
+{
+    if (e->collections > 0) *metrics_p = e->instance;
+    return e->collections;
+}

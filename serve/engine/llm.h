@@ -1,0 +1,153 @@
+/* The reference serving engine of one tensor-parallel rank: a scheduler over the reference model
+ * (model/model.h) whose KV cache lives in the rank's kvstage pool. One engine per rank; the
+ * ranks of an instance step in lockstep (kvs_llm_step), meeting in their TP group for the
+ * model's all-reduces and for the scheduler's agreements. Rank 0 takes requests and is the only
+ * rank that reports events; every rank runs the same deterministic schedule on the inputs rank
+ * 0 broadcasts at each step, so page ids and radix caches agree across ranks without being sent.
+ *
+ * Roles:
+ *   COLOCATED - chunked prefill, then decode, in the same pool (no transfer).
+ *   PREFILL   - chunked prefill (batched over requests, chunk C per request per pass); each
+ *               room is added to the kvstage sender at admission, the cached prefix counts as
+ *               computed at once (early send), every pass reports computed/scheduled tokens, and
+ *               the first token (sampled from the last prompt logits) is the room's final
+ *               metadata. Pages are freed (or kept by the radix cache) once every rank's sender
+ *               concluded the room.
+ *   DECODE    - radix match, pages for [base, prompt + max_new), kvstage receiver; once every
+ *               rank received the KV (and the first token), the request joins the running
+ *               batch: continuous batching, one token per request per pass, until max tokens,
+ *               EOS or a stop; finished sequences go into the radix cache.
+ * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on. */
+#ifndef KVSTAGE_LLM_H
+#define KVSTAGE_LLM_H
+
+#include <stdint.h>
+
+#include "model/model.h"
+#include "kvstage/pd.h"
+#include "kvstage/pool.h"
+#include "kvstage/status.h"
+#include "model/tpgroup.h"
+
+typedef enum {
+    KVS_LLM_COLOCATED = 0,
+    KVS_LLM_PREFILL = 1,
+    KVS_LLM_DECODE = 2,
+} kvs_llm_role_t;
+
+typedef struct {
+    kvs_llm_role_t role;
+    kvs_model_t *model;       /* this rank's shard; borrowed */
+    kvs_pool_t *pool;         /* host memory, the model's KV shape and TP layout; borrowed */
+    kvs_tpgroup_t *group;     /* the instance's TP group; NULL when the model's tp_size is 1 */
+    kvs_sender_t *sender;     /* PREFILL: this rank's sender; borrowed */
+    kvs_receiver_t *receiver; /* DECODE: this rank's receiver; borrowed */
+    uint32_t chunk_tokens;    /* prefill tokens per request per pass (use the kvstage C) */
+    uint32_t batch_tokens;    /* prompt tokens per pass, all requests (>= chunk_tokens) */
+    uint32_t max_running;     /* requests admitted at once */
+    uint32_t max_prompt;      /* longest prompt accepted (and max_ctx bounds prompt + new) */
+    int radix;                /* this instance's radix prefix cache */
+} kvs_llm_config_t;
+
+typedef struct {
+    uint64_t room;           /* chosen by the router: the same on the prefill and decode side */
+    const uint32_t *prompt;  /* [prompt_len] token ids; copied */
+    uint32_t prompt_len;     /* >= 1 */
+    uint32_t max_new_tokens; /* decode, colocated: generated tokens at most, the first included */
+    kvs_sample_params_t sampling;
+    uint64_t seed; /* sampling seed (unused when greedy) */
+    uint32_t eos;  /* stop token id; UINT32_MAX: none */
+} kvs_llm_request_t;
+
+typedef enum {
+    KVS_LLM_EV_TOKEN = 0, /* a token was generated (decode, colocated; prefill: the first) */
+    KVS_LLM_EV_DONE = 1,  /* the request ended; nothing more about it follows */
+} kvs_llm_event_kind_t;
+
+typedef enum {
+    KVS_LLM_FINISH_LENGTH = 0,  /* max_new_tokens generated */
+    KVS_LLM_FINISH_EOS = 1,     /* the EOS token was generated (and reported) */
+    KVS_LLM_FINISH_STOP = 2,    /* kvs_llm_stop */
+    KVS_LLM_FINISH_HANDOFF = 3, /* prefill: the KV and first token reached decode */
+    KVS_LLM_FINISH_ERROR = 4,   /* see status */
+} kvs_llm_finish_t;
+
+typedef struct {
+    kvs_llm_event_kind_t kind;
+    uint64_t room;
+    uint32_t token;          /* EV_TOKEN */
+    uint32_t index;          /* EV_TOKEN: 0 for the first generated token */
+    kvs_status_t status;     /* EV_DONE: KVS_OK, or why the request failed */
+    kvs_llm_finish_t finish; /* EV_DONE */
+    uint32_t prompt_len;     /* EV_DONE */
+    uint32_t cached_tokens;  /* EV_DONE: prompt tokens this side found in its radix cache */
+    uint32_t generated;      /* EV_DONE: tokens generated (reported) */
+    /* EV_DONE, CLOCK_MONOTONIC ns (comparable across processes of one host): */
+    uint64_t submitted_ns;   /* kvs_llm_submit */
+    uint64_t admitted_ns;    /* pages allocated, work started */
+    uint64_t prefilled_ns;   /* prefill, colocated: the prompt computed */
+    uint64_t kv_ready_ns;    /* decode: every rank has the KV and the first token */
+    uint64_t first_token_ns; /* the first token known on this side */
+    uint64_t done_ns;
+} kvs_llm_event_t;
+
+typedef struct {
+    uint64_t steps;          /* kvs_llm_step calls */
+    uint64_t forward_passes; /* model forward calls */
+    uint64_t forward_ns;     /* time inside them */
+    uint64_t prompt_tokens;  /* prompt tokens computed (radix hits excluded) */
+    uint64_t cached_tokens;  /* prompt tokens served from the radix cache */
+    uint64_t decode_tokens;  /* tokens fed to decode passes */
+    uint64_t requests_ok, requests_failed;
+    uint32_t queued, running; /* now */
+    uint64_t radix_pages;     /* now: pages the radix cache holds */
+} kvs_llm_stats_t;
+
+typedef struct kvs_llm kvs_llm_t;
+
+/* Checks the configuration against the model (pool shape and TP, group size = tp_size, role
+ * objects present) and sizes the scratch. */
+kvs_status_t kvs_llm_create(const kvs_llm_config_t *config, kvs_llm_t **llm_p);
+/* Frees the engine's requests (without telling the sender or receiver: drain first), pages
+ * and radix cache. */
+void kvs_llm_destroy(kvs_llm_t *llm);
+
+/* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty or too long prompt,
+ * token id outside the vocabulary, max_new_tokens 0 where tokens are generated, a room id
+ * already live). Every rank admits it at the same later step. */
+kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
+/* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
+ * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */
+kvs_status_t kvs_llm_stop(kvs_llm_t *llm, uint64_t room);
+
+/* Read-only, between steps: how many tokens of prompt[0, prompt_len) admission would find in
+ * this rank's radix cache now (0 without a cache), e.g. for a router's prefix-aware choice.
+ * Unlike admission it neither splits a node nor touches the LRU order, so a query answered by
+ * one rank leaves the caches (and page ids) of the ranks identical. */
+kvs_status_t kvs_llm_cached(const kvs_llm_t *llm, const uint32_t *prompt, uint32_t prompt_len,
+                            uint32_t *cached_p);
+
+/* One scheduler iteration on every rank of the instance, in lockstep: rank 0's new requests,
+ * stops and quit flag are broadcast; transfers progress; transfer outcomes are agreed; queued
+ * requests are admitted; one forward pass runs (prefill chunks and decode tokens together).
+ * quit (rank 0's value counts) asks every rank to stop stepping; *quit_p receives it on every
+ * rank. *work_p receives how much happened (0: idle; sleep a little before the next step).
+ * An error means the TP group failed (a peer died): the instance cannot continue. */
+kvs_status_t kvs_llm_step(kvs_llm_t *llm, int quit, int *quit_p, uint32_t *work_p);
+
+/* Rank 0: takes the next event; KVS_INPROGRESS when none is waiting. Other ranks record none. */
+kvs_status_t kvs_llm_next_event(kvs_llm_t *llm, kvs_llm_event_t *event_p);
+/* Requests queued or running on this rank (as of the last step; rank 0 also counts those
+ * submitted since). */
+uint32_t kvs_llm_live(const kvs_llm_t *llm);
+void kvs_llm_stats(const kvs_llm_t *llm, kvs_llm_stats_t *stats_p);
+
+/* Rank 0: asks every rank of the instance for its sender's or receiver's counters at the next
+ * step (they are summed over the TP group there: bytes moved, chunks, retries, ring use... of
+ * the whole instance, not of rank 0 alone). */
+void kvs_llm_collect_metrics(kvs_llm_t *llm);
+/* Rank 0: the instance's summed counters as of the last collection; returns how many
+ * collections have completed (0: none yet, *metrics_p untouched). */
+uint64_t kvs_llm_instance_metrics(const kvs_llm_t *llm, kvs_pd_metrics_t *metrics_p);
+
+#endif

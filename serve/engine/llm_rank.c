@@ -1,0 +1,590 @@
+/* One rank of a real-model deployment as a process (engine/llm_rank.h): setup in the order
+ * that keeps peers from waiting on each other (model, pool, TP group, then the net link so that
+ * no heartbeat goes silent during a model load), the request pipe of rank 0, and the lockstep
+ * loop around kvs_llm_step. */
+#include "engine/llm_rank.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pd/plumbing.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "model/gguf.h"
+#include "kvstage/log.h"
+#include "kvstage/registry.h"
+#include "model/tpgroup.h"
+
+#define MS          1000000ull
+#define MAX_LINE    (16u << 20) /* longest request line accepted */
+#define GROUP_BCAST 65536u      /* the engine broadcasts its inputs in pieces of this */
+/* Idle steps: poll every 50 us while the rank was busy within the last HOT_NS (a handoff is a
+ * few round trips), then back off to IDLE_SLEEP_MAX. Polling fast all the time cost the other
+ * instance's forward passes about 10% on a 2-core VM; the first message after a long quiet
+ * period waits at most IDLE_SLEEP_MAX. */
+#define IDLE_SLEEP_US  50
+#define IDLE_SLEEP_MAX 2000
+#define HOT_NS         (20 * MS)
+#define DRAIN_NS       (50 * MS)
+
+static const char *role_str(kvs_llm_role_t role)
+{
+    return role == KVS_LLM_PREFILL ? "prefill" : role == KVS_LLM_DECODE ? "decode" : "colocated";
+}
+
+static const char *finish_str(kvs_llm_finish_t f)
+{
+    static const char *names[] = {"length", "eos", "stop", "handoff", "error"};
+    return (unsigned) f < 5 ? names[f] : "unknown";
+}
+
+static void sleep_us(long us)
+{
+    struct timespec ts = {0, us * 1000};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- output lines ---- */
+
+static void out_line(int fd, const char *fmt, ...)
+{
+    if (fd < 0) return;
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t) n > sizeof(buf) - 2) n = (int) sizeof(buf) - 2;
+    buf[n++] = '\n';
+    for (size_t at = 0; at < (size_t) n;) {
+        ssize_t w = write(fd, buf + at, (size_t) n - at);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            kvs_warn("llm rank: cannot write an event line: %s", strerror(errno));
+            return;
+        }
+        at += (size_t) w;
+    }
+}
+
+static void write_event(int fd, const kvs_llm_event_t *ev)
+{
+    if (ev->kind == KVS_LLM_EV_TOKEN) {
+        out_line(fd, "{\"event\":\"token\",\"room\":%llu,\"token\":%u,\"index\":%u}",
+                 (unsigned long long) ev->room, ev->token, ev->index);
+        return;
+    }
+    out_line(fd,
+             "{\"event\":\"done\",\"room\":%llu,\"status\":\"%s\",\"finish\":\"%s\","
+             "\"prompt_len\":%u,\"cached\":%u,\"generated\":%u,\"submitted_ns\":%llu,"
+             "\"admitted_ns\":%llu,\"prefilled_ns\":%llu,\"kv_ready_ns\":%llu,"
+             "\"first_token_ns\":%llu,\"done_ns\":%llu}",
+             (unsigned long long) ev->room,
+             ev->status == KVS_OK ? "ok" : kvs_status_str(ev->status), finish_str(ev->finish),
+             ev->prompt_len, ev->cached_tokens, ev->generated,
+             (unsigned long long) ev->submitted_ns, (unsigned long long) ev->admitted_ns,
+             (unsigned long long) ev->prefilled_ns, (unsigned long long) ev->kv_ready_ns,
+             (unsigned long long) ev->first_token_ns, (unsigned long long) ev->done_ns);
+}
+
+/* ---- rank 0's request pipe ---- */
+
+typedef struct {
+    const kvs_llm_rank_config_t *cfg;
+    kvs_llm_t *llm;
+    const kvs_plumbing_t *pl;
+    uint64_t t0;
+    double load_s;
+    char *buf; /* [cap] bytes read, not yet a whole line */
+    size_t len, cap;
+    uint32_t *ids; /* [max_prompt] scratch for one prompt */
+    int eof, quitting;
+    uint64_t quit_at;
+    /* Answers held back behind a `stats` (answered after the next step, when the instance's
+     * counters were summed), so that answers still come in the order asked: one entry per
+     * question, a match line or NULL for a stats line. */
+    char **held;
+    uint32_t nheld, cap_held;
+    uint64_t stats_after; /* the stats answers are due once collections exceed this */
+} io_t;
+
+static int next_u64(char **p, uint64_t *v)
+{
+    char *s = *p;
+    if (*s == ' ') s++;
+    if (*s < '0' || *s > '9') return -1;
+    errno = 0;
+    char *end;
+    unsigned long long x = strtoull(s, &end, 10);
+    if (errno != 0 || (*end != ' ' && *end != '\0')) return -1;
+    *v = x;
+    *p = end;
+    return 0;
+}
+
+static int next_f32(char **p, float *v)
+{
+    char *s = *p;
+    if (*s == ' ') s++;
+    if (*s == '\0' || *s == ' ') return -1;
+    errno = 0;
+    char *end;
+    float x = strtof(s, &end);
+    if (errno != 0 || end == s || (*end != ' ' && *end != '\0')) return -1;
+    *v = x;
+    *p = end;
+    return 0;
+}
+
+static void parse_error(io_t *io, const char *what)
+{
+    kvs_warn("llm rank: bad request line: %s", what);
+    out_line(io->cfg->out_fd, "{\"event\":\"error\",\"message\":\"bad request line: %s\"}", what);
+}
+
+static void handle_submit(io_t *io, char *p)
+{
+    uint64_t room, max_new, seed, n;
+    float temp, top_p;
+    if (next_u64(&p, &room) || next_u64(&p, &max_new) || next_f32(&p, &temp) ||
+        next_f32(&p, &top_p) || next_u64(&p, &seed) || max_new > UINT32_MAX) {
+        parse_error(io, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P SEED EOS N IDS");
+        return;
+    }
+    uint32_t eos = UINT32_MAX;
+    if (strncmp(p, " -1", 3) == 0 && (p[3] == ' ' || p[3] == '\0')) {
+        p += 3;
+    } else {
+        uint64_t e;
+        if (next_u64(&p, &e) || e >= UINT32_MAX) {
+            parse_error(io, "EOS must be a token id or -1");
+            return;
+        }
+        eos = (uint32_t) e;
+    }
+    if (next_u64(&p, &n) || n == 0 || n > io->cfg->max_prompt) {
+        out_line(io->cfg->out_fd, "{\"event\":\"rejected\",\"room\":%llu,\"status\":\"%s\"}",
+                 (unsigned long long) room, kvs_status_str(KVS_ERR_INVALID));
+        kvs_warn("llm rank: room %llu: prompt length must be 1..%u", (unsigned long long) room,
+                 io->cfg->max_prompt);
+        return;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t id;
+        if (next_u64(&p, &id) || id > UINT32_MAX) {
+            parse_error(io, "prompt token ids");
+            return;
+        }
+        io->ids[i] = (uint32_t) id;
+    }
+    if (*p != '\0') {
+        parse_error(io, "more token ids than N");
+        return;
+    }
+    kvs_llm_request_t q = {.room = room,
+                           .prompt = io->ids,
+                           .prompt_len = (uint32_t) n,
+                           .max_new_tokens = (uint32_t) max_new,
+                           .sampling = {.temperature = temp, .top_p = top_p},
+                           .seed = seed,
+                           .eos = eos};
+    kvs_status_t st = kvs_llm_submit(io->llm, &q);
+    if (st != KVS_OK)
+        out_line(io->cfg->out_fd, "{\"event\":\"rejected\",\"room\":%llu,\"status\":\"%s\"}",
+                 (unsigned long long) room, kvs_status_str(st));
+}
+
+static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final);
+
+/* Queues an answer behind a held stats answer; 0 when out of memory. */
+static int hold(io_t *io, char *line)
+{
+    if (io->nheld == io->cap_held) {
+        uint32_t n = io->cap_held ? io->cap_held * 2 : 8;
+        char **p = kvs_realloc(io->held, (size_t) n * sizeof(*p));
+        if (p == NULL) return 0;
+        io->held = p;
+        io->cap_held = n;
+    }
+    io->held[io->nheld++] = line;
+    return 1;
+}
+
+/* `match N IDS`: answered with one match line whatever happens, so that the asker can pair
+ * answers with questions in order. */
+static void handle_match(io_t *io, char *p)
+{
+    uint64_t n;
+    uint32_t cached = 0;
+    const char *why = NULL;
+    if (next_u64(&p, &n) || n == 0) why = "match needs N >= 1 and N token ids";
+    for (uint64_t i = 0; why == NULL && i < n; i++) {
+        uint64_t id;
+        if (next_u64(&p, &id) || id > UINT32_MAX)
+            why = "match: prompt token ids";
+        else if (i < io->cfg->max_prompt)
+            io->ids[i] = (uint32_t) id;
+    }
+    if (why == NULL && *p != '\0') why = "match: more token ids than N";
+    /* A prompt longer than max_prompt is refused on submit: nothing of it would be reused. */
+    if (why == NULL && n <= io->cfg->max_prompt &&
+        kvs_llm_cached(io->llm, io->ids, (uint32_t) n, &cached) != KVS_OK)
+        cached = 0;
+    char line[256];
+    if (why != NULL) {
+        kvs_warn("llm rank: bad request line: %s", why);
+        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":0,\"error\":\"%s\"}", why);
+    } else {
+        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":%u,\"prompt_len\":%llu}",
+                 cached, (unsigned long long) n);
+    }
+    if (io->nheld == 0) {
+        out_line(io->cfg->out_fd, "%s", line);
+        return;
+    }
+    char *copy = kvs_strdup(line);
+    if (copy == NULL || !hold(io, copy)) {
+        kvs_free(copy);
+        out_line(io->cfg->out_fd, "%s", line); /* out of memory: late order beats no answer */
+    }
+}
+
+/* `stats`: the instance's transfer counters are summed over every rank at the next step, so
+ * the answer waits for it (answer_held, after each step). */
+static void handle_stats(io_t *io)
+{
+    kvs_pd_metrics_t unused;
+    if (io->nheld == 0) io->stats_after = kvs_llm_instance_metrics(io->llm, &unused);
+    if (!hold(io, NULL)) {
+        parse_error(io, "out of memory holding a stats question");
+        return;
+    }
+    kvs_llm_collect_metrics(io->llm);
+}
+
+/* Writes the held answers, in order, once the instance's counters have been summed. */
+static void answer_held(io_t *io)
+{
+    kvs_llm_rank_result_t r;
+    memset(&r, 0, sizeof(r));
+    if (io->nheld == 0 || kvs_llm_instance_metrics(io->llm, &r.metrics) <= io->stats_after) return;
+    kvs_llm_stats(io->llm, &r.stats);
+    r.load_s = io->load_s;
+    r.wall_s = (double) (kvs_now_ns() - io->t0) / 1e9;
+    for (uint32_t i = 0; i < io->nheld; i++) {
+        if (io->held[i] == NULL) {
+            write_stats(io->cfg, &r, 0);
+        } else {
+            out_line(io->cfg->out_fd, "%s", io->held[i]);
+            kvs_free(io->held[i]);
+        }
+    }
+    io->nheld = 0;
+}
+
+static void handle_line(io_t *io, char *line)
+{
+    if (strncmp(line, "submit ", 7) == 0) {
+        handle_submit(io, line + 6);
+    } else if (strncmp(line, "stop ", 5) == 0) {
+        char *p = line + 4;
+        uint64_t room;
+        if (next_u64(&p, &room) || *p != '\0') {
+            parse_error(io, "stop needs ROOM");
+            return;
+        }
+        /* A room that already ended is no error: the stop raced its last token. */
+        (void) kvs_llm_stop(io->llm, room);
+    } else if (strncmp(line, "match ", 6) == 0) {
+        handle_match(io, line + 5);
+    } else if (strcmp(line, "stats") == 0) {
+        handle_stats(io);
+    } else if (strcmp(line, "quit") == 0) {
+        if (!io->quitting) io->quit_at = kvs_now_ns() + io->cfg->quit_grace_ns;
+        io->quitting = 1;
+    } else if (line[0] != '\0') {
+        parse_error(io, "expected submit, stop, match, stats or quit");
+    }
+}
+
+/* Takes whatever the pipe holds now, without waiting. */
+static void read_input(io_t *io)
+{
+    for (;;) {
+        struct pollfd pfd = {io->cfg->in_fd, POLLIN, 0};
+        if (poll(&pfd, 1, 0) <= 0) return;
+        if (io->len + 65536 > io->cap) {
+            size_t ncap = io->cap ? io->cap * 2 : 131072;
+            char *b = ncap <= MAX_LINE + 131072 ? kvs_realloc(io->buf, ncap) : NULL;
+            if (b == NULL) {
+                parse_error(io, "line too long");
+                io->len = 0;
+                continue;
+            }
+            io->buf = b;
+            io->cap = ncap;
+        }
+        ssize_t n = read(io->cfg->in_fd, io->buf + io->len, 65536);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            /* The launcher is gone or done: the same as quit. */
+            io->eof = 1;
+            if (!io->quitting) io->quit_at = kvs_now_ns() + io->cfg->quit_grace_ns;
+            io->quitting = 1;
+            return;
+        }
+        size_t start = 0, end = io->len + (size_t) n;
+        for (size_t i = io->len; i < end; i++) {
+            if (io->buf[i] != '\n') continue;
+            io->buf[i] = '\0';
+            handle_line(io, io->buf + start);
+            start = i + 1;
+        }
+        memmove(io->buf, io->buf + start, end - start);
+        io->len = end - start;
+    }
+}
+
+/* ---- setup ---- */
+
+static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_model_t **model_p)
+{
+    if (c->model_path == NULL) return kvs_model_seeded(&c->seeded, c->model_seed, tp, model_p);
+    kvs_gguf_t *g = NULL;
+    kvs_status_t st = kvs_gguf_open(c->model_path, &g);
+    if (st != KVS_OK) return st;
+    st = kvs_model_load(g, tp, model_p);
+    kvs_gguf_close(g);
+    return st;
+}
+
+static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
+{
+    const int pd = c->role != KVS_LLM_COLOCATED;
+    const char *why = NULL;
+    if ((unsigned) c->role > KVS_LLM_DECODE)
+        why = "unknown role";
+    else if (tp == 0 || tp > KVS_MAX_TP || c->rank >= tp)
+        why = "rank out of the instance's TP size";
+    else if (pd && (c->decode_tp == 0 || c->decode_tp > KVS_MAX_TP || c->prefill_tp == 0))
+        why = "prefill and decode TP sizes must be 1..64";
+    else if (c->page_size == 0 || c->chunk_tokens == 0 || c->max_running == 0 || c->max_prompt == 0)
+        why = "page size, chunk, max running and max prompt must be positive";
+    else if (c->batch_tokens != 0 && c->batch_tokens < c->chunk_tokens)
+        why = "batch tokens below the chunk";
+    else if (pd && c->registry == NULL)
+        why = "prefill and decode ranks need the registry endpoint";
+    else if (c->rank == 0 && c->in_fd < 0)
+        why = "rank 0 needs its request pipe";
+    else if (tp > 1 && c->group == NULL)
+        why = "TP > 1 needs a group name";
+    if (why == NULL) return KVS_OK;
+    kvs_error("llm rank: %s rank %u of TP %u: %s", role_str(c->role), c->rank, tp, why);
+    return KVS_ERR_INVALID;
+}
+
+static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final)
+{
+    const kvs_llm_stats_t *s = &r->stats;
+    const kvs_pd_metrics_t *m = &r->metrics;
+    out_line(c->out_fd,
+             "{\"event\":\"stats\",\"role\":\"%s\",\"rank\":%u,\"steps\":%llu,"
+             "\"forward_passes\":%llu,\"forward_ns\":%llu,\"prompt_tokens\":%llu,"
+             "\"cached_tokens\":%llu,\"decode_tokens\":%llu,\"requests_ok\":%llu,"
+             "\"requests_failed\":%llu,\"radix_pages\":%llu,\"rooms_succeeded\":%llu,"
+             "\"rooms_failed\":%llu,\"chunks\":%llu,\"bulk_writes\":%llu,\"direct_writes\":%llu,"
+             "\"bytes_moved\":%llu,\"control_messages\":%llu,\"retries\":%llu,\"rejected\":%llu,"
+             "\"ring_used\":%llu,\"ring_capacity\":%llu,\"queued\":%u,\"running\":%u,"
+             "\"load_s\":%.3f,\"wall_s\":%.3f,\"final\":%s}",
+             role_str(c->role), c->rank, (unsigned long long) s->steps,
+             (unsigned long long) s->forward_passes, (unsigned long long) s->forward_ns,
+             (unsigned long long) s->prompt_tokens, (unsigned long long) s->cached_tokens,
+             (unsigned long long) s->decode_tokens, (unsigned long long) s->requests_ok,
+             (unsigned long long) s->requests_failed, (unsigned long long) s->radix_pages,
+             (unsigned long long) m->rooms_succeeded, (unsigned long long) m->rooms_failed,
+             (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
+             (unsigned long long) m->direct_writes, (unsigned long long) m->bytes,
+             (unsigned long long) m->msgs_sent, (unsigned long long) m->retries,
+             (unsigned long long) m->rejected, (unsigned long long) m->ring_used,
+             (unsigned long long) m->ring_capacity, s->queued, s->running, r->load_s, r->wall_s,
+             final ? "true" : "false");
+}
+
+kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_result_t *result_p)
+{
+    kvs_llm_rank_config_t c = *config;
+    const int prefill = c.role == KVS_LLM_PREFILL, decode = c.role == KVS_LLM_DECODE;
+    const uint32_t tp = decode ? c.decode_tp : c.prefill_tp;
+    kvs_status_t st = check_config(&c, tp);
+    if (st != KVS_OK) return st;
+    if (c.batch_tokens == 0) c.batch_tokens = 4 * c.chunk_tokens;
+    if (c.group_timeout_ms == 0) c.group_timeout_ms = 120000;
+    if (c.liveness_timeout_ns == 0) c.liveness_timeout_ns = 10000 * MS;
+    if (c.quit_grace_ns == 0) c.quit_grace_ns = 5000 * MS;
+    const uint64_t t0 = kvs_now_ns();
+
+    kvs_llm_rank_result_t res;
+    memset(&res, 0, sizeof(res));
+    kvs_model_t *model = NULL;
+    kvs_pool_t *pool = NULL;
+    kvs_tpgroup_t *group = NULL;
+    kvs_plumbing_t pl;
+    memset(&pl, 0, sizeof(pl));
+    kvs_llm_t *llm = NULL;
+    io_t io;
+    memset(&io, 0, sizeof(io));
+    io.cfg = &c;
+
+    if ((st = load_model(&c, (kvs_tp_t){tp, c.rank}, &model)) != KVS_OK) goto out;
+    const kvs_model_config_t *mc = kvs_model_config(model);
+    const kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(model),
+                                   .prefill_tp = c.prefill_tp,
+                                   .decode_tp = decode || prefill ? c.decode_tp : c.prefill_tp,
+                                   .page_size = c.page_size,
+                                   .chunk_tokens = c.chunk_tokens};
+    if ((prefill || decode) && (st = kvs_pd_geometry_validate(&geo)) != KVS_OK) goto out;
+
+    /* Running requests' pages, and as much again for the radix cache to keep. */
+    const uint64_t P = c.page_size;
+    uint64_t per_request = (c.max_prompt + (prefill ? 0 : c.max_new) + P - 1) / P;
+    uint64_t pages = per_request * c.max_running * (c.radix ? 2 : 1) + 4;
+    if (pages > UINT32_MAX) {
+        kvs_error("llm rank: %llu pages do not fit a pool", (unsigned long long) pages);
+        st = KVS_ERR_INVALID;
+        goto out;
+    }
+    kvs_pool_config_t pc = {.shape = geo.shape,
+                            .tp = {tp, c.rank},
+                            .page_size = c.page_size,
+                            .num_pages = (uint32_t) pages,
+                            .layout = KVS_POOL_NHD,
+                            .mem = KVS_MEM_HOST};
+    if ((st = kvs_pool_create(&pc, &pool)) != KVS_OK) goto out;
+
+    /* The group before the link: a rank waiting here for a slow loader sends no heartbeats. */
+    if (tp > 1) {
+        size_t tokens = (size_t) c.batch_tokens + c.max_running;
+        size_t doubles = tokens * mc->dim;
+        if (doubles < 3 * (size_t) c.max_running) doubles = 3 * (size_t) c.max_running;
+        kvs_tpgroup_config_t gc = {.name = c.group,
+                                   .size = tp,
+                                   .rank = c.rank,
+                                   .max_doubles = doubles,
+                                   .max_bytes = GROUP_BCAST,
+                                   .timeout_ms = c.group_timeout_ms};
+        if ((st = kvs_tpgroup_join(&gc, &group)) != KVS_OK) goto out;
+    }
+
+    if (prefill || decode) {
+        kvs_plumbing_config_t plc = {.side = prefill ? KVS_SIDE_PREFILL : KVS_SIDE_DECODE,
+                                     .rank = c.rank,
+                                     .geo = geo,
+                                     .registry = c.registry,
+                                     .serve_registry = prefill && c.serve_registry && c.rank == 0,
+                                     .await_registrations = 1,
+                                     .bind = c.bind,
+                                     .data = c.data,
+                                     .net_device = c.net_device,
+                                     .mem = KVS_MEM_HOST,
+                                     .liveness_timeout_ns = c.liveness_timeout_ns,
+                                     .write_mode = KVS_WRITE_AUTO};
+        if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;
+    }
+
+    kvs_llm_config_t lc = {.role = c.role,
+                           .model = model,
+                           .pool = pool,
+                           .group = group,
+                           .sender = pl.sender,
+                           .receiver = pl.receiver,
+                           .chunk_tokens = c.chunk_tokens,
+                           .batch_tokens = c.batch_tokens,
+                           .max_running = c.max_running,
+                           .max_prompt = c.max_prompt,
+                           .radix = c.radix};
+    if ((st = kvs_llm_create(&lc, &llm)) != KVS_OK) goto out;
+    io.llm = llm;
+    io.pl = &pl;
+    io.t0 = t0;
+    if (c.rank == 0) {
+        io.ids = kvs_malloc((size_t) c.max_prompt * sizeof(uint32_t));
+        if (io.ids == NULL) {
+            st = KVS_ERR_NOMEM;
+            goto out;
+        }
+    }
+    res.load_s = io.load_s = (double) (kvs_now_ns() - t0) / 1e9;
+    if (c.rank == 0)
+        out_line(c.out_fd, "{\"event\":\"ready\",\"role\":\"%s\",\"tp\":%u,\"load_s\":%.3f}",
+                 role_str(c.role), tp, res.load_s);
+
+    long idle_us = IDLE_SLEEP_US;
+    uint64_t last_work = kvs_now_ns();
+    for (;;) {
+        int want_quit = 0;
+        if (c.rank == 0) {
+            if (!io.eof) read_input(&io);
+            if (io.quitting) {
+                uint32_t live = kvs_llm_live(llm);
+                want_quit = live == 0 || kvs_now_ns() >= io.quit_at;
+                if (want_quit && live > 0)
+                    kvs_warn("%s rank 0: quitting with %u requests still live", role_str(c.role),
+                             live);
+            }
+        }
+        uint32_t work = pl.registry ? kvs_registry_serve(pl.registry, 0) : 0, stepped = 0;
+        int quit = 0;
+        if ((st = kvs_llm_step(llm, want_quit, &quit, &stepped)) != KVS_OK) {
+            kvs_error("%s rank %u: the instance cannot go on: %s", role_str(c.role), c.rank,
+                      kvs_status_str(st));
+            if (c.rank == 0)
+                out_line(c.out_fd, "{\"event\":\"error\",\"message\":\"TP group failed: %s\"}",
+                         kvs_status_str(st));
+            break;
+        }
+        work += stepped;
+        kvs_llm_event_t ev;
+        while (c.rank == 0 && kvs_llm_next_event(llm, &ev) == KVS_OK) write_event(c.out_fd, &ev);
+        if (c.rank == 0) answer_held(&io);
+        if (quit) break;
+        if (work != 0) {
+            last_work = kvs_now_ns();
+            idle_us = IDLE_SLEEP_US;
+        } else {
+            sleep_us(idle_us);
+            if (kvs_now_ns() - last_work > HOT_NS && idle_us < IDLE_SLEEP_MAX)
+                idle_us = idle_us * 2 < IDLE_SLEEP_MAX ? idle_us * 2 : IDLE_SLEEP_MAX;
+        }
+    }
+    /* Late acknowledgements and repeats from the other side. */
+    for (uint64_t end = kvs_now_ns() + DRAIN_NS;
+         (pl.sender || pl.receiver) && kvs_now_ns() < end;) {
+        if (kvs_plumbing_progress(&pl) == 0) sleep_us(200);
+    }
+    kvs_llm_stats(llm, &res.stats);
+    kvs_plumbing_metrics(&pl, &res.metrics);
+    res.wall_s = (double) (kvs_now_ns() - t0) / 1e9;
+    write_stats(&c, &res, 1);
+    if (result_p) *result_p = res;
+out:
+    if (st != KVS_OK && llm == NULL)
+        kvs_error("%s rank %u of TP %u could not start: %s", role_str(c.role), c.rank, tp,
+                  kvs_status_str(st));
+    kvs_llm_destroy(llm);
+    kvs_plumbing_destroy(&pl);
+    kvs_tpgroup_leave(group);
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(model);
+    for (uint32_t i = 0; i < io.nheld; i++) kvs_free(io.held[i]);
+    kvs_free(io.held);
+    kvs_free(io.buf);
+    kvs_free(io.ids);
+    return st;
+}

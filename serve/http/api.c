@@ -1,0 +1,620 @@
+/* OpenAI request parsing and validation: /v1/completions and /v1/chat/completions bodies to a
+ * tokenized request, or the 4xx answer that names the offending field. */
+#include "http/server_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvstage/alloc.h"
+#include "kvstage/log.h"
+
+static const char *const k_common_fields[] = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "user",
+    "seed",
+    "stop_token_ids",
+    "kvstage",
+    NULL,
+};
+static const char *const k_completion_fields[] = {"prompt", "echo", "best_of", "suffix", NULL};
+static const char *const k_chat_fields[] = {
+    "messages",    "max_completion_tokens", "top_logprobs", "response_format", "tools",
+    "tool_choice", "parallel_tool_calls",   "store",        "metadata",        NULL,
+};
+
+#define BAD_REQUEST "invalid_request_error"
+
+static kvs_status_t fail(kvs__api_err_t *err, int status, const char *param, const char *code,
+                         const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static kvs_status_t fail(kvs__api_err_t *err, int status, const char *param, const char *code,
+                         const char *fmt, ...)
+{
+    err->status = status;
+    err->type = status >= 500 ? "server_error" : BAD_REQUEST;
+    err->code = code;
+    snprintf(err->param, sizeof(err->param), "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof(err->message), fmt, ap);
+    va_end(ap);
+    if (status >= 500) {
+        kvs_error("server: %s", err->message);
+        return KVS_ERR_NOMEM;
+    }
+    kvs_debug("server: refused a request: %s", err->message);
+    return KVS_ERR_INVALID;
+}
+
+static kvs_status_t fail_nomem(kvs__api_err_t *err)
+{
+    return fail(err, 500, NULL, NULL, "out of memory while parsing the request");
+}
+
+static int in_list(const char *const *list, const char *key)
+{
+    for (size_t i = 0; list[i]; i++)
+        if (strcmp(list[i], key) == 0) return 1;
+    return 0;
+}
+
+/* A field present and not null. */
+static json_t *field(json_t *root, const char *name)
+{
+    json_t *v = json_object_get(root, name);
+    return (v == NULL || json_is_null(v)) ? NULL : v;
+}
+
+static kvs_status_t get_number(json_t *root, const char *name, double lo, double hi, int lo_open,
+                               double *out, kvs__api_err_t *err)
+{
+    json_t *v = field(root, name);
+    if (v == NULL) return KVS_OK;
+    if (!json_is_number(v)) return fail(err, 400, name, NULL, "'%s' must be a number", name);
+    double d = json_number_value(v);
+    if (!(d <= hi) || !(lo_open ? d > lo : d >= lo))
+        return fail(err, 400, name, NULL, "'%s' must be in %s%g, %g], not %g", name,
+                    lo_open ? "(" : "[", lo, hi, d);
+    *out = d;
+    return KVS_OK;
+}
+
+static kvs_status_t get_bool(json_t *root, const char *name, int *out, kvs__api_err_t *err)
+{
+    json_t *v = field(root, name);
+    if (v == NULL) return KVS_OK;
+    if (!json_is_boolean(v)) return fail(err, 400, name, NULL, "'%s' must be a boolean", name);
+    *out = json_is_true(v);
+    return KVS_OK;
+}
+
+/* Fields accepted for compatibility whose only supported value is their neutral one. */
+static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
+{
+    json_t *v;
+    if ((v = field(root, "n")) != NULL) {
+        if (!json_is_integer(v)) return fail(err, 400, "n", NULL, "'n' must be an integer");
+        if (json_integer_value(v) != 1)
+            return fail(err, 400, "n", NULL, "only n=1 is supported, not %lld",
+                        (long long) json_integer_value(v));
+    }
+    if ((v = field(root, "logprobs")) != NULL) {
+        int off = json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 0);
+        if (!json_is_boolean(v) && !json_is_integer(v))
+            return fail(err, 400, "logprobs", NULL, "'logprobs' must be %s",
+                        chat ? "a boolean" : "an integer");
+        if (!off) return fail(err, 400, "logprobs", NULL, "logprobs are not supported");
+    }
+    if ((v = field(root, "top_logprobs")) != NULL &&
+        !(json_is_integer(v) && json_integer_value(v) == 0))
+        return fail(err, 400, "top_logprobs", NULL, "top_logprobs are not supported");
+    if ((v = field(root, "echo")) != NULL) {
+        if (!json_is_boolean(v)) return fail(err, 400, "echo", NULL, "'echo' must be a boolean");
+        if (json_is_true(v)) return fail(err, 400, "echo", NULL, "echo is not supported");
+    }
+    if ((v = field(root, "best_of")) != NULL) {
+        if (!json_is_integer(v))
+            return fail(err, 400, "best_of", NULL, "'best_of' must be an integer");
+        if (json_integer_value(v) != 1)
+            return fail(err, 400, "best_of", NULL, "only best_of=1 is supported");
+    }
+    if ((v = field(root, "suffix")) != NULL) {
+        if (!json_is_string(v)) return fail(err, 400, "suffix", NULL, "'suffix' must be a string");
+        if (json_string_length(v) != 0)
+            return fail(err, 400, "suffix", NULL, "suffix is not supported");
+    }
+    double pen = 0;
+    if (get_number(root, "presence_penalty", -2, 2, 0, &pen, err) != KVS_OK ||
+        get_number(root, "frequency_penalty", -2, 2, 0, &pen, err) != KVS_OK)
+        return KVS_ERR_INVALID;
+    if ((v = field(root, "logit_bias")) != NULL) {
+        if (!json_is_object(v))
+            return fail(err, 400, "logit_bias", NULL, "'logit_bias' must be an object");
+        if (json_object_size(v) != 0)
+            return fail(err, 400, "logit_bias", NULL, "logit_bias is not supported");
+    }
+    if ((v = field(root, "user")) != NULL && !json_is_string(v))
+        return fail(err, 400, "user", NULL, "'user' must be a string");
+    if ((v = field(root, "response_format")) != NULL) {
+        json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
+        if (!json_is_object(v) || !json_is_string(t))
+            return fail(err, 400, "response_format", NULL,
+                        "'response_format' must be an object with a 'type'");
+        if (strcmp(json_string_value(t), "text") != 0)
+            return fail(err, 400, "response_format", NULL,
+                        "response_format '%s' is not supported (only 'text')",
+                        json_string_value(t));
+    }
+    if ((v = field(root, "tools")) != NULL) {
+        if (!json_is_array(v)) return fail(err, 400, "tools", NULL, "'tools' must be an array");
+        if (json_array_size(v) != 0)
+            return fail(err, 400, "tools", NULL, "tools are not supported");
+    }
+    if ((v = field(root, "tool_choice")) != NULL) {
+        const char *s = json_string_value(v);
+        if (s == NULL || (strcmp(s, "none") != 0 && strcmp(s, "auto") != 0))
+            return fail(err, 400, "tool_choice", NULL,
+                        "tool_choice other than 'none' or 'auto' "
+                        "is not supported");
+    }
+    int b = 0;
+    if (get_bool(root, "parallel_tool_calls", &b, err) != KVS_OK ||
+        get_bool(root, "store", &b, err) != KVS_OK)
+        return KVS_ERR_INVALID;
+    if ((v = field(root, "metadata")) != NULL && !json_is_object(v))
+        return fail(err, 400, "metadata", NULL, "'metadata' must be an object");
+    return KVS_OK;
+}
+
+static kvs_status_t parse_stops(json_t *root, kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "stop");
+    if (v == NULL) return KVS_OK;
+    json_t *one[1] = {v};
+    json_t **items = one;
+    size_t n = 1;
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > KVS__MAX_STOPS)
+            return fail(err, 400, "stop", NULL, "at most %d stop strings, not %zu", KVS__MAX_STOPS,
+                        n);
+        items = NULL;
+    } else if (!json_is_string(v)) {
+        return fail(err, 400, "stop", NULL, "'stop' must be a string or an array of strings");
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *s = items ? items[i] : json_array_get(v, i);
+        char param[32] = "stop";
+        if (items == NULL) snprintf(param, sizeof(param), "stop[%zu]", i);
+        if (!json_is_string(s)) return fail(err, 400, param, NULL, "'%s' must be a string", param);
+        size_t len = json_string_length(s);
+        if (len == 0 || len > KVS__MAX_STOP_LEN)
+            return fail(err, 400, param, NULL, "a stop string must have 1 to %d bytes, not %zu",
+                        KVS__MAX_STOP_LEN, len);
+        char *copy = kvs_malloc(len + 1);
+        if (copy == NULL) return fail_nomem(err);
+        memcpy(copy, json_string_value(s), len + 1);
+        req->stops[req->n_stops] = copy;
+        req->stop_lens[req->n_stops] = len;
+        req->n_stops++;
+    }
+    return KVS_OK;
+}
+
+static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *tok,
+                                   kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "stop_token_ids");
+    size_t n = 0;
+    if (v != NULL) {
+        if (!json_is_array(v))
+            return fail(err, 400, "stop_token_ids", NULL,
+                        "'stop_token_ids' must be an array of token ids");
+        n = json_array_size(v);
+        if (n > 64)
+            return fail(err, 400, "stop_token_ids", NULL, "at most 64 stop token ids, not %zu", n);
+    }
+    req->stop_ids = kvs_calloc(n + 1, sizeof(uint32_t));
+    if (req->stop_ids == NULL) return fail_nomem(err);
+    if (tok->eos != UINT32_MAX) req->stop_ids[req->n_stop_ids++] = tok->eos;
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(v, i);
+        json_int_t id = json_is_integer(e) ? json_integer_value(e) : -1;
+        if (id < 0 || (uint64_t) id >= tok->vocab_size)
+            return fail(err, 400, "stop_token_ids", NULL,
+                        "stop_token_ids[%zu] is not a token id below %u", i, tok->vocab_size);
+        req->stop_ids[req->n_stop_ids++] = (uint32_t) id;
+    }
+    return KVS_OK;
+}
+
+static kvs_status_t parse_kvstage(json_t *root, kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "kvstage");
+    if (v == NULL) return KVS_OK;
+    if (!json_is_object(v)) return fail(err, 400, "kvstage", NULL, "'kvstage' must be an object");
+    const char *key;
+    json_t *val;
+    json_object_foreach(v, key, val)
+    {
+        if (strcmp(key, "room") != 0 && strcmp(key, "role") != 0 && strcmp(key, "bootstrap") != 0 &&
+            strcmp(key, "prefill") != 0) {
+            char param[64];
+            snprintf(param, sizeof(param), "kvstage.%s", key);
+            return fail(err, 400, param, "unknown_field", "unknown field '%s'", param);
+        }
+    }
+    json_t *room = json_object_get(v, "room");
+    if (!json_is_integer(room) || json_integer_value(room) < 0 ||
+        (uint64_t) json_integer_value(room) >= (UINT64_C(1) << 62))
+        return fail(err, 400, "kvstage.room", NULL,
+                    "'kvstage.room' must be an integer in [0, 2^62)");
+    const char *role = json_string_value(json_object_get(v, "role"));
+    if (role != NULL && strcmp(role, "prefill") == 0)
+        req->role = KVS_SERVER_ROLE_PREFILL;
+    else if (role != NULL && strcmp(role, "decode") == 0)
+        req->role = KVS_SERVER_ROLE_DECODE;
+    else
+        return fail(err, 400, "kvstage.role", NULL,
+                    "'kvstage.role' must be \"prefill\" or \"decode\"");
+    json_t *boot = json_object_get(v, "bootstrap");
+    if (boot != NULL && !json_is_null(boot)) {
+        if (!json_is_string(boot))
+            return fail(err, 400, "kvstage.bootstrap", NULL,
+                        "'kvstage.bootstrap' must be a string");
+        req->bootstrap = kvs_strdup(json_string_value(boot));
+        if (req->bootstrap == NULL) return fail_nomem(err);
+    }
+    json_t *pre = json_object_get(v, "prefill");
+    if (pre != NULL && !json_is_null(pre) && !json_is_string(pre))
+        return fail(err, 400, "kvstage.prefill", NULL, "'kvstage.prefill' must be a string");
+    req->has_room = 1;
+    req->room = (uint64_t) json_integer_value(room);
+    return KVS_OK;
+}
+
+static kvs_status_t encode(const kvs_server_tokenizer_t *tok, const char *text, size_t len,
+                           kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    uint32_t *ids = NULL;
+    size_t n = 0;
+    kvs_status_t st = tok->encode(tok->ctx, text, len, &ids, &n);
+    if (st == KVS_ERR_NOMEM) return fail_nomem(err);
+    if (st != KVS_OK)
+        return fail(err, 400, "prompt", NULL, "the prompt cannot be tokenized: %s",
+                    kvs_status_str(st));
+    if (n > UINT32_MAX) {
+        kvs_free(ids);
+        return fail(err, 400, "prompt", NULL, "the prompt is too long");
+    }
+    req->prompt = ids;
+    req->prompt_len = (uint32_t) n;
+    return KVS_OK;
+}
+
+/* A prompt given as an array of token ids. */
+static kvs_status_t take_ids(json_t *arr, const kvs_server_tokenizer_t *tok, kvs__api_req_t *req,
+                             kvs__api_err_t *err)
+{
+    size_t n = json_array_size(arr);
+    if (n > UINT32_MAX) return fail(err, 400, "prompt", NULL, "the prompt is too long");
+    uint32_t *ids = kvs_malloc((n ? n : 1) * sizeof(uint32_t));
+    if (ids == NULL) return fail_nomem(err);
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(arr, i);
+        json_int_t id = json_is_integer(e) ? json_integer_value(e) : -1;
+        if (id < 0 || (uint64_t) id >= tok->vocab_size) {
+            kvs_free(ids);
+            return fail(err, 400, "prompt", NULL, "prompt[%zu] is not a token id below %u", i,
+                        tok->vocab_size);
+        }
+        ids[i] = (uint32_t) id;
+    }
+    req->prompt = ids;
+    req->prompt_len = (uint32_t) n;
+    return KVS_OK;
+}
+
+static int all_integers(json_t *arr)
+{
+    for (size_t i = 0; i < json_array_size(arr); i++)
+        if (!json_is_integer(json_array_get(arr, i))) return 0;
+    return 1;
+}
+
+static kvs_status_t parse_prompt(json_t *root, const kvs_server_tokenizer_t *tok,
+                                 kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "prompt");
+    if (v == NULL) return fail(err, 400, "prompt", NULL, "'prompt' is required");
+    if (json_is_string(v))
+        return encode(tok, json_string_value(v), json_string_length(v), req, err);
+    if (!json_is_array(v))
+        return fail(err, 400, "prompt", NULL,
+                    "'prompt' must be a string, an array of token ids, or an array of one of "
+                    "those");
+    if (json_array_size(v) > 0 && all_integers(v)) return take_ids(v, tok, req, err);
+    if (json_array_size(v) == 1) {
+        json_t *e = json_array_get(v, 0);
+        if (json_is_string(e))
+            return encode(tok, json_string_value(e), json_string_length(e), req, err);
+        if (json_is_array(e) && all_integers(e)) return take_ids(e, tok, req, err);
+    }
+    if (json_array_size(v) > 1)
+        return fail(err, 400, "prompt", NULL,
+                    "batched prompts are not supported: send one prompt per request");
+    return fail(err, 400, "prompt", NULL, "'prompt' is empty or of the wrong type");
+}
+
+/* A message's content: a string, or an array of {"type": "text", "text": ...} parts joined. */
+static kvs_status_t message_content(json_t *content, size_t i, char **text_p, kvs__api_err_t *err)
+{
+    char param[48];
+    snprintf(param, sizeof(param), "messages[%zu].content", i);
+    if (json_is_string(content)) {
+        *text_p = kvs_strdup(json_string_value(content));
+        return *text_p ? KVS_OK : fail_nomem(err);
+    }
+    if (!json_is_array(content))
+        return fail(err, 400, param, NULL, "'%s' must be a string or an array of text parts",
+                    param);
+    kvs__sb_t sb;
+    kvs__sb_init(&sb);
+    for (size_t k = 0; k < json_array_size(content); k++) {
+        json_t *part = json_array_get(content, k);
+        const char *type = json_string_value(json_object_get(part, "type"));
+        json_t *text = json_object_get(part, "text");
+        if (type == NULL || strcmp(type, "text") != 0 || !json_is_string(text)) {
+            kvs__sb_fini(&sb);
+            return fail(err, 400, param, NULL,
+                        "'%s[%zu]' must be {\"type\": \"text\", \"text\": ...} (only text parts "
+                        "are supported)",
+                        param, k);
+        }
+        kvs__sb_append(&sb, json_string_value(text), json_string_length(text));
+    }
+    char *text = kvs__sb_take(&sb);
+    if (text == NULL) return fail_nomem(err);
+    *text_p = text;
+    return KVS_OK;
+}
+
+static kvs_status_t parse_messages(json_t *root, const kvs_server_tokenizer_t *tok,
+                                   kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "messages");
+    if (v == NULL) return fail(err, 400, "messages", NULL, "'messages' is required");
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return fail(err, 400, "messages", NULL, "'messages' must be a non-empty array");
+    size_t n = json_array_size(v);
+    kvs_chat_msg_t *msgs = kvs_calloc(n, sizeof(*msgs));
+    char **contents = kvs_calloc(n, sizeof(char *));
+    kvs_status_t st = KVS_OK;
+    if (msgs == NULL || contents == NULL) {
+        st = fail_nomem(err);
+        goto out;
+    }
+    for (size_t i = 0; i < n && st == KVS_OK; i++) {
+        json_t *m = json_array_get(v, i);
+        char param[48];
+        snprintf(param, sizeof(param), "messages[%zu]", i);
+        if (!json_is_object(m)) {
+            st = fail(err, 400, param, NULL, "'%s' must be an object", param);
+            break;
+        }
+        const char *key;
+        json_t *val;
+        json_object_foreach(m, key, val)
+        {
+            if (strcmp(key, "role") != 0 && strcmp(key, "content") != 0 &&
+                strcmp(key, "name") != 0) {
+                char p2[96];
+                snprintf(p2, sizeof(p2), "%s.%s", param, key);
+                st = fail(err, 400, p2, "unknown_field", "unknown field '%s'", p2);
+                break;
+            }
+        }
+        if (st != KVS_OK) break;
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (role == NULL || (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
+                             strcmp(role, "assistant") != 0 && strcmp(role, "developer") != 0)) {
+            char p2[64];
+            snprintf(p2, sizeof(p2), "%s.role", param);
+            st = fail(err, 400, p2, NULL,
+                      "'%s' must be \"system\", \"user\", \"assistant\" or \"developer\"", p2);
+            break;
+        }
+        json_t *name = json_object_get(m, "name");
+        if (name != NULL && !json_is_null(name) && !json_is_string(name)) {
+            char p2[64];
+            snprintf(p2, sizeof(p2), "%s.name", param);
+            st = fail(err, 400, p2, NULL, "'%s' must be a string", p2);
+            break;
+        }
+        st = message_content(json_object_get(m, "content"), i, &contents[i], err);
+        /* The templates know system, user and assistant; a developer message is the newer
+         * name of a system one. */
+        msgs[i].role = strcmp(role, "developer") == 0 ? "system" : role;
+        msgs[i].content = contents[i];
+    }
+    if (st != KVS_OK) goto out;
+    char *text = NULL;
+    st = tok->chat(tok->ctx, msgs, n, &text);
+    if (st == KVS_ERR_NOMEM) {
+        st = fail_nomem(err);
+        goto out;
+    }
+    if (st != KVS_OK) {
+        st = fail(err, 400, "messages", NULL, "the conversation cannot be formatted: %s",
+                  kvs_status_str(st));
+        goto out;
+    }
+    st = encode(tok, text, strlen(text), req, err);
+    if (st != KVS_OK && err->status == 400) snprintf(err->param, sizeof(err->param), "messages");
+    kvs_free(text);
+out:
+    if (contents)
+        for (size_t i = 0; i < n; i++) kvs_free(contents[i]);
+    kvs_free(contents);
+    kvs_free(msgs);
+    return st;
+}
+
+static kvs_status_t parse_lengths(json_t *root, const kvs__api_limits_t *lim, int chat,
+                                  kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    const char *pname = chat ? "messages" : "prompt";
+    if (req->prompt_len == 0) return fail(err, 400, pname, NULL, "the prompt is empty");
+    if (req->prompt_len >= lim->max_context)
+        return fail(err, 400, pname, "context_length_exceeded",
+                    "the prompt has %u tokens; this model's maximum context length is %u tokens "
+                    "(prompt and completion)",
+                    req->prompt_len, lim->max_context);
+    uint32_t avail = lim->max_context - req->prompt_len;
+    const char *mname = "max_tokens";
+    json_t *v = field(root, "max_tokens");
+    if (chat && field(root, "max_completion_tokens") != NULL) {
+        mname = "max_completion_tokens";
+        v = field(root, mname);
+    }
+    if (v == NULL) {
+        req->max_tokens = lim->default_max_tokens && lim->default_max_tokens < avail
+                              ? lim->default_max_tokens
+                              : avail;
+        return KVS_OK;
+    }
+    if (!json_is_integer(v)) return fail(err, 400, mname, NULL, "'%s' must be an integer", mname);
+    json_int_t m = json_integer_value(v);
+    if (m < 1) return fail(err, 400, mname, NULL, "'%s' must be at least 1", mname);
+    if ((uint64_t) m > avail)
+        return fail(err, 400, mname, "context_length_exceeded",
+                    "this model's maximum context length is %u tokens; the prompt has %u tokens "
+                    "and %s asks for %lld more",
+                    lim->max_context, req->prompt_len, mname, (long long) m);
+    req->max_tokens = (uint32_t) m;
+    return KVS_OK;
+}
+
+static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
+                                 const kvs_server_tokenizer_t *tok, int chat, kvs__api_req_t *req,
+                                 kvs__api_err_t *err)
+{
+    if (!json_is_object(root))
+        return fail(err, 400, NULL, NULL, "the request body must be a JSON object");
+    const char *key;
+    json_t *val;
+    json_object_foreach(root, key, val)
+    {
+        if (!in_list(k_common_fields, key) &&
+            !in_list(chat ? k_chat_fields : k_completion_fields, key))
+            return fail(err, 400, key, "unknown_field", "unknown field '%s'", key);
+    }
+    json_t *v = field(root, "model");
+    if (v != NULL) {
+        if (!json_is_string(v)) return fail(err, 400, "model", NULL, "'model' must be a string");
+        if (lim->model != NULL && strcmp(json_string_value(v), lim->model) != 0)
+            return fail(err, 404, "model", "model_not_found", "the model '%s' does not exist",
+                        json_string_value(v));
+    }
+    kvs_status_t st = check_neutral(root, chat, err);
+    if (st != KVS_OK) return st;
+    double t = 1.0, p = 1.0;
+    if ((st = get_number(root, "temperature", 0, 2, 0, &t, err)) != KVS_OK) return st;
+    if ((st = get_number(root, "top_p", 0, 1, 1, &p, err)) != KVS_OK) return st;
+    req->temperature = (float) t;
+    req->top_p = (float) p;
+    if ((v = field(root, "seed")) != NULL) {
+        if (!json_is_integer(v)) return fail(err, 400, "seed", NULL, "'seed' must be an integer");
+        req->seed = (uint64_t) json_integer_value(v);
+    }
+    if ((st = get_bool(root, "stream", &req->stream, err)) != KVS_OK) return st;
+    if ((v = field(root, "stream_options")) != NULL) {
+        if (!json_is_object(v))
+            return fail(err, 400, "stream_options", NULL, "'stream_options' must be an object");
+        if (!req->stream)
+            return fail(err, 400, "stream_options", NULL,
+                        "'stream_options' is only allowed when 'stream' is true");
+        json_object_foreach(v, key, val)
+        {
+            if (strcmp(key, "include_usage") != 0)
+                return fail(err, 400, "stream_options", "unknown_field",
+                            "unknown field 'stream_options.%s'", key);
+        }
+        if ((st = get_bool(v, "include_usage", &req->include_usage, err)) != KVS_OK) {
+            snprintf(err->param, sizeof(err->param), "stream_options.include_usage");
+            return st;
+        }
+    }
+    if ((st = parse_stops(root, req, err)) != KVS_OK) return st;
+    if ((st = parse_stop_ids(root, tok, req, err)) != KVS_OK) return st;
+    if ((st = parse_kvstage(root, req, err)) != KVS_OK) return st;
+    st = chat ? parse_messages(root, tok, req, err) : parse_prompt(root, tok, req, err);
+    if (st != KVS_OK) return st;
+    return parse_lengths(root, lim, chat, req, err);
+}
+
+kvs_status_t kvs__api_parse(const kvs__api_limits_t *limits, const kvs_server_tokenizer_t *tok,
+                            int chat, const char *body, size_t len, kvs__api_req_t *req_p,
+                            kvs__api_err_t *err_p)
+{
+    kvs__json_init();
+    kvs__api_req_t req;
+    memset(&req, 0, sizeof(req));
+    req.chat = chat;
+    json_error_t jerr;
+    kvs_alloc_stats_t before, after;
+    kvs_alloc_stats(&before);
+    json_t *root = json_loadb(body ? body : "", len, 0, &jerr);
+    kvs_alloc_stats(&after);
+    /* jansson reports some failed allocations as syntax errors: an allocation that failed
+     * meanwhile means the body was not judged. */
+    if (root == NULL && after.failed_allocs != before.failed_allocs) return fail_nomem(err_p);
+    if (root == NULL)
+        return fail(err_p, 400, NULL, "invalid_json",
+                    "the body is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                    jerr.column);
+    kvs_status_t st = parse_fields(root, limits, tok, chat, &req, err_p);
+    json_decref(root);
+    if (st != KVS_OK) {
+        kvs__api_req_fini(&req);
+        return st;
+    }
+    *req_p = req;
+    return KVS_OK;
+}
+
+void kvs__api_req_fini(kvs__api_req_t *req)
+{
+    kvs_free(req->prompt);
+    for (uint32_t i = 0; i < req->n_stops; i++) kvs_free(req->stops[i]);
+    kvs_free(req->stop_ids);
+    kvs_free(req->bootstrap);
+    memset(req, 0, sizeof(*req));
+}
+
+const char *kvs__finish_name(kvs_server_finish_t finish)
+{
+    switch (finish) {
+    case KVS_SERVER_FINISH_STOP:
+        return "stop";
+    case KVS_SERVER_FINISH_LENGTH:
+        return "length";
+    case KVS_SERVER_FINISH_HANDOFF:
+        return "handoff";
+    case KVS_SERVER_FINISH_ERROR:
+        break;
+    }
+    return "error";
+}

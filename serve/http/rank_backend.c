@@ -1,0 +1,745 @@
+/* The server backend over rank 0 of a real-model instance (kvstage/rank_backend.h).
+ *
+ * One I/O thread owns both pipes: it writes what submit(), cancel(), match() and stats()
+ * queued (the request pipe is non-blocking and flushed as rank 0 reads it) and reads rank 0's
+ * event lines. Nobody else touches the fds, so a caller never blocks on a rank 0 that is busy in
+ * a forward pass, and the thread cannot deadlock writing to a rank 0 that is itself blocked
+ * writing events nobody reads. SIGPIPE is blocked in the thread: a rank 0 that died shows up as
+ * EPIPE and then as the end of its events.
+ *
+ * Rooms live in a map under mu from submit until their done (or refusal) line; the sink is only
+ * called by the I/O thread, outside mu, so calls for one room never overlap. Match and stats
+ * questions wait in a FIFO that rank 0's answers pop in order (llm_rank.h: one answer each, in
+ * order); a question whose asker gave up stays in the FIFO, marked abandoned, until its answer
+ * comes. */
+#include "http/rank_backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/map.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
+#include "http/server_internal.h"
+
+#define MAX_EVENT_LINE (1u << 20) /* rank 0's lines are short; anything longer is garbage */
+
+typedef struct {
+    uint64_t room;
+    kvs_server_sink_t sink;
+    kvs_server_role_t role;
+    uint64_t submit_ns;
+    uint32_t prompt_len;
+    uint32_t generated; /* tokens reported to the sink */
+    int closed;         /* a stop id was reported: later tokens are dropped */
+    int stop_sent;
+    uint32_t *stop_ids; /* [n_stop_ids] the request's stop ids after the first (rank 0's EOS) */
+    uint32_t n_stop_ids;
+} room_t;
+
+typedef enum { Q_MATCH = 0, Q_STATS = 1 } qkind_t;
+
+typedef struct query {
+    struct query *next;
+    qkind_t kind;
+    int answered, failed, abandoned;
+    uint32_t cached;
+    kvs_server_backend_stats_t stats;
+} query_t;
+
+struct kvs_rank_backend {
+    kvs_rank_backend_config_t cfg;
+    char *bootstrap;
+    int in_fd, out_fd;
+    int wake[2]; /* self-pipe: [0] polled by the I/O thread */
+    pthread_t thread;
+    int thread_started;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* ready, ended, or a query answered */
+    kvs_map_t rooms;   /* room id -> room_t */
+    kvs__sb_t out;     /* bytes for rank 0 not yet written */
+    int quit_queued;   /* close the request pipe once out is flushed */
+    int stopping;      /* destroy: the thread ends */
+    int ready, ended;  /* rank 0 said ready; its events ended */
+    query_t *qhead, *qtail;
+    kvs_server_backend_stats_t last; /* the last stats answer */
+};
+
+/* ---- helpers ---- */
+
+static void wake_thread(kvs_rank_backend_t *b)
+{
+    char c = 1;
+    ssize_t w;
+    do {
+        w = write(b->wake[1], &c, 1);
+    } while (w < 0 && errno == EINTR);
+    /* EAGAIN: a wake is already pending, which is all that is needed. */
+}
+
+/* Queues a line for rank 0 (under mu). KVS_ERR_IO once the pipe is closing or closed. */
+static kvs_status_t queue_line_locked(kvs_rank_backend_t *b, const char *line, size_t len)
+{
+    if (b->ended || b->quit_queued || b->in_fd < 0) return KVS_ERR_IO;
+    size_t before = b->out.len;
+    kvs__sb_append(&b->out, line, len);
+    if (b->out.oom) {
+        b->out.oom = 0;
+        b->out.len = before;
+        return KVS_ERR_NOMEM;
+    }
+    return KVS_OK;
+}
+
+static kvs_status_t status_from(const char *s)
+{
+    static const kvs_status_t all[] = {
+        KVS_ERR_INVALID, KVS_ERR_NOMEM,        KVS_ERR_NOSPACE,     KVS_ERR_NOT_FOUND,
+        KVS_ERR_TIMEOUT, KVS_ERR_PROTOCOL,     KVS_ERR_UNSUPPORTED, KVS_ERR_IO,
+        KVS_ERR_ABORTED, KVS_ERR_INCOMPATIBLE, KVS_ERR_STATE,
+    };
+    for (size_t i = 0; s != NULL && i < sizeof(all) / sizeof(all[0]); i++)
+        if (strcmp(s, kvs_status_str(all[i])) == 0) return all[i];
+    return KVS_ERR_IO;
+}
+
+static void room_free(room_t *r)
+{
+    if (r == NULL) return;
+    kvs_free(r->stop_ids);
+    kvs_free(r);
+}
+
+/* Ends a room that is out of the map: on_done, then free. I/O thread, outside mu. */
+static void room_end(room_t *r, const kvs_server_done_t *done)
+{
+    kvs_server_done_t d = *done;
+    d.generated = r->generated;
+    if (d.prompt_tokens == 0) d.prompt_tokens = r->prompt_len;
+    r->sink.on_done(r->sink.arg, &d);
+    room_free(r);
+}
+
+static void room_fail(room_t *r, kvs_status_t why)
+{
+    kvs_server_done_t d;
+    memset(&d, 0, sizeof(d));
+    d.finish = KVS_SERVER_FINISH_ERROR;
+    d.status = why;
+    room_end(r, &d);
+}
+
+/* Every live room ends with `why`, and every waiting question fails. I/O thread. */
+static void fail_everything(kvs_rank_backend_t *b, kvs_status_t why)
+{
+    for (;;) {
+        room_t *r = NULL;
+        pthread_mutex_lock(&b->mu);
+        size_t it = 0;
+        uint64_t key;
+        void *val;
+        if (kvs_map_next(&b->rooms, &it, &key, &val)) {
+            r = val;
+            kvs_map_remove(&b->rooms, key);
+        }
+        pthread_mutex_unlock(&b->mu);
+        if (r == NULL) break;
+        room_fail(r, why);
+    }
+    pthread_mutex_lock(&b->mu);
+    for (query_t *q = b->qhead; q != NULL;) {
+        query_t *next = q->next;
+        if (q->abandoned) {
+            kvs_free(q);
+        } else {
+            q->failed = 1;
+            q->answered = 1;
+        }
+        q = next;
+    }
+    b->qhead = b->qtail = NULL;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* ---- rank 0's events ---- */
+
+static uint64_t u64_of(json_t *obj, const char *key)
+{
+    json_t *v = json_object_get(obj, key);
+    return json_is_integer(v) && json_integer_value(v) > 0 ? (uint64_t) json_integer_value(v) : 0;
+}
+
+static void on_token(kvs_rank_backend_t *b, json_t *ev)
+{
+    uint64_t room = u64_of(ev, "room");
+    uint32_t token = (uint32_t) u64_of(ev, "token");
+    char stop_line[64];
+    int send_stop = 0;
+    pthread_mutex_lock(&b->mu);
+    room_t *r = kvs_map_get(&b->rooms, room);
+    if (r == NULL || r->closed) {
+        pthread_mutex_unlock(&b->mu);
+        return;
+    }
+    r->generated++;
+    for (uint32_t i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == token) r->closed = 1;
+    if (r->closed && !r->stop_sent) {
+        int n = snprintf(stop_line, sizeof(stop_line), "stop %llu\n", (unsigned long long) room);
+        send_stop = queue_line_locked(b, stop_line, (size_t) n) == KVS_OK;
+        r->stop_sent = send_stop;
+    }
+    pthread_mutex_unlock(&b->mu);
+    /* Only this thread ends rooms, so r stays valid outside mu. */
+    int empty = b->cfg.text_vocab != 0 && token >= b->cfg.text_vocab;
+    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0);
+}
+
+static kvs_server_finish_t finish_of(const char *finish, const char *status)
+{
+    if (status == NULL || strcmp(status, "ok") != 0) return KVS_SERVER_FINISH_ERROR;
+    if (finish == NULL) return KVS_SERVER_FINISH_ERROR;
+    if (strcmp(finish, "length") == 0) return KVS_SERVER_FINISH_LENGTH;
+    if (strcmp(finish, "handoff") == 0) return KVS_SERVER_FINISH_HANDOFF;
+    if (strcmp(finish, "eos") == 0 || strcmp(finish, "stop") == 0) return KVS_SERVER_FINISH_STOP;
+    return KVS_SERVER_FINISH_ERROR;
+}
+
+static void on_done(kvs_rank_backend_t *b, json_t *ev, int refused)
+{
+    uint64_t room = u64_of(ev, "room");
+    pthread_mutex_lock(&b->mu);
+    room_t *r = kvs_map_remove(&b->rooms, room);
+    pthread_mutex_unlock(&b->mu);
+    if (r == NULL) return;
+    const char *status = json_string_value(json_object_get(ev, "status"));
+    kvs_server_done_t d;
+    memset(&d, 0, sizeof(d));
+    if (refused) {
+        d.finish = KVS_SERVER_FINISH_ERROR;
+        d.status = status_from(status);
+        kvs_warn("rank backend: rank 0 refused room %llu: %s", (unsigned long long) room,
+                 status ? status : "?");
+        room_end(r, &d);
+        return;
+    }
+    d.finish = finish_of(json_string_value(json_object_get(ev, "finish")), status);
+    d.status = d.finish == KVS_SERVER_FINISH_ERROR ? status_from(status) : KVS_OK;
+    d.prompt_tokens = (uint32_t) u64_of(ev, "prompt_len");
+    d.cached_tokens = (uint32_t) u64_of(ev, "cached");
+    uint64_t first = u64_of(ev, "first_token_ns"), prefilled = u64_of(ev, "prefilled_ns"),
+             done_ns = u64_of(ev, "done_ns");
+    if (first > r->submit_ns) d.ttft_ns = first - r->submit_ns;
+    if (r->role == KVS_SERVER_ROLE_PREFILL && prefilled != 0 && done_ns > prefilled)
+        d.transfer_ns = done_ns - prefilled;
+    if (r->role == KVS_SERVER_ROLE_DECODE && d.finish != KVS_SERVER_FINISH_ERROR) {
+        uint64_t P = b->cfg.page_size, pages = (d.prompt_tokens + P - 1) / P;
+        uint64_t hit = d.cached_tokens / P;
+        if (pages > hit) d.kv_bytes = (pages - hit) * P * b->cfg.kv_bytes_per_token;
+    }
+    room_end(r, &d);
+}
+
+/* Pops the oldest question; rank 0 answers in order, so it is the one answered. */
+static void on_answer(kvs_rank_backend_t *b, json_t *ev, qkind_t kind)
+{
+    pthread_mutex_lock(&b->mu);
+    query_t *q = b->qhead;
+    if (q == NULL || q->kind != kind) {
+        pthread_mutex_unlock(&b->mu);
+        kvs_warn("rank backend: rank 0 answered a %s question nobody asked",
+                 kind == Q_MATCH ? "match" : "stats");
+        return;
+    }
+    b->qhead = q->next;
+    if (b->qhead == NULL) b->qtail = NULL;
+    if (kind == Q_MATCH) {
+        q->cached = (uint32_t) u64_of(ev, "cached");
+    } else {
+        kvs_server_backend_stats_t s;
+        memset(&s, 0, sizeof(s));
+        s.kv_bytes = u64_of(ev, "bytes_moved");
+        s.chunks = u64_of(ev, "chunks");
+        s.retries = u64_of(ev, "retries");
+        s.rejected = u64_of(ev, "rejected");
+        s.ring_used = u64_of(ev, "ring_used");
+        s.ring_capacity = u64_of(ev, "ring_capacity");
+        s.queued = (uint32_t) u64_of(ev, "queued");
+        s.running = (uint32_t) u64_of(ev, "running");
+        q->stats = s;
+        b->last = s;
+    }
+    if (q->abandoned) {
+        kvs_free(q);
+    } else {
+        q->answered = 1;
+        pthread_cond_broadcast(&b->cv);
+    }
+    pthread_mutex_unlock(&b->mu);
+}
+
+static void on_line(kvs_rank_backend_t *b, const char *line, size_t len)
+{
+    json_error_t jerr;
+    json_t *ev = json_loadb(line, len, 0, &jerr);
+    const char *kind = json_string_value(json_object_get(ev, "event"));
+    if (kind == NULL) {
+        kvs_warn("rank backend: rank 0 wrote a line that is not an event: %.*s",
+                 (int) (len > 200 ? 200 : len), line);
+    } else if (strcmp(kind, "token") == 0) {
+        on_token(b, ev);
+    } else if (strcmp(kind, "done") == 0) {
+        on_done(b, ev, 0);
+    } else if (strcmp(kind, "rejected") == 0) {
+        on_done(b, ev, 1);
+    } else if (strcmp(kind, "match") == 0) {
+        on_answer(b, ev, Q_MATCH);
+    } else if (strcmp(kind, "stats") == 0) {
+        if (json_is_false(json_object_get(ev, "final"))) on_answer(b, ev, Q_STATS);
+    } else if (strcmp(kind, "ready") == 0) {
+        pthread_mutex_lock(&b->mu);
+        b->ready = 1;
+        pthread_cond_broadcast(&b->cv);
+        pthread_mutex_unlock(&b->mu);
+    } else if (strcmp(kind, "error") == 0) {
+        const char *m = json_string_value(json_object_get(ev, "message"));
+        kvs_warn("rank backend: rank 0 reports: %s", m ? m : "?");
+    }
+    json_decref(ev);
+}
+
+/* ---- the I/O thread ---- */
+
+/* Writes what is queued without blocking; closes the request pipe after a quit. */
+static void flush_out(kvs_rank_backend_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+    while (b->in_fd >= 0 && b->out.len > 0) {
+        ssize_t w = write(b->in_fd, b->out.ptr, b->out.len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (w <= 0) {
+            /* Rank 0 is gone; its events end soon and say so. */
+            kvs_debug("rank backend: writing to rank 0: %s", strerror(errno));
+            b->out.len = 0;
+            close(b->in_fd);
+            b->in_fd = -1;
+            break;
+        }
+        kvs__sb_consume(&b->out, (size_t) w);
+    }
+    if (b->in_fd >= 0 && b->quit_queued && b->out.len == 0) {
+        close(b->in_fd);
+        b->in_fd = -1;
+    }
+    pthread_mutex_unlock(&b->mu);
+}
+
+static void *io_thread(void *arg)
+{
+    kvs_rank_backend_t *b = arg;
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    kvs__sb_t in;
+    kvs__sb_init(&in);
+    kvs_status_t end = KVS_ERR_IO;
+    for (;;) {
+        flush_out(b);
+        pthread_mutex_lock(&b->mu);
+        int stopping = b->stopping;
+        int want_out = b->in_fd >= 0 && b->out.len > 0;
+        int in_fd = b->in_fd;
+        pthread_mutex_unlock(&b->mu);
+        if (stopping) {
+            end = KVS_ERR_ABORTED;
+            break;
+        }
+        struct pollfd pfd[3] = {{b->wake[0], POLLIN, 0}, {b->out_fd, POLLIN, 0}, {-1, 0, 0}};
+        nfds_t n = 2;
+        if (want_out) pfd[n++] = (struct pollfd){in_fd, POLLOUT, 0};
+        if (poll(pfd, n, -1) < 0) {
+            if (errno == EINTR) continue;
+            kvs_error("rank backend: poll failed: %s", strerror(errno));
+            break;
+        }
+        if (pfd[0].revents) {
+            char drain[64];
+            while (read(b->wake[0], drain, sizeof(drain)) > 0) {
+            }
+        }
+        if (!pfd[1].revents) continue;
+        char buf[65536];
+        ssize_t r = read(b->out_fd, buf, sizeof(buf));
+        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (r <= 0) break; /* rank 0 exited or closed its events */
+        kvs__sb_append(&in, buf, (size_t) r);
+        if (in.oom) {
+            kvs_error("rank backend: out of memory reading rank 0's events");
+            break;
+        }
+        size_t start = 0;
+        for (size_t i = in.len - (size_t) r; i < in.len; i++) {
+            if (in.ptr[i] != '\n') continue;
+            on_line(b, in.ptr + start, i - start);
+            start = i + 1;
+        }
+        kvs__sb_consume(&in, start);
+        if (in.len > MAX_EVENT_LINE) {
+            kvs_warn("rank backend: dropping %zu bytes of rank 0's output without a line end",
+                     in.len);
+            in.len = 0;
+        }
+    }
+    kvs__sb_fini(&in);
+    pthread_mutex_lock(&b->mu);
+    b->ended = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    if (end == KVS_ERR_IO) kvs_debug("rank backend: rank 0's events ended");
+    fail_everything(b, end);
+    return NULL;
+}
+
+/* ---- the ops ---- */
+
+static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_request_t *q)
+{
+    static const char *names[] = {"colocated", "prefill", "decode"};
+    const kvs_rank_backend_config_t *c = &b->cfg;
+    if (q->role != c->role) {
+        kvs_debug("rank backend: room %llu: a %s request for a %s instance",
+                  (unsigned long long) q->room, names[q->role % 3], names[c->role % 3]);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    if (c->role == KVS_SERVER_ROLE_DECODE && b->bootstrap != NULL && q->bootstrap != NULL &&
+        strcmp(q->bootstrap, b->bootstrap) != 0) {
+        kvs_debug("rank backend: room %llu names the prefill instance %s; this one is bound to %s",
+                  (unsigned long long) q->room, q->bootstrap, b->bootstrap);
+        return KVS_ERR_INVALID;
+    }
+    if (q->prompt_len == 0 || q->prompt_len > c->max_prompt ||
+        (c->role != KVS_SERVER_ROLE_PREFILL &&
+         (q->max_tokens == 0 || q->max_tokens > c->max_new))) {
+        kvs_debug("rank backend: room %llu: %u prompt tokens (at most %u), %u new (at most %u)",
+                  (unsigned long long) q->room, q->prompt_len, c->max_prompt, q->max_tokens,
+                  c->max_new);
+        return KVS_ERR_INVALID;
+    }
+    for (uint32_t i = 0; i < q->prompt_len; i++)
+        if (q->prompt[i] >= c->vocab) return KVS_ERR_INVALID;
+    return KVS_OK;
+}
+
+static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
+                              const kvs_server_sink_t *sink)
+{
+    kvs_rank_backend_t *b = ctx;
+    kvs_status_t st = check_request(b, q);
+    if (st != KVS_OK) return st;
+    room_t *r = kvs_calloc(1, sizeof(*r));
+    size_t cap = 160 + (size_t) q->prompt_len * 11;
+    char *line = kvs_malloc(cap);
+    if (r == NULL || line == NULL) goto nomem;
+    r->room = q->room;
+    r->sink = *sink;
+    r->role = q->role;
+    r->prompt_len = q->prompt_len;
+    if (q->n_stop_ids > 1) {
+        r->stop_ids = kvs_malloc((size_t) (q->n_stop_ids - 1) * sizeof(uint32_t));
+        if (r->stop_ids == NULL) goto nomem;
+        memcpy(r->stop_ids, q->stop_ids + 1, (size_t) (q->n_stop_ids - 1) * sizeof(uint32_t));
+        r->n_stop_ids = q->n_stop_ids - 1;
+    }
+    /* Rank 0 knows one EOS: the first stop id (the tokenizer's EOS when it has one). */
+    char eos[16];
+    if (q->n_stop_ids > 0)
+        snprintf(eos, sizeof(eos), "%u", q->stop_ids[0]);
+    else
+        snprintf(eos, sizeof(eos), "-1");
+    uint32_t max_new = q->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->max_tokens;
+    int n = snprintf(line, cap, "submit %llu %u %.9g %.9g %llu %s %u", (unsigned long long) q->room,
+                     max_new, (double) q->temperature, (double) q->top_p,
+                     (unsigned long long) q->seed, eos, q->prompt_len);
+    for (uint32_t i = 0; i < q->prompt_len; i++)
+        n += snprintf(line + n, cap - (size_t) n, " %u", q->prompt[i]);
+    line[n++] = '\n';
+
+    pthread_mutex_lock(&b->mu);
+    if (!b->ready || b->ended || b->quit_queued) {
+        st = b->ready ? KVS_ERR_IO : KVS_ERR_STATE;
+    } else if (kvs_map_get(&b->rooms, q->room) != NULL) {
+        kvs_debug("rank backend: room %llu is already live", (unsigned long long) q->room);
+        st = KVS_ERR_INVALID;
+    } else {
+        r->submit_ns = kvs_now_ns();
+        st = kvs_map_put(&b->rooms, q->room, r);
+        if (st == KVS_OK) {
+            st = queue_line_locked(b, line, (size_t) n);
+            if (st != KVS_OK) kvs_map_remove(&b->rooms, q->room);
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    kvs_free(line);
+    if (st != KVS_OK) {
+        room_free(r);
+        return st;
+    }
+    wake_thread(b);
+    return KVS_OK;
+nomem:
+    kvs_free(line);
+    room_free(r);
+    kvs_error("rank backend: out of memory submitting room %llu", (unsigned long long) q->room);
+    return KVS_ERR_NOMEM;
+}
+
+static kvs_status_t op_cancel(void *ctx, uint64_t room)
+{
+    kvs_rank_backend_t *b = ctx;
+    char line[64];
+    int n = snprintf(line, sizeof(line), "stop %llu\n", (unsigned long long) room);
+    pthread_mutex_lock(&b->mu);
+    room_t *r = kvs_map_get(&b->rooms, room);
+    kvs_status_t st = KVS_ERR_NOT_FOUND;
+    if (r != NULL) {
+        st = KVS_OK;
+        if (!r->stop_sent && queue_line_locked(b, line, (size_t) n) == KVS_OK) r->stop_sent = 1;
+    }
+    pthread_mutex_unlock(&b->mu);
+    if (st == KVS_OK) wake_thread(b);
+    return st;
+}
+
+static kvs_status_t op_health(void *ctx)
+{
+    kvs_rank_backend_t *b = ctx;
+    pthread_mutex_lock(&b->mu);
+    int ok = b->ready && !b->ended && !b->quit_queued;
+    pthread_mutex_unlock(&b->mu);
+    return ok ? KVS_OK : KVS_ERR_IO;
+}
+
+/* Asks rank 0 and waits for its answer (or the timeout). */
+static kvs_status_t ask(kvs_rank_backend_t *b, qkind_t kind, const char *line, size_t len,
+                        query_t *answer_p)
+{
+    query_t *q = kvs_calloc(1, sizeof(*q));
+    if (q == NULL) return KVS_ERR_NOMEM;
+    q->kind = kind;
+    pthread_mutex_lock(&b->mu);
+    kvs_status_t st = b->ready ? queue_line_locked(b, line, len) : KVS_ERR_STATE;
+    if (st != KVS_OK) {
+        pthread_mutex_unlock(&b->mu);
+        kvs_free(q);
+        return st;
+    }
+    if (b->qtail)
+        b->qtail->next = q;
+    else
+        b->qhead = q;
+    b->qtail = q;
+    pthread_mutex_unlock(&b->mu);
+    wake_thread(b);
+
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    uint64_t ns = (uint64_t) dl.tv_nsec + (uint64_t) b->cfg.query_timeout_ms * 1000000ull;
+    dl.tv_sec += (time_t) (ns / 1000000000ull);
+    dl.tv_nsec = (long) (ns % 1000000000ull);
+    pthread_mutex_lock(&b->mu);
+    while (!q->answered)
+        if (pthread_cond_timedwait(&b->cv, &b->mu, &dl) == ETIMEDOUT) break;
+    if (!q->answered) {
+        q->abandoned = 1; /* freed when its answer comes (or with the backend) */
+        pthread_mutex_unlock(&b->mu);
+        return KVS_ERR_TIMEOUT;
+    }
+    st = q->failed ? KVS_ERR_IO : KVS_OK;
+    if (st == KVS_OK) *answer_p = *q;
+    pthread_mutex_unlock(&b->mu);
+    kvs_free(q);
+    return st;
+}
+
+static kvs_status_t op_match(void *ctx, const uint32_t *prompt, uint32_t prompt_len,
+                             uint32_t *cached_p)
+{
+    kvs_rank_backend_t *b = ctx;
+    if (prompt_len == 0 || prompt_len > b->cfg.max_prompt) {
+        *cached_p = 0; /* nothing of it can be served here */
+        return KVS_OK;
+    }
+    size_t cap = 32 + (size_t) prompt_len * 11;
+    char *line = kvs_malloc(cap);
+    if (line == NULL) return KVS_ERR_NOMEM;
+    int n = snprintf(line, cap, "match %u", prompt_len);
+    for (uint32_t i = 0; i < prompt_len; i++)
+        n += snprintf(line + n, cap - (size_t) n, " %u", prompt[i]);
+    line[n++] = '\n';
+    query_t a;
+    kvs_status_t st = ask(b, Q_MATCH, line, (size_t) n, &a);
+    kvs_free(line);
+    if (st != KVS_OK) return st;
+    *cached_p = a.cached;
+    return KVS_OK;
+}
+
+static void op_stats(void *ctx, kvs_server_backend_stats_t *stats_p)
+{
+    kvs_rank_backend_t *b = ctx;
+    query_t a;
+    if (ask(b, Q_STATS, "stats\n", 6, &a) == KVS_OK) {
+        *stats_p = a.stats;
+        return;
+    }
+    pthread_mutex_lock(&b->mu); /* the last answer, when rank 0 is slow or gone */
+    *stats_p = b->last;
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* ---- lifetime ---- */
+
+static int set_flags(int fd, int fl_add, int fd_add)
+{
+    int fl = fcntl(fd, F_GETFL), fdf = fcntl(fd, F_GETFD);
+    return fl < 0 || fdf < 0 || fcntl(fd, F_SETFL, fl | fl_add) != 0 ||
+                   fcntl(fd, F_SETFD, fdf | fd_add) != 0
+               ? -1
+               : 0;
+}
+
+kvs_status_t kvs_rank_backend_create(const kvs_rank_backend_config_t *config,
+                                     kvs_rank_backend_t **backend_p)
+{
+    const kvs_rank_backend_config_t *c = config;
+    if (c == NULL || c->in_fd < 0 || c->out_fd < 0 || c->page_size == 0 || c->vocab == 0 ||
+        c->max_prompt == 0 || c->max_new == 0 || (unsigned) c->role > KVS_SERVER_ROLE_DECODE) {
+        kvs_error("rank backend: needs rank 0's two pipes, the page size, vocabulary, max prompt "
+                  "and max new tokens, and a role");
+        if (c != NULL && c->in_fd >= 0) close(c->in_fd);
+        if (c != NULL && c->out_fd >= 0) close(c->out_fd);
+        return KVS_ERR_INVALID;
+    }
+    kvs__json_init();
+    kvs_rank_backend_t *b = kvs_calloc(1, sizeof(*b));
+    if (b == NULL) {
+        close(c->in_fd);
+        close(c->out_fd);
+        return KVS_ERR_NOMEM;
+    }
+    b->cfg = *c;
+    if (b->cfg.query_timeout_ms == 0) b->cfg.query_timeout_ms = 5000;
+    b->in_fd = c->in_fd;
+    b->out_fd = c->out_fd;
+    b->wake[0] = b->wake[1] = -1;
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    kvs_map_init(&b->rooms);
+    kvs__sb_init(&b->out);
+    kvs_status_t st = KVS_ERR_NOMEM;
+    if (c->bootstrap != NULL && (b->bootstrap = kvs_strdup(c->bootstrap)) == NULL) goto fail;
+    st = KVS_ERR_IO;
+    if (pipe(b->wake) != 0 || set_flags(b->wake[0], O_NONBLOCK, FD_CLOEXEC) != 0 ||
+        set_flags(b->wake[1], O_NONBLOCK, FD_CLOEXEC) != 0 ||
+        set_flags(b->in_fd, O_NONBLOCK, FD_CLOEXEC) != 0 ||
+        set_flags(b->out_fd, 0, FD_CLOEXEC) != 0) {
+        kvs_error("rank backend: cannot set up its pipes: %s", strerror(errno));
+        goto fail;
+    }
+    if (pthread_create(&b->thread, NULL, io_thread, b) != 0) {
+        kvs_error("rank backend: cannot start its I/O thread");
+        goto fail;
+    }
+    b->thread_started = 1;
+    *backend_p = b;
+    return KVS_OK;
+fail:
+    kvs_rank_backend_destroy(b);
+    return st;
+}
+
+kvs_status_t kvs_rank_backend_wait_ready(kvs_rank_backend_t *b, uint32_t timeout_ms)
+{
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    uint64_t ns = (uint64_t) dl.tv_nsec + (uint64_t) timeout_ms * 1000000ull;
+    dl.tv_sec += (time_t) (ns / 1000000000ull);
+    dl.tv_nsec = (long) (ns % 1000000000ull);
+    pthread_mutex_lock(&b->mu);
+    while (!b->ready && !b->ended)
+        if (pthread_cond_timedwait(&b->cv, &b->mu, &dl) == ETIMEDOUT) break;
+    kvs_status_t st = b->ready && !b->ended ? KVS_OK : b->ended ? KVS_ERR_IO : KVS_ERR_TIMEOUT;
+    pthread_mutex_unlock(&b->mu);
+    return st;
+}
+
+kvs_server_backend_t kvs_rank_backend_ops(kvs_rank_backend_t *b)
+{
+    kvs_server_backend_t ops = {.ctx = b,
+                                .submit = op_submit,
+                                .cancel = op_cancel,
+                                .health = op_health,
+                                .match = op_match,
+                                .stats = op_stats};
+    return ops;
+}
+
+void kvs_rank_backend_quit(kvs_rank_backend_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+    if (!b->quit_queued && b->in_fd >= 0 && !b->ended) kvs__sb_puts(&b->out, "quit\n");
+    b->quit_queued = 1; /* the pipe closes once flushed: end of file is a quit too */
+    pthread_mutex_unlock(&b->mu);
+    wake_thread(b);
+}
+
+int kvs_rank_backend_ended(kvs_rank_backend_t *b)
+{
+    pthread_mutex_lock(&b->mu);
+    int ended = b->ended;
+    pthread_mutex_unlock(&b->mu);
+    return ended;
+}
+
+void kvs_rank_backend_destroy(kvs_rank_backend_t *b)
+{
+    if (b == NULL) return;
+    if (b->thread_started) {
+        pthread_mutex_lock(&b->mu);
+        b->stopping = 1;
+        pthread_mutex_unlock(&b->mu);
+        wake_thread(b);
+        pthread_join(b->thread, NULL);
+    }
+    for (query_t *q = b->qhead; q != NULL;) {
+        query_t *next = q->next;
+        kvs_free(q); /* only abandoned ones can be left: no asker waits once the thread ended */
+        q = next;
+    }
+    size_t it = 0;
+    uint64_t key;
+    void *val;
+    while (kvs_map_next(&b->rooms, &it, &key, &val)) room_free(val); /* none unless it failed */
+    kvs_map_fini(&b->rooms);
+    kvs__sb_fini(&b->out);
+    if (b->in_fd >= 0) close(b->in_fd);
+    if (b->out_fd >= 0) close(b->out_fd);
+    for (int i = 0; i < 2; i++)
+        if (b->wake[i] >= 0) close(b->wake[i]);
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    kvs_free(b->bootstrap);
+    kvs_free(b);
+}

@@ -1,0 +1,1184 @@
+/* The prefill/decode router: an HTTP front (libmicrohttpd) whose requests each run on a thread
+ * of their own (a "job") that picks the servers, forwards the body to a prefill and a decode
+ * server at once (libcurl multi) and hands the decode answer to the client connection as it
+ * arrives; a health thread keeps the liveness of every server.
+ *
+ * A job is shared by the client connection and its thread (a reference each). The thread only
+ * appends to the job's buffer and wakes the connection; the connection's MHD thread copies out.
+ * As in the server, whoever flips job->suspended from 1 to 0 resumes the connection, and the
+ * thread resumes before it leaves the router's job count, so the daemon never stops with a
+ * suspended connection. */
+#include "http/router.h"
+
+#include <curl/curl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
+#include "http/server_internal.h"
+
+#define MAX_FORWARDED_BYTES ((size_t) 64 << 20)
+
+typedef struct {
+    char *url; /* base URL without a trailing slash */
+    kvs_router_side_t side;
+    int up;          /* atomic */
+    char *bootstrap; /* from /internal/info, under router->mu; NULL when not declared */
+    uint64_t chosen, failures, prefix_hits; /* atomic */
+} rserver_t;
+
+typedef enum { EP_UNKNOWN = 0, EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_HEALTH, EP_METRICS } ep_t;
+
+struct kvs_router {
+    rserver_t *servers[2]; /* [n[side]] */
+    size_t n[2];
+    kvs_router_policy_t policy[2];
+    uint64_t rr[2]; /* atomic round-robin positions */
+    uint32_t health_interval_ms, connect_timeout_ms, request_timeout_ms, match_timeout_ms;
+    size_t max_body;
+    uint64_t next_room; /* atomic */
+    struct MHD_Daemon *daemon;
+    uint16_t port;
+
+    pthread_mutex_t mu; /* stopping, n_jobs, bootstrap strings */
+    pthread_cond_t cv;
+    int stopping;     /* also read with atomics by jobs */
+    uint32_t n_jobs;  /* job threads running */
+    uint32_t n_conns; /* client requests not yet freed */
+    pthread_t health_thread;
+    pthread_mutex_t check_mu; /* one health pass at a time */
+
+    uint64_t http_codes[600]; /* atomic */
+    uint64_t requests;        /* atomic */
+};
+
+typedef struct {
+    kvs_router_t *rt;
+    struct MHD_Connection *conn;
+    ep_t ep;
+    int method_ok;
+    char method[8];
+    char path[64];
+    kvs__body_t body;
+    int body_oom;
+    json_t *root; /* the client's body, parsed */
+
+    pthread_mutex_t mu;
+    int refs;
+    int started;
+    /* Under mu: */
+    int suspended;
+    int client_gone;
+    int headers_ready; /* the decode answer's status and type are known */
+    long status;
+    char ctype[128];
+    kvs__sb_t buf; /* answer bytes not yet handed to MHD */
+    int finished;  /* no more bytes will come */
+    int broken;    /* finished by a failure after the headers: end the body with an error */
+    int failed;    /* finished by a failure before the headers: answer fail_* */
+    unsigned fail_status;
+    const char *fail_code;
+    char fail_msg[256];
+    char *fail_body; /* a server's own error answer to pass through, or NULL */
+} job_t;
+
+static pthread_once_t g_curl_once = PTHREAD_ONCE_INIT;
+static int g_curl_ok;
+
+static void curl_setup(void)
+{
+    g_curl_ok = curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK;
+}
+
+static int stopping(kvs_router_t *rt)
+{
+    return __atomic_load_n(&rt->stopping, __ATOMIC_RELAXED);
+}
+
+/* ---- jobs ---- */
+
+static void job_unref(job_t *j)
+{
+    pthread_mutex_lock(&j->mu);
+    int last = --j->refs == 0;
+    pthread_mutex_unlock(&j->mu);
+    if (!last) return;
+    kvs__body_fini(&j->body);
+    json_decref(j->root);
+    kvs__sb_fini(&j->buf);
+    kvs_free(j->fail_body);
+    pthread_mutex_destroy(&j->mu);
+    kvs_router_t *rt = j->rt;
+    kvs_free(j);
+    pthread_mutex_lock(&rt->mu);
+    rt->n_conns--;
+    pthread_cond_broadcast(&rt->cv);
+    pthread_mutex_unlock(&rt->mu);
+}
+
+/* Under j->mu: whether to resume after unlocking. */
+static int take_wake(job_t *j)
+{
+    int wake = j->suspended;
+    j->suspended = 0;
+    return wake;
+}
+
+static void job_fail(job_t *j, unsigned status, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Ends the job with an error: an error answer when nothing was forwarded yet, else an error
+ * event at the end of an event stream (or a broken body). */
+static void job_fail(job_t *j, unsigned status, const char *code, const char *fmt, ...)
+{
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (status >= 500)
+        kvs_warn("router: %s", msg);
+    else
+        kvs_debug("router: %s", msg); /* the client's own mistake, answered by a server */
+    pthread_mutex_lock(&j->mu);
+    if (!j->finished) {
+        if (!j->headers_ready) {
+            j->failed = 1;
+            j->fail_status = status;
+            j->fail_code = code;
+            snprintf(j->fail_msg, sizeof(j->fail_msg), "%s", msg);
+        } else if (strncmp(j->ctype, "text/event-stream", 17) == 0) {
+            char *err = kvs__json_error(msg, "server_error", NULL, code);
+            kvs__sb_printf(&j->buf, "data: %s\n\ndata: [DONE]\n\n", err ? err : "{}");
+            kvs_free(err);
+        } else {
+            j->broken = 1;
+        }
+        j->finished = 1;
+    }
+    int wake = take_wake(j);
+    struct MHD_Connection *conn = j->conn;
+    pthread_mutex_unlock(&j->mu);
+    if (wake) MHD_resume_connection(conn);
+}
+
+static void job_finish(job_t *j)
+{
+    pthread_mutex_lock(&j->mu);
+    j->finished = 1;
+    int wake = take_wake(j);
+    struct MHD_Connection *conn = j->conn;
+    pthread_mutex_unlock(&j->mu);
+    if (wake) MHD_resume_connection(conn);
+}
+
+static int job_abandoned(job_t *j)
+{
+    pthread_mutex_lock(&j->mu);
+    int gone = j->client_gone;
+    pthread_mutex_unlock(&j->mu);
+    return gone || stopping(j->rt);
+}
+
+/* ---- one forwarded transfer ---- */
+
+typedef struct {
+    job_t *job;
+    rserver_t *server;
+    CURL *easy;
+    struct curl_slist *headers;
+    char *payload;  /* the body sent */
+    int to_client;  /* the decode leg: bytes go to the client */
+    kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
+    char ctype[128];
+    int done;
+    CURLcode result;
+    long status;
+} leg_t;
+
+static size_t leg_header(char *data, size_t size, size_t n, void *ud)
+{
+    leg_t *leg = ud;
+    size_t len = size * n;
+    if (len >= 5 && strncmp(data, "HTTP/", 5) == 0) {
+        leg->ctype[0] = '\0';
+    } else if (len > 13 && strncasecmp(data, "Content-Type:", 13) == 0) {
+        size_t a = 13, b = len;
+        while (a < b && (data[a] == ' ' || data[a] == '\t')) a++;
+        while (b > a && (data[b - 1] == '\r' || data[b - 1] == '\n' || data[b - 1] == ' ')) b--;
+        snprintf(leg->ctype, sizeof(leg->ctype), "%.*s", (int) (b - a), data + a);
+    } else if (leg->to_client && (len == 2 && data[0] == '\r')) {
+        long code = 0;
+        curl_easy_getinfo(leg->easy, CURLINFO_RESPONSE_CODE, &code);
+        if (code >= 200) {
+            job_t *j = leg->job;
+            pthread_mutex_lock(&j->mu);
+            if (!j->finished && !j->headers_ready) {
+                j->headers_ready = 1;
+                j->status = code;
+                snprintf(j->ctype, sizeof(j->ctype), "%s",
+                         leg->ctype[0] ? leg->ctype : "application/json");
+            }
+            int wake = take_wake(j);
+            struct MHD_Connection *conn = j->conn;
+            pthread_mutex_unlock(&j->mu);
+            if (wake) MHD_resume_connection(conn);
+        }
+    }
+    return len;
+}
+
+static size_t leg_write(char *data, size_t size, size_t n, void *ud)
+{
+    leg_t *leg = ud;
+    size_t len = size * n;
+    if (!leg->to_client) {
+        if (leg->resp.len + len <= 65536) kvs__sb_append(&leg->resp, data, len);
+        return len;
+    }
+    job_t *j = leg->job;
+    pthread_mutex_lock(&j->mu);
+    int ok = !j->finished && j->buf.len + len <= MAX_FORWARDED_BYTES;
+    if (ok) kvs__sb_append(&j->buf, data, len);
+    if (j->buf.oom) ok = 0;
+    int wake = ok ? take_wake(j) : 0;
+    struct MHD_Connection *conn = j->conn;
+    pthread_mutex_unlock(&j->mu);
+    if (wake) MHD_resume_connection(conn);
+    return ok ? len : 0; /* 0 aborts the transfer */
+}
+
+static void leg_fini(leg_t *leg)
+{
+    if (leg->easy) curl_easy_cleanup(leg->easy);
+    curl_slist_free_all(leg->headers);
+    kvs_free(leg->payload);
+    kvs__sb_fini(&leg->resp);
+    memset(leg, 0, sizeof(*leg));
+}
+
+/* Sets up a request to server + path; payload (owned from now on) NULL means GET. */
+static kvs_status_t leg_init(leg_t *leg, job_t *j, rserver_t *s, const char *path, char *payload,
+                             uint32_t timeout_ms, int to_client)
+{
+    memset(leg, 0, sizeof(*leg));
+    leg->job = j;
+    leg->server = s;
+    leg->payload = payload;
+    leg->to_client = to_client;
+    leg->easy = curl_easy_init();
+    char url[512];
+    snprintf(url, sizeof(url), "%s%s", s->url, path);
+    if (leg->easy == NULL) {
+        kvs_error("router: no curl handle for %s", url);
+        return KVS_ERR_NOMEM;
+    }
+    CURL *e = leg->easy;
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long) timeout_ms);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, leg_header);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, leg);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, leg_write);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, leg);
+    if (payload != NULL) {
+        leg->headers = curl_slist_append(NULL, "Content-Type: application/json");
+        struct curl_slist *h2 = leg->headers ? curl_slist_append(leg->headers, "Expect:") : NULL;
+        if (h2 == NULL) {
+            kvs_error("router: no memory for the headers of %s", url);
+            return KVS_ERR_NOMEM;
+        }
+        leg->headers = h2;
+        curl_easy_setopt(e, CURLOPT_HTTPHEADER, leg->headers);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, payload);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE, (long) strlen(payload));
+    }
+    return KVS_OK;
+}
+
+static int connection_failure(CURLcode c)
+{
+    return c == CURLE_COULDNT_CONNECT || c == CURLE_COULDNT_RESOLVE_HOST ||
+           c == CURLE_OPERATION_TIMEDOUT || c == CURLE_GOT_NOTHING || c == CURLE_RECV_ERROR ||
+           c == CURLE_SEND_ERROR || c == CURLE_PARTIAL_FILE;
+}
+
+static const char *side_name(kvs_router_side_t side)
+{
+    return side == KVS_ROUTER_PREFILL ? "prefill" : "decode";
+}
+
+static void mark_down(rserver_t *s, const char *why)
+{
+    __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
+    if (__atomic_exchange_n(&s->up, 0, __ATOMIC_RELAXED))
+        kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url, why);
+}
+
+/* Drives legs until one more of them is done (or, with all, every one), or the job is
+ * abandoned. */
+static void run_legs(CURLM *multi, leg_t **legs, size_t n, job_t *j, int all)
+{
+    for (;;) {
+        int running = 0, newly = 0;
+        curl_multi_perform(multi, &running);
+        CURLMsg *msg;
+        int left;
+        while ((msg = curl_multi_info_read(multi, &left)) != NULL) {
+            if (msg->msg != CURLMSG_DONE) continue;
+            for (size_t i = 0; i < n; i++) {
+                if (legs[i] && !legs[i]->done && legs[i]->easy == msg->easy_handle) {
+                    legs[i]->done = 1;
+                    legs[i]->result = msg->data.result;
+                    curl_easy_getinfo(legs[i]->easy, CURLINFO_RESPONSE_CODE, &legs[i]->status);
+                    newly++;
+                }
+            }
+        }
+        size_t pending = 0;
+        for (size_t i = 0; i < n; i++) pending += legs[i] && !legs[i]->done;
+        if (pending == 0 || (newly && !all) || (j && job_abandoned(j))) return;
+        curl_multi_poll(multi, NULL, 0, 50, NULL);
+    }
+}
+
+/* ---- choosing servers ---- */
+
+/* A decode server bound to a prefill instance (it declares that instance's bootstrap) can only
+ * take that instance's rooms; one that declares none, or a prefill server that declares none,
+ * pairs with anything. */
+static int paired(kvs_router_t *rt, const rserver_t *pre, const rserver_t *dec)
+{
+    pthread_mutex_lock(&rt->mu);
+    int ok = pre->bootstrap == NULL || dec->bootstrap == NULL ||
+             strcmp(pre->bootstrap, dec->bootstrap) == 0;
+    pthread_mutex_unlock(&rt->mu);
+    return ok;
+}
+
+/* Whether s can be chosen: in rotation and, for a prefill server, with a live decode partner;
+ * for a decode server, a partner of the chosen prefill server (pre). */
+static int eligible(kvs_router_t *rt, rserver_t *s, const rserver_t *pre)
+{
+    if (!__atomic_load_n(&s->up, __ATOMIC_RELAXED)) return 0;
+    if (s->side == KVS_ROUTER_DECODE) return pre == NULL || paired(rt, pre, s);
+    for (size_t i = 0; i < rt->n[KVS_ROUTER_DECODE]; i++) {
+        const rserver_t *d = &rt->servers[KVS_ROUTER_DECODE][i];
+        if (__atomic_load_n(&d->up, __ATOMIC_RELAXED) && paired(rt, s, d)) return 1;
+    }
+    return 0;
+}
+
+static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side, const rserver_t *pre)
+{
+    size_t n = rt->n[side];
+    uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
+    for (size_t i = 0; i < n; i++) {
+        rserver_t *s = &rt->servers[side][(start + i) % n];
+        if (eligible(rt, s, pre)) return s;
+    }
+    return NULL;
+}
+
+static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j,
+                              const rserver_t *pre)
+{
+    size_t n = rt->n[side];
+    uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
+    leg_t *legs = kvs_calloc(n, sizeof(leg_t));
+    leg_t **ptrs = kvs_calloc(n, sizeof(leg_t *));
+    CURLM *multi = curl_multi_init();
+    rserver_t *best = NULL;
+    long best_cached = -1;
+    if (legs == NULL || ptrs == NULL || multi == NULL) goto out;
+    for (size_t i = 0; i < n; i++) {
+        rserver_t *s = &rt->servers[side][(start + i) % n];
+        if (!eligible(rt, s, pre)) continue;
+        char *payload = kvs_malloc(j->body.len + 1);
+        if (payload == NULL) continue;
+        memcpy(payload, j->body.data, j->body.len);
+        payload[j->body.len] = '\0';
+        if (leg_init(&legs[i], j, s, "/internal/match", payload, rt->match_timeout_ms, 0) !=
+            KVS_OK) {
+            leg_fini(&legs[i]);
+            continue;
+        }
+        curl_multi_add_handle(multi, legs[i].easy);
+        ptrs[i] = &legs[i];
+    }
+    run_legs(multi, ptrs, n, j, 1);
+    /* In round-robin order from start, so ties go to the next server in turn. */
+    for (size_t i = 0; i < n; i++) {
+        rserver_t *s = &rt->servers[side][(start + i) % n];
+        if (!eligible(rt, s, pre)) continue;
+        long cached = 0;
+        leg_t *leg = ptrs[i];
+        if (leg && leg->done && leg->result == CURLE_OK && leg->status == 200) {
+            json_t *ans = json_loadb(leg->resp.ptr ? leg->resp.ptr : "", leg->resp.len, 0, NULL);
+            json_t *c = json_object_get(ans, "cached_tokens");
+            if (json_is_integer(c)) cached = (long) json_integer_value(c);
+            json_decref(ans);
+        } else if (leg && leg->done && connection_failure(leg->result) &&
+                   leg->result != CURLE_OPERATION_TIMEDOUT) {
+            /* A slow answer (a server in a long forward pass) only counts as no cache hit. */
+            mark_down(s, curl_easy_strerror(leg->result));
+            continue;
+        }
+        if (cached > best_cached) {
+            best_cached = cached;
+            best = s;
+        }
+    }
+    if (best && best_cached > 0) __atomic_add_fetch(&best->prefix_hits, 1, __ATOMIC_RELAXED);
+out:
+    for (size_t i = 0; legs && i < n; i++) {
+        if (legs[i].easy && multi) curl_multi_remove_handle(multi, legs[i].easy);
+        leg_fini(&legs[i]);
+    }
+    if (multi) curl_multi_cleanup(multi);
+    kvs_free(ptrs);
+    kvs_free(legs);
+    return best ? best : pick_round_robin(rt, side, pre);
+}
+
+/* pre: for the decode side, the prefill server already chosen. */
+static rserver_t *pick(kvs_router_t *rt, kvs_router_side_t side, job_t *j, const rserver_t *pre)
+{
+    if (rt->policy[side] == KVS_ROUTER_PREFIX && j->body.len > 0)
+        return pick_prefix(rt, side, j, pre);
+    return pick_round_robin(rt, side, pre);
+}
+
+/* The client's body with "kvstage" added (and, for the prefill leg, streaming off). */
+static char *forward_body(job_t *j, uint64_t room, kvs_router_side_t side, rserver_t *prefill)
+{
+    kvs_router_t *rt = j->rt;
+    json_t *copy = json_deep_copy(j->root);
+    json_t *k = json_pack("{s:I, s:s}", "room", (json_int_t) room, "role", side_name(side));
+    if (copy == NULL || k == NULL) {
+        json_decref(copy);
+        json_decref(k);
+        return NULL;
+    }
+    if (side == KVS_ROUTER_PREFILL) {
+        json_object_set_new(copy, "stream", json_false());
+        json_object_del(copy, "stream_options");
+    } else {
+        json_object_set_new(k, "prefill", json_string(prefill->url));
+        pthread_mutex_lock(&rt->mu);
+        if (prefill->bootstrap)
+            json_object_set_new(k, "bootstrap", json_string(prefill->bootstrap));
+        pthread_mutex_unlock(&rt->mu);
+    }
+    json_object_set_new(copy, "kvstage", k);
+    return kvs__json_dump_steal(copy);
+}
+
+static void fail_from_curl(job_t *j, leg_t *leg)
+{
+    int timeout = leg->result == CURLE_OPERATION_TIMEDOUT;
+    if (connection_failure(leg->result)) mark_down(leg->server, curl_easy_strerror(leg->result));
+    job_fail(j, timeout ? 504 : 502, timeout ? "gateway_timeout" : "bad_gateway",
+             "%s server %s: %s", side_name(leg->server->side), leg->server->url,
+             curl_easy_strerror(leg->result));
+}
+
+/* A server's own error answer, passed to the client when nothing else was sent yet. */
+static void fail_passthrough(job_t *j, leg_t *leg)
+{
+    pthread_mutex_lock(&j->mu);
+    int fresh = !j->finished && !j->headers_ready;
+    if (fresh && leg->resp.len > 0 && leg->resp.ptr) {
+        j->fail_body = kvs_malloc(leg->resp.len + 1);
+        if (j->fail_body) memcpy(j->fail_body, leg->resp.ptr, leg->resp.len + 1);
+    }
+    pthread_mutex_unlock(&j->mu);
+    job_fail(j, (unsigned) leg->status, "upstream_error", "%s server %s answered %ld",
+             side_name(leg->server->side), leg->server->url, leg->status);
+}
+
+static void run_generate(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    rserver_t *pre = pick(rt, KVS_ROUTER_PREFILL, j, NULL);
+    if (pre == NULL) {
+        job_fail(j, 503, "no_server", "no prefill server with a live decode partner is available");
+        return;
+    }
+    rserver_t *dec = pick(rt, KVS_ROUTER_DECODE, j, pre);
+    if (dec == NULL) {
+        job_fail(j, 503, "no_server", "no decode server is available for prefill server %s",
+                 pre->url);
+        return;
+    }
+    uint64_t room = __atomic_fetch_add(&rt->next_room, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rt->requests, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pre->chosen, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&dec->chosen, 1, __ATOMIC_RELAXED);
+    kvs_debug("router: room %llu: prefill %s, decode %s", (unsigned long long) room, pre->url,
+              dec->url);
+    const char *path = j->ep == EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
+    leg_t lp, ld;
+    memset(&lp, 0, sizeof(lp));
+    memset(&ld, 0, sizeof(ld));
+    CURLM *multi = curl_multi_init();
+    char *bp = forward_body(j, room, KVS_ROUTER_PREFILL, pre);
+    char *bd = forward_body(j, room, KVS_ROUTER_DECODE, pre);
+    if (multi == NULL || bp == NULL || bd == NULL ||
+        leg_init(&lp, j, pre, path, bp, rt->request_timeout_ms, 0) != KVS_OK ||
+        leg_init(&ld, j, dec, path, bd, rt->request_timeout_ms, 1) != KVS_OK) {
+        if (lp.payload != bp) kvs_free(bp);
+        if (ld.payload != bd) kvs_free(bd);
+        job_fail(j, 500, NULL, "out of memory forwarding room %llu", (unsigned long long) room);
+        goto out;
+    }
+    curl_easy_setopt(lp.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+    curl_easy_setopt(ld.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+    curl_multi_add_handle(multi, lp.easy);
+    curl_multi_add_handle(multi, ld.easy);
+    leg_t *legs[2] = {&lp, &ld};
+    int dec_reported = 0;
+    for (;;) {
+        run_legs(multi, legs, 2, j, 0);
+        if (job_abandoned(j)) {
+            if (stopping(rt))
+                job_fail(j, 503, "shutting_down", "room %llu abandoned: the router is stopping",
+                         (unsigned long long) room);
+            else
+                kvs_debug("router: room %llu: the client left", (unsigned long long) room);
+            break;
+        }
+        if (ld.done && !dec_reported) {
+            dec_reported = 1;
+            if (ld.result != CURLE_OK)
+                fail_from_curl(j, &ld);
+            else
+                job_finish(j);
+        }
+        int pre_failed = lp.done && (lp.result != CURLE_OK || lp.status < 200 || lp.status >= 300);
+        /* A decode server answering an error itself (the same bad request, usually) is left to
+         * finish its answer. */
+        pthread_mutex_lock(&j->mu);
+        int dec_refused = j->headers_ready && (j->status < 200 || j->status >= 300);
+        pthread_mutex_unlock(&j->mu);
+        if (pre_failed && !dec_reported && !dec_refused) {
+            /* A failed prefill dooms the room: drop the decode leg (closing its connection
+             * cancels the room there) and answer the prefill failure. */
+            curl_multi_remove_handle(multi, ld.easy);
+            ld.done = 1;
+            dec_reported = 1;
+            if (lp.result != CURLE_OK)
+                fail_from_curl(j, &lp);
+            else
+                fail_passthrough(j, &lp);
+        } else if (pre_failed && lp.result != CURLE_OK && connection_failure(lp.result)) {
+            mark_down(pre, curl_easy_strerror(lp.result));
+        }
+        if (lp.done && ld.done) break;
+    }
+out:
+    if (multi) {
+        if (lp.easy) curl_multi_remove_handle(multi, lp.easy);
+        if (ld.easy) curl_multi_remove_handle(multi, ld.easy);
+    }
+    leg_fini(&lp);
+    leg_fini(&ld);
+    if (multi) curl_multi_cleanup(multi);
+    job_finish(j); /* a no-op when already finished */
+}
+
+static void run_proxy_get(job_t *j, const char *path)
+{
+    kvs_router_t *rt = j->rt;
+    rserver_t *dec = pick_round_robin(rt, KVS_ROUTER_DECODE, NULL);
+    if (dec == NULL) {
+        job_fail(j, 503, "no_server", "no decode server is available");
+        return;
+    }
+    leg_t leg;
+    CURLM *multi = curl_multi_init();
+    if (multi == NULL || leg_init(&leg, j, dec, path, NULL, rt->request_timeout_ms, 1) != KVS_OK) {
+        if (multi) leg_fini(&leg);
+        if (multi) curl_multi_cleanup(multi);
+        job_fail(j, 500, NULL, "out of memory forwarding %s", path);
+        return;
+    }
+    curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+    curl_multi_add_handle(multi, leg.easy);
+    leg_t *legs[1] = {&leg};
+    run_legs(multi, legs, 1, j, 1);
+    if (!leg.done)
+        job_fail(j, 503, "shutting_down", "%s abandoned", path);
+    else if (leg.result != CURLE_OK)
+        fail_from_curl(j, &leg);
+    else
+        job_finish(j);
+    curl_multi_remove_handle(multi, leg.easy);
+    leg_fini(&leg);
+    curl_multi_cleanup(multi);
+}
+
+static void *job_thread(void *arg)
+{
+    job_t *j = arg;
+    kvs_router_t *rt = j->rt;
+    if (j->ep == EP_MODELS)
+        run_proxy_get(j, "/v1/models");
+    else
+        run_generate(j);
+    job_unref(j);
+    pthread_mutex_lock(&rt->mu);
+    rt->n_jobs--;
+    pthread_cond_broadcast(&rt->cv);
+    pthread_mutex_unlock(&rt->mu);
+    return NULL;
+}
+
+/* ---- the client's side ---- */
+
+static enum MHD_Result send_error(job_t *j, unsigned status, const char *message, const char *param,
+                                  const char *code)
+{
+    __atomic_add_fetch(&j->rt->http_codes[status < 600 ? status : 599], 1, __ATOMIC_RELAXED);
+    const char *type = status >= 500 ? "server_error" : "invalid_request_error";
+    const char *allow =
+        status == 405 ? (j->ep == EP_COMPLETIONS || j->ep == EP_CHAT ? "POST" : "GET") : NULL;
+    return kvs__http_send_error(j->conn, status, message, type, param, code,
+                                allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
+}
+
+static ssize_t job_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void) pos;
+    job_t *j = cls;
+    pthread_mutex_lock(&j->mu);
+    ssize_t ret;
+    if (j->buf.len > 0) {
+        size_t n = j->buf.len < max ? j->buf.len : max;
+        memcpy(buf, j->buf.ptr, n);
+        kvs__sb_consume(&j->buf, n);
+        ret = (ssize_t) n;
+    } else if (j->finished) {
+        ret = j->broken ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        j->suspended = 1;
+        MHD_suspend_connection(j->conn);
+        ret = 0;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return ret;
+}
+
+/* The job's outcome, once its headers are known or it failed; else suspends again. */
+static enum MHD_Result answer(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    pthread_mutex_lock(&j->mu);
+    if (!j->headers_ready && !j->finished) {
+        j->suspended = 1;
+        MHD_suspend_connection(j->conn);
+        pthread_mutex_unlock(&j->mu);
+        return MHD_YES;
+    }
+    int failed = j->failed || !j->headers_ready;
+    unsigned status = j->failed ? j->fail_status : 502;
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s", j->failed ? j->fail_msg : "no answer from the server");
+    const char *code = j->fail_code;
+    char *pass = j->fail_body;
+    j->fail_body = NULL;
+    long hstatus = j->status;
+    char ctype[128];
+    snprintf(ctype, sizeof(ctype), "%s", j->ctype);
+    pthread_mutex_unlock(&j->mu);
+    if (failed) {
+        enum MHD_Result r;
+        if (pass) {
+            __atomic_add_fetch(&rt->http_codes[status < 600 ? status : 599], 1, __ATOMIC_RELAXED);
+            r = kvs__http_send(j->conn, status, "application/json", pass, strlen(pass));
+        } else {
+            r = send_error(j, status, msg, NULL, code);
+        }
+        kvs_free(pass);
+        return r;
+    }
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, job_read, j, NULL);
+    if (resp == NULL) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (strncmp(ctype, "text/event-stream", 17) == 0)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    unsigned st = hstatus >= 100 && hstatus < 600 ? (unsigned) hstatus : 502;
+    __atomic_add_fetch(&rt->http_codes[st], 1, __ATOMIC_RELAXED);
+    enum MHD_Result r = MHD_queue_response(j->conn, st, resp);
+    MHD_destroy_response(resp);
+    return r;
+}
+
+static enum MHD_Result start_job(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    if (j->ep != EP_MODELS) {
+        json_error_t jerr;
+        kvs_alloc_stats_t before, after;
+        kvs_alloc_stats(&before);
+        j->root = json_loadb(j->body.data ? j->body.data : "", j->body.len, 0, &jerr);
+        kvs_alloc_stats(&after);
+        /* jansson reports some failed allocations as syntax errors. */
+        if (j->root == NULL && after.failed_allocs != before.failed_allocs)
+            return send_error(j, 500, "out of memory reading the request", NULL, NULL);
+        if (j->root == NULL) {
+            char msg[256];
+            snprintf(msg, sizeof(msg), "the body is not valid JSON: %s (line %d, column %d)",
+                     jerr.text, jerr.line, jerr.column);
+            return send_error(j, 400, msg, NULL, "invalid_json");
+        }
+        if (!json_is_object(j->root))
+            return send_error(j, 400, "the request body must be a JSON object", NULL, NULL);
+        if (json_object_get(j->root, "kvstage") != NULL)
+            return send_error(j, 400, "'kvstage' is reserved for the router", "kvstage",
+                              "unknown_field");
+    }
+    pthread_mutex_lock(&rt->mu);
+    if (rt->stopping) {
+        pthread_mutex_unlock(&rt->mu);
+        return send_error(j, 503, "the router is shutting down", NULL, "shutting_down");
+    }
+    rt->n_jobs++;
+    pthread_mutex_unlock(&rt->mu);
+    pthread_mutex_lock(&j->mu);
+    j->refs++;
+    pthread_mutex_unlock(&j->mu);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t th;
+    int rc = pthread_create(&th, &attr, job_thread, j);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        kvs_error("router: cannot start a request thread");
+        pthread_mutex_lock(&j->mu);
+        j->refs--;
+        pthread_mutex_unlock(&j->mu);
+        pthread_mutex_lock(&rt->mu);
+        rt->n_jobs--;
+        pthread_cond_broadcast(&rt->cv);
+        pthread_mutex_unlock(&rt->mu);
+        return send_error(j, 503, "the router is overloaded", NULL, NULL);
+    }
+    j->started = 1;
+    return answer(j);
+}
+
+static int router_healthy(kvs_router_t *rt)
+{
+    if (stopping(rt)) return 0;
+    for (int side = 0; side < 2; side++) {
+        int any = 0;
+        for (size_t i = 0; i < rt->n[side]; i++)
+            any |= __atomic_load_n(&rt->servers[side][i].up, __ATOMIC_RELAXED);
+        if (!any) return 0;
+    }
+    return 1;
+}
+
+static void label_escaped(kvs__sb_t *sb, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '\\' || *s == '"')
+            kvs__sb_printf(sb, "\\%c", *s);
+        else if (*s == '\n')
+            kvs__sb_puts(sb, "\\n");
+        else
+            kvs__sb_append(sb, s, 1);
+    }
+}
+
+static void per_server(kvs__sb_t *sb, kvs_router_t *rt, const char *name, const char *type,
+                       const char *help, size_t field)
+{
+    kvs__metric_header(sb, name, type, help);
+    for (int side = 0; side < 2; side++) {
+        for (size_t i = 0; i < rt->n[side]; i++) {
+            rserver_t *s = &rt->servers[side][i];
+            uint64_t v = field == 0   ? (uint64_t) __atomic_load_n(&s->up, __ATOMIC_RELAXED)
+                         : field == 1 ? __atomic_load_n(&s->chosen, __ATOMIC_RELAXED)
+                         : field == 2 ? __atomic_load_n(&s->failures, __ATOMIC_RELAXED)
+                                      : __atomic_load_n(&s->prefix_hits, __ATOMIC_RELAXED);
+            kvs__sb_printf(sb, "%s{side=\"%s\",url=\"", name, side_name((kvs_router_side_t) side));
+            label_escaped(sb, s->url);
+            kvs__sb_printf(sb, "\"} %llu\n", (unsigned long long) v);
+        }
+    }
+}
+
+static enum MHD_Result send_metrics(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    kvs__sb_t sb;
+    kvs__sb_init(&sb);
+    kvs__metric_header(&sb, "kvstage_router_http_requests_total", "counter",
+                       "HTTP requests answered by the router, by status code.");
+    for (unsigned c = 100; c < 600; c++) {
+        uint64_t v = __atomic_load_n(&rt->http_codes[c], __ATOMIC_RELAXED);
+        if (v || c == 200)
+            kvs__sb_printf(&sb, "kvstage_router_http_requests_total{code=\"%u\"} %llu\n", c,
+                           (unsigned long long) v);
+    }
+    kvs__metric_header(&sb, "kvstage_router_requests_total", "counter",
+                       "Requests forwarded to a prefill and a decode server.");
+    kvs__sb_printf(&sb, "kvstage_router_requests_total %llu\n",
+                   (unsigned long long) __atomic_load_n(&rt->requests, __ATOMIC_RELAXED));
+    pthread_mutex_lock(&rt->mu);
+    uint32_t jobs = rt->n_jobs;
+    pthread_mutex_unlock(&rt->mu);
+    kvs__metric_header(&sb, "kvstage_router_requests_in_flight", "gauge",
+                       "Requests being forwarded now.");
+    kvs__sb_printf(&sb, "kvstage_router_requests_in_flight %u\n", jobs);
+    per_server(&sb, rt, "kvstage_router_server_up", "gauge", "1 while the server is in rotation.",
+               0);
+    per_server(&sb, rt, "kvstage_router_server_chosen_total", "counter",
+               "Requests sent to the server.", 1);
+    per_server(&sb, rt, "kvstage_router_server_failures_total", "counter",
+               "Connection failures and timeouts towards the server.", 2);
+    per_server(&sb, rt, "kvstage_router_prefix_hits_total", "counter",
+               "Prefix-aware choices won with a cached prefix.", 3);
+    char *text = kvs__sb_take(&sb);
+    if (text == NULL) return send_error(j, 500, "out of memory", NULL, NULL);
+    __atomic_add_fetch(&rt->http_codes[200], 1, __ATOMIC_RELAXED);
+    enum MHD_Result r =
+        kvs__http_send(j->conn, 200, "text/plain; version=0.0.4", text, strlen(text));
+    kvs_free(text);
+    return r;
+}
+
+static enum MHD_Result handle(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    if (j->ep == EP_UNKNOWN) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "unknown path: %s %s", j->method, j->path);
+        return send_error(j, 404, msg, NULL, "not_found");
+    }
+    if (!j->method_ok) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "method %s is not allowed on %s", j->method, j->path);
+        return send_error(j, 405, msg, NULL, "method_not_allowed");
+    }
+    if (j->body.too_large) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "the request body is larger than %zu bytes", rt->max_body);
+        return send_error(j, 413, msg, NULL, "body_too_large");
+    }
+    if (j->body_oom) return send_error(j, 500, "out of memory reading the request", NULL, NULL);
+    if (j->ep == EP_HEALTH) {
+        int ok = router_healthy(rt);
+        __atomic_add_fetch(&rt->http_codes[ok ? 200 : 503], 1, __ATOMIC_RELAXED);
+        const char *text = ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}";
+        return kvs__http_send(j->conn, ok ? 200 : 503, "application/json", text, strlen(text));
+    }
+    if (j->ep == EP_METRICS) return send_metrics(j);
+    return start_job(j);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_size, void **con_cls)
+{
+    (void) version;
+    kvs_router_t *rt = cls;
+    job_t *j = *con_cls;
+    if (j == NULL) {
+        j = kvs_calloc(1, sizeof(*j));
+        if (j == NULL) return MHD_NO;
+        pthread_mutex_init(&j->mu, NULL);
+        j->refs = 1;
+        j->rt = rt;
+        j->conn = conn;
+        j->body.max = rt->max_body;
+        pthread_mutex_lock(&rt->mu);
+        rt->n_conns++;
+        pthread_mutex_unlock(&rt->mu);
+        const char *want = "POST";
+        if (strcmp(url, "/v1/completions") == 0)
+            j->ep = EP_COMPLETIONS;
+        else if (strcmp(url, "/v1/chat/completions") == 0)
+            j->ep = EP_CHAT;
+        else if (strcmp(url, "/v1/models") == 0)
+            j->ep = EP_MODELS, want = "GET";
+        else if (strcmp(url, "/health") == 0)
+            j->ep = EP_HEALTH, want = "GET";
+        else if (strcmp(url, "/metrics") == 0)
+            j->ep = EP_METRICS, want = "GET";
+        j->method_ok = strcmp(method, want) == 0;
+        snprintf(j->method, sizeof(j->method), "%s", method);
+        snprintf(j->path, sizeof(j->path), "%s", url);
+        *con_cls = j;
+        return MHD_YES;
+    }
+    if (*upload_size != 0) {
+        if (j->ep != EP_UNKNOWN && j->method_ok && !j->body_oom &&
+            kvs__body_add(&j->body, upload_data, *upload_size) != KVS_OK)
+            j->body_oom = 1;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (j->started) return answer(j);
+    return handle(j);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    (void) cls;
+    (void) conn;
+    (void) toe;
+    job_t *j = *con_cls;
+    if (j == NULL) return;
+    *con_cls = NULL;
+    pthread_mutex_lock(&j->mu);
+    j->conn = NULL;
+    j->client_gone = 1;
+    j->suspended = 0;
+    pthread_mutex_unlock(&j->mu);
+    job_unref(j);
+}
+
+/* ---- health ---- */
+
+static void check_server(kvs_router_t *rt, rserver_t *s)
+{
+    leg_t leg;
+    uint32_t timeout = rt->connect_timeout_ms * 2;
+    if (leg_init(&leg, NULL, s, "/health", NULL, timeout, 0) != KVS_OK) {
+        leg_fini(&leg);
+        return;
+    }
+    curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+    CURLcode c = curl_easy_perform(leg.easy);
+    long code = 0;
+    curl_easy_getinfo(leg.easy, CURLINFO_RESPONSE_CODE, &code);
+    leg_fini(&leg);
+    int ok = c == CURLE_OK && code == 200;
+    /* Prefill servers declare their bootstrap endpoint; decode servers the prefill instance
+     * they are bound to, if any. */
+    if (ok && leg_init(&leg, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
+        curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+        if (curl_easy_perform(leg.easy) == CURLE_OK) {
+            json_t *info = json_loadb(leg.resp.ptr ? leg.resp.ptr : "", leg.resp.len, 0, NULL);
+            const char *b = json_string_value(json_object_get(info, "bootstrap"));
+            char *copy = b ? kvs_strdup(b) : NULL;
+            pthread_mutex_lock(&rt->mu);
+            if (copy || b == NULL) {
+                kvs_free(s->bootstrap);
+                s->bootstrap = copy;
+            }
+            pthread_mutex_unlock(&rt->mu);
+            json_decref(info);
+        }
+    }
+    leg_fini(&leg);
+    int was = __atomic_exchange_n(&s->up, ok, __ATOMIC_RELAXED);
+    if (was && !ok) {
+        __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
+        if (c != CURLE_OK)
+            kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
+                     curl_easy_strerror(c));
+        else
+            kvs_warn("router: %s server %s is out of rotation: /health answered %ld",
+                     side_name(s->side), s->url, code);
+    } else if (!was && ok) {
+        kvs_info("router: %s server %s is in rotation", side_name(s->side), s->url);
+    }
+}
+
+void kvs_router_check_now(kvs_router_t *rt)
+{
+    pthread_mutex_lock(&rt->check_mu);
+    for (int side = 0; side < 2; side++)
+        for (size_t i = 0; i < rt->n[side]; i++) check_server(rt, &rt->servers[side][i]);
+    pthread_mutex_unlock(&rt->check_mu);
+}
+
+static void *health_thread(void *arg)
+{
+    kvs_router_t *rt = arg;
+    pthread_mutex_lock(&rt->mu);
+    while (!rt->stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t ns = (uint64_t) ts.tv_nsec + (uint64_t) rt->health_interval_ms * 1000000u;
+        ts.tv_sec += (time_t) (ns / 1000000000u);
+        ts.tv_nsec = (long) (ns % 1000000000u);
+        while (!rt->stopping && pthread_cond_timedwait(&rt->cv, &rt->mu, &ts) == 0) {
+        }
+        if (rt->stopping) break;
+        pthread_mutex_unlock(&rt->mu);
+        kvs_router_check_now(rt);
+        pthread_mutex_lock(&rt->mu);
+    }
+    pthread_mutex_unlock(&rt->mu);
+    return NULL;
+}
+
+/* ---- lifetime ---- */
+
+static void free_servers(kvs_router_t *rt)
+{
+    for (int side = 0; side < 2; side++) {
+        for (size_t i = 0; rt->servers[side] && i < rt->n[side]; i++) {
+            kvs_free(rt->servers[side][i].url);
+            kvs_free(rt->servers[side][i].bootstrap);
+        }
+        kvs_free(rt->servers[side]);
+    }
+}
+
+static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const char *const *urls,
+                                size_t n)
+{
+    if (n == 0 || urls == NULL) {
+        kvs_error("router: no %s server given", side_name(side));
+        return KVS_ERR_INVALID;
+    }
+    rt->servers[side] = kvs_calloc(n, sizeof(rserver_t));
+    if (rt->servers[side] == NULL) return KVS_ERR_NOMEM;
+    rt->n[side] = n;
+    for (size_t i = 0; i < n; i++) {
+        rserver_t *s = &rt->servers[side][i];
+        s->side = side;
+        if (urls[i] == NULL || strncmp(urls[i], "http://", 7) != 0 || strlen(urls[i]) > 400) {
+            kvs_error("router: %s server '%s' is not an http:// URL", side_name(side),
+                      urls[i] ? urls[i] : "(null)");
+            return KVS_ERR_INVALID;
+        }
+        s->url = kvs_strdup(urls[i]);
+        if (s->url == NULL) return KVS_ERR_NOMEM;
+        size_t len = strlen(s->url);
+        while (len > 7 && s->url[len - 1] == '/') s->url[--len] = '\0';
+    }
+    return KVS_OK;
+}
+
+kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t **router_p)
+{
+    if (config == NULL) {
+        kvs_error("router: no configuration");
+        return KVS_ERR_INVALID;
+    }
+    kvs__json_init();
+    pthread_once(&g_curl_once, curl_setup);
+    if (!g_curl_ok) {
+        kvs_error("router: libcurl failed to initialise");
+        return KVS_ERR_IO;
+    }
+    kvs_router_t *rt = kvs_calloc(1, sizeof(*rt));
+    if (rt == NULL) return KVS_ERR_NOMEM;
+    kvs_status_t st = add_servers(rt, KVS_ROUTER_PREFILL, config->prefill, config->n_prefill);
+    if (st == KVS_OK) st = add_servers(rt, KVS_ROUTER_DECODE, config->decode, config->n_decode);
+    if (st != KVS_OK) {
+        free_servers(rt);
+        kvs_free(rt);
+        return st;
+    }
+    rt->policy[KVS_ROUTER_PREFILL] = config->prefill_policy;
+    rt->policy[KVS_ROUTER_DECODE] = config->decode_policy;
+    rt->health_interval_ms = config->health_interval_ms ? config->health_interval_ms : 1000;
+    rt->connect_timeout_ms = config->connect_timeout_ms ? config->connect_timeout_ms : 1000;
+    rt->request_timeout_ms = config->request_timeout_ms ? config->request_timeout_ms : 600000;
+    rt->match_timeout_ms = config->match_timeout_ms ? config->match_timeout_ms : 200;
+    rt->max_body = config->max_body ? config->max_body : (size_t) 1 << 20;
+    rt->next_room =
+        config->first_room ? config->first_room : ((kvs_now_ns() >> 10) & 0x3fffffffu) << 32;
+    pthread_mutex_init(&rt->mu, NULL);
+    pthread_mutex_init(&rt->check_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&rt->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    kvs_router_check_now(rt);
+    st = kvs__http_start(config->host, config->port, config->threads, on_request, rt, on_completed,
+                         rt, &rt->daemon, &rt->port);
+    if (st != KVS_OK) goto free_sync;
+    if (pthread_create(&rt->health_thread, NULL, health_thread, rt) != 0) {
+        kvs_error("router: cannot start the health thread");
+        st = KVS_ERR_IO;
+        MHD_stop_daemon(rt->daemon);
+        goto free_sync;
+    }
+    kvs_info("router: listening on port %u", (unsigned) rt->port);
+    *router_p = rt;
+    return KVS_OK;
+
+free_sync:
+    pthread_cond_destroy(&rt->cv);
+    pthread_mutex_destroy(&rt->check_mu);
+    pthread_mutex_destroy(&rt->mu);
+    free_servers(rt);
+    kvs_free(rt);
+    return st;
+}
+
+uint16_t kvs_router_port(const kvs_router_t *router)
+{
+    return router->port;
+}
+
+void kvs_router_destroy(kvs_router_t *rt)
+{
+    if (rt == NULL) return;
+    pthread_mutex_lock(&rt->mu);
+    __atomic_store_n(&rt->stopping, 1, __ATOMIC_RELAXED);
+    pthread_cond_broadcast(&rt->cv);
+    pthread_mutex_unlock(&rt->mu);
+    pthread_join(rt->health_thread, NULL);
+    /* Jobs see stopping within one poll interval, fail their clients and resume them. */
+    pthread_mutex_lock(&rt->mu);
+    while (rt->n_jobs > 0) pthread_cond_wait(&rt->cv, &rt->mu);
+    /* Let the last answers reach their clients (one that does not read is cut off). */
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += 2;
+    while (rt->n_conns > 0) {
+        if (pthread_cond_timedwait(&rt->cv, &rt->mu, &deadline) != 0) break;
+    }
+    pthread_mutex_unlock(&rt->mu);
+    MHD_stop_daemon(rt->daemon);
+    pthread_cond_destroy(&rt->cv);
+    pthread_mutex_destroy(&rt->check_mu);
+    pthread_mutex_destroy(&rt->mu);
+    free_servers(rt);
+    kvs_free(rt);
+}
+
+int kvs_router_server_up(kvs_router_t *rt, kvs_router_side_t side, size_t index)
+{
+    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= rt->n[side])
+        return -1;
+    return __atomic_load_n(&rt->servers[side][index].up, __ATOMIC_RELAXED);
+}
+
+kvs_status_t kvs_router_server_stats(kvs_router_t *rt, kvs_router_side_t side, size_t index,
+                                     kvs_router_server_stats_t *stats_p)
+{
+    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= rt->n[side]) {
+        kvs_error("router: no %s server %zu", side == KVS_ROUTER_PREFILL ? "prefill" : "decode",
+                  index);
+        return KVS_ERR_INVALID;
+    }
+    rserver_t *s = &rt->servers[side][index];
+    kvs_router_server_stats_t st;
+    st.requests = __atomic_load_n(&rt->requests, __ATOMIC_RELAXED);
+    st.chosen = __atomic_load_n(&s->chosen, __ATOMIC_RELAXED);
+    st.failures = __atomic_load_n(&s->failures, __ATOMIC_RELAXED);
+    st.prefix_hits = __atomic_load_n(&s->prefix_hits, __ATOMIC_RELAXED);
+    *stats_p = st;
+    return KVS_OK;
+}

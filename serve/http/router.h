@@ -1,0 +1,93 @@
+/* The prefill/decode router: an OpenAI-compatible HTTP front (libmicrohttpd) that sends each
+ * request to one prefill server and one decode server (http/server.h) and streams the decode
+ * server's answer back (libcurl towards the servers).
+ *
+ * Per request: pick a prefill server (round robin, or prefix-aware: POST /internal/match with
+ * the client's body to every live prefill server, the longest cached prefix wins, ties in
+ * round-robin order) and a decode server (round robin or prefix-aware likewise), assign a room
+ * id, and forward the client's body, with a "kvstage" object added, to both at once.
+ * Pairing: a decode server whose GET /internal/info declares a bootstrap is bound to the
+ * prefill server declaring the same one, and only those two are chosen together; a prefill
+ * server without a live partner is passed over (a server declaring none pairs with any).
+ * A match that times out counts as no cache hit (it does not take the server out). Bodies:
+ *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
+ *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
+ * (bootstrap as the prefill server's GET /internal/info declares it, omitted when it declares
+ * none). The client gets the decode server's status, content type and body as they arrive.
+ * A client body that already has "kvstage" is refused (400).
+ *
+ * Failures: a server that refuses the connection, times out, drops the connection or fails
+ * GET /health is taken out of rotation and re-checked every health_interval_ms. A request whose
+ * chosen server failed that way answers 502 (504 on a timeout) {"error": {"message" naming the
+ * server, "type": "server_error", "code": "bad_gateway" / "gateway_timeout"}}, or, when the
+ * decode stream had already started, ends the stream with "data: {"error": {...}}" and [DONE].
+ * No live server of a role: 503 (code "no_server"). A server's own error answer (4xx, 5xx) is
+ * passed through. When the prefill leg fails before the decode answer started, the decode leg
+ * is abandoned (closing its connection cancels the room there) and the prefill failure is
+ * answered; the client leaving abandons both legs.
+ *
+ * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (proxied
+ * to a live decode server), GET /health (200 when at least one prefill and one decode server
+ * are live, else 503), GET /metrics (kvstage_router_* series). */
+#ifndef KVSTAGE_ROUTER_H
+#define KVSTAGE_ROUTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstage/status.h"
+
+typedef enum {
+    KVS_ROUTER_ROUND_ROBIN = 0,
+    KVS_ROUTER_PREFIX = 1, /* longest cached prefix (POST /internal/match), ties round robin */
+} kvs_router_policy_t;
+
+typedef enum {
+    KVS_ROUTER_PREFILL = 0,
+    KVS_ROUTER_DECODE = 1,
+} kvs_router_side_t;
+
+typedef struct {
+    const char *host;                   /* IPv4 address to bind; NULL: "127.0.0.1" */
+    uint16_t port;                      /* 0: chosen by the system */
+    uint32_t threads;                   /* HTTP worker threads; 0: 4 */
+    const char *const *prefill;         /* [n_prefill] base URLs, "http://host:port" */
+    size_t n_prefill;                   /* >= 1 */
+    const char *const *decode;          /* [n_decode] base URLs */
+    size_t n_decode;                    /* >= 1 */
+    kvs_router_policy_t prefill_policy; /* default round robin */
+    kvs_router_policy_t decode_policy;
+    uint32_t health_interval_ms; /* 0: 1000 */
+    uint32_t connect_timeout_ms; /* 0: 1000 */
+    uint32_t request_timeout_ms; /* whole request; 0: 600000 */
+    uint32_t match_timeout_ms;   /* each /internal/match; 0: 200 */
+    size_t max_body;             /* client body bytes at most; 0: 1 MiB */
+    uint64_t first_room;         /* 0: from the clock, in [0, 2^62) */
+} kvs_router_config_t;
+
+typedef struct kvs_router kvs_router_t;
+
+/* Checks every server once (GET /health and /internal/info) before serving, so the first
+ * requests see the true liveness. KVS_ERR_INVALID for a bad configuration (no server of a
+ * role, a URL that is not http://), KVS_ERR_IO when the address cannot be bound. */
+kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t **router_p);
+uint16_t kvs_router_port(const kvs_router_t *router);
+/* Stops the health checks, abandons in-flight requests (their clients see an error), frees. */
+void kvs_router_destroy(kvs_router_t *router);
+
+/* One health pass over every server now (blocking). */
+void kvs_router_check_now(kvs_router_t *router);
+/* 1 when server index of side is in rotation, 0 when out, -1 for a bad index. */
+int kvs_router_server_up(kvs_router_t *router, kvs_router_side_t side, size_t index);
+
+typedef struct {
+    uint64_t requests;    /* requests forwarded (a server pair was chosen) */
+    uint64_t chosen;      /* of which this server took part */
+    uint64_t failures;    /* connection failures and timeouts towards it */
+    uint64_t prefix_hits; /* prefix-aware choices where it had the longest prefix (> 0) */
+} kvs_router_server_stats_t;
+/* KVS_ERR_INVALID for a bad index. */
+kvs_status_t kvs_router_server_stats(kvs_router_t *router, kvs_router_side_t side, size_t index,
+                                     kvs_router_server_stats_t *stats_p);
+
+#endif

@@ -1,0 +1,1118 @@
+/* The HTTP server of one instance: libmicrohttpd with an internal thread pool, routing,
+ * the OpenAI endpoints over the backend interface, streaming through suspended connections,
+ * and the metrics.
+ *
+ * One HTTP request is one req_t, shared by the connection (MHD threads) and, once submitted,
+ * the backend's sink (any thread), with a reference each. The sink only queues tokens and wakes
+ * the connection; text decoding, stop strings and JSON happen on the MHD thread that serves the
+ * connection (pump()), so the backend's engine loop never waits on formatting or the network.
+ * A connection waiting for tokens is suspended; whoever flips r->suspended from 1 to 0 (under
+ * r->mu) resumes it, exactly once, and a suspended connection cannot complete, so the resume
+ * never touches a closed connection. */
+#include "http/server_internal.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
+
+typedef enum {
+    EP_UNKNOWN = 0,
+    EP_COMPLETIONS,
+    EP_CHAT,
+    EP_MODELS,
+    EP_HEALTH,
+    EP_METRICS,
+    EP_MATCH,
+    EP_INFO,
+} endpoint_t;
+
+typedef struct {
+    uint32_t token;
+    size_t piece_off; /* into the pieces buffer */
+    size_t piece_len; /* SIZE_MAX: decode with the tokenizer */
+} tok_rec_t;
+
+typedef struct {
+    tok_rec_t *toks; /* [n] */
+    size_t n, cap;
+    kvs__sb_t pieces;
+} tok_queue_t;
+
+typedef struct req req_t;
+
+struct kvs_server {
+    char *model, *bootstrap;
+    kvs_server_role_t role;
+    int strict_role;
+    size_t max_body;
+    kvs__api_limits_t limits;
+    kvs_server_backend_t backend;
+    kvs_server_tokenizer_t tok;
+    struct MHD_Daemon *daemon;
+    uint16_t port;
+    time_t started;
+    uint64_t next_room; /* atomic */
+
+    pthread_mutex_t mu; /* stopping, the live list */
+    pthread_cond_t cv;  /* the live list shrank */
+    int stopping;
+    req_t *live; /* submitted requests whose on_done has not come */
+    uint32_t n_live;
+    uint32_t n_reqs; /* HTTP requests not yet freed */
+
+    /* Metrics, updated with atomics. */
+    uint64_t http_codes[600];
+    uint64_t finishes[4];
+    uint64_t cancels;
+    uint64_t prompt_tokens, generation_tokens, cached_tokens, kv_bytes;
+    kvs__hist_t ttft, itl, e2e, transfer;
+};
+
+struct req {
+    kvs_server_t *srv;
+    struct MHD_Connection *conn;
+    endpoint_t ep;
+    int method_ok;
+    char method[8];
+    char path[64];
+    kvs__body_t body;
+    int body_oom;
+
+    pthread_mutex_t mu;
+    int refs; /* under mu: the connection's, and the backend's while live */
+
+    /* Fixed once submitted. */
+    int submitted;
+    kvs__api_req_t api;
+    uint64_t room;
+    time_t created;
+    char id[48];
+    uint64_t submit_ns;
+
+    /* Shared with the sink, under mu. */
+    tok_queue_t pend;
+    int sink_oom;
+    int backend_done;
+    kvs_server_done_t done;
+    int suspended;
+    uint64_t first_ns, last_ns;
+
+    /* The live list, under srv->mu. */
+    req_t *prev, *next;
+    int shutdown; /* atomic: cancelled because the server stops */
+
+    /* The connection's thread only. */
+    tok_queue_t work;
+    kvs__sb_t text; /* the decoded text so far; cut at a stop string */
+    size_t emitted; /* bytes of text already streamed */
+    uint32_t generated;
+    int stop_matched, cancel_sent, done_taken;
+    int finished;
+    kvs_server_finish_t finish;
+    kvs_status_t finish_status;
+    kvs_server_done_t final_done;
+    kvs__sb_t out; /* SSE bytes not yet handed to MHD */
+    int stream_started, stream_ended;
+};
+
+static const double k_ttft_bounds[] = {0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
+                                       0.5,   1,     2,    5,    10,   30};
+static const double k_itl_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                      0.05,   0.1,   0.25,   0.5,   1,    2.5};
+static const double k_e2e_bounds[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+static const double k_transfer_bounds[] = {0.0001, 0.0005, 0.001, 0.005, 0.01,
+                                           0.05,   0.1,    0.5,   1,     5};
+
+#define COUNT(srv_field)      __atomic_add_fetch(&(srv_field), 1, __ATOMIC_RELAXED)
+#define ADD(srv_field, delta) __atomic_add_fetch(&(srv_field), (delta), __ATOMIC_RELAXED)
+#define LOAD(srv_field)       __atomic_load_n(&(srv_field), __ATOMIC_RELAXED)
+
+/* ---- requests ---- */
+
+static void queue_fini(tok_queue_t *q)
+{
+    kvs_free(q->toks);
+    kvs__sb_fini(&q->pieces);
+    memset(q, 0, sizeof(*q));
+}
+
+static void req_unref(req_t *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int last = --r->refs == 0;
+    pthread_mutex_unlock(&r->mu);
+    if (!last) return;
+    kvs__body_fini(&r->body);
+    kvs__api_req_fini(&r->api);
+    queue_fini(&r->pend);
+    queue_fini(&r->work);
+    kvs__sb_fini(&r->text);
+    kvs__sb_fini(&r->out);
+    pthread_mutex_destroy(&r->mu);
+    kvs_server_t *srv = r->srv;
+    kvs_free(r);
+    pthread_mutex_lock(&srv->mu);
+    srv->n_reqs--;
+    pthread_cond_broadcast(&srv->cv);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+static endpoint_t route(const char *url, const char **allow_p)
+{
+    static const struct {
+        const char *path;
+        endpoint_t ep;
+        const char *method;
+    } table[] = {
+        {"/v1/completions", EP_COMPLETIONS, "POST"},
+        {"/v1/chat/completions", EP_CHAT, "POST"},
+        {"/v1/models", EP_MODELS, "GET"},
+        {"/health", EP_HEALTH, "GET"},
+        {"/metrics", EP_METRICS, "GET"},
+        {"/internal/match", EP_MATCH, "POST"},
+        {"/internal/info", EP_INFO, "GET"},
+    };
+    for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
+        if (strcmp(url, table[i].path) == 0) {
+            *allow_p = table[i].method;
+            return table[i].ep;
+        }
+    }
+    *allow_p = NULL;
+    return EP_UNKNOWN;
+}
+
+static const char *allowed_method(endpoint_t ep)
+{
+    return (ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_MATCH) ? "POST" : "GET";
+}
+
+static req_t *req_new(kvs_server_t *srv, struct MHD_Connection *conn, const char *url,
+                      const char *method)
+{
+    req_t *r = kvs_calloc(1, sizeof(*r));
+    if (r == NULL) return NULL;
+    pthread_mutex_init(&r->mu, NULL);
+    r->refs = 1;
+    r->srv = srv;
+    r->conn = conn;
+    const char *allow;
+    r->ep = route(url, &allow);
+    r->method_ok = allow != NULL && strcmp(method, allow) == 0;
+    snprintf(r->method, sizeof(r->method), "%s", method);
+    snprintf(r->path, sizeof(r->path), "%s", url);
+    r->body.max = srv->max_body;
+    pthread_mutex_lock(&srv->mu);
+    srv->n_reqs++;
+    pthread_mutex_unlock(&srv->mu);
+    return r;
+}
+
+/* ---- answers ---- */
+
+static enum MHD_Result send_text(req_t *r, unsigned status, const char *type, const char *text)
+{
+    COUNT(r->srv->http_codes[status < 600 ? status : 599]);
+    return kvs__http_send(r->conn, status, type, text, strlen(text));
+}
+
+static enum MHD_Result send_json_steal(req_t *r, unsigned status, json_t *obj)
+{
+    char *text = kvs__json_dump_steal(obj);
+    if (text == NULL) {
+        COUNT(r->srv->http_codes[500]);
+        return kvs__http_send_error(r->conn, 500, "out of memory", "server_error", NULL, NULL, NULL,
+                                    NULL);
+    }
+    enum MHD_Result res = send_text(r, status, "application/json", text);
+    kvs_free(text);
+    return res;
+}
+
+static enum MHD_Result send_error(req_t *r, unsigned status, const char *message, const char *param,
+                                  const char *code)
+{
+    COUNT(r->srv->http_codes[status < 600 ? status : 599]);
+    const char *type = status >= 500 ? "server_error" : "invalid_request_error";
+    const char *allow = status == 405 ? allowed_method(r->ep) : NULL;
+    return kvs__http_send_error(r->conn, status, message, type, param, code,
+                                allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
+}
+
+static json_t *usage_json(const req_t *r)
+{
+    json_t *details = json_pack("{s:i}", "cached_tokens", (int) r->final_done.cached_tokens);
+    return json_pack("{s:i, s:i, s:i, s:o}", "prompt_tokens", (int) r->api.prompt_len,
+                     "completion_tokens", (int) r->generated, "total_tokens",
+                     (int) (r->api.prompt_len + r->generated), "prompt_tokens_details", details);
+}
+
+static json_t *kvstage_json(const req_t *r)
+{
+    return json_pack("{s:I, s:I, s:I, s:I}", "room", (json_int_t) r->room, "ttft_ns",
+                     (json_int_t) r->final_done.ttft_ns, "transfer_ns",
+                     (json_int_t) r->final_done.transfer_ns, "kv_bytes",
+                     (json_int_t) r->final_done.kv_bytes);
+}
+
+/* {"id", "object", "created", "model"} */
+static json_t *head_json(const req_t *r, const char *object)
+{
+    return json_pack("{s:s, s:s, s:I, s:s}", "id", r->id, "object", object, "created",
+                     (json_int_t) r->created, "model", r->srv->model);
+}
+
+static json_t *choice_json(const req_t *r, json_t *content, const char *finish)
+{
+    json_t *fin = finish ? json_string(finish) : json_null();
+    if (r->api.chat && r->api.stream)
+        return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "delta", content, "logprobs",
+                         "finish_reason", fin);
+    if (r->api.chat)
+        return json_pack("{s:i, s:{s:s, s:o}, s:n, s:o}", "index", 0, "message", "role",
+                         "assistant", "content", content, "logprobs", "finish_reason", fin);
+    return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "text", content, "logprobs",
+                     "finish_reason", fin);
+}
+
+/* text[0, len) as a JSON string of valid UTF-8. */
+static json_t *text_json(const char *text, size_t len)
+{
+    kvs__sb_t sb;
+    kvs__sb_init(&sb);
+    kvs__utf8_sanitize(&sb, text, len);
+    json_t *s = sb.oom ? NULL : json_stringn(sb.ptr ? sb.ptr : "", sb.len);
+    kvs__sb_fini(&sb);
+    return s;
+}
+
+static void sse_event_steal(req_t *r, json_t *obj)
+{
+    char *text = kvs__json_dump_steal(obj);
+    if (text == NULL) {
+        r->out.oom = 1;
+        return;
+    }
+    kvs__sb_puts(&r->out, "data: ");
+    kvs__sb_puts(&r->out, text);
+    kvs__sb_puts(&r->out, "\n\n");
+    kvs_free(text);
+}
+
+static void sse_chunk(req_t *r, json_t *content, const char *finish)
+{
+    json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
+    json_t *choices = json_array();
+    json_t *choice = content ? choice_json(r, content, finish) : NULL;
+    if (obj == NULL || choices == NULL || choice == NULL) {
+        json_decref(obj);
+        json_decref(choices);
+        json_decref(choice);
+        r->out.oom = 1;
+        return;
+    }
+    json_array_append_new(choices, choice);
+    json_object_set_new(obj, "choices", choices);
+    sse_event_steal(r, obj);
+}
+
+static const char *failure_message(const req_t *r, char *buf, size_t cap)
+{
+    if (LOAD(r->shutdown)) return "the server is shutting down";
+    snprintf(buf, cap, "generation failed: %s", kvs_status_str(r->finish_status));
+    return buf;
+}
+
+/* The end of a stream: the last chunk, an error event, the usage chunk, [DONE]. */
+static void sse_finish(req_t *r)
+{
+    json_t *content = r->api.chat ? json_object() : json_string("");
+    sse_chunk(r, content, kvs__finish_name(r->finish));
+    if (r->finish == KVS_SERVER_FINISH_ERROR) {
+        char buf[160];
+        char *err =
+            kvs__json_error(failure_message(r, buf, sizeof(buf)), "server_error", NULL, NULL);
+        if (err == NULL) {
+            r->out.oom = 1;
+        } else {
+            kvs__sb_printf(&r->out, "data: %s\n\n", err);
+            kvs_free(err);
+        }
+    }
+    if (r->api.include_usage) {
+        json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
+        if (obj == NULL) {
+            r->out.oom = 1;
+        } else {
+            json_object_set_new(obj, "choices", json_array());
+            json_object_set_new(obj, "usage", usage_json(r));
+            json_object_set_new(obj, "kvstage", kvstage_json(r));
+            sse_event_steal(r, obj);
+        }
+    }
+    kvs__sb_puts(&r->out, "data: [DONE]\n\n");
+    r->stream_ended = 1;
+}
+
+static enum MHD_Result send_final(req_t *r)
+{
+    if (r->finish == KVS_SERVER_FINISH_ERROR) {
+        char buf[160];
+        return send_error(r, LOAD(r->shutdown) ? 503 : 500, failure_message(r, buf, sizeof(buf)),
+                          NULL, NULL);
+    }
+    json_t *obj = head_json(r, r->api.chat ? "chat.completion" : "text_completion");
+    json_t *choices = json_array();
+    json_t *content = text_json(r->text.ptr ? r->text.ptr : "", r->text.len);
+    json_t *choice = content ? choice_json(r, content, kvs__finish_name(r->finish)) : NULL;
+    if (obj == NULL || choices == NULL || choice == NULL) {
+        json_decref(obj);
+        json_decref(choices);
+        json_decref(choice);
+        return send_error(r, 500, "out of memory", NULL, NULL);
+    }
+    json_array_append_new(choices, choice);
+    json_object_set_new(obj, "choices", choices);
+    json_object_set_new(obj, "usage", usage_json(r));
+    json_object_set_new(obj, "kvstage", kvstage_json(r));
+    return send_json_steal(r, 200, obj);
+}
+
+/* ---- the sink (backend threads) ---- */
+
+static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t len, int *oom)
+{
+    if (q->n == q->cap) {
+        size_t cap = q->cap ? 2 * q->cap : 64;
+        tok_rec_t *t = kvs_realloc(q->toks, cap * sizeof(*t));
+        if (t == NULL) {
+            *oom = 1;
+            return;
+        }
+        q->toks = t;
+        q->cap = cap;
+    }
+    tok_rec_t *rec = &q->toks[q->n++];
+    rec->token = token;
+    rec->piece_off = q->pieces.len;
+    rec->piece_len = SIZE_MAX;
+    if (piece != NULL) {
+        kvs__sb_append(&q->pieces, piece, len);
+        if (q->pieces.oom) {
+            *oom = 1;
+            return;
+        }
+        rec->piece_len = len;
+    }
+}
+
+static void sink_token(void *arg, uint32_t token, const char *piece, size_t piece_len)
+{
+    req_t *r = arg;
+    kvs_server_t *srv = r->srv;
+    uint64_t now = kvs_now_ns();
+    pthread_mutex_lock(&r->mu);
+    if (r->backend_done) { /* a backend bug; the request is over */
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    queue_push(&r->pend, token, piece, piece_len, &r->sink_oom);
+    if (r->first_ns == 0) {
+        r->first_ns = now;
+        kvs__hist_observe(&srv->ttft, now - r->submit_ns);
+    } else {
+        kvs__hist_observe(&srv->itl, now - r->last_ns);
+    }
+    r->last_ns = now;
+    /* A non-streaming request without stop strings only needs waking at the end. */
+    int wake = r->suspended && (r->api.stream || r->api.n_stops > 0);
+    if (wake) r->suspended = 0;
+    struct MHD_Connection *conn = r->conn;
+    pthread_mutex_unlock(&r->mu);
+    if (wake) MHD_resume_connection(conn);
+}
+
+static void live_add(kvs_server_t *srv, req_t *r)
+{
+    r->next = srv->live;
+    if (srv->live) srv->live->prev = r;
+    srv->live = r;
+    srv->n_live++;
+}
+
+static void live_remove(kvs_server_t *srv, req_t *r)
+{
+    pthread_mutex_lock(&srv->mu);
+    if (r->prev) r->prev->next = r->next;
+    if (r->next) r->next->prev = r->prev;
+    if (srv->live == r) srv->live = r->next;
+    r->prev = r->next = NULL;
+    srv->n_live--;
+    pthread_cond_broadcast(&srv->cv);
+    pthread_mutex_unlock(&srv->mu);
+}
+
+static void sink_done(void *arg, const kvs_server_done_t *done)
+{
+    req_t *r = arg;
+    pthread_mutex_lock(&r->mu);
+    if (r->backend_done) {
+        pthread_mutex_unlock(&r->mu);
+        kvs_error("server: room %llu: the backend ended it twice", (unsigned long long) r->room);
+        return;
+    }
+    r->backend_done = 1;
+    r->done = *done;
+    int wake = r->suspended;
+    r->suspended = 0;
+    struct MHD_Connection *conn = r->conn;
+    pthread_mutex_unlock(&r->mu);
+    /* Resume before leaving the live list: once the list is empty the server may stop its
+     * daemon, and no connection may still be suspended then. */
+    if (wake) MHD_resume_connection(conn);
+    live_remove(r->srv, r);
+    req_unref(r);
+}
+
+/* ---- the connection's side ---- */
+
+static int is_stop_id(const req_t *r, uint32_t token)
+{
+    for (uint32_t i = 0; i < r->api.n_stop_ids; i++)
+        if (r->api.stop_ids[i] == token) return 1;
+    return 0;
+}
+
+static void send_cancel(req_t *r)
+{
+    if (r->cancel_sent) return;
+    r->cancel_sent = 1;
+    COUNT(r->srv->cancels);
+    kvs_server_backend_t *b = &r->srv->backend;
+    b->cancel(b->ctx, r->room);
+}
+
+static void account_finish(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    COUNT(srv->finishes[r->finish]);
+    ADD(srv->prompt_tokens, r->api.prompt_len);
+    ADD(srv->generation_tokens, r->generated);
+    ADD(srv->cached_tokens, r->final_done.cached_tokens);
+    ADD(srv->kv_bytes, r->final_done.kv_bytes);
+    kvs__hist_observe(&srv->e2e, kvs_now_ns() - r->submit_ns);
+    if (r->final_done.transfer_ns) kvs__hist_observe(&srv->transfer, r->final_done.transfer_ns);
+}
+
+/* Takes what the sink queued: decodes tokens, cuts at stop strings, concludes the request when
+ * the backend is done, and (streaming) turns the new text into SSE chunks. */
+static void pump(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    tok_queue_t tmp;
+    pthread_mutex_lock(&r->mu);
+    tmp = r->pend;
+    r->pend = r->work;
+    r->work = tmp;
+    int took_done = r->backend_done && !r->done_taken;
+    if (took_done) {
+        r->done_taken = 1;
+        r->final_done = r->done;
+    }
+    int oom = r->sink_oom;
+    pthread_mutex_unlock(&r->mu);
+
+    size_t max_stop = 0;
+    for (uint32_t k = 0; k < r->api.n_stops; k++)
+        if (r->api.stop_lens[k] > max_stop) max_stop = r->api.stop_lens[k];
+    for (size_t i = 0; i < r->work.n && !r->stop_matched && !r->finished; i++) {
+        const tok_rec_t *t = &r->work.toks[i];
+        r->generated++;
+        if (is_stop_id(r, t->token)) continue;
+        const char *piece;
+        size_t len;
+        if (t->piece_len != SIZE_MAX) {
+            piece = r->work.pieces.ptr + t->piece_off;
+            len = t->piece_len;
+        } else if (srv->tok.piece(srv->tok.ctx, t->token, &piece, &len) != KVS_OK) {
+            continue; /* logged by the tokenizer; the token renders as nothing */
+        }
+        size_t old = r->text.len;
+        kvs__sb_append(&r->text, piece, len);
+        if (r->api.n_stops == 0) continue;
+        size_t from = old + 1 > max_stop ? old + 1 - max_stop : 0;
+        if (from < r->emitted) from = r->emitted;
+        size_t at = kvs__stop_find(r->text.ptr, r->text.len, from, r->api.stops, r->api.stop_lens,
+                                   r->api.n_stops);
+        if (at != SIZE_MAX) {
+            r->text.len = at;
+            r->text.ptr[at] = '\0';
+            r->stop_matched = 1;
+        }
+    }
+    r->work.n = 0;
+    r->work.pieces.len = 0;
+    if (r->text.oom) oom = 1;
+    if (r->stop_matched && !r->done_taken) send_cancel(r);
+
+    if (took_done && !r->finished) {
+        r->finished = 1;
+        r->finish = r->final_done.finish;
+        r->finish_status = r->final_done.status;
+        if (r->stop_matched) {
+            r->finish = KVS_SERVER_FINISH_STOP;
+        } else if (oom) {
+            r->finish = KVS_SERVER_FINISH_ERROR;
+            r->finish_status = KVS_ERR_NOMEM;
+        } else if (LOAD(r->shutdown) && r->finish == KVS_SERVER_FINISH_STOP) {
+            r->finish = KVS_SERVER_FINISH_ERROR;
+            r->finish_status = KVS_ERR_ABORTED;
+        }
+        if (r->finish == KVS_SERVER_FINISH_ERROR && r->finish_status == KVS_OK)
+            r->finish_status = KVS_ERR_IO;
+        account_finish(r);
+    }
+    if (!r->api.stream) return;
+
+    if (!r->stream_started) {
+        r->stream_started = 1;
+        if (r->api.chat) {
+            json_t *delta = json_pack("{s:s, s:s}", "role", "assistant", "content", "");
+            if (delta) sse_chunk(r, delta, NULL);
+        }
+    }
+    size_t end = r->text.len;
+    if (!r->finished && !r->stop_matched) {
+        end -= kvs__stop_hold(r->text.ptr, end, r->emitted, r->api.stops, r->api.stop_lens,
+                              r->api.n_stops);
+        end -= kvs__utf8_incomplete_tail(r->text.ptr + r->emitted, end - r->emitted);
+    }
+    if (end > r->emitted) {
+        json_t *s = text_json(r->text.ptr + r->emitted, end - r->emitted);
+        json_t *content = s && r->api.chat ? json_pack("{s:o}", "content", s) : s;
+        if (content == NULL) r->out.oom = 1;
+        if (content) sse_chunk(r, content, NULL);
+        r->emitted = end;
+    }
+    if (r->finished && !r->stream_ended) sse_finish(r);
+}
+
+/* Something for pump() to do, or suspend: under r->mu, so a sink call cannot slip between the
+ * check and the suspension. Returns 1 when suspended. */
+static int suspend_if_idle(req_t *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int idle = r->pend.n == 0 && !(r->backend_done && !r->done_taken);
+    if (idle) {
+        r->suspended = 1;
+        MHD_suspend_connection(r->conn);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return idle;
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void) pos;
+    req_t *r = cls;
+    for (;;) {
+        if (r->out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (r->out.len > 0) {
+            size_t n = r->out.len < max ? r->out.len : max;
+            memcpy(buf, r->out.ptr, n);
+            kvs__sb_consume(&r->out, n);
+            return (ssize_t) n;
+        }
+        if (r->stream_ended) return MHD_CONTENT_READER_END_OF_STREAM;
+        pump(r);
+        if (r->out.len > 0 || r->stream_ended || r->out.oom) continue;
+        if (suspend_if_idle(r)) return 0;
+    }
+}
+
+static enum MHD_Result wait_final(req_t *r)
+{
+    for (;;) {
+        pump(r);
+        if (r->finished) return send_final(r);
+        if (suspend_if_idle(r)) return MHD_YES;
+    }
+}
+
+static enum MHD_Result answer_submit_error(req_t *r, kvs_status_t st)
+{
+    char msg[160];
+    snprintf(msg, sizeof(msg), "the backend refused the request: %s", kvs_status_str(st));
+    if (st == KVS_ERR_INVALID || st == KVS_ERR_UNSUPPORTED)
+        return send_error(r, 400, msg, NULL, NULL);
+    if (st == KVS_ERR_NOSPACE) return send_error(r, 503, "the server is overloaded", NULL, NULL);
+    return send_error(r, 500, msg, NULL, NULL);
+}
+
+static const char *role_name(kvs_server_role_t role);
+
+/* strict_role: why this server does not serve the request (written to msg), or NULL. */
+static const char *role_refusal(const kvs_server_t *srv, const kvs__api_req_t *api, char *msg,
+                                size_t cap)
+{
+    const char *mine = role_name(srv->role);
+    if (srv->role == KVS_SERVER_ROLE_NONE && api->has_room) {
+        snprintf(msg, cap,
+                 "this is a colocated server: it serves whole requests, without \"kvstage\"");
+        return "wrong_role";
+    }
+    if (srv->role != KVS_SERVER_ROLE_NONE && !api->has_room) {
+        snprintf(msg, cap,
+                 "this is a %s server: it serves the %s side of requests a router sends (with "
+                 "\"kvstage\"); send this request to the router or to a colocated server",
+                 mine, mine);
+        return "wrong_role";
+    }
+    if (srv->role != KVS_SERVER_ROLE_NONE && api->role != srv->role) {
+        snprintf(msg, cap, "this is a %s server; the request is for a %s server", mine,
+                 role_name(api->role));
+        return "wrong_role";
+    }
+    if (srv->role == KVS_SERVER_ROLE_DECODE && srv->bootstrap != NULL && api->bootstrap != NULL &&
+        strcmp(srv->bootstrap, api->bootstrap) != 0) {
+        snprintf(msg, cap,
+                 "this decode server is bound to the prefill instance at %s; the request's KV "
+                 "would come from %s",
+                 srv->bootstrap, api->bootstrap);
+        return "wrong_bootstrap";
+    }
+    return NULL;
+}
+
+static enum MHD_Result handle_generate(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    kvs__api_err_t err;
+    kvs_status_t st = kvs__api_parse(&srv->limits, &srv->tok, r->ep == EP_CHAT, r->body.data,
+                                     r->body.len, &r->api, &err);
+    if (st != KVS_OK) return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+    if (srv->strict_role) {
+        char msg[384];
+        const char *code = role_refusal(srv, &r->api, msg, sizeof(msg));
+        if (code != NULL) return send_error(r, 400, msg, "kvstage", code);
+    }
+    if (r->api.role == KVS_SERVER_ROLE_PREFILL) {
+        r->api.stream = 0;
+        r->api.include_usage = 0;
+    }
+    r->room =
+        r->api.has_room ? r->api.room : __atomic_fetch_add(&srv->next_room, 1, __ATOMIC_RELAXED);
+    r->created = time(NULL);
+    snprintf(r->id, sizeof(r->id), "%s-%016llx", r->api.chat ? "chatcmpl" : "cmpl",
+             (unsigned long long) r->room);
+
+    kvs_server_request_t q;
+    memset(&q, 0, sizeof(q));
+    q.room = r->room;
+    q.role = r->api.role;
+    q.bootstrap = r->api.bootstrap;
+    q.prompt = r->api.prompt;
+    q.prompt_len = r->api.prompt_len;
+    q.max_tokens = r->api.max_tokens;
+    q.temperature = r->api.temperature;
+    q.top_p = r->api.top_p;
+    q.seed = r->api.seed;
+    q.stop_ids = r->api.stop_ids;
+    q.n_stop_ids = r->api.n_stop_ids;
+    q.stream = r->api.stream;
+    kvs_server_sink_t sink = {sink_token, sink_done, r};
+
+    /* Live (and the backend's reference taken) before submit: on_done may come before submit
+     * returns. */
+    pthread_mutex_lock(&srv->mu);
+    if (srv->stopping) {
+        pthread_mutex_unlock(&srv->mu);
+        return send_error(r, 503, "the server is shutting down", NULL, NULL);
+    }
+    live_add(srv, r);
+    pthread_mutex_unlock(&srv->mu);
+    pthread_mutex_lock(&r->mu);
+    r->refs++;
+    pthread_mutex_unlock(&r->mu);
+    r->submit_ns = kvs_now_ns();
+
+    st = srv->backend.submit(srv->backend.ctx, &q, &sink);
+    if (st != KVS_OK) {
+        live_remove(srv, r);
+        pthread_mutex_lock(&r->mu);
+        r->refs--;
+        pthread_mutex_unlock(&r->mu);
+        return answer_submit_error(r, st);
+    }
+    r->submitted = 1;
+    if (!r->api.stream) return wait_final(r);
+
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, stream_read, r, NULL);
+    if (resp == NULL) return MHD_NO; /* closing the connection cancels the request */
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    COUNT(srv->http_codes[200]);
+    enum MHD_Result res = MHD_queue_response(r->conn, 200, resp);
+    MHD_destroy_response(resp);
+    return res;
+}
+
+static enum MHD_Result handle_match(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    /* The router sends the client's body as is: a chat request names its messages. */
+    json_t *peek = json_loadb(r->body.data ? r->body.data : "", r->body.len, 0, NULL);
+    int chat = json_is_object(peek) && json_object_get(peek, "messages") != NULL;
+    json_decref(peek);
+    kvs__api_req_t api;
+    kvs__api_err_t err;
+    kvs_status_t st =
+        kvs__api_parse(&srv->limits, &srv->tok, chat, r->body.data, r->body.len, &api, &err);
+    if (st != KVS_OK) return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+    uint32_t cached = 0;
+    if (srv->backend.match) {
+        st = srv->backend.match(srv->backend.ctx, api.prompt, api.prompt_len, &cached);
+        if (st != KVS_OK) cached = 0;
+    }
+    if (cached > api.prompt_len) cached = api.prompt_len;
+    json_t *obj = json_pack("{s:i, s:i}", "cached_tokens", (int) cached, "prompt_tokens",
+                            (int) api.prompt_len);
+    kvs__api_req_fini(&api);
+    return send_json_steal(r, 200, obj);
+}
+
+static int server_healthy(kvs_server_t *srv)
+{
+    pthread_mutex_lock(&srv->mu);
+    int stopping = srv->stopping;
+    pthread_mutex_unlock(&srv->mu);
+    if (stopping) return 0;
+    return srv->backend.health == NULL || srv->backend.health(srv->backend.ctx) == KVS_OK;
+}
+
+static const char *role_name(kvs_server_role_t role)
+{
+    switch (role) {
+    case KVS_SERVER_ROLE_PREFILL:
+        return "prefill";
+    case KVS_SERVER_ROLE_DECODE:
+        return "decode";
+    case KVS_SERVER_ROLE_NONE:
+        break;
+    }
+    return "colocated";
+}
+
+static enum MHD_Result handle(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    if (r->ep == EP_UNKNOWN) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "unknown path: %s %s", r->method, r->path);
+        return send_error(r, 404, msg, NULL, "not_found");
+    }
+    if (!r->method_ok) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "method %s is not allowed on %s (use %s)", r->method, r->path,
+                 allowed_method(r->ep));
+        return send_error(r, 405, msg, NULL, "method_not_allowed");
+    }
+    if (r->body.too_large) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "the request body is larger than %zu bytes", srv->max_body);
+        return send_error(r, 413, msg, NULL, "body_too_large");
+    }
+    if (r->body_oom) return send_error(r, 500, "out of memory reading the request", NULL, NULL);
+    switch (r->ep) {
+    case EP_COMPLETIONS:
+    case EP_CHAT:
+        return handle_generate(r);
+    case EP_MATCH:
+        return handle_match(r);
+    case EP_HEALTH:
+        if (server_healthy(srv))
+            return send_text(r, 200, "application/json", "{\"status\":\"ok\"}");
+        return send_text(r, 503, "application/json", "{\"status\":\"unavailable\"}");
+    case EP_METRICS: {
+        char *text = NULL;
+        if (kvs_server_metrics(srv, &text) != KVS_OK)
+            return send_error(r, 500, "out of memory", NULL, NULL);
+        enum MHD_Result res = send_text(r, 200, "text/plain; version=0.0.4", text);
+        kvs_free(text);
+        return res;
+    }
+    case EP_MODELS:
+        return send_json_steal(r, 200,
+                               json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list",
+                                         "data", "id", srv->model, "object", "model", "created",
+                                         (json_int_t) srv->started, "owned_by", "kvstage"));
+    case EP_INFO:
+        return send_json_steal(r, 200,
+                               json_pack("{s:s, s:s, s:s?}", "model", srv->model, "role",
+                                         role_name(srv->role), "bootstrap", srv->bootstrap));
+    case EP_UNKNOWN:
+        break;
+    }
+    return send_error(r, 404, "unknown path", NULL, "not_found");
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_size, void **con_cls)
+{
+    (void) version;
+    kvs_server_t *srv = cls;
+    req_t *r = *con_cls;
+    if (r == NULL) {
+        r = req_new(srv, conn, url, method);
+        if (r == NULL) return MHD_NO;
+        *con_cls = r;
+        return MHD_YES;
+    }
+    if (*upload_size != 0) {
+        /* Bodies of requests that will be refused are read and dropped, so the answer is not
+         * lost to a reset connection. */
+        if (r->ep != EP_UNKNOWN && r->method_ok && !r->body_oom &&
+            kvs__body_add(&r->body, upload_data, *upload_size) != KVS_OK)
+            r->body_oom = 1;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (r->submitted) return wait_final(r); /* resumed */
+    return handle(r);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    (void) cls;
+    (void) conn;
+    req_t *r = *con_cls;
+    if (r == NULL) return;
+    *con_cls = NULL;
+    if (r->submitted) {
+        pthread_mutex_lock(&r->mu);
+        r->conn = NULL;
+        r->suspended = 0;
+        int live = !r->backend_done;
+        pthread_mutex_unlock(&r->mu);
+        if (live) {
+            kvs_debug("server: room %llu: connection ended (%d) before the request; cancelling",
+                      (unsigned long long) r->room, (int) toe);
+            send_cancel(r);
+        }
+    }
+    req_unref(r);
+}
+
+/* ---- metrics ---- */
+
+static void counter(kvs__sb_t *sb, const char *name, const char *help, uint64_t v)
+{
+    kvs__metric_header(sb, name, "counter", help);
+    kvs__sb_printf(sb, "%s %llu\n", name, (unsigned long long) v);
+}
+
+static void gauge(kvs__sb_t *sb, const char *name, const char *help, uint64_t v)
+{
+    kvs__metric_header(sb, name, "gauge", help);
+    kvs__sb_printf(sb, "%s %llu\n", name, (unsigned long long) v);
+}
+
+kvs_status_t kvs_server_metrics(kvs_server_t *srv, char **text_p)
+{
+    kvs_server_backend_stats_t bs;
+    memset(&bs, 0, sizeof(bs));
+    if (srv->backend.stats) srv->backend.stats(srv->backend.ctx, &bs);
+    pthread_mutex_lock(&srv->mu);
+    uint32_t live = srv->n_live;
+    pthread_mutex_unlock(&srv->mu);
+
+    kvs__sb_t sb;
+    kvs__sb_init(&sb);
+    kvs__metric_header(&sb, "kvstage_http_requests_total", "counter",
+                       "HTTP requests answered, by status code.");
+    for (unsigned c = 100; c < 600; c++) {
+        uint64_t v = LOAD(srv->http_codes[c]);
+        if (v || c == 200)
+            kvs__sb_printf(&sb, "kvstage_http_requests_total{code=\"%u\"} %llu\n", c,
+                           (unsigned long long) v);
+    }
+    kvs__metric_header(&sb, "kvstage_requests_finished_total", "counter",
+                       "Generation requests finished, by finish reason.");
+    for (int f = 0; f < 4; f++)
+        kvs__sb_printf(&sb, "kvstage_requests_finished_total{reason=\"%s\"} %llu\n",
+                       kvs__finish_name((kvs_server_finish_t) f),
+                       (unsigned long long) LOAD(srv->finishes[f]));
+    counter(&sb, "kvstage_requests_cancelled_total",
+            "Requests cancelled at the backend (client gone, stop string, shutdown).",
+            LOAD(srv->cancels));
+    counter(&sb, "kvstage_prompt_tokens_total", "Prompt tokens of finished requests.",
+            LOAD(srv->prompt_tokens));
+    counter(&sb, "kvstage_generation_tokens_total", "Tokens generated.",
+            LOAD(srv->generation_tokens));
+    counter(&sb, "kvstage_cached_prompt_tokens_total", "Prompt tokens found in the prefix cache.",
+            LOAD(srv->cached_tokens));
+    kvs__hist_render(&sb, "kvstage_time_to_first_token_seconds", "Submission to the first token.",
+                     &srv->ttft);
+    kvs__hist_render(&sb, "kvstage_inter_token_latency_seconds", "Time between tokens.", &srv->itl);
+    kvs__hist_render(&sb, "kvstage_request_duration_seconds", "Submission to the end.", &srv->e2e);
+    kvs__hist_render(&sb, "kvstage_kv_transfer_seconds", "KV transfer time per room.",
+                     &srv->transfer);
+    counter(&sb, "kvstage_kv_bytes_total", "KV bytes moved (backend).", bs.kv_bytes);
+    counter(&sb, "kvstage_kv_chunks_total", "KV chunks moved (backend).", bs.chunks);
+    counter(&sb, "kvstage_control_retries_total", "Control messages resent (backend).", bs.retries);
+    counter(&sb, "kvstage_control_rejected_total", "Control messages rejected (backend).",
+            bs.rejected);
+    gauge(&sb, "kvstage_ring_used_bytes", "Staging ring bytes in use.", bs.ring_used);
+    gauge(&sb, "kvstage_ring_capacity_bytes", "Staging ring bytes.", bs.ring_capacity);
+    gauge(&sb, "kvstage_requests_queued", "Requests waiting for admission (backend).", bs.queued);
+    gauge(&sb, "kvstage_requests_running", "Requests admitted (backend).", bs.running);
+    gauge(&sb, "kvstage_requests_live", "Requests submitted and not finished.", live);
+    char *text = kvs__sb_take(&sb);
+    if (text == NULL) {
+        kvs_error("server: no memory for the metrics text");
+        return KVS_ERR_NOMEM;
+    }
+    *text_p = text;
+    return KVS_OK;
+}
+
+/* ---- lifetime ---- */
+
+static kvs_status_t check_config(const kvs_server_config_t *c)
+{
+    if (c == NULL || c->backend.submit == NULL || c->backend.cancel == NULL) {
+        kvs_error("server: the backend needs submit and cancel");
+        return KVS_ERR_INVALID;
+    }
+    if (c->tokenizer.encode == NULL || c->tokenizer.piece == NULL || c->tokenizer.chat == NULL ||
+        c->tokenizer.vocab_size == 0) {
+        kvs_error("server: the tokenizer needs encode, piece, chat and a vocabulary size");
+        return KVS_ERR_INVALID;
+    }
+    if (c->max_context == 1) {
+        kvs_error("server: max_context 1 leaves no room for a prompt and a token");
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t **server_p)
+{
+    kvs_status_t st = check_config(config);
+    if (st != KVS_OK) return st;
+    kvs__json_init();
+    kvs_server_t *srv = kvs_calloc(1, sizeof(*srv));
+    if (srv == NULL) return KVS_ERR_NOMEM;
+    srv->model = kvs_strdup(config->model ? config->model : "kvstage");
+    srv->bootstrap = config->bootstrap ? kvs_strdup(config->bootstrap) : NULL;
+    if (srv->model == NULL || (config->bootstrap && srv->bootstrap == NULL)) {
+        st = KVS_ERR_NOMEM;
+        goto free_strings;
+    }
+    srv->role = config->role;
+    srv->strict_role = config->strict_role;
+    srv->max_body = config->max_body ? config->max_body : (size_t) 1 << 20;
+    srv->limits.max_context = config->max_context ? config->max_context : 4096;
+    srv->limits.default_max_tokens = config->default_max_tokens;
+    srv->limits.model = srv->model;
+    srv->backend = config->backend;
+    srv->tok = config->tokenizer;
+    srv->started = time(NULL);
+    srv->next_room = config->first_room
+                         ? config->first_room
+                         : (UINT64_C(1) << 62) | ((kvs_now_ns() & 0xffffffffu) << 24);
+    kvs__hist_init(&srv->ttft, k_ttft_bounds, sizeof(k_ttft_bounds) / sizeof(double));
+    kvs__hist_init(&srv->itl, k_itl_bounds, sizeof(k_itl_bounds) / sizeof(double));
+    kvs__hist_init(&srv->e2e, k_e2e_bounds, sizeof(k_e2e_bounds) / sizeof(double));
+    kvs__hist_init(&srv->transfer, k_transfer_bounds, sizeof(k_transfer_bounds) / sizeof(double));
+    pthread_mutex_init(&srv->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&srv->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    st = kvs__http_start(config->host, config->port, config->threads, on_request, srv, on_completed,
+                         srv, &srv->daemon, &srv->port);
+    if (st != KVS_OK) goto free_sync;
+    kvs_info("server: serving %s on port %u", srv->model, (unsigned) srv->port);
+    *server_p = srv;
+    return KVS_OK;
+
+free_sync:
+    pthread_cond_destroy(&srv->cv);
+    pthread_mutex_destroy(&srv->mu);
+free_strings:
+    kvs_free(srv->bootstrap);
+    kvs_free(srv->model);
+    kvs_free(srv);
+    return st;
+}
+
+uint16_t kvs_server_port(const kvs_server_t *server)
+{
+    return server->port;
+}
+
+void kvs_server_destroy(kvs_server_t *srv)
+{
+    if (srv == NULL) return;
+    /* Stop accepting connections (the port closes, so routers see the server gone), stop
+     * taking requests and collect the live rooms; cancel them outside the lock, since a backend
+     * may end a request from inside cancel. */
+    MHD_socket listen_fd = MHD_quiesce_daemon(srv->daemon);
+    pthread_mutex_lock(&srv->mu);
+    srv->stopping = 1;
+    uint32_t n = srv->n_live;
+    uint64_t *rooms = kvs_calloc(n ? n : 1, sizeof(uint64_t));
+    uint32_t k = 0;
+    for (req_t *r = srv->live; r && rooms; r = r->next) {
+        __atomic_store_n(&r->shutdown, 1, __ATOMIC_RELAXED);
+        rooms[k++] = r->room;
+    }
+    pthread_mutex_unlock(&srv->mu);
+    for (uint32_t i = 0; i < k; i++) srv->backend.cancel(srv->backend.ctx, rooms[i]);
+    kvs_free(rooms);
+
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += 10;
+    pthread_mutex_lock(&srv->mu);
+    while (srv->n_live > 0) {
+        if (pthread_cond_timedwait(&srv->cv, &srv->mu, &deadline) != 0) break;
+    }
+    uint32_t left = srv->n_live;
+    /* Let the answers of the requests just ended reach their clients (a client that does not
+     * read is cut off at the deadline). */
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += 2;
+    while (left == 0 && srv->n_reqs > 0) {
+        if (pthread_cond_timedwait(&srv->cv, &srv->mu, &deadline) != 0) break;
+    }
+    pthread_mutex_unlock(&srv->mu);
+    if (left > 0) {
+        /* The backend still holds these requests and will call their sinks, which refer to the
+         * server: it cannot be freed, and their connections stay suspended, so the daemon
+         * cannot be stopped either. */
+        kvs_error("server: %u requests never ended at the backend; leaving the server running "
+                  "without accepting requests",
+                  left);
+        return;
+    }
+    MHD_stop_daemon(srv->daemon);
+    if (listen_fd != MHD_INVALID_SOCKET) close(listen_fd);
+    pthread_cond_destroy(&srv->cv);
+    pthread_mutex_destroy(&srv->mu);
+    kvs_free(srv->bootstrap);
+    kvs_free(srv->model);
+    kvs_free(srv);
+}

@@ -1,0 +1,227 @@
+/* The serving layer of one instance: an OpenAI-compatible HTTP server (libmicrohttpd) over a
+ * backend interface, so the HTTP side is testable without a model. The backend is an ops table
+ * (submit, cancel, health, prefix match, stats) that reports each request's tokens and end to
+ * a sink, from any thread; the tokenizer is an ops table too (encode, piece, chat formatting).
+ * A byte tokenizer comes with it for tests and smoke runs (the tests' fake backend is in
+ * tests/http/fake_backend.h); kvs_server_tokenizer_from() adapts model/tokenizer.h.
+ *
+ * HTTP endpoints:
+ *   POST /v1/completions, POST /v1/chat/completions   OpenAI request and response shapes;
+ *        "stream": true answers with server-sent events ("data: {...}\n\n" chunks, then
+ *        "data: [DONE]\n\n"); "stream_options": {"include_usage": true} adds a usage chunk.
+ *        Extensions: "stop_token_ids": [ids] (as vLLM), "kvstage": {...} (below).
+ *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
+ *        "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage chunk).
+ *        A generation that fails answers 500 (non-streaming), or, streaming, a last chunk with
+ *        finish_reason "error" followed by "data: {"error": {...}}" and [DONE].
+ *   GET  /v1/models        the served model.
+ *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable"} when the backend's
+ *                          health() fails or the server is stopping.
+ *   GET  /metrics          Prometheus text format: counters kvstage_http_requests_total{code},
+ *                          kvstage_requests_finished_total{reason}, kvstage_requests_cancelled_
+ *                          total, kvstage_{prompt,generation,cached_prompt}_tokens_total;
+ *                          histograms kvstage_time_to_first_token_seconds, kvstage_inter_token_
+ *                          latency_seconds, kvstage_request_duration_seconds, kvstage_kv_
+ *                          transfer_seconds; from the backend's stats: kvstage_kv_bytes_total,
+ *                          kvstage_kv_chunks_total, kvstage_control_{retries,rejected}_total and
+ *                          gauges kvstage_ring_{used,capacity}_bytes, kvstage_requests_{queued,
+ *                          running}; gauge kvstage_requests_live (submitted, not ended).
+ *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
+ *                          "prompt_tokens": M} from the backend's match() (the router's
+ *                          prefix-aware choice).
+ *   GET  /internal/info    {"model", "role", "bootstrap"} (the router learns bootstrap here).
+ * Errors are {"error": {"message", "type", "param", "code"}}: type "invalid_request_error" for
+ * 4xx (400 bad input, 404 unknown path or model, 405 wrong method, 413 body too large),
+ * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded).
+ *
+ * Disaggregation (the router, kvstage/router.h, adds this to the client's JSON body):
+ *   "kvstage": {"room": N, "role": "prefill"}
+ *        prefill only: the backend computes the prompt and hands its KV over for room N; the
+ *        answer is non-streaming (whatever "stream" says) with finish_reason "handoff".
+ *   "kvstage": {"room": N, "role": "decode", "bootstrap": "EP", "prefill": "URL"}
+ *        the decode side of room N: the KV comes from the prefill instance whose bootstrap
+ *        (registry) endpoint is EP ("bootstrap" is omitted when the prefill server did not
+ *        declare one; "prefill" is that server's base URL, informational). Answered as usual.
+ *   N is an integer in [0, 2^62): the router's rooms. Requests without "kvstage" are served
+ *   whole by this instance under a room the server picks in [2^62, 2^63).
+ * Unknown top-level fields, and unknown fields inside "kvstage", are rejected with 400.
+ *
+ * A client that hangs up cancels its room: a streaming one at the next token written, a
+ * non-streaming one only when its answer is ready (a connection waiting for its answer is
+ * suspended, and libmicrohttpd does not watch suspended sockets). Creating a server or a router
+ * routes jansson's allocations, process-wide, through the kvstage allocator. */
+#ifndef KVSTAGE_SERVER_H
+#define KVSTAGE_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstage/status.h"
+#include "model/tokenizer.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* Backend interface                                                                         */
+
+typedef enum {
+    KVS_SERVER_ROLE_NONE = 0,    /* the whole request on this instance (colocated) */
+    KVS_SERVER_ROLE_PREFILL = 1, /* prefill only: compute the prompt, hand the KV over */
+    KVS_SERVER_ROLE_DECODE = 2,  /* receive the KV of room from a prefill instance, generate */
+} kvs_server_role_t;
+
+/* What a backend receives; every pointer is borrowed for the duration of submit only. */
+typedef struct {
+    uint64_t room;
+    kvs_server_role_t role;
+    const char *bootstrap;  /* DECODE: the prefill instance's bootstrap endpoint; may be NULL */
+    const uint32_t *prompt; /* [prompt_len] token ids, each < the tokenizer's vocab_size */
+    uint32_t prompt_len;    /* >= 1 */
+    uint32_t max_tokens;    /* >= 1; prompt_len + max_tokens <= the server's max_context */
+    float temperature;      /* [0, 2]; 0: greedy */
+    float top_p;            /* (0, 1] */
+    uint64_t seed;
+    const uint32_t *stop_ids; /* [n_stop_ids] tokens that end generation (the EOS first) */
+    uint32_t n_stop_ids;
+    int stream; /* informational: the server streams either way from the sink */
+} kvs_server_request_t;
+
+typedef enum {
+    KVS_SERVER_FINISH_STOP = 0,    /* a stop token, or cancel() */
+    KVS_SERVER_FINISH_LENGTH = 1,  /* max_tokens generated */
+    KVS_SERVER_FINISH_ERROR = 2,   /* see status */
+    KVS_SERVER_FINISH_HANDOFF = 3, /* PREFILL: the KV (and first token) reached decode */
+} kvs_server_finish_t;
+
+typedef struct {
+    kvs_server_finish_t finish;
+    kvs_status_t status;    /* FINISH_ERROR: why */
+    uint32_t prompt_tokens; /* prompt length as the backend saw it */
+    uint32_t cached_tokens; /* of which found in this instance's prefix cache */
+    uint32_t generated;     /* tokens reported through on_token */
+    uint64_t ttft_ns;       /* submit -> first token known on this side; 0: unknown */
+    uint64_t transfer_ns;   /* KV transfer time of the room; 0: none or unknown */
+    uint64_t kv_bytes;      /* KV bytes moved for the room */
+} kvs_server_done_t;
+
+/* Where a backend reports one request. The backend may call these from any thread (an engine
+ * loop thread), also before submit() returns; calls for one request never overlap; on_token
+ * comes once per generated token in order (a stop token included: the server does not render
+ * the stop ids as text); on_done comes exactly once, last, for every request submit()
+ * accepted, cancelled ones included. The server never calls the backend from inside a sink
+ * call, and the sink never blocks on the network (it only queues and wakes). */
+typedef struct {
+    /* piece: the token's text when the backend has it (copied before return); NULL: the
+     * server decodes the id with its tokenizer. */
+    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len);
+    void (*on_done)(void *arg, const kvs_server_done_t *done);
+    void *arg;
+} kvs_server_sink_t;
+
+/* Counters (since start) and gauges (now) for /metrics. */
+typedef struct {
+    uint64_t kv_bytes;      /* counter: KV payload bytes moved (sent or scattered) */
+    uint64_t chunks;        /* counter: chunks moved */
+    uint64_t retries;       /* counter: control messages resent */
+    uint64_t rejected;      /* counter: control messages rejected */
+    uint64_t ring_used;     /* gauge: staging ring bytes in use */
+    uint64_t ring_capacity; /* gauge: staging ring bytes */
+    uint32_t queued;        /* gauge: requests waiting for admission */
+    uint32_t running;       /* gauge: requests admitted */
+} kvs_server_backend_stats_t;
+
+/* The serving engine behind the server. Every function may be called from several server
+ * threads at once. */
+typedef struct {
+    void *ctx;
+    /* Takes a request (copying what it keeps). KVS_OK: the sink will get on_done.
+     * Errors (no sink call follows): KVS_ERR_INVALID or KVS_ERR_UNSUPPORTED (answered 400),
+     * KVS_ERR_NOSPACE (503, overloaded), anything else (500). */
+    kvs_status_t (*submit)(void *ctx, const kvs_server_request_t *request,
+                           const kvs_server_sink_t *sink);
+    /* Ends a live request soon (client gone, stop string matched, server stopping); on_done
+     * still follows. Called from server threads, concurrently with the backend's own sink calls
+     * for the same room. KVS_ERR_NOT_FOUND for a room that already ended (expected, ignored). */
+    kvs_status_t (*cancel)(void *ctx, uint64_t room);
+    /* KVS_OK while the backend can serve. NULL: always healthy. */
+    kvs_status_t (*health)(void *ctx);
+    /* The longest prefix of prompt in this instance's prefix cache. NULL: 0. */
+    kvs_status_t (*match)(void *ctx, const uint32_t *prompt, uint32_t prompt_len,
+                          uint32_t *cached_p);
+    /* NULL: all zero. */
+    void (*stats)(void *ctx, kvs_server_backend_stats_t *stats_p);
+} kvs_server_backend_t;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Tokenizer interface                                                                       */
+
+typedef struct {
+    void *ctx;
+    /* text (special tokens written literally are parsed) -> ids in an array from kvs_malloc
+     * (NULL when *n_p is 0). */
+    kvs_status_t (*encode)(void *ctx, const char *text, size_t len, uint32_t **ids_p, size_t *n_p);
+    /* The bytes of one generated token, living as long as the tokenizer; empty for control
+     * tokens. May be part of a UTF-8 character. */
+    kvs_status_t (*piece)(void *ctx, uint32_t id, const char **bytes_p, size_t *len_p);
+    /* The conversation rendered as the model expects, with the assistant turn opened;
+     * NUL-terminated, from kvs_malloc. */
+    kvs_status_t (*chat)(void *ctx, const kvs_chat_msg_t *msgs, size_t n, char **text_p);
+    uint32_t vocab_size;
+    uint32_t eos; /* added to every request's stop ids; UINT32_MAX: none */
+} kvs_server_tokenizer_t;
+
+/* The real tokenizer (borrowed; it must outlive every user of the result): encode with special
+ * tokens parsed, control tokens render as nothing, chat through kvs_chat_format with the
+ * model's template (plain ChatML when the template is not recognised; said once, as a
+ * warning). */
+kvs_status_t kvs_server_tokenizer_from(const kvs_tokenizer_t *tok, kvs_server_tokenizer_t *out_p);
+
+/* Bytes as tokens: id b < 256 is byte b, 256 is the EOS (rendered as nothing); chat renders
+ * "ROLE: CONTENT\n" per message, then "assistant: ". No state. */
+kvs_server_tokenizer_t kvs_server_byte_tokenizer(void);
+
+/* ---------------------------------------------------------------------------------------- */
+/* The server                                                                                */
+
+typedef struct {
+    const char *host;            /* IPv4 address to bind; NULL: "127.0.0.1" */
+    uint16_t port;               /* 0: chosen by the system (read it back with kvs_server_port) */
+    uint32_t threads;            /* HTTP worker threads; 0: 4 */
+    const char *model;           /* the model name served; a request naming another is 404 */
+    uint32_t max_context;        /* prompt + max_tokens at most; 0: 4096 */
+    uint32_t default_max_tokens; /* when a request gives none; 0: the rest of the context */
+    size_t max_body;             /* request body bytes at most; 0: 1 MiB */
+    kvs_server_role_t role;      /* /internal/info; with strict_role also what it serves */
+    /* /internal/info. PREFILL: this instance's bootstrap endpoint for decode peers. DECODE: the
+     * prefill instance's endpoint this one is bound to, so that a router pairs them; with
+     * strict_role a request naming another one is refused. NULL: none. */
+    const char *bootstrap;
+    /* 1: serve only requests of this role: a PREFILL or DECODE server refuses requests without
+     * "kvstage" or for the other role, a colocated (NONE) one refuses requests with "kvstage",
+     * and a DECODE server with a bootstrap refuses a "kvstage.bootstrap" naming another
+     * instance; each with 400 {"param": "kvstage", "code": "wrong_role" or "wrong_bootstrap"}
+     * and a message naming this server's role. 0: every request goes to the backend. */
+    int strict_role;
+    uint64_t first_room;          /* rooms of requests without "kvstage"; 0: from the clock,
+                                     in [2^62, 2^63) */
+    kvs_server_backend_t backend; /* borrowed; must outlive the server */
+    kvs_server_tokenizer_t tokenizer;
+} kvs_server_config_t;
+
+typedef struct kvs_server kvs_server_t;
+
+/* Binds and starts serving on background threads. KVS_ERR_INVALID for a bad configuration
+ * (missing backend submit/cancel or tokenizer functions, bad host), KVS_ERR_IO when the
+ * address cannot be bound. */
+kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t **server_p);
+/* The bound port. */
+uint16_t kvs_server_port(const kvs_server_t *server);
+/* Closes the port, stops taking requests (503), cancels the live ones (streams end with an
+ * error event, waiting ones answer 503), waits for the backend's on_done of each (up to 10 s)
+ * and for their answers to go out (up to 2 s more), closes every connection and frees the
+ * server. Should a backend never end a request, it logs an error after the 10 s and leaves the
+ * server allocated (the backend's sinks still refer to it). */
+void kvs_server_destroy(kvs_server_t *server);
+
+/* The /metrics text (NUL-terminated, from kvs_malloc). */
+kvs_status_t kvs_server_metrics(kvs_server_t *server, char **text_p);
+
+#endif

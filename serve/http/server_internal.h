@@ -1,0 +1,150 @@
+/* Internals shared by the server, the router and their tests: a string builder, UTF-8 and
+ * stop-string helpers for streamed text, OpenAI request parsing and response building,
+ * Prometheus histograms, and the libmicrohttpd plumbing both HTTP fronts use. */
+#ifndef KVSTAGE_SERVER_INTERNAL_H
+#define KVSTAGE_SERVER_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+#include <microhttpd.h>
+
+#include "http/server.h"
+
+/* ---- string builder ---- */
+
+typedef struct {
+    char *ptr; /* NUL-terminated when len > 0 or after any append */
+    size_t len, cap;
+    int oom; /* an append failed: the content is truncated */
+} kvs__sb_t;
+
+void kvs__sb_init(kvs__sb_t *sb);
+void kvs__sb_fini(kvs__sb_t *sb);
+void kvs__sb_append(kvs__sb_t *sb, const char *data, size_t len);
+void kvs__sb_puts(kvs__sb_t *sb, const char *s);
+void kvs__sb_printf(kvs__sb_t *sb, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Drops the first n bytes. */
+void kvs__sb_consume(kvs__sb_t *sb, size_t n);
+/* Hands the buffer over (NUL-terminated, "" when empty; NULL after an allocation failure). */
+char *kvs__sb_take(kvs__sb_t *sb);
+
+/* ---- streamed text ---- */
+
+/* Bytes at the end of text[0, len) that start a UTF-8 character not yet complete (0..3). */
+size_t kvs__utf8_incomplete_tail(const char *text, size_t len);
+/* Appends text[0, len) to sb as valid UTF-8: each invalid or truncated sequence becomes U+FFFD. */
+void kvs__utf8_sanitize(kvs__sb_t *sb, const char *text, size_t len);
+/* The first occurrence of any stop string in text[from, len): its offset, or SIZE_MAX. */
+size_t kvs__stop_find(const char *text, size_t len, size_t from, char *const *stops,
+                      const size_t *stop_lens, uint32_t n_stops);
+/* The longest suffix of text[from, len) that is a proper prefix of some stop string: text that
+ * must be held back because a stop string may be completing. */
+size_t kvs__stop_hold(const char *text, size_t len, size_t from, char *const *stops,
+                      const size_t *stop_lens, uint32_t n_stops);
+
+/* ---- JSON ---- */
+
+/* Routes jansson's allocations through the accounted allocator (once per process). */
+void kvs__json_init(void);
+/* Compact JSON text from kvs_malloc, or NULL (allocation failure). Steals obj. */
+char *kvs__json_dump_steal(json_t *obj);
+/* {"error": {"message", "type", "param", "code"}} as text; param and code may be NULL. */
+char *kvs__json_error(const char *message, const char *type, const char *param, const char *code);
+
+/* ---- OpenAI requests ---- */
+
+#define KVS__MAX_STOPS    16
+#define KVS__MAX_STOP_LEN 256
+
+typedef struct {
+    uint32_t max_context;
+    uint32_t default_max_tokens;
+    const char *model; /* NULL: any */
+} kvs__api_limits_t;
+
+typedef struct {
+    int chat;
+    uint32_t *prompt; /* [prompt_len] */
+    uint32_t prompt_len;
+    uint32_t max_tokens;
+    float temperature, top_p;
+    uint64_t seed;
+    int stream, include_usage;
+    char *stops[KVS__MAX_STOPS]; /* decoded-text stop strings */
+    size_t stop_lens[KVS__MAX_STOPS];
+    uint32_t n_stops;
+    uint32_t *stop_ids; /* [n_stop_ids]: the tokenizer's EOS, then "stop_token_ids" */
+    uint32_t n_stop_ids;
+    int has_room; /* "kvstage" given */
+    uint64_t room;
+    kvs_server_role_t role;
+    char *bootstrap; /* or NULL */
+} kvs__api_req_t;
+
+typedef struct {
+    int status;       /* HTTP status */
+    const char *type; /* "invalid_request_error", "server_error" */
+    const char *code; /* or NULL */
+    char param[64];   /* "" for null */
+    char message[256];
+} kvs__api_err_t;
+
+/* Parses and validates one request body. KVS_ERR_INVALID with *err_p filled for a request to
+ * refuse (status 400 or 404); KVS_ERR_NOMEM (err_p filled with 500). Client errors are logged
+ * at debug level only. On success *req_p is owned by the caller (kvs__api_req_fini). */
+kvs_status_t kvs__api_parse(const kvs__api_limits_t *limits, const kvs_server_tokenizer_t *tok,
+                            int chat, const char *body, size_t len, kvs__api_req_t *req_p,
+                            kvs__api_err_t *err_p);
+void kvs__api_req_fini(kvs__api_req_t *req);
+
+/* The OpenAI name of a finish reason. */
+const char *kvs__finish_name(kvs_server_finish_t finish);
+
+/* ---- metrics ---- */
+
+#define KVS__HIST_MAX 16
+
+typedef struct {
+    const double *bounds; /* [n] upper bounds in seconds, ascending (+Inf implied) */
+    uint32_t n;
+    uint64_t counts[KVS__HIST_MAX + 1]; /* per bucket, not cumulative; last: above all bounds */
+    uint64_t sum_ns, count;
+} kvs__hist_t;
+
+void kvs__hist_init(kvs__hist_t *h, const double *bounds, uint32_t n);
+/* Thread-safe (atomics). */
+void kvs__hist_observe(kvs__hist_t *h, uint64_t ns);
+/* # HELP, # TYPE, cumulative _bucket{le=...}, _sum (seconds) and _count. */
+void kvs__hist_render(kvs__sb_t *sb, const char *name, const char *help, const kvs__hist_t *h);
+void kvs__metric_header(kvs__sb_t *sb, const char *name, const char *type, const char *help);
+
+/* ---- HTTP plumbing ---- */
+
+typedef struct {
+    char *data; /* [len] */
+    size_t len, cap, max;
+    int too_large; /* more than max bytes came; the excess was dropped */
+} kvs__body_t;
+
+/* Takes the next piece of an upload; drops bytes past max (too_large set). KVS_ERR_NOMEM. */
+kvs_status_t kvs__body_add(kvs__body_t *body, const char *data, size_t len);
+void kvs__body_fini(kvs__body_t *body);
+
+/* Starts a daemon with an internal thread pool and suspend/resume, bound to host:port. */
+kvs_status_t kvs__http_start(const char *host, uint16_t port, uint32_t threads,
+                             MHD_AccessHandlerCallback handler, void *handler_cls,
+                             MHD_RequestCompletedCallback completed, void *completed_cls,
+                             struct MHD_Daemon **daemon_p, uint16_t *port_p);
+/* Queues text (copied) with a content type; MHD_NO when it cannot. */
+enum MHD_Result kvs__http_send(struct MHD_Connection *conn, unsigned status, const char *type,
+                               const char *text, size_t len);
+/* Queues {"error": ...}; extra_header/value may be NULL (e.g. "Allow" for 405). */
+enum MHD_Result kvs__http_send_error(struct MHD_Connection *conn, unsigned status,
+                                     const char *message, const char *type, const char *param,
+                                     const char *code, const char *extra_header,
+                                     const char *extra_value);
+
+#endif

@@ -1,0 +1,101 @@
+/* The Llama-family reference model: configuration, the weights of one tensor-parallel rank
+ * (loaded from a GGUF file or seeded), a forward pass whose KV cache lives in a kvs_pool_t,
+ * and token sampling. Written for clarity first; results are bitwise independent of batching,
+ * chunking and the TP size (the rules and their limits are in serve/model/forward.c). */
+#ifndef KVSTAGE_MODEL_H
+#define KVSTAGE_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/gguf.h"
+#include "kvstage/layout.h"
+#include "kvstage/pool.h"
+#include "kvstage/rng.h"
+#include "kvstage/status.h"
+
+typedef struct {
+    uint32_t layers;
+    uint32_t dim;      /* residual stream width */
+    uint32_t ffn_dim;  /* hidden width of the SwiGLU feed-forward */
+    uint32_t heads;    /* query heads */
+    uint32_t kv_heads; /* K/V heads (GQA when < heads) */
+    uint32_t head_dim; /* even: RoPE rotates adjacent pairs */
+    uint32_t vocab;
+    uint32_t max_ctx; /* positions the model accepts: 0..max_ctx-1 */
+    float rope_theta;
+    float norm_eps;
+} kvs_model_config_t;
+
+typedef struct kvs_model kvs_model_t;
+
+/* Reads the llama.* metadata (general.architecture must be "llama"); vocab comes from
+ * token_embd.weight. KVS_ERR_UNSUPPORTED for another architecture, RoPE scaling or partial
+ * rotary; KVS_ERR_INVALID (naming the key) for a missing or out-of-range value. */
+kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config_t *cfg_p);
+
+/* Checks the configuration and that it can be split over tp: heads % T == 0,
+ * ffn_dim % T == 0 and the KV heads as kvs_tp_validate says (replicated when T > kv_heads).
+ * KVS_ERR_INVALID with a message naming the mismatch. */
+kvs_status_t kvs_model_config_validate(const kvs_model_config_t *cfg, kvs_tp_t tp);
+
+/* Dequantises this rank's shard of every tensor to f32: query heads
+ * [r*heads/T, (r+1)*heads/T), the KV heads of SPEC section 1, feed-forward columns
+ * [r*ffn/T, (r+1)*ffn/T); embeddings, norms and output are whole. The GGUF may be closed
+ * afterwards. Output weights are tied to the embeddings unless output.weight exists. */
+kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **model_p);
+
+/* Random weights for tests: every element of the full (TP1) tensors is a function of (seed,
+ * tensor, element index) only, so shard r of TP T equals the same slice of the TP1 weights.
+ * Matrices (the output matrix too: it is not tied) are uniform with variance 1/fan_in, norm
+ * weights near 1, embeddings variance 1. */
+kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
+                              kvs_model_t **model_p);
+
+void kvs_model_destroy(kvs_model_t *model);
+
+const kvs_model_config_t *kvs_model_config(const kvs_model_t *model);
+kvs_tp_t kvs_model_tp(const kvs_model_t *model);
+/* The pool shape this model writes: layers, kv_heads, head_dim for K and V, f32 (E = 4), MHA. */
+kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *model);
+
+/* Sums n doubles elementwise over the TP group, adding the ranks' buffers in rank order
+ * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */
+typedef kvs_status_t (*kvs_allreduce_fn)(void *arg, double *buf, size_t n);
+
+/* One sequence of a forward batch: tokens at positions pos0..pos0+n-1 (n >= 1). pages cover
+ * positions 0..pos0+n-1 of this sequence: position t is token t % P of page pages[t / P];
+ * positions below pos0 must already hold this sequence's K and V. */
+typedef struct {
+    const uint32_t *tokens; /* [n] */
+    uint32_t n;
+    uint32_t pos0;
+    const uint32_t *pages; /* [npages], npages >= ceil((pos0 + n) / P) */
+    uint32_t npages;
+} kvs_model_seq_t;
+
+/* Runs the model over every new token of every sequence: writes their K and V into the pool
+ * and attends over positions 0..pos of their own sequence. logits receives, for each sequence,
+ * the logits of its last token: [nseq][vocab], identical on every rank. All ranks of the group
+ * call it with the same tokens and positions (page ids are per rank); reduce may be NULL only
+ * when tp_size == 1. The pool must be host memory with shape kvs_model_kv_shape() and the
+ * model's tp; pages must be allocated. KVS_ERR_INVALID (before any write) for a mismatch;
+ * KVS_ERR_NOMEM when scratch cannot grow; an error from reduce is returned as is, and the K/V
+ * of the new positions are then unspecified. Not thread-safe per model (scratch is shared). */
+kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_model_seq_t *seqs,
+                               uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
+                               float *logits);
+
+typedef struct {
+    float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
+    float top_p;       /* nucleus mass in (0, 1]; <= 0 keeps only the most likely tokens */
+} kvs_sample_params_t;
+
+/* Picks the next token. Greedy (temperature <= 0, params NULL or rng NULL) draws nothing from
+ * rng; otherwise tokens are drawn with probability softmax(logits / temperature) restricted to
+ * the smallest set of most likely tokens whose mass reaches top_p (tokens tied at the cut are
+ * all kept). NaN logits are never picked. Allocation-free. */
+uint32_t kvs_sample(const float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                    kvs_rng_t *rng);
+
+#endif

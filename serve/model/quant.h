@@ -1,0 +1,23 @@
+/* Internal: block layouts of the supported quantised tensor types and whole-block decoding,
+ * shared by kvs_gguf_dequant and by model code that decodes rows itself. */
+#ifndef KVSTAGE_MODEL_QUANT_H
+#define KVSTAGE_MODEL_QUANT_H
+
+#include <stdint.h>
+
+#include "model/gguf.h"
+
+/* Elements per block of the quantised types. */
+#define KVS_QK 32
+
+/* Bytes per block: f16 scale (+ f16 min for Q4_1) then the packed values. In Q4_x byte j holds
+ * element j in its low nibble and element j + 16 in its high nibble. */
+#define KVS_Q8_0_BYTES (2 + KVS_QK)
+#define KVS_Q4_0_BYTES (2 + KVS_QK / 2)
+#define KVS_Q4_1_BYTES (4 + KVS_QK / 2)
+
+/* Decodes nblocks whole blocks of a supported type from src (no alignment needed) into
+ * dst[nblocks * kvs_ggml_block_elems(type)]. */
+void kvs_dequant_blocks(kvs_ggml_type_t type, const uint8_t *src, uint64_t nblocks, float *dst);
+
+#endif

@@ -1,0 +1,251 @@
+/* Helpers for the server and router tests: a libcurl client that collects status, content type
+ * and body (optionally hanging up after some bytes), SSE splitting, and a Prometheus text
+ * checker. */
+#ifndef KVSTAGE_TESTS_SERVER_TEST_H
+#define KVSTAGE_TESTS_SERVER_TEST_H
+
+#include "kvs_test.h"
+
+#include <curl/curl.h>
+#include <regex.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "kvstage/clock.h"
+#include "http/fake_backend.h"
+#include "http/server_internal.h"
+
+typedef struct {
+    long status;
+    kvs__sb_t body;
+    char ctype[128];
+    char allow[64];
+    CURLcode result;
+    size_t hang_up_after; /* 0: read everything */
+} http_resp_t;
+
+static inline size_t http_test_write(char *data, size_t size, size_t n, void *ud)
+{
+    http_resp_t *r = ud;
+    kvs__sb_append(&r->body, data, size * n);
+    if (r->hang_up_after && r->body.len >= r->hang_up_after) return 0;
+    return size * n;
+}
+
+static inline size_t http_test_header(char *data, size_t size, size_t n, void *ud)
+{
+    http_resp_t *r = ud;
+    size_t len = size * n;
+    char line[256];
+    snprintf(line, sizeof(line), "%.*s", (int) (len < 255 ? len : 255), data);
+    char *end = line + strlen(line);
+    while (end > line && (end[-1] == '\r' || end[-1] == '\n')) *--end = '\0';
+    if (strncasecmp(line, "Content-Type: ", 14) == 0)
+        snprintf(r->ctype, sizeof(r->ctype), "%.127s", line + 14);
+    if (strncasecmp(line, "Allow: ", 7) == 0)
+        snprintf(r->allow, sizeof(r->allow), "%.63s", line + 7);
+    return len;
+}
+
+/* One request to 127.0.0.1:port; body NULL means no body (GET unless method says). */
+static inline void http_call(uint16_t port, const char *method, const char *path, const char *body,
+                             http_resp_t *r)
+{
+    size_t hang = r->hang_up_after;
+    memset(r, 0, sizeof(*r));
+    r->hang_up_after = hang;
+    kvs__sb_init(&r->body);
+    CURL *e = curl_easy_init();
+    if (e == NULL) {
+        r->result = CURLE_OUT_OF_MEMORY;
+        return;
+    }
+    char url[256];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", (unsigned) port, path);
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 20000L);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_test_write);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, http_test_header);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, r);
+    struct curl_slist *hdrs = NULL;
+    if (body != NULL) {
+        hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
+        curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE, (long) strlen(body));
+    }
+    if (method != NULL) curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    r->result = curl_easy_perform(e);
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &r->status);
+    curl_slist_free_all(hdrs);
+    curl_easy_cleanup(e);
+    if (r->body.ptr == NULL) kvs__sb_append(&r->body, "", 0);
+}
+
+static inline void http_resp_fini(http_resp_t *r)
+{
+    kvs__sb_fini(&r->body);
+}
+
+static inline json_t *http_json(const http_resp_t *r)
+{
+    json_error_t err;
+    json_t *j = json_loadb(r->body.ptr, r->body.len, 0, &err);
+    if (j == NULL) fail_msg("not JSON (%s): %s", err.text, r->body.ptr);
+    return j;
+}
+
+/* Checks {"error": {"message", "type", "param", "code"}} and the param (NULL: null). */
+static inline void expect_error_json(const http_resp_t *r, long status, const char *type,
+                                     const char *param)
+{
+    if (r->status != status)
+        fail_msg("status %ld, expected %ld: %s", r->status, status, r->body.ptr);
+    assert_string_equal(r->ctype, "application/json");
+    json_t *j = http_json(r);
+    json_t *e = json_object_get(j, "error");
+    assert_true(json_is_object(e));
+    assert_true(json_is_string(json_object_get(e, "message")));
+    assert_true(json_string_length(json_object_get(e, "message")) > 0);
+    assert_string_equal(json_string_value(json_object_get(e, "type")), type);
+    assert_non_null(json_object_get(e, "code"));
+    json_t *p = json_object_get(e, "param");
+    assert_non_null(p);
+    if (param == NULL) {
+        assert_true(json_is_null(p));
+    } else {
+        if (!json_is_string(p) || strcmp(json_string_value(p), param) != 0)
+            fail_msg("param %s, expected %s: %s", json_is_string(p) ? json_string_value(p) : "null",
+                     param, r->body.ptr);
+    }
+    json_decref(j);
+}
+
+/* Splits an SSE body into its events' data; checks the framing ("data: ...\n\n" only) and that
+ * the last event is [DONE]. Returns the count; the payloads are pointers into body (each
+ * NUL-terminated in place). */
+static inline size_t sse_split(kvs__sb_t *body, char **events, size_t cap)
+{
+    size_t n = 0;
+    char *p = body->ptr;
+    char *end = body->ptr + body->len;
+    while (p < end) {
+        if (strncmp(p, "data: ", 6) != 0)
+            fail_msg("event %zu does not start with 'data: ': %s", n, p);
+        char *sep = strstr(p, "\n\n");
+        if (sep == NULL) fail_msg("event %zu is not terminated by a blank line", n);
+        *sep = '\0';
+        if (strchr(p, '\n') != NULL) fail_msg("event %zu spans lines", n);
+        assert_true(n < cap);
+        events[n++] = p + 6;
+        p = sep + 2;
+    }
+    assert_true(n >= 1);
+    assert_string_equal(events[n - 1], "[DONE]");
+    return n;
+}
+
+static inline void sleep_ms(unsigned ms)
+{
+    struct timespec ts = {(time_t) (ms / 1000), (long) (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Polls pred(arg) every 2 ms for up to ms; returns its last value. */
+static inline int wait_until(int (*pred)(void *), void *arg, unsigned ms)
+{
+    uint64_t deadline = kvs_now_ns() + (uint64_t) ms * 1000000u;
+    int ok;
+    while (!(ok = pred(arg)) && kvs_now_ns() < deadline) sleep_ms(2);
+    return ok;
+}
+
+/* Every line of a Prometheus text exposition: # HELP / # TYPE, or a sample with a valid name,
+ * optional well-formed labels and a float value. */
+static inline void expect_prometheus_min(const char *text, int min_lines)
+{
+    regex_t sample, help, type;
+    assert_int_equal(regcomp(&sample,
+                             "^[a-zA-Z_:][a-zA-Z0-9_:]*"
+                             "(\\{[a-zA-Z_][a-zA-Z0-9_]*=\"([^\"\\\\]|\\\\.)*\""
+                             "(,[a-zA-Z_][a-zA-Z0-9_]*=\"([^\"\\\\]|\\\\.)*\")*\\})?"
+                             " (([-+]?[0-9]+(\\.[0-9]*)?([eE][-+]?[0-9]+)?)|[-+]?Inf|NaN)$",
+                             REG_EXTENDED | REG_NOSUB),
+                     0);
+    assert_int_equal(
+        regcomp(&help, "^# HELP [a-zA-Z_:][a-zA-Z0-9_:]* .+$", REG_EXTENDED | REG_NOSUB), 0);
+    assert_int_equal(
+        regcomp(&type,
+                "^# TYPE [a-zA-Z_:][a-zA-Z0-9_:]* (counter|gauge|histogram|summary|untyped)$",
+                REG_EXTENDED | REG_NOSUB),
+        0);
+    const char *p = text;
+    int lines = 0;
+    while (*p) {
+        const char *nl = strchr(p, '\n');
+        if (nl == NULL) fail_msg("the metrics text does not end with a newline");
+        char line[512];
+        snprintf(line, sizeof(line), "%.*s", (int) (nl - p), p);
+        regex_t *re = strncmp(line, "# HELP ", 7) == 0   ? &help
+                      : strncmp(line, "# TYPE ", 7) == 0 ? &type
+                                                         : &sample;
+        if (regexec(re, line, 0, NULL, 0) != 0) fail_msg("bad metrics line: '%s'", line);
+        lines++;
+        p = nl + 1;
+    }
+    assert_true(lines >= min_lines);
+    regfree(&sample);
+    regfree(&help);
+    regfree(&type);
+}
+
+static inline void expect_prometheus(const char *text)
+{
+    expect_prometheus_min(text, 10);
+}
+
+/* The value of the sample whose name-and-labels part is exactly key; -1 when absent. */
+static inline double metric_value(const char *text, const char *key)
+{
+    size_t kl = strlen(key);
+    const char *p = text;
+    while (p && *p) {
+        if (strncmp(p, key, kl) == 0 && p[kl] == ' ') return strtod(p + kl + 1, NULL);
+        p = strchr(p, '\n');
+        if (p) p++;
+    }
+    return -1;
+}
+
+/* Histogram name: buckets non-decreasing, the +Inf bucket equal to _count; returns _count. */
+static inline double expect_histogram(const char *text, const char *name)
+{
+    char key[160];
+    double prev = 0;
+    int buckets = 0;
+    const char *p = text;
+    snprintf(key, sizeof(key), "%s_bucket{le=\"", name);
+    double inf = -1;
+    while ((p = strstr(p, key)) != NULL) {
+        const char *v = strstr(p, "} ");
+        assert_non_null(v);
+        double x = strtod(v + 2, NULL);
+        if (x < prev) fail_msg("%s: buckets decrease (%g after %g)", name, x, prev);
+        prev = x;
+        buckets++;
+        if (strncmp(p + strlen(key), "+Inf\"", 5) == 0) inf = x;
+        p = v;
+    }
+    assert_true(buckets >= 2);
+    snprintf(key, sizeof(key), "%s_count", name);
+    double count = metric_value(text, key);
+    if (inf != count) fail_msg("%s: +Inf bucket %g, _count %g", name, inf, count);
+    snprintf(key, sizeof(key), "%s_sum", name);
+    assert_true(metric_value(text, key) >= 0);
+    return count;
+}
+
+#endif

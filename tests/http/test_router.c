@@ -1,0 +1,557 @@
+/* Tests for the prefill/decode router over real servers with fake backends (two prefill, two
+ * decode) on loopback: round robin with the room and bootstrap reaching both sides, streaming
+ * through the router, prefix-aware choice, a stopped decode server and an unhealthy prefill
+ * server taken out of rotation (and back), a failing prefill, a client hanging up, bad inputs,
+ * /health, /v1/models and /metrics. */
+#include "server_test.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "http/router.h"
+#include "http/server.h"
+
+#define P KVS_ROUTER_PREFILL
+#define D KVS_ROUTER_DECODE
+
+typedef struct {
+    kvs_server_fake_t *fake[2][2]; /* [side][index] */
+    kvs_server_t *srv[2][2];
+    uint16_t port[2][2];
+    char url[2][2][64];
+    kvs_router_t *rt;
+    uint16_t rport;
+} deploy_t;
+
+static void server_start(deploy_t *d, int side, int i, uint16_t port)
+{
+    kvs_server_config_t c;
+    memset(&c, 0, sizeof(c));
+    char boot[64];
+    snprintf(boot, sizeof(boot), "tcp://prefill-%d:7000", i);
+    c.model = "m";
+    c.max_context = 512;
+    c.port = port;
+    c.threads = 2;
+    c.role = side == P ? KVS_SERVER_ROLE_PREFILL : KVS_SERVER_ROLE_DECODE;
+    c.bootstrap = side == P ? boot : NULL;
+    c.backend = kvs_server_fake_backend(d->fake[side][i]);
+    c.tokenizer = kvs_server_byte_tokenizer();
+    assert_int_equal(kvs_server_create(&c, &d->srv[side][i]), KVS_OK);
+    d->port[side][i] = kvs_server_port(d->srv[side][i]);
+    snprintf(d->url[side][i], sizeof(d->url[side][i]), "http://127.0.0.1:%u", d->port[side][i]);
+}
+
+static void deploy_start_with(deploy_t *d, kvs_router_policy_t prefill_policy,
+                              const kvs_server_fake_config_t *prefill_fc,
+                              const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
+{
+    memset(d, 0, sizeof(*d));
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            assert_int_equal(
+                kvs_server_fake_create(side == D ? decode_fc : prefill_fc, &d->fake[side][i]),
+                KVS_OK);
+            server_start(d, side, i, 0);
+        }
+    }
+    const char *pre[2] = {d->url[P][0], d->url[P][1]};
+    const char *dec[2] = {d->url[D][0], d->url[D][1]};
+    kvs_router_config_t rc;
+    memset(&rc, 0, sizeof(rc));
+    rc.prefill = pre;
+    rc.n_prefill = 2;
+    rc.decode = dec;
+    rc.n_decode = 2;
+    rc.prefill_policy = prefill_policy;
+    rc.health_interval_ms = health_ms;
+    rc.connect_timeout_ms = 500;
+    rc.max_body = 8192;
+    assert_int_equal(kvs_router_create(&rc, &d->rt), KVS_OK);
+    d->rport = kvs_router_port(d->rt);
+    for (int side = 0; side < 2; side++)
+        for (size_t i = 0; i < 2; i++) assert_int_equal(kvs_router_server_up(d->rt, side, i), 1);
+}
+
+static void deploy_start(deploy_t *d, kvs_router_policy_t prefill_policy,
+                         const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
+{
+    deploy_start_with(d, prefill_policy, NULL, decode_fc, health_ms);
+}
+
+static void deploy_stop(deploy_t *d)
+{
+    kvs_router_destroy(d->rt);
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            kvs_server_destroy(d->srv[side][i]);
+            kvs_server_fake_destroy(d->fake[side][i]);
+        }
+    }
+}
+
+static uint64_t room_of(const http_resp_t *r)
+{
+    const char *id = strstr(r->body.ptr, "cmpl-");
+    assert_non_null(id);
+    return strtoull(id + 5, NULL, 16);
+}
+
+/* The index of the server of side whose fake saw room (exactly one must have). */
+static int who_served(deploy_t *d, int side, uint64_t room, kvs_server_fake_record_t *rec_p)
+{
+    int found = -1;
+    for (int i = 0; i < 2; i++) {
+        kvs_server_fake_record_t rec;
+        if (kvs_server_fake_record(d->fake[side][i], room, &rec) == KVS_OK) {
+            if (found >= 0)
+                fail_msg("room %llu on two %d servers", (unsigned long long) room, side);
+            found = i;
+            if (rec_p) *rec_p = rec;
+        }
+    }
+    if (found < 0)
+        fail_msg("room %llu reached no server of side %d", (unsigned long long) room, side);
+    return found;
+}
+
+typedef struct {
+    deploy_t *d;
+    uint64_t room;
+} room_ref_t;
+
+static int prefill_done(void *arg)
+{
+    room_ref_t *a = arg;
+    for (int i = 0; i < 2; i++) {
+        kvs_server_fake_record_t rec;
+        if (kvs_server_fake_record(a->d->fake[P][i], a->room, &rec) == KVS_OK && rec.done) return 1;
+    }
+    return 0;
+}
+
+static const char *str_of(json_t *j, const char *key)
+{
+    return json_string_value(json_object_get(j, key));
+}
+
+static json_t *first_choice(json_t *j)
+{
+    return json_array_get(json_object_get(j, "choices"), 0);
+}
+
+static void test_round_robin(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    int pre_count[2] = {0, 0}, dec_count[2] = {0, 0};
+    uint64_t rooms[4];
+    for (int k = 0; k < 4; k++) {
+        http_resp_t r = {0};
+        http_call(d.rport, NULL, "/v1/completions",
+                  "{\"prompt\":\"hello router\",\"max_tokens\":5}", &r);
+        assert_int_equal(r.status, 200);
+        assert_string_equal(r.ctype, "application/json");
+        json_t *j = http_json(&r);
+        assert_string_equal(str_of(first_choice(j), "text"), "hello");
+        assert_string_equal(str_of(first_choice(j), "finish_reason"), "length");
+        uint64_t room = room_of(&r);
+        rooms[k] = room;
+        assert_true(room < (UINT64_C(1) << 62));
+        assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "kvstage"), "room")),
+                         (json_int_t) room);
+        json_decref(j);
+        http_resp_fini(&r);
+
+        room_ref_t ref = {&d, room};
+        assert_true(wait_until(prefill_done, &ref, 2000));
+        kvs_server_fake_record_t pr, dr;
+        int pi = who_served(&d, P, room, &pr);
+        int di = who_served(&d, D, room, &dr);
+        assert_int_equal(pr.role, KVS_SERVER_ROLE_PREFILL);
+        assert_int_equal(pr.finish, KVS_SERVER_FINISH_HANDOFF);
+        assert_int_equal(pr.prompt_len, 12);
+        assert_string_equal(pr.bootstrap, "");
+        assert_int_equal(dr.role, KVS_SERVER_ROLE_DECODE);
+        assert_int_equal(dr.prompt_len, 12);
+        assert_int_equal(dr.max_tokens, 5);
+        char boot[64];
+        snprintf(boot, sizeof(boot), "tcp://prefill-%d:7000", pi);
+        assert_string_equal(dr.bootstrap, boot);
+        pre_count[pi]++;
+        dec_count[di]++;
+    }
+    for (int k = 1; k < 4; k++) assert_true(rooms[k] == rooms[k - 1] + 1);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(pre_count[i], 2);
+        assert_int_equal(dec_count[i], 2);
+        kvs_router_server_stats_t st;
+        assert_int_equal(kvs_router_server_stats(d.rt, P, (size_t) i, &st), KVS_OK);
+        assert_int_equal(st.chosen, 2);
+        assert_int_equal(st.requests, 4);
+        assert_int_equal(st.failures, 0);
+    }
+    kvs_router_server_stats_t st;
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    assert_int_equal(kvs_router_server_stats(d.rt, D, 2, &st), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 1);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 5), -1);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_stream_through_router(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 300000};
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, &fc, 60000);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"stream me\",\"max_tokens\":12,\"stream\":true,"
+              "\"stream_options\":{\"include_usage\":true}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.ctype, "text/event-stream");
+    uint64_t room = room_of(&r);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    assert_true(n >= 4);
+    char text[64] = "";
+    for (size_t i = 0; i + 3 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_non_null(c);
+        strcat(text, str_of(first_choice(c), "text"));
+        json_decref(c);
+    }
+    assert_string_equal(text, "stream mestr");
+    json_t *usage = json_loads(ev[n - 2], 0, NULL);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(usage, "usage"), "completion_tokens")),
+        12);
+    json_decref(usage);
+    http_resp_fini(&r);
+    room_ref_t ref = {&d, room};
+    assert_true(wait_until(prefill_done, &ref, 2000));
+    kvs_server_fake_record_t pr;
+    who_served(&d, P, room, &pr);
+    assert_int_equal(pr.finish, KVS_SERVER_FINISH_HANDOFF);
+
+    /* Chat through the router. */
+    http_call(d.rport, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"max_tokens\":4}", &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_string_equal(str_of(json_object_get(first_choice(j), "message"), "content"), "user");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* /v1/models is a decode server's. */
+    http_call(d.rport, NULL, "/v1/models", NULL, &r);
+    assert_int_equal(r.status, 200);
+    j = http_json(&r);
+    assert_string_equal(str_of(json_array_get(json_object_get(j, "data"), 0), "id"), "m");
+    json_decref(j);
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static int chosen_prefill(deploy_t *d, const char *prompt)
+{
+    char body[256];
+    snprintf(body, sizeof(body), "{\"prompt\":\"%s\",\"max_tokens\":2}", prompt);
+    http_resp_t r = {0};
+    http_call(d->rport, NULL, "/v1/completions", body, &r);
+    assert_int_equal(r.status, 200);
+    uint64_t room = room_of(&r);
+    http_resp_fini(&r);
+    room_ref_t ref = {d, room};
+    assert_true(wait_until(prefill_done, &ref, 2000));
+    return who_served(d, P, room, NULL);
+}
+
+static void test_prefix_aware(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_PREFIX, NULL, 60000);
+    /* Warm prefill server 1 directly with a prefill-only request. */
+    http_resp_t r = {0};
+    char url_body[] = "{\"prompt\":\"lorem ipsum dolor\",\"kvstage\":{\"room\":5,\"role\":"
+                      "\"prefill\"},\"stream\":true}";
+    http_call(d.port[P][1], NULL, "/v1/completions", url_body, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r); /* prefill-only answers are never streamed */
+    assert_string_equal(str_of(first_choice(j), "finish_reason"), "handoff");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    int a = chosen_prefill(&d, "the quick brown fox");
+    /* Each of these would move on under round robin; the cached prefix keeps them. */
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(chosen_prefill(&d, "lorem ipsum dolor sit amet"), 1);
+        assert_int_equal(chosen_prefill(&d, "the quick brown fox jumps"), a);
+    }
+    kvs_router_server_stats_t s0, s1;
+    assert_int_equal(kvs_router_server_stats(d.rt, P, 1, &s1), KVS_OK);
+    assert_int_equal(kvs_router_server_stats(d.rt, P, (size_t) a, &s0), KVS_OK);
+    assert_true(s1.prefix_hits >= 3);
+    assert_true(s0.prefix_hits >= 3);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_dead_decode(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    kvs_server_destroy(d.srv[D][1]);
+    d.srv[D][1] = NULL;
+    int failures = 0;
+    for (int k = 0; k < 6; k++) {
+        http_resp_t r = {0};
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
+        if (r.status == 200) {
+            json_t *j = http_json(&r);
+            assert_string_equal(str_of(first_choice(j), "text"), "abc");
+            json_decref(j);
+        } else {
+            failures++;
+            expect_error_json(&r, 502, "server_error", NULL);
+            json_t *j = http_json(&r);
+            json_t *e = json_object_get(j, "error");
+            assert_non_null(strstr(str_of(e, "message"), d.url[D][1]));
+            assert_string_equal(str_of(e, "code"), "bad_gateway");
+            json_decref(j);
+        }
+        http_resp_fini(&r);
+    }
+    assert_int_equal(failures, 1);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 1), 0);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 0), 1);
+    kvs_router_server_stats_t st;
+    assert_int_equal(kvs_router_server_stats(d.rt, D, 1, &st), KVS_OK);
+    assert_true(st.failures >= 1);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    kvs_router_check_now(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 1), 0);
+
+    /* Back on its port: the health check puts it back in rotation. */
+    server_start(&d, D, 1, d.port[D][1]);
+    kvs_router_check_now(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 1), 1);
+    int served[2] = {0, 0};
+    for (int k = 0; k < 4; k++) {
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
+        assert_int_equal(r.status, 200);
+        served[who_served(&d, D, room_of(&r), NULL)]++;
+        http_resp_fini(&r);
+    }
+    assert_int_equal(served[0], 2);
+    assert_int_equal(served[1], 2);
+
+    /* No decode server left: 503. */
+    for (int i = 0; i < 2; i++) {
+        kvs_server_destroy(d.srv[D][i]);
+        d.srv[D][i] = NULL;
+    }
+    kvs_router_check_now(d.rt);
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
+    expect_error_json(&r, 503, "server_error", NULL);
+    json_t *j = http_json(&r);
+    assert_string_equal(str_of(json_object_get(j, "error"), "code"), "no_server");
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 503);
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static int decode_down(void *arg)
+{
+    deploy_t *d = arg;
+    return kvs_router_server_up(d->rt, D, 0) == 0;
+}
+
+static void test_health_rotation(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 50);
+    kvs_server_fake_set_healthy(d.fake[P][0], 0);
+    kvs_router_check_now(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, P, 0), 0);
+    for (int k = 0; k < 4; k++) assert_int_equal(chosen_prefill(&d, "same prompt"), 1);
+    kvs_server_fake_set_healthy(d.fake[P][0], 1);
+    kvs_router_check_now(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1);
+    int seen[2] = {0, 0};
+    for (int k = 0; k < 4; k++) seen[chosen_prefill(&d, "same prompt")]++;
+    assert_int_equal(seen[0], 2);
+
+    /* The periodic check (every 50 ms here) notices a failing /health by itself. */
+    kvs_server_fake_set_healthy(d.fake[D][0], 0);
+    assert_true(wait_until(decode_down, &d, 2000));
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_prefill_failure(void **state)
+{
+    (void) state;
+    /* The prefill side fails after 100 ms, before the decode side (300 ms) says anything but
+     * its headers. */
+    kvs_server_fake_config_t pfc = {.first_delay_ns = 100000000, .fail_at = 1};
+    kvs_server_fake_config_t dfc = {.first_delay_ns = 300000000, .token_delay_ns = 1000000};
+    deploy_t d;
+    deploy_start_with(&d, KVS_ROUTER_ROUND_ROBIN, &pfc, &dfc, 60000);
+    /* Non-streaming: the prefill server's own 500 answer is passed through. */
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
+    expect_error_json(&r, 500, "server_error", NULL);
+    http_resp_fini(&r);
+    /* Streaming: the decode stream had started; it ends with an error event. */
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[16];
+    size_t n = sse_split(&r.body, ev, 16);
+    assert_true(n >= 2);
+    json_t *e = json_loads(ev[n - 2], 0, NULL);
+    assert_non_null(e);
+    assert_string_equal(str_of(json_object_get(e, "error"), "type"), "server_error");
+    json_decref(e);
+    http_resp_fini(&r);
+    /* Both prefill servers stay in rotation: they answered. */
+    assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1);
+    assert_int_equal(kvs_router_server_up(d.rt, P, 1), 1);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static int decode_cancelled(void *arg)
+{
+    deploy_t *d = arg;
+    for (int i = 0; i < 2; i++) {
+        kvs_server_fake_counts_t c;
+        kvs_server_fake_counts(d->fake[D][i], &c);
+        if (c.cancelled == 1 && c.live == 0) return 1;
+    }
+    return 0;
+}
+
+static void test_client_hangs_up(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 2000000};
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, &fc, 60000);
+    http_resp_t r = {.hang_up_after = 300};
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"abcdefgh\",\"max_tokens\":240,\"stream\":true}", &r);
+    assert_int_equal(r.result, CURLE_WRITE_ERROR);
+    http_resp_fini(&r);
+    assert_true(wait_until(decode_cancelled, &d, 3000));
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_router_bad_inputs_and_metrics(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/completions", "{", &r);
+    expect_error_json(&r, 400, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/v1/completions", "[1]", &r);
+    expect_error_json(&r, 400, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"x\",\"kvstage\":{\"room\":1,\"role\":\"decode\"}}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage");
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":5}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "temperature"); /* the server's answer */
+    http_resp_fini(&r);
+    http_call(d.rport, "GET", "/v1/completions", NULL, &r);
+    expect_error_json(&r, 405, "invalid_request_error", NULL);
+    assert_string_equal(r.allow, "POST");
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/elsewhere", "{}", &r);
+    expect_error_json(&r, 404, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    static char huge[9000];
+    memset(huge, ' ', sizeof(huge) - 1);
+    huge[0] = '{';
+    huge[sizeof(huge) - 2] = '}';
+    http_call(d.rport, NULL, "/v1/completions", huge, &r);
+    expect_error_json(&r, 413, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"ok\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+
+    http_call(d.rport, NULL, "/metrics", NULL, &r);
+    assert_int_equal(r.status, 200);
+    expect_prometheus(r.body.ptr);
+    char key[160];
+    snprintf(key, sizeof(key), "kvstage_router_server_up{side=\"decode\",url=\"%s\"}", d.url[D][1]);
+    assert_true(metric_value(r.body.ptr, key) == 1);
+    assert_true(metric_value(r.body.ptr, "kvstage_router_requests_total") == 2);
+    assert_true(metric_value(r.body.ptr, "kvstage_router_http_requests_total{code=\"400\"}") == 4);
+    http_resp_fini(&r);
+
+    /* Bad configurations. */
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    kvs_router_config_t rc;
+    memset(&rc, 0, sizeof(rc));
+    kvs_router_t *rt = NULL;
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_ERR_INVALID);
+    const char *bad[1] = {"ftp://x"};
+    const char *good[1] = {d.url[D][0]};
+    rc.prefill = bad;
+    rc.n_prefill = 1;
+    rc.decode = good;
+    rc.n_decode = 1;
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_ERR_INVALID);
+    assert_int_equal(kvs_router_create(NULL, &rt), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_null(rt);
+    assert_int_equal(cap.calls, 3);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+int main(void)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    kvs__json_init();
+    /* Servers going away are reported as warnings on purpose; keep them off the output. */
+    if (getenv("KVS_LOG") == NULL) kvs_log_set_level(KVS_LOG_ERROR);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_round_robin),
+        cmocka_unit_test(test_stream_through_router),
+        cmocka_unit_test(test_prefix_aware),
+        cmocka_unit_test(test_dead_decode),
+        cmocka_unit_test(test_health_rotation),
+        cmocka_unit_test(test_prefill_failure),
+        cmocka_unit_test(test_client_hangs_up),
+        cmocka_unit_test(test_router_bad_inputs_and_metrics),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    curl_global_cleanup();
+    return rc;
+}

@@ -1,0 +1,667 @@
+/* `kvstage serve` and `kvstage router` as processes (the binary in KVS_TOOL) on loopback:
+ * seeded models where the model does not matter, and `kvstage serve-demo` (SmolLM2 through the
+ * router, what `make demo` runs) for one real chat. Two prefill+decode pairs (prefill TP2 ->
+ * decode TP1, prefill TP1 -> decode TP2) behind a prefix-aware router and a colocated server:
+ * greedy answers through the router, streamed or not, equal the colocated server's; concurrent
+ * clients all get theirs; the router sends a prompt to the pair whose prefill cache holds its
+ * prefix; /metrics parses and its counters move; the servers refuse requests that are not for
+ * them; a killed decode server fails its requests with a 5xx JSON error while the other pair
+ * keeps serving. Every process a test starts leads its own process group, and the teardown
+ * kills every group, whatever happened. */
+#include "http/server_test.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "model/gguf.h"
+
+#define MAX_PROCS 8
+#define SEEDED    "2,64,128,4,2,16,257" /* vocab 257: the byte tokenizer's, every id a byte */
+#define START_S   60
+
+typedef struct {
+    pid_t pid; /* also the process group */
+    int out_fd;
+    char line[512];
+    char url[128];
+    uint16_t port;
+    char bootstrap[128];
+} proc_t;
+
+static proc_t g_procs[MAX_PROCS];
+static int g_nprocs;
+
+static const char *tool(void)
+{
+    const char *t = getenv("KVS_TOOL");
+    if (t == NULL) fail_msg("KVS_TOOL is not set (run through ctest)");
+    return t;
+}
+
+/* Starts `kvstage ARGS...` (NULL-terminated) in a process group of its own, stdout on a pipe. */
+static proc_t *spawn_tool(const char *const *args)
+{
+    assert_true(g_nprocs < MAX_PROCS);
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    const char *argv[40];
+    int n = 0;
+    argv[n++] = tool();
+    for (; args[n - 1] != NULL; n++) {
+        assert_true(n < 39);
+        argv[n] = args[n - 1];
+    }
+    argv[n] = NULL;
+    fflush(stdout);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        setpgid(0, 0);
+        int null = open("/dev/null", O_RDONLY);
+        dup2(null, STDIN_FILENO);
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        execv(argv[0], (char *const *) argv);
+        _exit(127);
+    }
+    setpgid(pid, pid);
+    close(fds[1]);
+    fcntl(fds[0], F_SETFD, FD_CLOEXEC);
+    proc_t *p = &g_procs[g_nprocs++];
+    memset(p, 0, sizeof(*p));
+    p->pid = pid;
+    p->out_fd = fds[0];
+    return p;
+}
+
+/* Waits for the process's "serving on" / "routing on" line and takes its URL and bootstrap. */
+static void wait_up(proc_t *p, const char *prefix)
+{
+    size_t len = 0;
+    uint64_t end = kvs_now_ns() + (uint64_t) START_S * 1000000000ull;
+    while (kvs_now_ns() < end) {
+        struct pollfd pfd = {p->out_fd, POLLIN, 0};
+        if (poll(&pfd, 1, 100) <= 0) continue;
+        ssize_t r = read(p->out_fd, p->line + len, sizeof(p->line) - 1 - len);
+        if (r <= 0) fail_msg("kvstage exited before printing '%s'", prefix);
+        len += (size_t) r;
+        p->line[len] = '\0';
+        char *nl = strchr(p->line, '\n');
+        if (nl == NULL) continue;
+        *nl = '\0';
+        if (strncmp(p->line, prefix, strlen(prefix)) != 0) fail_msg("unexpected line: %s", p->line);
+        const char *u = strstr(p->line, "http://");
+        assert_non_null(u);
+        snprintf(p->url, sizeof(p->url), "%.*s", (int) strcspn(u, " "), u);
+        const char *colon = strrchr(p->url, ':');
+        p->port = (uint16_t) atoi(colon + 1);
+        const char *b = strstr(p->line, "bootstrap ");
+        if (b != NULL)
+            snprintf(p->bootstrap, sizeof(p->bootstrap), "%.*s", (int) strcspn(b + 10, ")"),
+                     b + 10);
+        return;
+    }
+    fail_msg("no '%s' line within %d s", prefix, START_S);
+}
+
+static void kill_proc(proc_t *p)
+{
+    if (p->pid <= 0) return;
+    kill(-p->pid, SIGKILL);
+    kill(p->pid, SIGKILL);
+    while (waitpid(p->pid, NULL, 0) < 0 && errno == EINTR) {
+    }
+    if (p->out_fd >= 0) close(p->out_fd);
+    p->pid = 0;
+    p->out_fd = -1;
+}
+
+/* Rank processes are in their server's group; give their exits a moment to be complete. */
+static void kill_all(void)
+{
+    for (int i = g_nprocs - 1; i >= 0; i--) kill_proc(&g_procs[i]);
+    g_nprocs = 0;
+}
+
+static int teardown(void **state)
+{
+    (void) state;
+    kill_all();
+    return 0;
+}
+
+/* ---- the deployment ---- */
+
+typedef struct {
+    proc_t *pre[2], *dec[2], *colo, *router;
+} deploy_t;
+
+static deploy_t g_d;
+
+static proc_t *start_prefill(const char *tp, const char *peer_tp)
+{
+    const char *args[] = {"serve", "--role",      "prefill", "--seeded",  SEEDED,  "--model-seed",
+                          "11",    "--tp",        tp,        "--peer-tp", peer_tp, "--port",
+                          "0",     "--page-size", "4",       "--chunk",   "8",     "--max-prompt",
+                          "256",   "--max-new",   "64",      NULL};
+    proc_t *p = spawn_tool(args);
+    wait_up(p, "serving on");
+    assert_true(strncmp(p->bootstrap, "tcp://", 6) == 0);
+    return p;
+}
+
+static proc_t *start_decode(const char *tp, const char *bootstrap)
+{
+    const char *args[] = {"serve",   "--role",       "decode", "--seeded",  SEEDED, "--model-seed",
+                          "11",      "--tp",         tp,       "--port",    "0",    "--bootstrap",
+                          bootstrap, "--max-prompt", "256",    "--max-new", "64",   NULL};
+    proc_t *p = spawn_tool(args);
+    wait_up(p, "serving on");
+    assert_string_equal(p->bootstrap, bootstrap);
+    return p;
+}
+
+static int setup(void **state)
+{
+    (void) state;
+    kvs__json_init();
+    memset(&g_d, 0, sizeof(g_d));
+    g_d.pre[0] = start_prefill("2", "1");
+    g_d.pre[1] = start_prefill("1", "2");
+    g_d.dec[0] = start_decode("1", g_d.pre[0]->bootstrap);
+    g_d.dec[1] = start_decode("2", g_d.pre[1]->bootstrap);
+    const char *cargs[] = {
+        "serve", "--role",       "colocated", "--seeded",    SEEDED, "--model-seed",
+        "11",    "--port",       "0",         "--page-size", "4",    "--chunk",
+        "8",     "--max-prompt", "256",       "--max-new",   "64",   NULL};
+    g_d.colo = spawn_tool(cargs);
+    wait_up(g_d.colo, "serving on");
+    char pre[300], dec[300];
+    snprintf(pre, sizeof(pre), "%s,%s", g_d.pre[0]->url, g_d.pre[1]->url);
+    snprintf(dec, sizeof(dec), "%s,%s", g_d.dec[0]->url, g_d.dec[1]->url);
+    /* Health checks rarely: a dead server must leave the rotation by its failed request. */
+    const char *rargs[] = {"router", "--prefill",
+                           pre,      "--decode",
+                           dec,      "--port",
+                           "0",      "--policy",
+                           "prefix", "--health-interval-ms",
+                           "60000",  "--match-timeout-ms",
+                           "500",    NULL};
+    g_d.router = spawn_tool(rargs);
+    wait_up(g_d.router, "routing on");
+    return 0;
+}
+
+/* Appends a JSON string's bytes to text (NUL-terminated), a NUL byte written as "<NUL>". */
+static size_t append_text(char *text, size_t at, size_t cap, json_t *str)
+{
+    const char *t = json_string_value(str);
+    size_t n = json_string_length(str);
+    for (size_t i = 0; t != NULL && i < n; i++)
+        at += (size_t) snprintf(text + at, at < cap ? cap - at : 0, "%s",
+                                t[i] ? (char[]){t[i], 0} : "<NUL>");
+    return at;
+}
+
+static json_t *parse_nul(const char *s, size_t len)
+{
+    json_error_t err;
+    json_t *j = json_loadb(s, len, JSON_ALLOW_NUL, &err);
+    if (j == NULL) fail_msg("not JSON (%s): %s", err.text, s);
+    return j;
+}
+
+/* A completion (non-streaming) or its streamed text; returns the status. */
+static long complete(uint16_t port, const char *prompt, int max_tokens, int stream, char *text,
+                     size_t cap, json_t **answer_p)
+{
+    char body[2048];
+    snprintf(body, sizeof(body),
+             "{\"prompt\":\"%s\",\"max_tokens\":%d,\"temperature\":0,\"stream\":%s%s}", prompt,
+             max_tokens, stream ? "true" : "false",
+             stream ? ",\"stream_options\":{\"include_usage\":true}" : "");
+    http_resp_t r = {0};
+    http_call(port, NULL, "/v1/completions", body, &r);
+    long status = r.status;
+    text[0] = '\0';
+    if (answer_p) *answer_p = NULL;
+    if (status != 200) {
+        snprintf(text, cap, "%s", r.body.ptr);
+        http_resp_fini(&r);
+        return status;
+    }
+    if (!stream) {
+        json_t *j = parse_nul(r.body.ptr, r.body.len);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+        append_text(text, 0, cap, json_object_get(c, "text"));
+        if (answer_p)
+            *answer_p = j;
+        else
+            json_decref(j);
+    } else {
+        char *events[512];
+        size_t n = sse_split(&r.body, events, 512);
+        size_t at = 0;
+        for (size_t i = 0; i + 1 < n; i++) {
+            json_t *j = parse_nul(events[i], strlen(events[i]));
+            json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+            at = append_text(text, at, cap, json_object_get(c, "text"));
+            if (json_object_get(j, "usage") && answer_p) *answer_p = json_incref(j);
+            json_decref(j);
+        }
+    }
+    http_resp_fini(&r);
+    return status;
+}
+
+static double metric_of(uint16_t port, const char *key)
+{
+    http_resp_t r = {0};
+    http_call(port, "GET", "/metrics", NULL, &r);
+    assert_int_equal(r.status, 200);
+    double v = metric_value(r.body.ptr, key);
+    http_resp_fini(&r);
+    return v;
+}
+
+static uint64_t kvstage_field(json_t *answer, const char *key)
+{
+    return (uint64_t) json_integer_value(json_object_get(json_object_get(answer, "kvstage"), key));
+}
+
+static uint64_t cached_of(json_t *answer)
+{
+    return (uint64_t) json_integer_value(
+        json_object_get(json_object_get(json_object_get(answer, "usage"), "prompt_tokens_details"),
+                        "cached_tokens"));
+}
+
+/* ---- tests ---- */
+
+/* Greedy answers through the router, streamed and not, equal the colocated server's, on both
+ * pairs (round robin between equal cache hits spreads them). */
+static void test_disaggregated_equals_colocated(void **state)
+{
+    (void) state;
+    static const char *prompts[] = {"The quick brown fox",
+                                    "jumps over the lazy dog again",
+                                    "kvstage moves KV caches",
+                                    "Lorem ipsum dolor sit amet",
+                                    "a",
+                                    "0123456789abcdefghij0123456789"};
+    double before[2] = {metric_of(g_d.pre[0]->port, "kvstage_prompt_tokens_total"),
+                        metric_of(g_d.pre[1]->port, "kvstage_prompt_tokens_total")};
+    for (size_t i = 0; i < sizeof(prompts) / sizeof(prompts[0]); i++) {
+        char ref[4096], got[4096], streamed[4096];
+        json_t *a = NULL, *s = NULL;
+        assert_int_equal(complete(g_d.colo->port, prompts[i], 24, 0, ref, sizeof(ref), NULL), 200);
+        long st = complete(g_d.router->port, prompts[i], 24, 0, got, sizeof(got), &a);
+        if (st != 200) fail_msg("router answered %ld: %s", st, got);
+        st = complete(g_d.router->port, prompts[i], 24, 1, streamed, sizeof(streamed), &s);
+        if (st != 200) fail_msg("router answered %ld to a stream: %s", st, streamed);
+        if (strcmp(ref, got) != 0 || strcmp(ref, streamed) != 0)
+            fail_msg("prompt '%s': colocated '%s', disaggregated '%s', streamed '%s'", prompts[i],
+                     ref, got, streamed);
+        assert_non_null(a);
+        assert_non_null(s); /* the usage chunk */
+        /* The decode side received whole pages past its cache hit. */
+        uint64_t plen = (uint64_t) json_integer_value(
+            json_object_get(json_object_get(a, "usage"), "prompt_tokens"));
+        assert_int_equal(plen, strlen(prompts[i]));
+        uint64_t pages = (plen + 3) / 4 - cached_of(a) / 4;
+        assert_int_equal(kvstage_field(a, "kv_bytes"), pages * 4 * (2 * 2 * 16 * 2 * 4));
+        assert_true(kvstage_field(a, "ttft_ns") > 0);
+        assert_true(kvstage_field(s, "kv_bytes") > 0); /* a hit stops short of the last token */
+        json_decref(a);
+        json_decref(s);
+    }
+    /* Both pairs served. */
+    assert_true(metric_of(g_d.pre[0]->port, "kvstage_prompt_tokens_total") > before[0]);
+    assert_true(metric_of(g_d.pre[1]->port, "kvstage_prompt_tokens_total") > before[1]);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    int id;
+    char ref[3][256];
+    char got[3][256];
+    long status[3];
+} client_t;
+
+static void *client_main(void *arg)
+{
+    client_t *c = arg;
+    for (int k = 0; k < 3; k++) {
+        char prompt[64];
+        snprintf(prompt, sizeof(prompt), "client %d asks question number %d", c->id, k);
+        c->status[k] =
+            complete(g_d.router->port, prompt, 16, k % 2, c->got[k], sizeof(c->got[k]), NULL);
+    }
+    return NULL;
+}
+
+/* Four clients at once, three requests each: every answer comes, each the colocated one. */
+static void test_concurrent_clients(void **state)
+{
+    (void) state;
+    client_t cs[4];
+    for (int i = 0; i < 4; i++) {
+        cs[i].id = i;
+        for (int k = 0; k < 3; k++) {
+            char prompt[64];
+            snprintf(prompt, sizeof(prompt), "client %d asks question number %d", i, k);
+            assert_int_equal(
+                complete(g_d.colo->port, prompt, 16, 0, cs[i].ref[k], sizeof(cs[i].ref[k]), NULL),
+                200);
+        }
+    }
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, client_main, &cs[i]), 0);
+    for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 3; k++) {
+            if (cs[i].status[k] != 200)
+                fail_msg("client %d request %d: %ld %s", i, k, cs[i].status[k], cs[i].got[k]);
+            if (strcmp(cs[i].ref[k], cs[i].got[k]) != 0)
+                fail_msg("client %d request %d: '%s', colocated '%s'", i, k, cs[i].got[k],
+                         cs[i].ref[k]);
+        }
+    kvs_assert_no_leaks();
+}
+
+/* The prefix policy sends a prompt to the pair whose prefill cache holds its prefix: after the
+ * first request of a family landed on one pair, the next ones all land there too (round robin
+ * would alternate), and both sides of that pair report the cache hit. */
+static void test_prefix_aware_choice(void **state)
+{
+    (void) state;
+    const char *prefix = "Shared context for the prefix test: alpha beta gamma delta epsilon "
+                         "zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma";
+    char prompt[512], text[1024];
+    double p0[2], c0[2];
+    for (int i = 0; i < 2; i++) p0[i] = metric_of(g_d.pre[i]->port, "kvstage_prompt_tokens_total");
+    snprintf(prompt, sizeof(prompt), "%s question zero", prefix);
+    assert_int_equal(complete(g_d.router->port, prompt, 8, 0, text, sizeof(text), NULL), 200);
+    int p = -1;
+    /* The prefill answer may trail the decode one a little. */
+    for (int k = 0; k < 200 && p < 0; k++) {
+        for (int i = 0; i < 2; i++)
+            if (metric_of(g_d.pre[i]->port, "kvstage_prompt_tokens_total") > p0[i]) p = i;
+        if (p < 0) sleep_ms(10);
+    }
+    assert_true(p >= 0);
+    for (int k = 1; k <= 4; k++) {
+        for (int i = 0; i < 2; i++) {
+            p0[i] = metric_of(g_d.pre[i]->port, "kvstage_prompt_tokens_total");
+            c0[i] = metric_of(g_d.pre[i]->port, "kvstage_cached_prompt_tokens_total");
+        }
+        snprintf(prompt, sizeof(prompt), "%s question %d", prefix, k);
+        json_t *a = NULL;
+        long st = complete(g_d.router->port, prompt, 8, 0, text, sizeof(text), &a);
+        if (st != 200) fail_msg("router answered %ld: %s", st, text);
+        /* The decode side of the pair holds the first request's prompt and answer. */
+        if (cached_of(a) < strlen(prefix) / 4 * 4 - 4)
+            fail_msg("request %d: decode cache hit %llu, prefix %zu", k,
+                     (unsigned long long) cached_of(a), strlen(prefix));
+        json_decref(a);
+        int moved = 0;
+        for (int w = 0; w < 200 && !moved; w++) {
+            moved = metric_of(g_d.pre[p]->port, "kvstage_cached_prompt_tokens_total") > c0[p];
+            if (!moved) sleep_ms(10);
+        }
+        if (!moved) fail_msg("request %d: no cache hit on the prefill server that holds it", k);
+        assert_true(metric_of(g_d.pre[1 - p]->port, "kvstage_prompt_tokens_total") == p0[1 - p]);
+    }
+    /* The router counts its prefix hits. */
+    http_resp_t r = {0};
+    http_call(g_d.router->port, "GET", "/metrics", NULL, &r);
+    assert_int_equal(r.status, 200);
+    expect_prometheus(r.body.ptr);
+    double hits = 0;
+    for (const char *h = r.body.ptr; (h = strstr(h, "\nkvstage_router_prefix_hits_total{")); h++)
+        hits += strtod(strstr(h, "} ") + 2, NULL);
+    assert_true(hits >= 4);
+    http_resp_fini(&r);
+    kvs_assert_no_leaks();
+}
+
+/* /metrics of every server parses and its counters follow the requests. */
+static void test_metrics(void **state)
+{
+    (void) state;
+    proc_t *servers[5] = {g_d.pre[0], g_d.pre[1], g_d.dec[0], g_d.dec[1], g_d.colo};
+    double fin[2], bytes[2], chunks[2], sent[2];
+    for (int i = 0; i < 2; i++) {
+        fin[i] = metric_of(g_d.dec[i]->port, "kvstage_requests_finished_total{reason=\"length\"}");
+        bytes[i] = metric_of(g_d.dec[i]->port, "kvstage_kv_bytes_total");
+        sent[i] = metric_of(g_d.pre[i]->port, "kvstage_kv_bytes_total");
+        chunks[i] = metric_of(g_d.dec[i]->port, "kvstage_kv_chunks_total");
+    }
+    char text[1024];
+    for (int k = 0; k < 4; k++) {
+        char prompt[64];
+        snprintf(prompt, sizeof(prompt), "metrics request %d with some text", k);
+        assert_int_equal(complete(g_d.router->port, prompt, 6, 0, text, sizeof(text), NULL), 200);
+    }
+    double f = 0, b = 0, c = 0, sb = 0;
+    for (int i = 0; i < 2; i++) {
+        sb += metric_of(g_d.pre[i]->port, "kvstage_kv_bytes_total") - sent[i];
+        f += metric_of(g_d.dec[i]->port, "kvstage_requests_finished_total{reason=\"length\"}") -
+             fin[i];
+        b += metric_of(g_d.dec[i]->port, "kvstage_kv_bytes_total") - bytes[i];
+        c += metric_of(g_d.dec[i]->port, "kvstage_kv_chunks_total") - chunks[i];
+    }
+    assert_true(f == 4);
+    assert_true(b > 0);
+    /* Every rank's counters are summed: what the prefill instances sent (TP2 and TP1) is what
+     * the decode instances (TP1 and TP2) scattered, whichever pair served which request. */
+    if (sb != b) fail_msg("prefill instances sent %.0f KV bytes, decode instances got %.0f", sb, b);
+    assert_true(c >= 4);
+    for (int i = 0; i < 5; i++) {
+        http_resp_t r = {0};
+        http_call(servers[i]->port, "GET", "/metrics", NULL, &r);
+        assert_int_equal(r.status, 200);
+        expect_prometheus(r.body.ptr);
+        assert_true(expect_histogram(r.body.ptr, "kvstage_time_to_first_token_seconds") > 0);
+        assert_true(metric_value(r.body.ptr, "kvstage_requests_live") == 0);
+        if (i < 2) /* prefill: the handoff times */
+            assert_true(expect_histogram(r.body.ptr, "kvstage_kv_transfer_seconds") > 0);
+        if (i >= 2 && i < 4)
+            assert_true(metric_value(r.body.ptr, "kvstage_ring_capacity_bytes") > 0);
+        http_resp_fini(&r);
+    }
+    kvs_assert_no_leaks();
+}
+
+/* Servers refuse what is not for them, naming their role or their prefill instance. */
+static void test_refusals(void **state)
+{
+    (void) state;
+    http_resp_t r = {0};
+    http_call(g_d.pre[0]->port, NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage");
+    assert_non_null(strstr(r.body.ptr, "prefill server"));
+    http_resp_fini(&r);
+    http_call(g_d.dec[0]->port, NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage");
+    assert_non_null(strstr(r.body.ptr, "decode server"));
+    http_resp_fini(&r);
+    char body[512];
+    snprintf(body, sizeof(body),
+             "{\"prompt\":\"x\",\"max_tokens\":2,\"kvstage\":{\"room\":7,\"role\":\"decode\","
+             "\"bootstrap\":\"%s\"}}",
+             g_d.pre[1]->bootstrap);
+    http_call(g_d.dec[0]->port, NULL, "/v1/completions", body, &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage");
+    assert_non_null(strstr(r.body.ptr, g_d.pre[0]->bootstrap));
+    assert_non_null(strstr(r.body.ptr, "wrong_bootstrap"));
+    http_resp_fini(&r);
+    http_call(g_d.colo->port, NULL, "/v1/completions",
+              "{\"prompt\":\"x\",\"kvstage\":{\"room\":7,\"role\":\"prefill\"}}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage");
+    assert_non_null(strstr(r.body.ptr, "colocated"));
+    http_resp_fini(&r);
+    /* Longer than the ranks were started for. */
+    static char big[400];
+    memset(big, 'a', 300);
+    big[300] = '\0';
+    char text[1024];
+    assert_int_equal(complete(g_d.colo->port, big, 2, 0, text, sizeof(text), NULL), 400);
+    /* /internal/info: what the router pairs by. */
+    http_call(g_d.dec[1]->port, "GET", "/internal/info", NULL, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_string_equal(json_string_value(json_object_get(j, "role")), "decode");
+    assert_string_equal(json_string_value(json_object_get(j, "bootstrap")), g_d.pre[1]->bootstrap);
+    json_decref(j);
+    http_resp_fini(&r);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    char body[1024];
+    http_resp_t r;
+} inflight_t;
+
+static void *inflight_main(void *arg)
+{
+    inflight_t *in = arg;
+    http_call(g_d.router->port, NULL, "/v1/completions", in->body, &in->r);
+    return NULL;
+}
+
+/* A decode server killed while it holds a request: that request fails with a 5xx JSON error
+ * (502 bad_gateway), and the other pair serves every request after it, correctly. */
+static void test_killed_decode_server(void **state)
+{
+    (void) state;
+    /* Steer a prompt family to one pair (the prefix policy), then kill that pair's decode. */
+    const char *prefix = "The request family that the killed decode server was serving, with a "
+                         "long shared prefix so that the router keeps choosing its pair";
+    char prompt[512], text[2048];
+    double p0[2];
+    for (int i = 0; i < 2; i++) p0[i] = metric_of(g_d.pre[i]->port, "kvstage_prompt_tokens_total");
+    snprintf(prompt, sizeof(prompt), "%s: first", prefix);
+    assert_int_equal(complete(g_d.router->port, prompt, 4, 0, text, sizeof(text), NULL), 200);
+    int p = -1;
+    for (int k = 0; k < 200 && p < 0; k++) {
+        for (int i = 0; i < 2; i++)
+            if (metric_of(g_d.pre[i]->port, "kvstage_prompt_tokens_total") > p0[i]) p = i;
+        if (p < 0) sleep_ms(10);
+    }
+    assert_true(p >= 0);
+    /* Frozen, the decode server takes the next request of the family (its cache answer times
+     * out, which is no reason to leave the rotation) and keeps it in flight until it dies. */
+    kill(-g_d.dec[p]->pid, SIGSTOP);
+    inflight_t in = {0};
+    snprintf(in.body, sizeof(in.body),
+             "{\"prompt\":\"%s: second\",\"max_tokens\":4,\"temperature\":0,\"stream\":true}",
+             prefix);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, inflight_main, &in), 0);
+    sleep_ms(1500);
+    kill_proc(g_d.dec[p]);
+    pthread_join(th, NULL);
+    if (in.r.status < 500)
+        fail_msg("the dead server's request answered %ld: %s", in.r.status, in.r.body.ptr);
+    expect_error_json(&in.r, in.r.status, "server_error", NULL);
+    /* 502 once its request reached it; 503 should a slow router still have been asking it
+     * for its cache when it died. */
+    if (strstr(in.r.body.ptr, "bad_gateway") == NULL && strstr(in.r.body.ptr, "no_server") == NULL)
+        fail_msg("unexpected error: %s", in.r.body.ptr);
+    http_resp_fini(&in.r);
+
+    for (int k = 0; k < 6; k++) {
+        char ref[2048];
+        snprintf(prompt, sizeof(prompt), "%s: after %d", k % 2 ? prefix : "other", k);
+        assert_int_equal(complete(g_d.colo->port, prompt, 8, 0, ref, sizeof(ref), NULL), 200);
+        long st = complete(g_d.router->port, prompt, 8, k % 2, text, sizeof(text), NULL);
+        if (st != 200) fail_msg("request %d after the kill: %ld %s", k, st, text);
+        assert_string_equal(text, ref);
+    }
+    kvs_assert_no_leaks();
+}
+
+/* ---- SmolLM2: the demo path ---- */
+
+static void test_serve_demo_smollm2(void **state)
+{
+    (void) state;
+    char path[4096];
+    if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
+    const char *args[] = {"serve-demo", NULL};
+    proc_t *p = spawn_tool(args);
+    static char out[1 << 16];
+    size_t len = 0;
+    uint64_t end = kvs_now_ns() + 180ull * 1000000000ull;
+    for (;;) {
+        assert_true(kvs_now_ns() < end);
+        struct pollfd pfd = {p->out_fd, POLLIN, 0};
+        if (poll(&pfd, 1, 200) <= 0) continue;
+        ssize_t n = read(p->out_fd, out + len, sizeof(out) - 1 - len);
+        if (n <= 0) break;
+        len += (size_t) n;
+    }
+    out[len] = '\0';
+    int status;
+    assert_int_equal(waitpid(p->pid, &status, 0), p->pid);
+    p->pid = 0;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fail_msg("serve-demo failed:\n%s", out);
+    if (strstr(out, "Paris") == NULL || strstr(out, "Berlin") == NULL)
+        fail_msg("serve-demo's answers lack Paris and Berlin:\n%s", out);
+    /* The second request hit both radix caches. */
+    const char *second = strstr(out, "[2] user:");
+    assert_non_null(second);
+    unsigned long cp = 0, cd = 0;
+    const char *c = strstr(second, "cached ");
+    assert_non_null(c);
+    assert_int_equal(sscanf(c, "cached %lu on the prefill side, %lu on the decode side", &cp, &cd),
+                     2);
+    if (cp == 0 || cd == 0) fail_msg("no cache hit on the second request:\n%s", out);
+    assert_non_null(strstr(out, "every process exited cleanly"));
+}
+
+/* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
+static int demo_teardown(void **state)
+{
+    (void) state;
+    for (int i = 0; i < g_nprocs; i++) {
+        proc_t *p = &g_procs[i];
+        if (p->pid <= 0) continue;
+        kill(p->pid, SIGTERM);
+        uint64_t end = kvs_now_ns() + 60ull * 1000000000ull;
+        while (waitpid(p->pid, NULL, WNOHANG) == 0 && kvs_now_ns() < end) sleep_ms(20);
+    }
+    kill_all();
+    return 0;
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    atexit(kill_all);
+    const struct CMUnitTest deployed[] = {
+        cmocka_unit_test(test_disaggregated_equals_colocated),
+        cmocka_unit_test(test_concurrent_clients),
+        cmocka_unit_test(test_prefix_aware_choice),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_killed_decode_server), /* last: it takes a server down */
+    };
+    const struct CMUnitTest demo[] = {
+        cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
+    };
+    int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
+    failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
+    kill_all();
+    return failed;
+}

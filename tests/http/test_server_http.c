@@ -1,0 +1,1131 @@
+/* Tests for the HTTP server over the fake backend, through real HTTP on loopback: completions
+ * and chat completions (plain and streamed, exact JSON fields, SSE framing), stop strings and
+ * stop tokens, concurrent clients, a backend failing mid-stream, a client hanging up mid-stream,
+ * every bad input with its status, health, metrics, the internal endpoints, the real tokenizer
+ * behind the adapter, and shutting down with requests in flight. */
+#include "server_test.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvstage/rng.h"
+#include "http/server.h"
+
+#define MODEL "test-model"
+
+typedef struct {
+    kvs_server_fake_t *fake;
+    kvs_server_t *srv;
+    uint16_t port;
+} fixture_t;
+
+static void start_with(fixture_t *f, const kvs_server_fake_config_t *fc, uint32_t max_context,
+                       size_t max_body, kvs_server_tokenizer_t tok)
+{
+    memset(f, 0, sizeof(*f));
+    assert_int_equal(kvs_server_fake_create(fc, &f->fake), KVS_OK);
+    kvs_server_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.model = MODEL;
+    c.max_context = max_context;
+    c.max_body = max_body;
+    c.threads = 4;
+    c.role = KVS_SERVER_ROLE_PREFILL;
+    c.bootstrap = "tcp://10.0.0.1:5555";
+    c.backend = kvs_server_fake_backend(f->fake);
+    c.tokenizer = tok;
+    assert_int_equal(kvs_server_create(&c, &f->srv), KVS_OK);
+    f->port = kvs_server_port(f->srv);
+    assert_true(f->port > 0);
+}
+
+static void start(fixture_t *f, const kvs_server_fake_config_t *fc)
+{
+    start_with(f, fc, 256, 4096, kvs_server_byte_tokenizer());
+}
+
+static void stop(fixture_t *f)
+{
+    kvs_server_destroy(f->srv);
+    kvs_server_fake_destroy(f->fake);
+}
+
+static uint64_t room_of(json_t *obj)
+{
+    const char *id = json_string_value(json_object_get(obj, "id"));
+    assert_non_null(id);
+    const char *dash = strrchr(id, '-');
+    assert_non_null(dash);
+    return strtoull(dash + 1, NULL, 16);
+}
+
+/* The text the fake generates for a prompt: the prompt echoed, cycling, n bytes. */
+static void echo(const char *prompt, size_t n, char *out)
+{
+    size_t len = strlen(prompt);
+    for (size_t i = 0; i < n; i++) out[i] = prompt[i % len];
+    out[n] = '\0';
+}
+
+/* The value at a.b.c, with numeric parts for arrays; NULL when there is none. */
+static json_t *json_at(json_t *obj, const char *path)
+{
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s", path);
+    json_t *cur = obj;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ".", &save); tok && cur; tok = strtok_r(NULL, ".", &save)) {
+        if (json_is_array(cur))
+            cur = json_array_get(cur, (size_t) atoi(tok));
+        else
+            cur = json_object_get(cur, tok);
+    }
+    return cur;
+}
+
+static const char *str_at(json_t *obj, const char *path)
+{
+    return json_string_value(json_at(obj, path));
+}
+
+static json_int_t int_at(json_t *obj, const char *path)
+{
+    json_t *v = json_at(obj, path);
+    if (!json_is_integer(v)) fail_msg("%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+/* Calls path (a POST with a body, a GET without), requires a 200 and returns the parsed answer (r
+ * still owns the body). */
+static json_t *call_ok(uint16_t port, const char *path, const char *body, http_resp_t *r)
+{
+    http_call(port, NULL, path, body, r);
+    assert_int_equal(r->status, 200);
+    return http_json(r);
+}
+
+/* Concatenates the string at path of SSE events [0, n) into text. */
+static void sse_concat(char **ev, size_t n, const char *path, char *text)
+{
+    text[0] = '\0';
+    for (size_t i = 0; i < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_non_null(c);
+        strcat(text, str_at(c, path));
+        json_decref(c);
+    }
+}
+
+static void test_completion(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"model\":\"" MODEL "\",\"prompt\":\"hello\",\"max_tokens\":8}", &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.ctype, "application/json");
+    json_t *j = http_json(&r);
+    assert_int_equal(json_object_size(j), 7); /* id object created model choices usage kvstage */
+    assert_true(strncmp(str_at(j, "id"), "cmpl-", 5) == 0);
+    assert_string_equal(str_at(j, "object"), "text_completion");
+    assert_true(int_at(j, "created") > 1600000000);
+    assert_string_equal(str_at(j, "model"), MODEL);
+    json_t *choices = json_object_get(j, "choices");
+    assert_int_equal(json_array_size(choices), 1);
+    json_t *c0 = json_array_get(choices, 0);
+    assert_int_equal(json_object_size(c0), 4);
+    assert_int_equal(int_at(c0, "index"), 0);
+    assert_string_equal(str_at(c0, "text"), "hellohel");
+    assert_true(json_is_null(json_object_get(c0, "logprobs")));
+    assert_string_equal(str_at(c0, "finish_reason"), "length");
+    assert_int_equal(int_at(j, "usage.prompt_tokens"), 5);
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 8);
+    assert_int_equal(int_at(j, "usage.total_tokens"), 13);
+    assert_int_equal(int_at(j, "usage.prompt_tokens_details.cached_tokens"), 0);
+    uint64_t room = room_of(j);
+    assert_int_equal(int_at(j, "kvstage.room"), (json_int_t) room);
+    assert_true(room >= (UINT64_C(1) << 62));
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, room, &rec), KVS_OK);
+    assert_int_equal(rec.role, KVS_SERVER_ROLE_NONE);
+    assert_int_equal(rec.prompt_len, 5);
+    assert_int_equal(rec.max_tokens, 8);
+    assert_int_equal(rec.generated, 8);
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* The same prompt again: the fake's prefix cache has it; max_tokens defaults to the rest of
+     * the context (256 - 5). Token-id prompts are accepted. */
+    j = call_ok(f.port, "/v1/completions", "{\"prompt\":[104,101,108,108,111]}", &r);
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 251);
+    assert_int_equal(int_at(j, "usage.prompt_tokens_details.cached_tokens"), 5);
+    assert_int_equal(strlen(str_at(j, "choices.0.text")), 251);
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static void test_chat(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/chat/completions",
+                        "{\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},"
+                        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"h\"},"
+                        "{\"type\":\"text\",\"text\":\"i\"}]}],\"max_tokens\":12,\"temperature\":0,"
+                        "\"seed\":7,\"user\":\"u1\",\"n\":1}",
+                        &r);
+    assert_true(strncmp(str_at(j, "id"), "chatcmpl-", 9) == 0);
+    assert_string_equal(str_at(j, "object"), "chat.completion");
+    json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+    assert_int_equal(json_object_size(c0), 4);
+    json_t *msg = json_object_get(c0, "message");
+    assert_int_equal(json_object_size(msg), 2);
+    assert_string_equal(str_at(msg, "role"), "assistant");
+    /* The byte tokenizer renders "system: be brief\nuser: hi\nassistant: "; the echo. */
+    assert_string_equal(str_at(msg, "content"), "system: be b");
+    assert_string_equal(str_at(c0, "finish_reason"), "length");
+    const char *rendered = "system: be brief\nuser: hi\nassistant: ";
+    assert_int_equal(int_at(j, "usage.prompt_tokens"), (json_int_t) strlen(rendered));
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* max_completion_tokens is the newer name. */
+    j = call_ok(
+        f.port, "/v1/chat/completions",
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":3}", &r);
+    assert_string_equal(str_at(j, "choices.0.message.content"), "use");
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static void test_stream_completion(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 1000000};
+    fixture_t f;
+    start(&f, &fc);
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abcdef\",\"max_tokens\":10,\"stream\":true,"
+              "\"stream_options\":{\"include_usage\":true}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.ctype, "text/event-stream");
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    assert_true(n >= 4); /* text chunk(s), final chunk, usage, [DONE] */
+    char text[64] = "";
+    for (size_t i = 0; i + 3 < n; i++) {
+        json_t *j = json_loads(ev[i], 0, NULL);
+        assert_non_null(j);
+        assert_string_equal(str_at(j, "object"), "text_completion");
+        assert_true(json_is_null(
+            json_object_get(json_array_get(json_object_get(j, "choices"), 0), "finish_reason")));
+        strcat(text, str_at(j, "choices.0.text"));
+        json_decref(j);
+    }
+    assert_string_equal(text, "abcdefabcd");
+    json_t *last = json_loads(ev[n - 3], 0, NULL);
+    assert_string_equal(str_at(last, "choices.0.finish_reason"), "length");
+    assert_string_equal(str_at(last, "choices.0.text"), "");
+    json_decref(last);
+    json_t *usage = json_loads(ev[n - 2], 0, NULL);
+    assert_int_equal(json_array_size(json_object_get(usage, "choices")), 0);
+    assert_int_equal(int_at(usage, "usage.prompt_tokens"), 6);
+    assert_int_equal(int_at(usage, "usage.completion_tokens"), 10);
+    assert_int_equal(int_at(usage, "usage.total_tokens"), 16);
+    assert_true(int_at(usage, "kvstage.ttft_ns") > 0);
+    json_decref(usage);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static void test_stream_chat(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"yo\"}],\"max_tokens\":6,"
+              "\"stream\":true}",
+              &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    assert_true(n >= 4); /* role, content, final, [DONE] */
+    json_t *first = json_loads(ev[0], 0, NULL);
+    assert_string_equal(str_at(first, "object"), "chat.completion.chunk");
+    assert_string_equal(str_at(first, "choices.0.delta.role"), "assistant");
+    assert_string_equal(str_at(first, "choices.0.delta.content"), "");
+    json_decref(first);
+    char text[64] = "";
+    for (size_t i = 1; i + 2 < n; i++) {
+        json_t *j = json_loads(ev[i], 0, NULL);
+        assert_non_null(j);
+        assert_null(json_object_get(
+            json_object_get(json_array_get(json_object_get(j, "choices"), 0), "delta"), "role"));
+        strcat(text, str_at(j, "choices.0.delta.content"));
+        json_decref(j);
+    }
+    assert_string_equal(text, "user: ");
+    json_t *last = json_loads(ev[n - 2], 0, NULL);
+    assert_string_equal(str_at(last, "choices.0.finish_reason"), "length");
+    json_t *delta = json_object_get(json_array_get(json_object_get(last, "choices"), 0), "delta");
+    assert_true(json_is_object(delta));
+    assert_int_equal(json_object_size(delta), 0);
+    json_decref(last);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static int fake_idle(void *arg)
+{
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(arg, &c);
+    return c.live == 0;
+}
+
+static void test_stop_strings(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 200000};
+    fixture_t f;
+    start(&f, &fc);
+    http_resp_t r = {0};
+    /* Non-streaming: cut before the match, generation cancelled at the backend. */
+    json_t *j = call_ok(f.port, "/v1/completions",
+                        "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":\"wor\"}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "hello ");
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 9); /* "hello wor" */
+    kvs_server_fake_record_t rec;
+    assert_true(wait_until(fake_idle, f.fake, 2000));
+    assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+    assert_true(rec.cancelled);
+    assert_true(rec.generated < 200);
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Several stop strings: the earliest match wins. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"hello world\",\"max_tokens\":200,\"stop\":[\"zz\",\"lo w\",\"d\"]}",
+                &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "hel");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Streaming: the held-back text of a partial match is never sent. */
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abcabd\",\"max_tokens\":200,\"stop\":[\"abd\"],\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    char text[64];
+    assert_true(n >= 2);
+    sse_concat(ev, n - 2, "choices.0.text", text);
+    assert_string_equal(text, "abc");
+    json_t *last = json_loads(ev[n - 2], 0, NULL);
+    assert_string_equal(str_at(last, "choices.0.finish_reason"), "stop");
+    json_decref(last);
+    http_resp_fini(&r);
+
+    /* A stop string spanning tokens and a chat request. */
+    j = call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"}],\"stop\":\"r: \"}", &r);
+    assert_string_equal(str_at(j, "choices.0.message.content"), "use");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Stop tokens: the EOS (256 for the byte tokenizer) and stop_token_ids, not rendered. */
+    j = call_ok(f.port, "/v1/completions", "{\"prompt\":[104,105,256,33],\"max_tokens\":50}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "hi");
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 3);
+    json_decref(j);
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"hey\",\"max_tokens\":50,\"stop_token_ids\":[121]}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "he");
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* The text the fake and the server should produce for a prompt, max_tokens and stop strings:
+ * the echo, cut before the first stop string, as valid UTF-8. */
+static void expected_text(const char *prompt, size_t max_tokens, char **stops, size_t n_stops,
+                          kvs__sb_t *out, int *stopped_p)
+{
+    char gen[64];
+    size_t plen = strlen(prompt);
+    for (size_t i = 0; i < max_tokens; i++) gen[i] = prompt[i % plen];
+    size_t cut = max_tokens;
+    for (size_t k = 0; k < n_stops; k++) {
+        const char *hit = NULL;
+        for (size_t i = 0; i + strlen(stops[k]) <= max_tokens && !hit; i++)
+            if (memcmp(gen + i, stops[k], strlen(stops[k])) == 0) hit = gen + i;
+        if (hit && (size_t) (hit - gen) < cut) cut = (size_t) (hit - gen);
+    }
+    *stopped_p = cut < max_tokens;
+    kvs__utf8_sanitize(out, gen, cut);
+    kvs__sb_append(out, "", 0);
+}
+
+static void test_stream_property(void **state)
+{
+    (void) state;
+    static const char *const pieces[] = {
+        "a", "b", " ", "\xC3\xA9", "\xE2\x82\xAC", "\xF0\x9F\x98\x80"};
+    uint64_t seed = kvs_test_seed(2024);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    fixture_t f;
+    start(&f, NULL);
+    for (uint64_t it = 0; it < kvs_test_iters(40); it++) {
+        char prompt[64] = "", stop_buf[3][32];
+        char *stops[3];
+        size_t np = 1 + kvs_rng_below(&rng, 6);
+        for (size_t i = 0; i < np; i++) strcat(prompt, pieces[kvs_rng_below(&rng, 6)]);
+        size_t max_tokens = 1 + kvs_rng_below(&rng, 40);
+        size_t n_stops = kvs_rng_below(&rng, 4);
+        json_t *stop_arr = json_array();
+        for (size_t k = 0; k < n_stops; k++) {
+            stop_buf[k][0] = '\0';
+            size_t ns = 1 + kvs_rng_below(&rng, 3);
+            for (size_t i = 0; i < ns; i++) strcat(stop_buf[k], pieces[kvs_rng_below(&rng, 6)]);
+            stops[k] = stop_buf[k];
+            json_array_append_new(stop_arr, json_string(stops[k]));
+        }
+        kvs__sb_t want;
+        kvs__sb_init(&want);
+        int stopped;
+        expected_text(prompt, max_tokens, stops, n_stops, &want, &stopped);
+        for (int stream = 0; stream < 2; stream++) {
+            json_t *req = json_pack("{s:s, s:i, s:O, s:b}", "prompt", prompt, "max_tokens",
+                                    (int) max_tokens, "stop", stop_arr, "stream", stream);
+            char *body = json_dumps(req, JSON_COMPACT);
+            json_decref(req);
+            http_resp_t r = {0};
+            http_call(f.port, NULL, "/v1/completions", body, &r);
+            kvs_free(body);
+            if (r.status != 200)
+                fail_msg("seed %llu iteration %llu: status %ld", (unsigned long long) seed,
+                         (unsigned long long) it, r.status);
+            kvs__sb_t got;
+            kvs__sb_init(&got);
+            const char *finish = NULL;
+            json_t *last = NULL;
+            if (stream) {
+                char *ev[128];
+                size_t n = sse_split(&r.body, ev, 128);
+                for (size_t i = 0; i + 1 < n; i++) {
+                    json_t *c = json_loads(ev[i], 0, NULL);
+                    assert_non_null(c);
+                    kvs__sb_puts(&got, str_at(c, "choices.0.text"));
+                    json_decref(last);
+                    last = c;
+                }
+            } else {
+                last = http_json(&r);
+                kvs__sb_puts(&got, str_at(last, "choices.0.text"));
+            }
+            kvs__sb_append(&got, "", 0);
+            finish = str_at(last, "choices.0.finish_reason");
+            if (strcmp(got.ptr, want.ptr) != 0 || strcmp(finish, stopped ? "stop" : "length") != 0)
+                fail_msg("seed %llu iteration %llu (%s): '%s' %s, expected '%s' %s",
+                         (unsigned long long) seed, (unsigned long long) it,
+                         stream ? "stream" : "plain", got.ptr, finish, want.ptr,
+                         stopped ? "stop" : "length");
+            json_decref(last);
+            kvs__sb_fini(&got);
+            http_resp_fini(&r);
+        }
+        json_decref(stop_arr);
+        kvs__sb_fini(&want);
+    }
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    uint16_t port;
+    int index;
+    char error[256]; /* "" when every answer was right */
+} client_arg_t;
+
+/* The text of a streamed answer, without cmocka asserts (this runs on client threads):
+ * returns 0 on a framing or JSON problem. */
+static int stream_text(kvs__sb_t *body, char *text, size_t cap)
+{
+    text[0] = '\0';
+    char *p = body->ptr;
+    char *end = body->ptr + body->len;
+    int done = 0;
+    while (p < end) {
+        char *sep = strstr(p, "\n\n");
+        if (strncmp(p, "data: ", 6) != 0 || sep == NULL || done) return 0;
+        *sep = '\0';
+        if (strcmp(p + 6, "[DONE]") == 0) {
+            done = 1;
+        } else {
+            json_t *c = json_loads(p + 6, 0, NULL);
+            const char *t = c ? str_at(c, "choices.0.text") : NULL;
+            if (t == NULL || strlen(text) + strlen(t) >= cap) {
+                json_decref(c);
+                return 0;
+            }
+            strcat(text, t);
+            json_decref(c);
+        }
+        p = sep + 2;
+    }
+    return done;
+}
+
+static void *client_thread(void *p)
+{
+    client_arg_t *a = p;
+    a->error[0] = '\0';
+    for (int k = 0; k < 5 && a->error[0] == '\0'; k++) {
+        char prompt[32], body[160], want[64], text[64] = "";
+        snprintf(prompt, sizeof(prompt), "t%dr%d-", a->index, k);
+        int stream = (a->index + k) % 2;
+        snprintf(body, sizeof(body), "{\"prompt\":\"%s\",\"max_tokens\":20,\"stream\":%s}", prompt,
+                 stream ? "true" : "false");
+        echo(prompt, 20, want);
+        http_resp_t r = {0};
+        http_call(a->port, NULL, "/v1/completions", body, &r);
+        if (r.status != 200) {
+            snprintf(a->error, sizeof(a->error), "request %d: status %ld (curl %d)", k, r.status,
+                     (int) r.result);
+        } else if (stream) {
+            if (!stream_text(&r.body, text, sizeof(text)))
+                snprintf(a->error, sizeof(a->error), "request %d: bad stream", k);
+        } else {
+            json_t *j = json_loadb(r.body.ptr, r.body.len, 0, NULL);
+            const char *t = j ? str_at(j, "choices.0.text") : NULL;
+            snprintf(text, sizeof(text), "%s", t ? t : "(none)");
+            json_decref(j);
+        }
+        if (a->error[0] == '\0' && strcmp(text, want) != 0)
+            snprintf(a->error, sizeof(a->error), "request %d: '%s', expected '%s'", k, text, want);
+        http_resp_fini(&r);
+    }
+    return NULL;
+}
+
+static void test_concurrent_clients(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 200000};
+    fixture_t f;
+    start(&f, &fc);
+    pthread_t th[8];
+    client_arg_t args[8];
+    for (int i = 0; i < 8; i++) {
+        args[i] = (client_arg_t){f.port, i, ""};
+        assert_int_equal(pthread_create(&th[i], NULL, client_thread, &args[i]), 0);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(th[i], NULL);
+        if (args[i].error[0]) fail_msg("client %d: %s", i, args[i].error);
+    }
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(f.fake, &c);
+    assert_int_equal(c.submitted, 40);
+    assert_int_equal(c.completed, 40);
+    assert_int_equal(c.live, 0);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static void test_backend_failure(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.fail_at = 3};
+    fixture_t f;
+    start(&f, &fc);
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"xyz\",\"max_tokens\":10,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    assert_true(n >= 3);
+    char text[64];
+    sse_concat(ev, n - 3, "choices.0.text", text);
+    assert_string_equal(text, "xy");
+    json_t *fin = json_loads(ev[n - 3], 0, NULL);
+    assert_string_equal(str_at(fin, "choices.0.finish_reason"), "error");
+    json_decref(fin);
+    json_t *err = json_loads(ev[n - 2], 0, NULL);
+    assert_string_equal(str_at(err, "error.type"), "server_error");
+    assert_non_null(strstr(str_at(err, "error.message"), "generation failed"));
+    json_decref(err);
+    http_resp_fini(&r);
+
+    http_call(f.port, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":10}", &r);
+    expect_error_json(&r, 500, "server_error", NULL);
+    http_resp_fini(&r);
+
+    /* The server keeps serving. */
+    kvs_server_fake_set_fail_at(f.fake, 0);
+    json_t *j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "xyzx");
+    json_decref(j);
+    http_resp_fini(&r);
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(f.fake, &c);
+    assert_int_equal(c.failed, 2);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    kvs_server_fake_t *fake;
+    uint64_t room;
+} room_arg_t;
+
+static int room_cancelled(void *p)
+{
+    room_arg_t *a = p;
+    kvs_server_fake_record_t rec;
+    return kvs_server_fake_record(a->fake, a->room, &rec) == KVS_OK && rec.cancelled && rec.done;
+}
+
+static void test_client_disconnect(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 2000000};
+    fixture_t f;
+    start(&f, &fc);
+    http_resp_t r = {.hang_up_after = 300};
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abcdefgh\",\"max_tokens\":240,\"stream\":true}", &r);
+    assert_int_equal(r.result, CURLE_WRITE_ERROR);
+    assert_int_equal(r.status, 200);
+    const char *id = strstr(r.body.ptr, "\"cmpl-");
+    assert_non_null(id);
+    room_arg_t a = {f.fake, strtoull(id + 6, NULL, 16)};
+    http_resp_fini(&r);
+    assert_true(wait_until(room_cancelled, &a, 3000));
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, a.room, &rec), KVS_OK);
+    assert_true(rec.generated < 240);
+    assert_int_equal(rec.finish, KVS_SERVER_FINISH_STOP);
+
+    /* And a non-streaming request still works afterwards. */
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":3}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    const char *method;
+    const char *path;
+    const char *body;
+    long status;
+    const char *param;
+} bad_case_t;
+
+static void test_bad_inputs(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    char long_prompt[400];
+    memset(long_prompt, 'a', 300);
+    long_prompt[300] = '\0';
+    char too_long[420];
+    snprintf(too_long, sizeof(too_long), "{\"prompt\":\"%s\"}", long_prompt);
+    static char huge[10000];
+    memset(huge, ' ', sizeof(huge) - 1);
+    huge[0] = '{';
+    huge[sizeof(huge) - 2] = '}';
+    huge[sizeof(huge) - 1] = '\0';
+    const bad_case_t cases[] = {
+        {NULL, "/v1/completions", "{", 400, NULL},
+        {NULL, "/v1/completions", "", 400, NULL},
+        {NULL, "/v1/completions", "[1,2]", 400, NULL},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"foo\":1}", 400, "foo"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"messages\":[]}", 400, "messages"},
+        {NULL, "/v1/completions", "{\"prompt\":5}", 400, "prompt"},
+        {NULL, "/v1/completions", "{}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":\"\"}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":[]}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":[1,99999]}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":[1,-1]}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":[\"a\",\"b\"]}", 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":-0.1}", 400, "temperature"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":2.5}", 400, "temperature"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":\"hot\"}", 400, "temperature"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"top_p\":0}", 400, "top_p"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"top_p\":1.5}", 400, "top_p"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":0}", 400, "max_tokens"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 400, "max_tokens"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":1.5}", 400, "max_tokens"},
+        {NULL, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":254}", 400, "max_tokens"},
+        {NULL, "/v1/completions", too_long, 400, "prompt"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":2}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":5}", 400, "logprobs"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"echo\":true}", 400, "echo"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"best_of\":3}", 400, "best_of"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stream\":\"yes\"}", 400, "stream"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stop\":5}", 400, "stop"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stop\":[\"a\",\"\"]}", 400, "stop[1]"},
+        {NULL, "/v1/completions",
+         "{\"prompt\":\"x\",\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\","
+         "\"f\",\"g\",\"h\",\"i\",\"j\",\"k\",\"l\",\"m\",\"n\",\"o\","
+         "\"p\",\"q\"]}",
+         400, "stop"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}",
+         400, "stream_options"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"presence_penalty\":3}", 400,
+         "presence_penalty"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logit_bias\":{\"1\":5}}", 400, "logit_bias"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"seed\":\"s\"}", 400, "seed"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stop_token_ids\":[300]}", 400,
+         "stop_token_ids"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"kvstage\":{\"room\":1,\"role\":\"x\"}}", 400,
+         "kvstage.role"},
+        {NULL, "/v1/completions",
+         "{\"prompt\":\"x\",\"kvstage\":{\"room\":1,\"role\":\"decode\",\"zz\":1}}", 400,
+         "kvstage.zz"},
+        {NULL, "/v1/completions",
+         "{\"prompt\":\"x\",\"kvstage\":{\"room\":-1,\"role\":\"decode\"}}", 400, "kvstage.room"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"model\":\"other\"}", 404, "model"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"model\":3}", 400, "model"},
+        {NULL, "/v1/chat/completions", "{}", 400, "messages"},
+        {NULL, "/v1/chat/completions", "{\"messages\":[]}", 400, "messages"},
+        {NULL, "/v1/chat/completions", "{\"messages\":{}}", 400, "messages"},
+        {NULL, "/v1/chat/completions", "{\"messages\":[1]}", 400, "messages[0]"},
+        {NULL, "/v1/chat/completions", "{\"messages\":[{\"role\":\"bot\",\"content\":\"x\"}]}", 400,
+         "messages[0].role"},
+        {NULL, "/v1/chat/completions", "{\"messages\":[{\"content\":\"x\"}]}", 400,
+         "messages[0].role"},
+        {NULL, "/v1/chat/completions", "{\"messages\":[{\"role\":\"user\"}]}", 400,
+         "messages[0].content"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400,
+         "messages[0].content"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"x\":1}]}", 400, "messages[0].x"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}", 400, "prompt"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", 400, "tools"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":"
+         "{\"type\":\"json_object\"}}",
+         400, "response_format"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}", 400,
+         "max_completion_tokens"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+         "\"logprobs\":true}",
+         400, "logprobs"},
+        {NULL, "/internal/match", "{\"prompt\":7}", 400, "prompt"},
+        {"GET", "/v1/completions", NULL, 405, NULL},
+        {"PUT", "/v1/chat/completions", "{}", 405, NULL},
+        {"POST", "/health", "{}", 405, NULL},
+        {"DELETE", "/metrics", NULL, 405, NULL},
+        {"GET", "/nope", NULL, 404, NULL},
+        {NULL, "/v1/nope", "{}", 404, NULL},
+        {NULL, "/v1/completions", huge, 413, NULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const bad_case_t *c = &cases[i];
+        http_resp_t r = {0};
+        http_call(f.port, c->method, c->path, c->body, &r);
+        if (r.status != c->status)
+            fail_msg("case %zu (%s %s %.60s): status %ld, expected %ld: %s", i,
+                     c->method ? c->method : "POST", c->path, c->body ? c->body : "", r.status,
+                     c->status, r.body.ptr);
+        expect_error_json(&r, c->status, "invalid_request_error", c->param);
+        if (c->status == 405)
+            assert_string_equal(r.allow, strstr(c->path, "/v1/") ? "POST" : "GET");
+        http_resp_fini(&r);
+    }
+    kvs_server_fake_counts_t counts;
+    kvs_server_fake_counts(f.fake, &counts);
+    assert_int_equal(counts.submitted, 0);
+
+    /* Neutral values of the compatibility fields are accepted; the server kept serving. */
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"x\",\"n\":1,\"user\":\"u\",\"logprobs\":null,\"echo\":false,"
+              "\"best_of\":1,\"suffix\":null,\"presence_penalty\":0.5,\"frequency_penalty\":-1,"
+              "\"logit_bias\":{},\"seed\":42,\"stop\":null,\"model\":null,\"max_tokens\":1}",
+              &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    json_t *j =
+        call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"developer\",\"content\":\"d\",\"name\":\"n\"}],"
+                "\"logprobs\":false,\"top_logprobs\":0,\"tools\":[],\"tool_choice\":\"none\","
+                "\"response_format\":{\"type\":\"text\"},\"parallel_tool_calls\":true,"
+                "\"store\":false,\"metadata\":{},\"max_tokens\":2}",
+                &r);
+    assert_string_equal(str_at(j, "choices.0.message.content"), "sy"); /* developer = system */
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static void test_health(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.body.ptr, "{\"status\":\"ok\"}");
+    http_resp_fini(&r);
+    kvs_server_fake_set_healthy(f.fake, 0);
+    http_call(f.port, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 503);
+    json_t *j = http_json(&r);
+    assert_string_equal(str_at(j, "status"), "unavailable");
+    json_decref(j);
+    http_resp_fini(&r);
+    kvs_server_fake_set_healthy(f.fake, 1);
+    http_call(f.port, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+
+    j = call_ok(f.port, "/v1/models", NULL, &r);
+    assert_string_equal(str_at(j, "object"), "list");
+    assert_string_equal(str_at(j, "data.0.id"), MODEL);
+    assert_string_equal(str_at(j, "data.0.object"), "model");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    j = call_ok(f.port, "/internal/info", NULL, &r);
+    assert_string_equal(str_at(j, "role"), "prefill");
+    assert_string_equal(str_at(j, "bootstrap"), "tcp://10.0.0.1:5555");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* /internal/match answers from the backend's prefix cache. */
+    j = call_ok(f.port, "/internal/match", "{\"prompt\":\"the cat sat\"}", &r);
+    assert_int_equal(int_at(j, "cached_tokens"), 0);
+    assert_int_equal(int_at(j, "prompt_tokens"), 11);
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"the cat sat\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/internal/match", "{\"prompt\":\"the cat ran\",\"max_tokens\":2}", &r);
+    assert_int_equal(int_at(j, "cached_tokens"), 8);
+    json_decref(j);
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/internal/match", "{\"messages\":[{\"role\":\"user\",\"content\":\"z\"}]}",
+                &r);
+    assert_int_equal(int_at(j, "prompt_tokens"), 19); /* "user: z\nassistant: " */
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+static double fetch_metric(uint16_t port, const char *key, char **text_p)
+{
+    http_resp_t r = {0};
+    http_call(port, NULL, "/metrics", NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_true(strncmp(r.ctype, "text/plain", 10) == 0);
+    expect_prometheus(r.body.ptr);
+    double v = metric_value(r.body.ptr, key);
+    if (text_p)
+        *text_p = kvs__sb_take(&r.body);
+    else
+        http_resp_fini(&r);
+    return v;
+}
+
+static int server_quiet(void *arg)
+{
+    char *text = NULL;
+    if (kvs_server_metrics(arg, &text) != KVS_OK) return 0;
+    int quiet = metric_value(text, "kvstage_requests_live") == 0;
+    kvs_free(text);
+    return quiet;
+}
+
+static void test_metrics(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 500000};
+    fixture_t f;
+    start(&f, &fc);
+    char *before = NULL;
+    double ok0 = fetch_metric(f.port, "kvstage_http_requests_total{code=\"200\"}", &before);
+    assert_true(ok0 >= 0);
+    double gen0 = metric_value(before, "kvstage_generation_tokens_total");
+    double prompt0 = metric_value(before, "kvstage_prompt_tokens_total");
+    double ttft0 = expect_histogram(before, "kvstage_time_to_first_token_seconds");
+    double itl0 = expect_histogram(before, "kvstage_inter_token_latency_seconds");
+    assert_true(metric_value(before, "kvstage_ring_capacity_bytes") > 0);
+    kvs_free(before);
+
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":6}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abcd\",\"max_tokens\":4,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"x\",\"top_p\":9}", &r);
+    assert_int_equal(r.status, 400);
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"pp\",\"max_tokens\":3,\"kvstage\":{\"room\":77,\"role\":\"decode\","
+              "\"bootstrap\":\"tcp://b\"}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+
+    /* A request leaves the live list just after its answer went out. */
+    assert_true(wait_until(server_quiet, f.srv, 2000));
+    char *after = NULL;
+    double ok1 = fetch_metric(f.port, "kvstage_http_requests_total{code=\"200\"}", &after);
+    /* The three generations and the first /metrics itself. */
+    assert_true(ok1 == ok0 + 4);
+    assert_true(metric_value(after, "kvstage_http_requests_total{code=\"400\"}") == 1);
+    assert_true(metric_value(after, "kvstage_generation_tokens_total") == gen0 + 13);
+    assert_true(metric_value(after, "kvstage_prompt_tokens_total") == prompt0 + 9);
+    assert_true(metric_value(after, "kvstage_requests_finished_total{reason=\"length\"}") == 3);
+    assert_true(expect_histogram(after, "kvstage_time_to_first_token_seconds") == ttft0 + 3);
+    assert_true(expect_histogram(after, "kvstage_inter_token_latency_seconds") == itl0 + 10);
+    assert_true(expect_histogram(after, "kvstage_request_duration_seconds") == 3);
+    assert_true(expect_histogram(after, "kvstage_kv_transfer_seconds") == 1);
+    assert_true(metric_value(after, "kvstage_kv_bytes_total") == 2 * 1024);
+    assert_true(metric_value(after, "kvstage_requests_live") == 0);
+    kvs_free(after);
+
+    /* kvs_server_metrics gives the same text without HTTP. */
+    char *text = NULL;
+    assert_int_equal(kvs_server_metrics(f.srv, &text), KVS_OK);
+    expect_prometheus(text);
+    kvs_free(text);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* ---- the real tokenizer behind the adapter ---- */
+
+/* GPT-2's byte-to-unicode mapping for one byte, as stored token text. */
+static void stored_byte(int b, char out[3])
+{
+    int direct = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+    int cp = b;
+    if (!direct) {
+        cp = 256;
+        for (int i = 0; i < b; i++)
+            cp += !((i >= 33 && i <= 126) || (i >= 161 && i <= 172) || i >= 174);
+    }
+    if (cp < 0x80) {
+        out[0] = (char) cp;
+        out[1] = 0;
+    } else {
+        out[0] = (char) (0xC0 | cp >> 6);
+        out[1] = (char) (0x80 | (cp & 0x3F));
+        out[2] = 0;
+    }
+}
+
+static void test_real_tokenizer(void **state)
+{
+    (void) state;
+    /* ids 0, 1: <|im_start|>, <|im_end|> (control, 1 is the EOS); then bytes 0x00..0x7F. */
+    static char bytes[128][3];
+    kvs_tokenizer_str_t tokens[130];
+    int32_t types[130];
+    tokens[0] = (kvs_tokenizer_str_t){"<|im_start|>", 12};
+    tokens[1] = (kvs_tokenizer_str_t){"<|im_end|>", 10};
+    types[0] = types[1] = KVS_TOKEN_CONTROL;
+    for (int b = 0; b < 128; b++) {
+        stored_byte(b, bytes[b]);
+        tokens[2 + b] = (kvs_tokenizer_str_t){bytes[b], strlen(bytes[b])};
+        types[2 + b] = KVS_TOKEN_NORMAL;
+    }
+    kvs_tokenizer_vocab_t vocab = {.n_tokens = 130, .tokens = tokens, .types = types, .eos = 1};
+    kvs_tokenizer_t *tok;
+    assert_int_equal(kvs_tokenizer_create(&vocab, &tok), KVS_OK);
+    kvs_server_tokenizer_t st;
+    assert_int_equal(kvs_server_tokenizer_from(tok, &st), KVS_OK);
+    assert_int_equal(st.vocab_size, 130);
+    assert_int_equal(st.eos, 1);
+    fixture_t f;
+    start_with(&f, NULL, 256, 4096, st);
+    /* ChatML: "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"; the echo starts with
+     * <|im_start|> (rendered as nothing), then "user\nhi", then <|im_end|>, the EOS. */
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/chat/completions",
+                        "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
+    assert_string_equal(str_at(j, "choices.0.message.content"), "user\nhi");
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    assert_int_equal(int_at(j, "usage.prompt_tokens"), 1 + 5 + 2 + 1 + 1 + 1 + 10);
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 9);
+    json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_tokenizer_destroy(tok);
+    kvs_assert_no_leaks();
+}
+
+typedef struct {
+    uint16_t port;
+    const char *body;
+    http_resp_t resp;
+} pending_arg_t;
+
+static void *pending_thread(void *p)
+{
+    pending_arg_t *a = p;
+    http_call(a->port, NULL, "/v1/completions", a->body, &a->resp);
+    return NULL;
+}
+
+static int fake_has_live(void *arg)
+{
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(arg, &c);
+    return c.live == 2;
+}
+
+static void test_shutdown_in_flight(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 5000000};
+    fixture_t f;
+    start(&f, &fc);
+    pending_arg_t plain = {f.port, "{\"prompt\":\"slow\",\"max_tokens\":250}", {0}};
+    pending_arg_t streamed = {
+        f.port, "{\"prompt\":\"slow\",\"max_tokens\":250,\"stream\":true}", {0}};
+    pthread_t t1, t2;
+    assert_int_equal(pthread_create(&t1, NULL, pending_thread, &plain), 0);
+    assert_int_equal(pthread_create(&t2, NULL, pending_thread, &streamed), 0);
+    assert_true(wait_until(fake_has_live, f.fake, 3000));
+    sleep_ms(20);
+    uint64_t t0 = kvs_now_ns();
+    kvs_server_destroy(f.srv);
+    assert_true(kvs_now_ns() - t0 < 2000000000u);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    expect_error_json(&plain.resp, 503, "server_error", NULL);
+    char *ev[300];
+    size_t n = sse_split(&streamed.resp.body, ev, 300);
+    assert_true(n >= 3);
+    json_t *err = json_loads(ev[n - 2], 0, NULL);
+    assert_non_null(strstr(str_at(err, "error.message"), "shutting down"));
+    json_decref(err);
+    http_resp_fini(&plain.resp);
+    http_resp_fini(&streamed.resp);
+    kvs_server_fake_destroy(f.fake);
+    kvs_assert_no_leaks();
+}
+
+static void test_overload_and_config(void **state)
+{
+    (void) state;
+    /* The backend refusing a request (full): 503. */
+    kvs_server_fake_config_t fc = {.token_delay_ns = 3000000, .max_live = 1};
+    fixture_t f;
+    start(&f, &fc);
+    pending_arg_t slow = {f.port, "{\"prompt\":\"s\",\"max_tokens\":60}", {0}};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, pending_thread, &slow), 0);
+    kvs_server_fake_counts_t c;
+    do {
+        sleep_ms(2);
+        kvs_server_fake_counts(f.fake, &c);
+    } while (c.live == 0);
+    http_resp_t r = {0};
+    kvs_log_capture_t refused = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &refused);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":2}", &r);
+    kvs_log_set_sink(NULL, NULL);
+    assert_non_null(strstr(refused.msg, "refused"));
+    expect_error_json(&r, 503, "server_error", NULL);
+    http_resp_fini(&r);
+    pthread_join(t, NULL);
+    assert_int_equal(slow.resp.status, 200);
+    http_resp_fini(&slow.resp);
+    stop(&f);
+
+    /* Bad configurations. */
+    kvs_server_config_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    kvs_server_t *srv = NULL;
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    assert_int_equal(kvs_server_create(&cfg, &srv), KVS_ERR_INVALID);
+    assert_int_equal(kvs_server_create(NULL, &srv), KVS_ERR_INVALID);
+    kvs_server_fake_t *fake;
+    assert_int_equal(kvs_server_fake_create(NULL, &fake), KVS_OK);
+    cfg.backend = kvs_server_fake_backend(fake);
+    assert_int_equal(kvs_server_create(&cfg, &srv), KVS_ERR_INVALID); /* no tokenizer */
+    cfg.tokenizer = kvs_server_byte_tokenizer();
+    cfg.host = "not-an-address";
+    assert_int_equal(kvs_server_create(&cfg, &srv), KVS_ERR_INVALID);
+    cfg.host = "127.0.0.1";
+    assert_int_equal(kvs_server_create(&cfg, &srv), KVS_OK);
+    kvs_server_config_t same = cfg;
+    same.port = kvs_server_port(srv);
+    kvs_server_t *srv2 = NULL;
+    assert_int_equal(kvs_server_create(&same, &srv2), KVS_ERR_IO); /* port taken */
+    assert_null(srv2);
+    kvs_log_set_sink(NULL, NULL);
+    assert_true(cap.calls >= 5);
+    kvs_server_destroy(srv);
+    kvs_server_fake_destroy(fake);
+    kvs_assert_no_leaks();
+}
+
+int main(void)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    kvs__json_init();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_completion),
+        cmocka_unit_test(test_chat),
+        cmocka_unit_test(test_stream_completion),
+        cmocka_unit_test(test_stream_chat),
+        cmocka_unit_test(test_stop_strings),
+        cmocka_unit_test(test_stream_property),
+        cmocka_unit_test(test_concurrent_clients),
+        cmocka_unit_test(test_backend_failure),
+        cmocka_unit_test(test_client_disconnect),
+        cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_health),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_real_tokenizer),
+        cmocka_unit_test(test_shutdown_in_flight),
+        cmocka_unit_test(test_overload_and_config),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    curl_global_cleanup();
+    return rc;
+}

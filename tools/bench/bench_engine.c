@@ -1,0 +1,285 @@
+/* `kvstage bench engine`: runs `kvstage generate --json` deployments of SmolLM2 and of a seeded
+ * Llama shape, colocated and disaggregated (every rank a process, the KV through kvstage), one
+ * request after another with the radix caches off so every prompt is computed and moved whole,
+ * and reports the medians of prefill and decode tokens/s, time to first token and the share of
+ * it the KV transfer took. */
+#include "bench/bench_engine.h"
+#include "bench/bench_util.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/args.h"
+#include "common/json.h"
+#include "kvstage/alloc.h"
+#include "model/gguf.h"
+#include "kvstage/rng.h"
+#include "common/spawn.h"
+
+#define MAX_RUNS 32
+#define SEEDED   "8,512,1536,8,8,64,4096" /* layers, dim, ffn, heads, kv heads, head dim, vocab */
+
+typedef struct {
+    const char *model; /* label */
+    int seeded;
+    uint32_t prefill_tp, decode_tp; /* colocated: prefill_tp is the instance's TP */
+    int colocated;
+} config_t;
+
+typedef struct {
+    double prefill_tok_s, decode_tok_s, ttft_ms, transfer_ms, share, kv_bytes, load_s;
+    int ok;
+} row_t;
+
+static const config_t configs[] = {
+    {"SmolLM2-135M", 0, 1, 1, 1},  {"SmolLM2-135M", 0, 1, 1, 0},  {"SmolLM2-135M", 0, 3, 1, 0},
+    {"seeded 8L/512", 1, 1, 1, 1}, {"seeded 8L/512", 1, 1, 1, 0}, {"seeded 8L/512", 1, 2, 1, 0},
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *) a, y = *(const double *) b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    if (n == 0) return 0;
+    qsort(v, (size_t) n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static double num_after(const char *from, const char *key, const char **end_p)
+{
+    const char *p = strstr(from, key);
+    if (p == NULL) return -1;
+    char *end;
+    double v = strtod(p + strlen(key), &end);
+    if (end_p) *end_p = end;
+    return v;
+}
+
+/* Runs the tool with argv and returns its stdout (kvs_free it), or NULL if it failed. */
+static char *run_tool(char **argv)
+{
+    kvs_spawned_t k;
+    if (kvs_spawn_self("bench engine", argv, KVS_SPAWN_INHERIT, KVS_SPAWN_PIPE, &k) != 0)
+        return NULL;
+    size_t len = 0, cap = 1 << 16;
+    char *out = kvs_malloc(cap);
+    for (;;) {
+        if (out != NULL && len + 4096 > cap) {
+            char *p = kvs_realloc(out, cap * 2);
+            if (p == NULL) {
+                kvs_free(out);
+                out = NULL;
+            } else {
+                out = p;
+                cap *= 2;
+            }
+        }
+        char sink[4096];
+        char *dst = out ? out + len : sink;
+        ssize_t n = read(k.out_fd, dst, out ? cap - len - 1 : sizeof(sink));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        if (out) len += (size_t) n;
+    }
+    close(k.out_fd);
+    int status = 0;
+    while (waitpid(k.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (out != NULL) out[len] = '\0';
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        kvs_free(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* One deployment serving `runs` distinct random prompts one after another. */
+static row_t measure(const config_t *c, uint32_t runs, uint32_t prompt_len, uint32_t max_tokens,
+                     uint64_t seed)
+{
+    row_t row;
+    memset(&row, 0, sizeof(row));
+    char *args[32 + 2 * MAX_RUNS];
+    char *ids[MAX_RUNS];
+    char num[4][16];
+    int n = 0;
+    args[n++] = "kvstage";
+    args[n++] = "generate";
+    args[n++] = "--json";
+    args[n++] = "--prefill-radix";
+    args[n++] = "off";
+    args[n++] = "--decode-radix";
+    args[n++] = "off";
+    args[n++] = "--max-tokens";
+    snprintf(num[0], sizeof(num[0]), "%u", max_tokens);
+    args[n++] = num[0];
+    if (c->seeded) {
+        args[n++] = "--seeded";
+        args[n++] = SEEDED;
+    }
+    snprintf(num[1], sizeof(num[1]), "%u", c->prefill_tp);
+    snprintf(num[2], sizeof(num[2]), "%u", c->decode_tp);
+    if (c->colocated) {
+        args[n++] = "--colocated";
+        args[n++] = "--tp";
+        args[n++] = num[1];
+    } else {
+        args[n++] = "--prefill-tp";
+        args[n++] = num[1];
+        args[n++] = "--decode-tp";
+        args[n++] = num[2];
+    }
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    uint32_t made = 0;
+    for (; made < runs; made++) {
+        ids[made] = kvs_malloc((size_t) prompt_len * 6 + 1);
+        if (ids[made] == NULL) break;
+        size_t at = 0;
+        /* Ids both vocabularies share, past SmolLM2's control tokens. */
+        for (uint32_t i = 0; i < prompt_len; i++)
+            at += (size_t) sprintf(ids[made] + at, "%s%u", i ? "," : "",
+                                   (unsigned) kvs_rng_range(&rng, 256, 4095));
+        args[n++] = "--prompt-ids";
+        args[n++] = ids[made];
+    }
+    args[n] = NULL;
+    char *out = made == runs ? run_tool(args) : NULL;
+    for (uint32_t i = 0; i < made; i++) kvs_free(ids[i]);
+    if (out == NULL) return row;
+    double pre[MAX_RUNS], dec[MAX_RUNS], ttft[MAX_RUNS], xfer[MAX_RUNS], share[MAX_RUNS];
+    int np = 0, nd = 0;
+    const char *p = strstr(out, "\"requests\":[");
+    while (p != NULL && (p = strstr(p, "{\"room\":")) != NULL && np < MAX_RUNS) {
+        double gen = num_after(p, "\"generated\":", NULL);
+        double prompt = num_after(p, "\"prompt_tokens\":", NULL);
+        double pms = num_after(p, "\"prefill_ms\":", NULL);
+        double dms = num_after(p, "\"decode_ms\":", NULL);
+        ttft[np] = num_after(p, "\"ttft_ms\":", NULL);
+        xfer[np] = num_after(p, "\"transfer_ms\":", NULL);
+        share[np] = num_after(p, "\"transfer_share\":", NULL);
+        row.kv_bytes = num_after(p, "\"kv_bytes\":", &p);
+        pre[np++] = pms > 0 ? prompt / (pms / 1e3) : 0;
+        if (gen > 1 && dms > 0) dec[nd++] = (gen - 1) / (dms / 1e3);
+    }
+    row.load_s = num_after(out, "\"load_s\":", NULL);
+    row.ok = np == (int) runs;
+    row.prefill_tok_s = median(pre, np);
+    row.decode_tok_s = median(dec, nd);
+    row.ttft_ms = median(ttft, np);
+    row.transfer_ms = median(xfer, np);
+    row.share = median(share, np);
+    kvs_free(out);
+    return row;
+}
+
+int kvs_bench_engine(int argc, char **argv)
+{
+    uint32_t runs = 3, prompt_len = 128, max_tokens = 32;
+    uint64_t seed = 1;
+    int json = 0, only = 0;
+    const kvs_arg_t args[] = {
+        {"runs", KVS_ARG_U32, &runs, "requests per deployment, the median is reported (3)", NULL,
+         NULL},
+        {"prompt-len", KVS_ARG_U32, &prompt_len, "prompt tokens (128)", NULL, NULL},
+        {"max-tokens", KVS_ARG_U32, &max_tokens, "tokens generated per request (32)", NULL, NULL},
+        {"seed", KVS_ARG_U64, &seed, "seed of the random prompts", NULL, NULL},
+        {"only", KVS_ARG_CHOICE, &only, "which models", "all|smollm2|seeded", NULL},
+        {"json", KVS_ARG_FLAG, &json, "one JSON object", NULL, NULL},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int rc = kvs_args_parse("kvstage bench engine [flags]", args, nargs, argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (runs == 0 || runs > MAX_RUNS || prompt_len == 0 || prompt_len > 2048 || max_tokens < 2) {
+        fprintf(stderr, "error: --runs 1..%d, --prompt-len 1..2048, --max-tokens >= 2\n", MAX_RUNS);
+        return 2;
+    }
+    char cpu[256], path[4096];
+    long cores = 0;
+    kvs_bench_cpu_info(cpu, sizeof(cpu), &cores);
+    int have_smol = only != 2 && kvs_model_default_path(path, sizeof(path)) == KVS_OK;
+    if (only == 1 && !have_smol) return 1;
+    if (!json) {
+        printf("kvstage bench engine: the reference engine (f32, CPU), colocated vs disaggregated "
+               "through kvstage\nhardware: %s, %ld cores; every rank a process, ranks of both "
+               "instances share the cores\n%u-token prompts, %u new tokens, radix caches off, "
+               "median of %u requests served one after another\n%s\n",
+               cpu, cores, prompt_len, max_tokens, runs,
+               have_smol || only == 2 ? ""
+                                      : "(SmolLM2 not found: run scripts/setup.sh; its rows are "
+                                        "skipped)\n");
+        printf("%-14s %-15s %14s %13s %10s %12s %7s %10s\n", "model", "deployment", "prefill tok/s",
+               "decode tok/s", "TTFT ms", "transfer ms", "share", "KV/req KiB");
+        fflush(stdout);
+    }
+    kvs_json_t j;
+    if (json) {
+        kvs_json_begin(&j, stdout);
+        kvs_json_str(&j, "cpu", cpu);
+        kvs_json_u64(&j, "cores", (uint64_t) cores);
+        kvs_json_u64(&j, "prompt_tokens", prompt_len);
+        kvs_json_u64(&j, "new_tokens", max_tokens);
+        kvs_json_u64(&j, "runs", runs);
+        kvs_json_str(&j, "seeded_shape", SEEDED);
+        kvs_json_array_begin(&j, "rows");
+    }
+    int failed = 0;
+    for (size_t i = 0; i < sizeof(configs) / sizeof(configs[0]); i++) {
+        const config_t *c = &configs[i];
+        if ((c->seeded && only == 1) || (!c->seeded && (only == 2 || !have_smol))) continue;
+        char deploy[32];
+        if (c->colocated)
+            snprintf(deploy, sizeof(deploy), "colocated TP%u", c->prefill_tp);
+        else
+            snprintf(deploy, sizeof(deploy), "TP%u -> TP%u", c->prefill_tp, c->decode_tp);
+        row_t r = measure(c, runs, prompt_len, max_tokens, seed);
+        failed |= !r.ok;
+        if (json) {
+            kvs_json_object_begin(&j, NULL);
+            kvs_json_str(&j, "model", c->model);
+            kvs_json_str(&j, "deployment", deploy);
+            kvs_json_bool(&j, "colocated", c->colocated);
+            kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
+            kvs_json_u64(&j, "decode_tp", c->colocated ? c->prefill_tp : c->decode_tp);
+            kvs_json_bool(&j, "ok", r.ok);
+            kvs_json_double(&j, "prefill_tok_s", r.prefill_tok_s);
+            kvs_json_double(&j, "decode_tok_s", r.decode_tok_s);
+            kvs_json_double(&j, "ttft_ms", r.ttft_ms);
+            kvs_json_double(&j, "transfer_ms", r.transfer_ms);
+            kvs_json_double(&j, "transfer_share", r.share);
+            kvs_json_double(&j, "kv_bytes_per_request", r.kv_bytes);
+            kvs_json_double(&j, "load_s", r.load_s);
+            kvs_json_object_end(&j);
+        } else if (!r.ok) {
+            printf("%-14s %-15s   FAILED (run `kvstage generate` with these settings to see why)\n",
+                   c->model, deploy);
+        } else if (c->colocated) {
+            printf("%-14s %-15s %14.1f %13.1f %10.1f %12s %7s %10s\n", c->model, deploy,
+                   r.prefill_tok_s, r.decode_tok_s, r.ttft_ms, "-", "-", "-");
+        } else {
+            printf("%-14s %-15s %14.1f %13.1f %10.1f %12.2f %6.1f%% %10.0f\n", c->model, deploy,
+                   r.prefill_tok_s, r.decode_tok_s, r.ttft_ms, r.transfer_ms, 100.0 * r.share,
+                   r.kv_bytes / 1024.0);
+        }
+        fflush(stdout);
+    }
+    if (json) {
+        kvs_json_array_end(&j);
+        kvs_json_bool(&j, "ok", !failed);
+        kvs_json_end(&j);
+    } else {
+        printf("\nprefill and decode tok/s: one request at a time (prefill: the prompt on the "
+               "prefill side;\ndecode: tokens after the first); TTFT: submission to the first "
+               "token on decode; transfer:\nprompt computed on prefill -> KV and first token on "
+               "every decode rank.\n");
+    }
+    return failed ? 1 : 0;
+}

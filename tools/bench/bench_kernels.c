@@ -1,0 +1,464 @@
+/* `kvstage bench kernels`: throughput of the CUDA gather and scatter kernels (staging/cuda) on
+ * real model KV shapes and page sizes, next to a device-to-device cudaMemcpy of the same bytes
+ * timed in the same run on the same stream: the ceiling a copy kernel can approach. Each row
+ * is also checked: sampled heads of the region must equal their pool pages after the gather,
+ * and the pool pages after a scatter to other pages. */
+#include "bench/bench_kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/args.h"
+
+#if KVS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kvstage/alloc.h"
+#include "kvstage/log.h"
+#include "kvstage/pool.h"
+#include "kvstage/rng.h"
+#include "staging/copy.h"
+#include "staging/cuda/copy_cuda.h"
+#endif
+
+enum { EXIT_RUN_FAILED = 1, EXIT_USAGE = 2 };
+
+#define USAGE      "kvstage bench kernels [flags]"
+#define TARGET_PCT 80.0 /* of the same-size device-to-device cudaMemcpy */
+
+#if KVS_HAVE_CUDA
+
+typedef struct {
+    const char *name;
+    uint32_t layers, kv_heads, head_dim;
+} model_t;
+
+static const model_t models[] = {
+    {"llama3-8b", 32, 8, 128},
+    {"llama3-70b", 80, 8, 128},
+};
+
+typedef struct {
+    uint32_t device, reps, warmup, samples;
+    uint64_t inline_max;
+    int inline_seen;
+    int model;  /* 0 all, else models[model - 1] */
+    int layout; /* 0 both, 1 NHD, 2 HND */
+    const char *tokens;
+    const char *pages;
+} cfg_t;
+
+#define MAX_LIST 16
+
+/* Parses "a,b,c" of positive integers; returns the count or -1. */
+static int parse_list(const char *s, uint32_t *out)
+{
+    int n = 0;
+    while (*s) {
+        char *end;
+        unsigned long v = strtoul(s, &end, 10);
+        if (end == s || v == 0 || v > (1ul << 24) || n == MAX_LIST) return -1;
+        out[n++] = (uint32_t) v;
+        if (*end == ',')
+            end++;
+        else if (*end != '\0')
+            return -1;
+        s = end;
+    }
+    return n;
+}
+
+static int cu_ok(cudaError_t err, const char *what)
+{
+    if (err == cudaSuccess) return 1;
+    fprintf(stderr, "error: %s: %s (%s)\n", what, cudaGetErrorName(err), cudaGetErrorString(err));
+    return 0;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *) a, y = *(const float *) b;
+    return (x > y) - (x < y);
+}
+
+/* What one timed operation needs: the backend (or NULL for the memcpy) and its arguments. */
+typedef struct {
+    const kvs_copy_backend_t *backend;
+    kvs_copy_dir_t dir;
+    const kvs_copy_desc_t *desc;
+    void *dst;
+    const void *src;
+    uint64_t bytes;
+} op_t;
+
+static int op_issue(const op_t *op, cudaStream_t stream, uint64_t *ticket_p)
+{
+    if (op->backend == NULL)
+        return cu_ok(cudaMemcpyAsync(op->dst, op->src, op->bytes, cudaMemcpyDeviceToDevice, stream),
+                     "cudaMemcpyAsync");
+    return kvs_copy_submit(op->backend, op->dir, op->desc, ticket_p) == KVS_OK;
+}
+
+/* Median seconds of one operation: warm-up runs, then `reps` runs back to back, each between
+ * two events on the stream the operation runs on. */
+static int op_time(const op_t *op, cudaStream_t stream, uint32_t warmup, uint32_t reps,
+                   cudaEvent_t *ev, float *ms, double *sec_p)
+{
+    uint64_t ticket = 0;
+    for (uint32_t i = 0; i < warmup; i++)
+        if (!op_issue(op, stream, &ticket)) return 0;
+    if (!cu_ok(cudaEventRecord(ev[0], stream), "cudaEventRecord")) return 0;
+    for (uint32_t i = 0; i < reps; i++) {
+        if (!op_issue(op, stream, &ticket)) return 0;
+        if (!cu_ok(cudaEventRecord(ev[i + 1], stream), "cudaEventRecord")) return 0;
+    }
+    if (!cu_ok(cudaEventSynchronize(ev[reps]), "waiting for the timed runs")) return 0;
+    if (op->backend != NULL) {
+        kvs_status_t st;
+        while ((st = kvs_copy_poll(op->backend, ticket)) == KVS_INPROGRESS) {
+        }
+        if (st != KVS_OK) return 0;
+    }
+    for (uint32_t i = 0; i < reps; i++)
+        if (!cu_ok(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "cudaEventElapsedTime"))
+            return 0;
+    qsort(ms, reps, sizeof(float), cmp_float);
+    float med = reps % 2 ? ms[reps / 2] : (ms[reps / 2 - 1] + ms[reps / 2]) / 2.0f;
+    *sec_p = med / 1e3;
+    return 1;
+}
+
+/* Compares `samples` random heads of the region with their pool pages (both on the device);
+ * returns the number that differ. */
+static uint64_t check_samples(const kvs_copy_desc_t *d, kvs_rng_t *rng, uint32_t samples)
+{
+    const uint64_t T = (uint64_t) d->npages * d->page_size;
+    uint8_t a[4096], b[4096];
+    uint64_t bad = 0;
+    for (uint32_t s = 0; s < samples; s++) {
+        uint32_t l = (uint32_t) kvs_rng_below(rng, d->layers);
+        uint32_t c = (uint32_t) kvs_rng_below(rng, d->components);
+        uint64_t t = kvs_rng_below(rng, T);
+        uint32_t h = (uint32_t) kvs_rng_below(rng, d->heads);
+        const kvs_region_t *r = &d->regions[l * d->components + c];
+        uint64_t hb = (uint64_t) r->dim * r->elem_bytes;
+        if (hb > sizeof(a)) hb = sizeof(a);
+        const uint8_t *pool =
+            kvs_region_addr(r, d->pages[t / d->page_size], t % d->page_size, d->pool_head + h);
+        const uint8_t *reg = d->region + kvs_region_block_offset(d->shape, d->heads, T, l, c) +
+                             (t * d->heads + h) * hb;
+        if (!cu_ok(cudaMemcpy(a, pool, hb, cudaMemcpyDeviceToHost), "sample download") ||
+            !cu_ok(cudaMemcpy(b, reg, hb, cudaMemcpyDeviceToHost), "sample download") ||
+            memcmp(a, b, hb) != 0)
+            bad++;
+    }
+    return bad;
+}
+
+/* Fills n device bytes with random data: one random chunk uploaded, then copied along. */
+static int fill_random(uint8_t *dev, uint64_t n, kvs_rng_t *rng)
+{
+    const uint64_t chunk = 64ull << 20;
+    uint64_t first = n < chunk ? n : chunk;
+    uint8_t *host = kvs_malloc(first);
+    if (host == NULL) return 0;
+    for (uint64_t i = 0; i + 8 <= first; i += 8) {
+        uint64_t v = kvs_rng_next(rng);
+        memcpy(host + i, &v, 8);
+    }
+    int ok = cu_ok(cudaMemcpy(dev, host, first, cudaMemcpyHostToDevice), "filling memory");
+    kvs_free(host);
+    for (uint64_t off = first; ok && off < n; off += chunk) {
+        uint64_t len = n - off < chunk ? n - off : chunk;
+        ok = cu_ok(cudaMemcpy(dev + off, dev, len, cudaMemcpyDeviceToDevice), "filling memory");
+    }
+    return ok && cu_ok(cudaDeviceSynchronize(), "filling memory");
+}
+
+/* Records what failed for the message at the end of bench_pool, then cleans up there. */
+#define FAIL(what)                                                                                 \
+    do {                                                                                           \
+        failed = (what);                                                                           \
+        goto out;                                                                                  \
+    } while (0)
+
+typedef struct {
+    int rows, rows_met, checks_failed;
+    double worst_pct;
+} totals_t;
+
+/* One (model, layout, page size): a pool sized for the largest token count, then one row per
+ * token count. */
+static int bench_pool(const cfg_t *cfg, const model_t *m, kvs_pool_layout_t layout, uint32_t P,
+                      const uint32_t *tokens, int ntokens, const kvs_copy_backend_t *gpu,
+                      kvs_rng_t *rng, totals_t *tot)
+{
+    uint32_t max_tokens = 0;
+    for (int i = 0; i < ntokens; i++)
+        if (tokens[i] > max_tokens) max_tokens = tokens[i];
+    const uint32_t num_pages = (max_tokens + P - 1) / P;
+    kvs_pool_config_t pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.shape.layers = m->layers;
+    pc.shape.kv_heads = m->kv_heads;
+    pc.shape.head_dim_k = m->head_dim;
+    pc.shape.head_dim_v = m->head_dim;
+    pc.shape.elem_bytes = 2; /* bf16 */
+    pc.shape.attn = KVS_ATTN_MHA;
+    pc.tp.tp_size = 1;
+    pc.page_size = P;
+    pc.num_pages = num_pages;
+    pc.layout = layout;
+    pc.mem = KVS_MEM_DEVICE;
+    pc.device = (int) cfg->device;
+    const uint32_t L = m->layers, C = 2, H = m->kv_heads;
+
+    int ok = 0;
+    const char *failed = "setup";
+    kvs_pool_t *pool = NULL;
+    kvs_region_t *regions = NULL;
+    uint32_t *list = NULL, *other = NULL;
+    uint8_t *region = NULL;
+    float *ms = NULL;
+    cudaEvent_t *ev = NULL;
+    uint32_t nev = 0;
+    cudaStream_t stream = (cudaStream_t) kvs_copy_cuda_stream(gpu);
+    const uint64_t max_bytes = kvs_copy_region_bytes(&pc.shape, H, (uint64_t) num_pages * P);
+
+    if (kvs_pool_create(&pc, &pool) != KVS_OK) FAIL("creating the device pool");
+    regions = kvs_calloc((size_t) L * C, sizeof(kvs_region_t));
+    list = kvs_calloc(num_pages, sizeof(uint32_t));
+    other = kvs_calloc(num_pages, sizeof(uint32_t));
+    ms = kvs_calloc(cfg->reps, sizeof(float));
+    ev = kvs_calloc(cfg->reps + 1, sizeof(cudaEvent_t));
+    if (!regions || !list || !other || !ms || !ev) {
+        FAIL("out of host memory");
+    }
+    for (uint32_t i = 0; i < L * C; i++) regions[i] = *kvs_pool_region(pool, i / C, i % C);
+    for (; nev < cfg->reps + 1; nev++)
+        if (!cu_ok(cudaEventCreate(&ev[nev]), "cudaEventCreate")) FAIL("creating events");
+    void *p = NULL;
+    if (!cu_ok(cudaMalloc(&p, max_bytes), "allocating the region")) FAIL("allocating the region");
+    region = p;
+    /* the pool's one allocation starts at the first region and holds max_bytes at least */
+    const uint64_t pool_bytes = (uint64_t) (regions[L * C - 1].base - regions[0].base) +
+                                (uint64_t) num_pages * regions[L * C - 1].page_stride;
+    if (!fill_random(regions[0].base, pool_bytes, rng) || !fill_random(region, max_bytes, rng))
+        FAIL("filling the pool and region with random bytes");
+    /* pages in a random order, as a long-running pool hands them out */
+    for (uint32_t i = 0; i < num_pages; i++) list[i] = i;
+    for (uint32_t i = num_pages; i > 1; i--) {
+        uint32_t j = (uint32_t) kvs_rng_below(rng, i), x = list[i - 1];
+        list[i - 1] = list[j];
+        list[j] = x;
+    }
+
+    for (int ti = 0; ti < ntokens; ti++) {
+        const uint32_t npages = (tokens[ti] + P - 1) / P;
+        const uint64_t T = (uint64_t) npages * P;
+        const uint64_t bytes = kvs_copy_region_bytes(&pc.shape, H, T);
+        kvs_copy_desc_t d;
+        memset(&d, 0, sizeof(d));
+        d.regions = regions;
+        d.layers = L;
+        d.components = C;
+        d.shape = &kvs_pool_config(pool)->shape;
+        d.pages = list;
+        d.npages = npages;
+        d.pool_pages = num_pages;
+        d.page_size = P;
+        d.pool_head = 0;
+        d.heads = H;
+        d.region = region;
+        d.region_bytes = bytes;
+        kvs_cuda_plan_t plan;
+        if (kvs__copy_cuda_plan(&d, &plan) != KVS_OK) FAIL("planning the copy");
+
+        double t_mem = 0, t_g = 0, t_s = 0;
+        op_t mem = {NULL, KVS_COPY_GATHER, NULL, region, regions[0].base, bytes};
+        op_t gat = {gpu, KVS_COPY_GATHER, &d, NULL, NULL, bytes};
+        op_t sca = {gpu, KVS_COPY_SCATTER, &d, NULL, NULL, bytes};
+        if (!op_time(&mem, stream, cfg->warmup, cfg->reps, ev, ms, &t_mem) ||
+            !op_time(&gat, stream, cfg->warmup, cfg->reps, ev, ms, &t_g))
+            FAIL("timing the memcpy or the gather");
+        /* the region now holds the gather of `list`: check it */
+        uint64_t bad = check_samples(&d, rng, cfg->samples);
+        if (!op_time(&sca, stream, cfg->warmup, cfg->reps, ev, ms, &t_s))
+            FAIL("timing the scatter");
+        /* scatter once more to other pages (the list rotated by one page) and check those */
+        for (uint32_t i = 0; i < npages; i++) other[i] = list[(i + 1) % npages];
+        kvs_copy_desc_t d2 = d;
+        d2.pages = other;
+        uint64_t ticket = 0;
+        kvs_status_t st = kvs_copy_submit(gpu, KVS_COPY_SCATTER, &d2, &ticket);
+        if (st == KVS_OK) {
+            while ((st = kvs_copy_poll(gpu, ticket)) == KVS_INPROGRESS) {
+            }
+        }
+        if (st != KVS_OK) FAIL("the checked scatter");
+        bad += check_samples(&d2, rng, cfg->samples);
+
+        const double gb = (double) bytes / 1e9;
+        const double g_mem = gb / t_mem, g_g = gb / t_g, g_s = gb / t_s;
+        const double pg = 100.0 * g_g / g_mem, ps = 100.0 * g_s / g_mem;
+        const int met = pg >= TARGET_PCT && ps >= TARGET_PCT;
+        static const char *runs[] = {"head", "token", "page"};
+        printf("%-10s %-3s %4u %6u %9.1f %7.0f (%5.0f) %7.0f %5.1f%% %7.0f %5.1f%% %3u %-5s %s%s\n",
+               m->name, layout == KVS_POOL_HND ? "HND" : "NHD", P, tokens[ti],
+               (double) bytes / (1 << 20), g_mem, 2 * g_mem, g_g, pg, g_s, ps, plan.vec_bytes,
+               runs[plan.run], met ? "yes" : "NO", bad ? "  CHECK FAILED" : "");
+        fflush(stdout);
+        tot->rows++;
+        tot->rows_met += met;
+        tot->checks_failed += bad != 0;
+        if (pg < tot->worst_pct) tot->worst_pct = pg;
+        if (ps < tot->worst_pct) tot->worst_pct = ps;
+    }
+    ok = 1;
+out:
+    if (!ok)
+        fprintf(stderr, "error: %s failed (%s, %s, page size %u)\n", failed, m->name,
+                layout == KVS_POOL_HND ? "HND" : "NHD", P);
+    for (uint32_t i = 0; i < nev; i++) (void) cudaEventDestroy(ev[i]);
+    if (region) (void) cudaFree(region);
+    kvs_free(ev);
+    kvs_free(ms);
+    kvs_free(other);
+    kvs_free(list);
+    kvs_free(regions);
+    kvs_pool_destroy(pool);
+    return ok;
+}
+
+int kvs_bench_kernels(int argc, char **argv)
+{
+    cfg_t cfg = {.device = 0, .reps = 10, .warmup = 3, .samples = 64};
+    cfg.tokens = "1024,4096,16384,32768";
+    cfg.pages = "1,16,64";
+    const kvs_arg_t args[] = {
+        {"device", KVS_ARG_U32, &cfg.device, "CUDA device (default 0)", NULL, NULL},
+        {"model", KVS_ARG_CHOICE, &cfg.model, "KV shapes (bf16, 8 KV heads, head dim 128)",
+         "all|llama3-8b|llama3-70b", NULL},
+        {"layout", KVS_ARG_CHOICE, &cfg.layout, "pool layouts", "both|nhd|hnd", NULL},
+        {"tokens", KVS_ARG_STR, &cfg.tokens, "token counts (default 1024,4096,16384,32768)", NULL,
+         NULL},
+        {"page-sizes", KVS_ARG_STR, &cfg.pages, "page sizes (default 1,16,64)", NULL, NULL},
+        {"reps", KVS_ARG_U32, &cfg.reps, "timed copies per row, median reported (default 10)", NULL,
+         NULL},
+        {"warmup", KVS_ARG_U32, &cfg.warmup, "untimed copies first (default 3)", NULL, NULL},
+        {"samples", KVS_ARG_U32, &cfg.samples, "heads checked per gather and scatter (default 64)",
+         NULL, NULL},
+        {"inline-max", KVS_ARG_U64, &cfg.inline_max,
+         "largest table (bytes) passed in kernel parameters; 0 uploads every page list "
+         "(default: the backend's)",
+         NULL, &cfg.inline_seen},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int prc = kvs_args_parse(USAGE, args, nargs, argc, argv, 1);
+    if (prc == KVS_ARGS_HELP) return 0;
+    if (prc != KVS_ARGS_OK) return EXIT_USAGE;
+    uint32_t tokens[MAX_LIST], pages[MAX_LIST];
+    int ntokens = parse_list(cfg.tokens, tokens), npages = parse_list(cfg.pages, pages);
+    const char *bad = NULL;
+    if (ntokens <= 0)
+        bad = "--tokens takes up to 16 comma-separated counts in 1..16777216";
+    else if (npages <= 0)
+        bad = "--page-sizes takes up to 16 comma-separated sizes in 1..16777216";
+    else if (cfg.reps == 0 || cfg.reps > 1000)
+        bad = "--reps must be in 1..1000";
+    else if (cfg.warmup > 1000)
+        bad = "--warmup must be at most 1000";
+    if (bad) {
+        fprintf(stderr, "error: %s\n", bad);
+        kvs_args_usage(stderr, USAGE, args, nargs);
+        return EXIT_USAGE;
+    }
+
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        fprintf(stderr,
+                "kvstage bench kernels: no CUDA device here (%s); this benchmark needs a GPU\n",
+                err != cudaSuccess ? cudaGetErrorString(err) : "the runtime sees 0 devices");
+        return EXIT_RUN_FAILED;
+    }
+    if ((int) cfg.device >= count) {
+        fprintf(stderr, "error: --device %u but this machine has %d CUDA device(s)\n", cfg.device,
+                count);
+        return EXIT_USAGE;
+    }
+    struct cudaDeviceProp prop;
+    int rt = 0, drv = 0;
+    if (!cu_ok(cudaGetDeviceProperties(&prop, (int) cfg.device), "cudaGetDeviceProperties"))
+        return EXIT_RUN_FAILED;
+    (void) cudaRuntimeGetVersion(&rt);
+    (void) cudaDriverGetVersion(&drv);
+    if (!cu_ok(cudaSetDevice((int) cfg.device), "cudaSetDevice")) return EXIT_RUN_FAILED;
+
+    kvs_copy_backend_t gpu = {NULL, NULL};
+    if (kvs_copy_cuda_create((int) cfg.device, &gpu) != KVS_OK) return EXIT_RUN_FAILED;
+    if (cfg.inline_seen) (void) kvs__copy_cuda_set_inline_max(&gpu, (size_t) cfg.inline_max);
+
+    printf("kvstage bench kernels: CUDA gather/scatter vs a device-to-device cudaMemcpy of the "
+           "same bytes\n");
+    printf("GPU %u: %s, %d SMs, %.1f GiB, L2 %d MiB, compute %d.%d; CUDA runtime %d.%d, driver "
+           "%d.%d\n",
+           cfg.device, prop.name, prop.multiProcessorCount,
+           (double) prop.totalGlobalMem / (1ull << 30), prop.l2CacheSize >> 20, prop.major,
+           prop.minor, rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    printf("shapes: bf16, 8 KV heads, head dim 128, all heads of a TP-1 pool, pages in random "
+           "order\n");
+    printf("timing: CUDA events on the backend's stream around each copy (page-list upload + "
+           "one kernel), %u warm-up + %u timed, median\n",
+           cfg.warmup, cfg.reps);
+    printf("page lists: inside the kernel parameters while the table fits (16 KiB; "
+           "--inline-max), else uploaded first\n");
+    printf("GB/s counts payload bytes once (1 GB = 1e9 B); DRAM traffic is read + write = 2x, "
+           "shown for the memcpy in ()\n");
+    printf("target: gather and scatter >= %.0f%% of the memcpy (column ok)\n\n", TARGET_PCT);
+    printf("%-10s %-3s %4s %6s %9s %15s %14s %14s %3s %-5s %s\n", "model", "lay", "page", "tokens",
+           "MiB", "memcpy (r+w)", "gather %", "scatter %", "vec", "run", "ok");
+    fflush(stdout);
+
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, 0xbe4c4);
+    totals_t tot = {0, 0, 0, 1e9};
+    int ok = 1;
+    for (size_t mi = 0; mi < sizeof(models) / sizeof(models[0]) && ok; mi++) {
+        if (cfg.model != 0 && (size_t) cfg.model != mi + 1) continue;
+        for (int li = 0; li < 2 && ok; li++) {
+            if (cfg.layout != 0 && cfg.layout != li + 1) continue;
+            for (int pi = 0; pi < npages && ok; pi++)
+                ok = bench_pool(&cfg, &models[mi], li == 0 ? KVS_POOL_NHD : KVS_POOL_HND, pages[pi],
+                                tokens, ntokens, &gpu, &rng, &tot);
+        }
+    }
+    kvs_copy_backend_destroy(&gpu);
+    printf("\n");
+    if (!ok) {
+        printf("summary: FAILED to run (see the error above)\n");
+        return EXIT_RUN_FAILED;
+    }
+    printf("summary: %d/%d rows meet the target (>= %.0f%% of cudaMemcpy for gather and scatter); "
+           "worst %.1f%%\n",
+           tot.rows_met, tot.rows, TARGET_PCT, tot.worst_pct);
+    printf("check: %s (%u sampled heads per gather and per scatter of each row)\n",
+           tot.checks_failed ? "FAILED" : "all sampled heads byte-exact", cfg.samples);
+    return tot.checks_failed ? EXIT_RUN_FAILED : 0;
+}
+
+#else /* built without CUDA */
+
+int kvs_bench_kernels(int argc, char **argv)
+{
+    if (argc > 1 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        printf("usage: %s\n  (needs a CUDA build and a GPU)\n", USAGE);
+        return 0;
+    }
+    fprintf(stderr, "kvstage bench kernels: this kvstage was built without CUDA; configure "
+                    "where nvcc is available (-DKVS_CUDA=ON) and run it on a GPU machine\n");
+    return EXIT_RUN_FAILED;
+}
+
+#endif

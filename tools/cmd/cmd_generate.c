@@ -1,0 +1,1086 @@
+/* `kvstage generate`: a real model served disaggregated through kvstage on this host. It
+ * tokenizes the prompts, launches every rank of the prefill and decode instances (or of one
+ * colocated instance) as its own process (`kvstage llm-rank`, engine/llm_rank.h), serves the
+ * bootstrap registry, submits each prompt to prefill rank 0 and decode rank 0 under one room
+ * id, streams the tokens decode rank 0 reports, and prints per request the completion, cache
+ * hits on each side, time to first token and the share of it the KV transfer took. */
+#include "cmd/commands.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/args.h"
+#include "common/instance.h"
+#include "common/json.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "model/gguf.h"
+#include "engine/llm_rank.h"
+#include "kvstage/log.h"
+#include "model/model.h"
+#include "kvstage/registry.h"
+#include "model/tokenizer.h"
+#include "common/spawn.h"
+
+#define MAX_PROMPTS 256
+#define MAX_RANKS   (2 * KVS_MAX_TP)
+#define EXIT_NS     (15ull * 1000000000ull) /* ranks get this long to exit after quit */
+
+/* ---- shared by `generate` and `llm-rank` ---- */
+
+/* "1,2,3" into a kvs_malloc'd array. 0 on success. */
+static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
+{
+    uint32_t n = 1;
+    for (const char *p = s; *p; p++) n += *p == ',';
+    uint32_t *ids = kvs_malloc((size_t) n * sizeof(uint32_t));
+    if (ids == NULL) return -1;
+    uint32_t k = 0;
+    for (const char *p = s;;) {
+        if (*p < '0' || *p > '9') break;
+        char *end;
+        errno = 0;
+        unsigned long v = strtoul(p, &end, 10);
+        if (errno != 0 || v >= UINT32_MAX) break;
+        ids[k++] = (uint32_t) v;
+        if (*end == '\0') {
+            *ids_p = ids;
+            *n_p = k;
+            return 0;
+        }
+        if (*end != ',') break;
+        p = end + 1;
+    }
+    kvs_free(ids);
+    return -1;
+}
+
+/* ---- `kvstage llm-rank` (launched by generate; not listed) ---- */
+
+int kvs_cmd_llm_rank(int argc, char **argv)
+{
+    kvs_llm_rank_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.prefill_tp = c.decode_tp = 1;
+    c.page_size = 16;
+    c.chunk_tokens = 64;
+    c.max_running = 4;
+    c.max_prompt = 1024;
+    c.max_new = 256;
+    c.radix = 1;
+    int role = 0, data = 0;
+    const char *seeded = NULL;
+    const kvs_arg_t args[] = {
+        {"role", KVS_ARG_CHOICE, &role, "this rank's instance", "colocated|prefill|decode", NULL},
+        {"rank", KVS_ARG_U32, &c.rank, "rank in the instance", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c.prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &c.decode_tp, "decode TP size", NULL, NULL},
+        {"model", KVS_ARG_STR, &c.model_path, "GGUF file (default: the embedded model)", NULL,
+         NULL},
+        {"seeded", KVS_ARG_STR, &seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
+        {"model-seed", KVS_ARG_U64, &c.model_seed, "seed of the seeded weights", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &c.page_size, "tokens per page", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &c.chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
+        {"batch-tokens", KVS_ARG_U32, &c.batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+         NULL},
+        {"max-running", KVS_ARG_U32, &c.max_running, "requests admitted at once", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &c.max_prompt, "longest prompt", NULL, NULL},
+        {"max-new", KVS_ARG_U32, &c.max_new, "most tokens generated per request", NULL, NULL},
+        {"radix", KVS_ARG_ONOFF, &c.radix, "radix prefix cache", NULL, NULL},
+        {"group", KVS_ARG_STR, &c.group, "TP group shm name (TP > 1)", NULL, NULL},
+        {"registry", KVS_ARG_STR, &c.registry, "bootstrap registry endpoint", NULL, NULL},
+        {"serve-registry", KVS_ARG_FLAG, &c.serve_registry, "prefill rank 0 serves the registry",
+         NULL, NULL},
+        {"bind", KVS_ARG_STR, &c.bind, "control endpoint", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"net-device", KVS_ARG_STR, &c.net_device, "UCX_NET_DEVICES for TCP", NULL, NULL},
+    };
+    int rc = kvs_args_parse("kvstage llm-rank --role R --rank N [flags]  (requests on stdin, "
+                            "events on stdout: see include/engine/llm_rank.h)",
+                            args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    c.role = (kvs_llm_role_t) role;
+    c.data = (kvs_net_data_t) data;
+    char path[4096];
+    if (seeded != NULL) {
+        if (kvs_parse_seeded(seeded, &c.seeded) != 0) {
+            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", seeded);
+            return 2;
+        }
+        c.model_path = NULL;
+    } else if (c.model_path == NULL) {
+        if (kvs_model_default_path(path, sizeof(path)) != KVS_OK) return 1;
+        c.model_path = path;
+    }
+    c.in_fd = c.rank == 0 ? STDIN_FILENO : -1;
+    c.out_fd = STDOUT_FILENO;
+    signal(SIGPIPE, SIG_IGN); /* a vanished launcher shows up as EOF and write errors */
+    return kvs_llm_rank_run(&c, NULL) == KVS_OK ? 0 : 1;
+}
+
+/* ---- the launcher ---- */
+
+typedef struct {
+    kvs_llm_role_t role;
+    uint32_t rank;
+    pid_t pid;
+    int out_fd; /* its stdout */
+    int in_fd;  /* rank 0: its stdin */
+    char buf[16384];
+    size_t len;
+    int ready, exited, status;
+    double load_s;
+    unsigned long long bytes, chunks, bulk_writes, direct_writes, msgs; /* its stats line */
+} child_t;
+
+/* One side's EV_DONE. */
+typedef struct {
+    char status[64], finish[16];
+    unsigned long long cached, generated, prompt_len, submitted, admitted, prefilled, kv_ready,
+        first_token, done;
+} side_t;
+
+typedef struct {
+    uint64_t room;
+    const char *label; /* the prompt as given */
+    uint32_t *prompt;  /* [prompt_len] */
+    uint32_t prompt_len;
+    uint32_t *out; /* [max_tokens] generated ids as decode rank 0 reported them */
+    uint32_t nout;
+    int submitted, closed; /* closed: a stop token was seen; later tokens are ignored */
+    int done[2];           /* [0] prefill side, [1] decode (or colocated) side */
+    int rejected;
+    side_t side[2];
+} req_t;
+
+typedef struct {
+    /* flags */
+    uint32_t max_tokens, prefill_tp, decode_tp, tp, page_size, chunk, timeout_s, max_running;
+    uint64_t seed, model_seed;
+    double temperature, top_p;
+    int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen;
+    const char *system, *model, *seeded;
+    /* model */
+    char model_path[4096];
+    kvs_model_config_t mc;
+    kvs_tokenizer_t *tok;
+    uint32_t eos, stop_id; /* stop_id: ChatML's <|im_end|> when it differs from eos */
+    /* deployment */
+    req_t reqs[MAX_PROMPTS];
+    uint32_t nreqs;
+    child_t cs[MAX_RANKS];
+    int nchildren;
+    child_t *head[2]; /* rank 0 of the prefill side, of the decode (colocated) side */
+    kvs_registry_t *registry;
+    char groups[3][64];
+    uint64_t t0;
+    int failed;
+} gen_t;
+
+static void write_all(int fd, const char *s, size_t n)
+{
+    while (n > 0 && fd >= 0) {
+        ssize_t w = write(fd, s, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return; /* the rank is gone: its exit is reported */
+        s += w;
+        n -= (size_t) w;
+    }
+}
+
+/* Value of "key": N in a flat JSON line (0 when absent). */
+static unsigned long long json_u64(const char *line, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    return p ? strtoull(p + strlen(pat), NULL, 10) : 0;
+}
+
+static double json_dbl(const char *line, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    return p ? strtod(p + strlen(pat), NULL) : 0.0;
+}
+
+/* Value of "key":"..." (no escapes inside: the ranks write none). */
+static void json_str(const char *line, const char *key, char *out, size_t cap)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":\"", key);
+    const char *p = strstr(line, pat);
+    out[0] = '\0';
+    if (p == NULL) return;
+    p += strlen(pat);
+    size_t n = strcspn(p, "\"");
+    if (n >= cap) n = cap - 1;
+    memcpy(out, p, n);
+    out[n] = '\0';
+}
+
+static const char *role_name(kvs_llm_role_t r)
+{
+    return r == KVS_LLM_PREFILL ? "prefill" : r == KVS_LLM_DECODE ? "decode" : "colocated";
+}
+
+static int streaming(const gen_t *g)
+{
+    return !g->json && g->tok != NULL && (g->sequential || g->nreqs == 1);
+}
+
+static void print_piece(const gen_t *g, uint32_t id)
+{
+    const char *b;
+    size_t n;
+    if (kvs_tokenizer_is_control(g->tok, id)) return;
+    if (kvs_tokenizer_piece(g->tok, id, &b, &n) == KVS_OK) fwrite(b, 1, n, stdout);
+}
+
+/* "[room] prompt", the prompt cut short when long (token id lists are). */
+static void print_label(const req_t *r)
+{
+    size_t n = strlen(r->label);
+    printf("[%llu] %.*s%s\n", (unsigned long long) r->room, n > 120 ? 117 : (int) n, r->label,
+           n > 120 ? "..." : "");
+}
+
+static void send_line(child_t *c, const char *line)
+{
+    if (c != NULL) write_all(c->in_fd, line, strlen(line));
+}
+
+static void submit(gen_t *g, req_t *r)
+{
+    size_t cap = 160 + (size_t) r->prompt_len * 11;
+    char *line = kvs_malloc(cap);
+    if (line == NULL) {
+        fprintf(stderr, "error: out of memory submitting request %llu\n",
+                (unsigned long long) r->room);
+        g->failed = 1;
+        r->done[0] = r->done[1] = r->rejected = 1;
+        return;
+    }
+    char eos[16];
+    snprintf(eos, sizeof(eos), g->eos == UINT32_MAX ? "-1" : "%u", g->eos);
+    int n = snprintf(line, cap, "submit %llu %u %.9g %.9g %llu %s %u", (unsigned long long) r->room,
+                     g->max_tokens, g->temperature, g->top_p,
+                     (unsigned long long) (g->seed + r->room - 1), eos, r->prompt_len);
+    for (uint32_t i = 0; i < r->prompt_len; i++)
+        n += snprintf(line + n, cap - (size_t) n, " %u", r->prompt[i]);
+    line[n++] = '\n';
+    line[n] = '\0';
+    if (streaming(g)) {
+        print_label(r);
+        fflush(stdout);
+    }
+    send_line(g->head[0], line);
+    send_line(g->head[1], line);
+    kvs_free(line);
+    r->submitted = 1;
+    if (g->colocated) r->done[0] = 1;
+}
+
+static int finished(const req_t *r)
+{
+    return r->done[0] && r->done[1];
+}
+
+static void on_done_line(gen_t *g, int side, const char *line)
+{
+    uint64_t room = json_u64(line, "room");
+    if (room == 0 || room > g->nreqs) return;
+    req_t *r = &g->reqs[room - 1];
+    side_t *s = &r->side[side];
+    json_str(line, "status", s->status, sizeof(s->status));
+    json_str(line, "finish", s->finish, sizeof(s->finish));
+    s->cached = json_u64(line, "cached");
+    s->generated = json_u64(line, "generated");
+    s->prompt_len = json_u64(line, "prompt_len");
+    s->submitted = json_u64(line, "submitted_ns");
+    s->admitted = json_u64(line, "admitted_ns");
+    s->prefilled = json_u64(line, "prefilled_ns");
+    s->kv_ready = json_u64(line, "kv_ready_ns");
+    s->first_token = json_u64(line, "first_token_ns");
+    s->done = json_u64(line, "done_ns");
+    r->done[side] = 1;
+    if (strcmp(s->status, "ok") != 0) {
+        fprintf(stderr, "error: request %llu failed on the %s side: %s\n",
+                (unsigned long long) room,
+                side == 0      ? "prefill"
+                : g->colocated ? "colocated"
+                               : "decode",
+                s->status);
+        g->failed = 1;
+        /* The other side may still hold the room: end it there too. */
+        char stop[64];
+        snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
+        send_line(g->head[1 - side], stop);
+    }
+}
+
+/* Per-request numbers derived from the two sides' events. */
+typedef struct {
+    double ttft_ms, transfer_ms, share, prefill_ms, decode_ms;
+    unsigned long long cached_p, cached_d, kv_bytes;
+} derived_t;
+
+static uint64_t kv_bytes_per_token(const gen_t *g)
+{
+    return (uint64_t) g->mc.layers * g->mc.kv_heads * g->mc.head_dim * 2 * sizeof(float);
+}
+
+static derived_t derive(const gen_t *g, const req_t *r)
+{
+    derived_t d;
+    memset(&d, 0, sizeof(d));
+    const side_t *p = &r->side[g->colocated ? 1 : 0], *s = &r->side[1];
+    /* From the first side that had the request: the router handed it to both at once. */
+    uint64_t submitted = s->submitted;
+    if (!g->colocated && p->submitted != 0 && p->submitted < submitted) submitted = p->submitted;
+    if (s->first_token > submitted) d.ttft_ms = (double) (s->first_token - submitted) / 1e6;
+    if (p->prefilled > p->admitted) d.prefill_ms = (double) (p->prefilled - p->admitted) / 1e6;
+    if (s->done > s->first_token) d.decode_ms = (double) (s->done - s->first_token) / 1e6;
+    d.cached_p = p->cached;
+    d.cached_d = s->cached;
+    if (!g->colocated) {
+        if (s->kv_ready > p->prefilled) d.transfer_ms = (double) (s->kv_ready - p->prefilled) / 1e6;
+        d.share = d.ttft_ms > 0 ? d.transfer_ms / d.ttft_ms : 0;
+        /* Whole pages move: decode's pages from its cached prefix to the end of the prompt. */
+        uint64_t P = g->page_size, pages = (r->prompt_len + P - 1) / P;
+        if (pages > s->cached / P) d.kv_bytes = (pages - s->cached / P) * P * kv_bytes_per_token(g);
+    }
+    return d;
+}
+
+static void print_request_summary(const gen_t *g, const req_t *r)
+{
+    derived_t d = derive(g, r);
+    const side_t *s = &r->side[1];
+    if (!streaming(g)) {
+        print_label(r);
+        for (uint32_t i = 0; i < r->nout; i++) {
+            if (g->tok != NULL)
+                print_piece(g, r->out[i]);
+            else
+                printf("%s%u", i ? " " : "", r->out[i]);
+        }
+    }
+    printf("\n    -> %llu tokens (%s), prompt %u tokens, ", s->generated,
+           s->finish[0] ? s->finish : "?", r->prompt_len);
+    if (g->colocated)
+        printf("cached %llu", d.cached_d);
+    else
+        printf("cached %llu prefill / %llu decode", d.cached_p, d.cached_d);
+    printf("; TTFT %.1f ms", d.ttft_ms);
+    if (!g->colocated)
+        printf(", transfer %.2f ms (%.1f%% of TTFT), KV %.1f KiB", d.transfer_ms, 100.0 * d.share,
+               (double) d.kv_bytes / 1024.0);
+    if (d.decode_ms > 0 && s->generated > 1)
+        printf(", decode %.1f tok/s", (double) (s->generated - 1) / (d.decode_ms / 1e3));
+    printf("\n\n");
+    fflush(stdout);
+}
+
+static void on_line(gen_t *g, child_t *c, const char *line)
+{
+    char ev[16];
+    json_str(line, "event", ev, sizeof(ev));
+    if (strcmp(ev, "stats") == 0) {
+        c->bytes = json_u64(line, "bytes_moved");
+        c->chunks = json_u64(line, "chunks");
+        c->bulk_writes = json_u64(line, "bulk_writes");
+        c->direct_writes = json_u64(line, "direct_writes");
+        c->msgs = json_u64(line, "control_messages");
+        return;
+    }
+    const int side = c->role == KVS_LLM_PREFILL ? 0 : 1;
+    if (strcmp(ev, "ready") == 0) {
+        c->ready = 1;
+        c->load_s = json_dbl(line, "load_s");
+    } else if (strcmp(ev, "token") == 0 && side == 1) {
+        uint64_t room = json_u64(line, "room");
+        if (room == 0 || room > g->nreqs) return;
+        req_t *r = &g->reqs[room - 1];
+        uint32_t tok = (uint32_t) json_u64(line, "token");
+        if (r->closed || r->nout >= g->max_tokens) return;
+        r->out[r->nout++] = tok;
+        if (streaming(g)) {
+            print_piece(g, tok);
+            fflush(stdout);
+        }
+        if (tok == g->stop_id && tok != g->eos) {
+            char stop[64];
+            snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
+            send_line(g->head[1], stop);
+            r->closed = 1;
+        }
+    } else if (strcmp(ev, "done") == 0) {
+        uint64_t room = json_u64(line, "room");
+        on_done_line(g, side, line);
+        if (!g->json && room >= 1 && room <= g->nreqs && finished(&g->reqs[room - 1]))
+            print_request_summary(g, &g->reqs[room - 1]);
+    } else if (strcmp(ev, "rejected") == 0) {
+        uint64_t room = json_u64(line, "room");
+        char st[64];
+        json_str(line, "status", st, sizeof(st));
+        fprintf(stderr, "error: %s rank 0 refused request %llu: %s\n", role_name(c->role),
+                (unsigned long long) room, st);
+        g->failed = 1;
+        if (room >= 1 && room <= g->nreqs) {
+            req_t *r = &g->reqs[room - 1];
+            r->rejected = 1;
+            r->done[side] = 1;
+            char stop[64];
+            snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
+            send_line(g->head[1 - side], stop);
+            /* Nothing more will come from a side that never took it. */
+            if (g->colocated) r->done[0] = 1;
+        }
+    } else if (strcmp(ev, "error") == 0) {
+        char msg[256];
+        json_str(line, "message", msg, sizeof(msg));
+        fprintf(stderr, "error: %s rank 0: %s\n", role_name(c->role), msg);
+        g->failed = 1;
+    }
+}
+
+typedef struct {
+    gen_t *g;
+    child_t *c;
+} line_ctx_t;
+
+static void on_child_line(void *arg, char *line)
+{
+    line_ctx_t *x = arg;
+    on_line(x->g, x->c, line);
+}
+
+static void read_child(gen_t *g, child_t *c)
+{
+    line_ctx_t x = {g, c};
+    if (kvs_read_lines(c->out_fd, c->buf, sizeof(c->buf), &c->len, on_child_line, &x)) return;
+    close(c->out_fd);
+    c->out_fd = -1;
+}
+
+/* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */
+static int spawn(gen_t *g, child_t *c, const char *registry)
+{
+    char num[8][24];
+    char *args[64];
+    int n = 0;
+    args[n++] = "kvstage";
+    args[n++] = "llm-rank";
+    args[n++] = "--role";
+    args[n++] = (char *) role_name(c->role);
+    args[n++] = "--rank";
+    snprintf(num[0], sizeof(num[0]), "%u", c->rank);
+    args[n++] = num[0];
+    args[n++] = "--prefill-tp";
+    snprintf(num[1], sizeof(num[1]), "%u", g->colocated ? g->tp : g->prefill_tp);
+    args[n++] = num[1];
+    args[n++] = "--decode-tp";
+    snprintf(num[2], sizeof(num[2]), "%u", g->colocated ? g->tp : g->decode_tp);
+    args[n++] = num[2];
+    if (g->seeded != NULL) {
+        args[n++] = "--seeded";
+        args[n++] = (char *) g->seeded;
+        args[n++] = "--model-seed";
+        snprintf(num[3], sizeof(num[3]), "%llu", (unsigned long long) g->model_seed);
+        args[n++] = num[3];
+    } else {
+        args[n++] = "--model";
+        args[n++] = g->model_path;
+    }
+    args[n++] = "--page-size";
+    snprintf(num[4], sizeof(num[4]), "%u", g->page_size);
+    args[n++] = num[4];
+    args[n++] = "--chunk";
+    snprintf(num[5], sizeof(num[5]), "%u", g->chunk);
+    args[n++] = num[5];
+    uint32_t longest = 1;
+    for (uint32_t i = 0; i < g->nreqs; i++)
+        if (g->reqs[i].prompt_len > longest) longest = g->reqs[i].prompt_len;
+    args[n++] = "--max-prompt";
+    snprintf(num[6], sizeof(num[6]), "%u", longest);
+    args[n++] = num[6];
+    args[n++] = "--max-new";
+    snprintf(num[7], sizeof(num[7]), "%u", g->max_tokens);
+    args[n++] = num[7];
+    char running[16];
+    snprintf(running, sizeof(running), "%u", g->max_running);
+    args[n++] = "--max-running";
+    args[n++] = running;
+    args[n++] = "--radix";
+    args[n++] = (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off";
+    const int gi = c->role == KVS_LLM_PREFILL ? 0 : c->role == KVS_LLM_DECODE ? 1 : 2;
+    args[n++] = "--group";
+    args[n++] = g->groups[gi];
+    if (registry != NULL) {
+        args[n++] = "--registry";
+        args[n++] = (char *) registry;
+    }
+    args[n++] = "--data";
+    args[n++] = g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto";
+    args[n] = NULL;
+
+    /* Rank 0 reads its requests on stdin; the others get none. The launcher's ends of earlier
+     * ranks' pipes are close-on-exec: a rank 0 must see EOF when the launcher goes. */
+    kvs_spawned_t k;
+    if (kvs_spawn_self("generate", args, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
+                       KVS_SPAWN_PIPE, &k) != 0)
+        return -1;
+    c->pid = k.pid;
+    c->out_fd = k.out_fd;
+    c->in_fd = k.in_fd;
+    return 0;
+}
+
+static void kill_all(gen_t *g)
+{
+    for (int i = 0; i < g->nchildren; i++)
+        if (!g->cs[i].exited && g->cs[i].pid > 0) kill(g->cs[i].pid, SIGKILL);
+}
+
+static void reap(gen_t *g, int *live)
+{
+    for (int i = 0; i < g->nchildren; i++) {
+        child_t *c = &g->cs[i];
+        if (c->exited || c->pid <= 0) continue;
+        if (waitpid(c->pid, &c->status, WNOHANG) == c->pid) {
+            c->exited = 1;
+            (*live)--;
+        }
+    }
+}
+
+/* Drives the deployment until every request finished, then quits it; 0 when it all went well. */
+static int run_deployment(gen_t *g)
+{
+    const char *ep = NULL;
+    if (!g->colocated) {
+        if (kvs_registry_create("tcp://127.0.0.1:*", &g->registry) != KVS_OK) {
+            fprintf(stderr, "error: cannot start the bootstrap registry\n");
+            return 1;
+        }
+        ep = kvs_registry_endpoint(g->registry);
+    }
+    pid_t me = getpid();
+    snprintf(g->groups[0], sizeof(g->groups[0]), "/kvs-%ld-p", (long) me);
+    snprintf(g->groups[1], sizeof(g->groups[1]), "/kvs-%ld-d", (long) me);
+    snprintf(g->groups[2], sizeof(g->groups[2]), "/kvs-%ld-c", (long) me);
+    for (int i = 0; i < MAX_RANKS; i++) g->cs[i].out_fd = g->cs[i].in_fd = -1;
+    uint32_t np = g->colocated ? g->tp : g->prefill_tp, nd = g->colocated ? 0 : g->decode_tp;
+    for (uint32_t i = 0; i < np + nd; i++) {
+        child_t *c = &g->cs[g->nchildren];
+        c->role = g->colocated ? KVS_LLM_COLOCATED : i < np ? KVS_LLM_PREFILL : KVS_LLM_DECODE;
+        c->rank = i < np ? i : i - np;
+        if (spawn(g, c, ep) != 0) {
+            fprintf(stderr, "error: cannot start rank processes: %s\n", strerror(errno));
+            g->failed = 1;
+            break;
+        }
+        g->nchildren++;
+        if (c->rank == 0) g->head[c->role == KVS_LLM_PREFILL ? 0 : 1] = c;
+    }
+    int live = g->nchildren;
+    int quit_sent = g->failed, ready_reported = 0;
+    uint64_t quit_at = 0;
+    const uint64_t deadline = g->t0 + (uint64_t) g->timeout_s * 1000000000ull;
+    uint32_t next = 0;
+    while (live > 0) {
+        struct pollfd pfd[MAX_RANKS];
+        int map[MAX_RANKS], n = 0;
+        for (int i = 0; i < g->nchildren; i++)
+            if (g->cs[i].out_fd >= 0) {
+                pfd[n] = (struct pollfd){g->cs[i].out_fd, POLLIN, 0};
+                map[n++] = i;
+            }
+        if (g->registry) kvs_registry_serve(g->registry, 0);
+        if (n > 0 && poll(pfd, (nfds_t) n, g->registry ? 5 : 20) > 0)
+            for (int k = 0; k < n; k++)
+                if (pfd[k].revents) read_child(g, &g->cs[map[k]]);
+        int before = live;
+        reap(g, &live);
+        if (live < before && !quit_sent) {
+            for (int i = 0; i < g->nchildren; i++) {
+                const child_t *c = &g->cs[i];
+                if (c->exited)
+                    fprintf(stderr, "error: %s rank %u exited before the end (%s %d)\n",
+                            role_name(c->role), c->rank, WIFEXITED(c->status) ? "status" : "signal",
+                            WIFEXITED(c->status) ? WEXITSTATUS(c->status) : WTERMSIG(c->status));
+            }
+            g->failed = 1;
+            kill_all(g);
+            quit_sent = 1;
+            quit_at = kvs_now_ns();
+            continue;
+        }
+        uint64_t now = kvs_now_ns();
+        int ready = g->head[1] != NULL && g->head[1]->ready &&
+                    (g->colocated || (g->head[0] != NULL && g->head[0]->ready));
+        if (ready && !ready_reported) {
+            ready_reported = 1;
+            if (!g->json) printf("ranks ready in %.1f s\n\n", (double) (now - g->t0) / 1e9);
+        }
+        while (ready && !quit_sent && next < g->nreqs &&
+               (!g->sequential || next == 0 || finished(&g->reqs[next - 1])))
+            submit(g, &g->reqs[next++]);
+        int all_done = next == g->nreqs;
+        for (uint32_t i = 0; i < g->nreqs && all_done; i++) all_done = finished(&g->reqs[i]);
+        if (!quit_sent && (all_done || now >= deadline)) {
+            if (!all_done) {
+                fprintf(stderr, "error: requests still running after %u s (--timeout-s)\n",
+                        g->timeout_s);
+                g->failed = 1;
+            }
+            for (int h = 0; h < 2; h++) {
+                if (g->head[h] == NULL || g->head[h]->in_fd < 0) continue;
+                send_line(g->head[h], "quit\n");
+                close(g->head[h]->in_fd);
+                g->head[h]->in_fd = -1;
+            }
+            quit_sent = 1;
+            quit_at = now;
+        }
+        if (quit_sent && now - quit_at > EXIT_NS) {
+            fprintf(stderr, "error: ranks did not exit within %llu s of quit; killing them\n",
+                    EXIT_NS / 1000000000ull);
+            g->failed = 1;
+            kill_all(g);
+            quit_at = now; /* reaped on the next rounds */
+        }
+    }
+    for (int i = 0; i < g->nchildren; i++) {
+        child_t *c = &g->cs[i];
+        if (c->out_fd >= 0) {
+            while (c->out_fd >= 0) read_child(g, c); /* what is left in the pipe */
+        }
+        if (c->in_fd >= 0) close(c->in_fd);
+        c->in_fd = -1;
+        if (!WIFEXITED(c->status) || WEXITSTATUS(c->status) != 0) g->failed = 1;
+    }
+    for (int i = 0; i < 3; i++) shm_unlink(g->groups[i]); /* left only by a killed rank 0 */
+    kvs_registry_destroy(g->registry);
+    g->registry = NULL;
+    return g->failed;
+}
+
+/* ---- output ---- */
+
+static void text_of(const gen_t *g, const req_t *r, char *buf, size_t cap)
+{
+    size_t at = 0;
+    buf[0] = '\0';
+    for (uint32_t i = 0; i < r->nout && g->tok != NULL; i++) {
+        const char *b;
+        size_t n;
+        if (kvs_tokenizer_is_control(g->tok, r->out[i])) continue;
+        if (kvs_tokenizer_piece(g->tok, r->out[i], &b, &n) != KVS_OK) continue;
+        for (size_t k = 0; k < n && at + 1 < cap; k++)
+            if (b[k] != '\0') buf[at++] = b[k];
+    }
+    buf[at] = '\0';
+}
+
+static void print_json(gen_t *g, int ok)
+{
+    kvs_json_t j;
+    kvs_json_begin(&j, stdout);
+    kvs_json_bool(&j, "ok", ok);
+    kvs_json_str(&j, "model", g->seeded ? "seeded" : g->model_path);
+    kvs_json_str(&j, "mode", g->colocated ? "colocated" : "disaggregated");
+    kvs_json_u64(&j, "prefill_tp", g->colocated ? g->tp : g->prefill_tp);
+    kvs_json_u64(&j, "decode_tp", g->colocated ? g->tp : g->decode_tp);
+    kvs_json_u64(&j, "page_size", g->page_size);
+    kvs_json_u64(&j, "chunk", g->chunk);
+    kvs_json_bool(&j, "prefill_radix", g->prefill_radix);
+    kvs_json_bool(&j, "decode_radix", g->colocated ? g->prefill_radix : g->decode_radix);
+    double load = 0;
+    unsigned long long bytes = 0, chunks = 0, writes = 0, direct = 0;
+    for (int i = 0; i < g->nchildren; i++) {
+        const child_t *c = &g->cs[i];
+        if (c->load_s > load) load = c->load_s;
+        if (c->role == KVS_LLM_PREFILL) {
+            bytes += c->bytes;
+            writes += c->bulk_writes;
+            direct += c->direct_writes;
+        } else if (c->role == KVS_LLM_DECODE) {
+            chunks += c->chunks;
+        }
+    }
+    kvs_json_double(&j, "load_s", load);
+    kvs_json_array_begin(&j, "requests");
+    static char text[1 << 16];
+    for (uint32_t i = 0; i < g->nreqs; i++) {
+        const req_t *r = &g->reqs[i];
+        derived_t d = derive(g, r);
+        kvs_json_object_begin(&j, NULL);
+        kvs_json_u64(&j, "room", r->room);
+        kvs_json_str(&j, "status", r->side[1].status[0] ? r->side[1].status : "not run");
+        kvs_json_str(&j, "finish", r->side[1].finish);
+        kvs_json_u64(&j, "prompt_tokens", r->prompt_len);
+        kvs_json_u64(&j, "generated", r->nout);
+        kvs_json_array_begin(&j, "ids");
+        for (uint32_t k = 0; k < r->nout; k++) kvs_json_u64(&j, NULL, r->out[k]);
+        kvs_json_array_end(&j);
+        text_of(g, r, text, sizeof(text));
+        kvs_json_str(&j, "text", text);
+        kvs_json_u64(&j, "cached_prefill", d.cached_p);
+        kvs_json_u64(&j, "cached_decode", d.cached_d);
+        kvs_json_double(&j, "ttft_ms", d.ttft_ms);
+        kvs_json_double(&j, "prefill_ms", d.prefill_ms);
+        kvs_json_double(&j, "decode_ms", d.decode_ms);
+        kvs_json_double(&j, "transfer_ms", d.transfer_ms);
+        kvs_json_double(&j, "transfer_share", d.share);
+        kvs_json_u64(&j, "kv_bytes", d.kv_bytes);
+        kvs_json_object_end(&j);
+    }
+    kvs_json_array_end(&j);
+    kvs_json_u64(&j, "bytes_moved", bytes);
+    kvs_json_u64(&j, "chunks", chunks);
+    kvs_json_u64(&j, "bulk_writes", writes);
+    kvs_json_u64(&j, "direct_writes", direct);
+    kvs_json_double(&j, "wall_s", (double) (kvs_now_ns() - g->t0) / 1e9);
+    kvs_json_end(&j);
+}
+
+static void print_totals(const gen_t *g, int ok)
+{
+    unsigned long long bytes = 0, chunks = 0, writes = 0, msgs = 0;
+    for (int i = 0; i < g->nchildren; i++) {
+        const child_t *c = &g->cs[i];
+        if (c->role == KVS_LLM_PREFILL) {
+            bytes += c->bytes;
+            writes += c->bulk_writes;
+        }
+        if (c->role == KVS_LLM_DECODE) chunks += c->chunks;
+        msgs += c->msgs;
+    }
+    if (!g->colocated)
+        printf("kvstage moved %.2f MiB of KV: %llu chunks scattered, %llu bulk writes, %llu "
+               "control messages\n",
+               (double) bytes / 1048576.0, chunks, writes, msgs);
+    printf("%s in %.2f s\n", ok ? "done" : "FAILED", (double) (kvs_now_ns() - g->t0) / 1e9);
+}
+
+/* ---- flags and prompts ---- */
+
+static const char usage[] =
+    "kvstage generate --prompt TEXT [--prompt TEXT ...] | --prompt-ids 1,2,3 [...] [flags]\n"
+    "  runs the model disaggregated (every prefill and decode rank a process, KV through "
+    "kvstage)\n  or --colocated; --prompt and --prompt-ids repeat, one request each";
+
+/* Takes the prompts (repeatable flags) out of argv; the rest goes to the table parser. */
+static int split_prompts(int argc, char **argv, const char **texts, const char **ids, int *kind,
+                         int *n_p, char **rest, int *nrest_p)
+{
+    int n = 0, nrest = 0;
+    rest[nrest++] = argv[0];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int is_text = strcmp(a, "--prompt") == 0, is_ids = strcmp(a, "--prompt-ids") == 0;
+        const char *v = NULL;
+        if (strncmp(a, "--prompt=", 9) == 0) {
+            is_text = 1;
+            v = a + 9;
+        } else if (strncmp(a, "--prompt-ids=", 13) == 0) {
+            is_ids = 1;
+            v = a + 13;
+        } else if (is_text || is_ids) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: flag '%s' needs a value\n", a);
+                return -1;
+            }
+            v = argv[++i];
+        }
+        if (!is_text && !is_ids) {
+            rest[nrest++] = argv[i];
+            continue;
+        }
+        if (n == MAX_PROMPTS) {
+            fprintf(stderr, "error: at most %d prompts\n", MAX_PROMPTS);
+            return -1;
+        }
+        texts[n] = is_text ? v : NULL;
+        ids[n] = is_ids ? v : NULL;
+        kind[n++] = is_ids;
+    }
+    rest[nrest] = NULL;
+    *n_p = n;
+    *nrest_p = nrest;
+    return 0;
+}
+
+/* The model's configuration and, for a GGUF, its tokenizer. 0, 1 (runtime) or 2 (usage). */
+static int open_model(gen_t *g)
+{
+    if (g->seeded != NULL) {
+        if (g->model != NULL) {
+            fprintf(stderr, "error: --model and --seeded exclude each other\n");
+            return 2;
+        }
+        if (kvs_parse_seeded(g->seeded, &g->mc) != 0) {
+            fprintf(stderr,
+                    "error: bad value '%s' for '--seeded' (expected "
+                    "L,dim,ffn,heads,kv_heads,head_dim,vocab)\n",
+                    g->seeded);
+            return 2;
+        }
+        return kvs_model_config_validate(&g->mc, (kvs_tp_t){1, 0}) == KVS_OK ? 0 : 2;
+    }
+    if (g->model != NULL) {
+        snprintf(g->model_path, sizeof(g->model_path), "%s", g->model);
+    } else if (kvs_model_default_path(g->model_path, sizeof(g->model_path)) != KVS_OK) {
+        return 1;
+    }
+    kvs_gguf_t *gguf = NULL;
+    if (kvs_gguf_open(g->model_path, &gguf) != KVS_OK) {
+        fprintf(stderr, "error: cannot open the model %s\n", g->model_path);
+        return 1;
+    }
+    int rc = 0;
+    if (kvs_model_config_from_gguf(gguf, &g->mc) != KVS_OK) {
+        fprintf(stderr, "error: %s is not a model this engine runs\n", g->model_path);
+        rc = 1;
+    } else if (kvs_tokenizer_from_gguf(gguf, &g->tok) != KVS_OK) {
+        fprintf(stderr, "error: %s has no tokenizer this tool reads\n", g->model_path);
+        rc = 1;
+    }
+    kvs_gguf_close(gguf);
+    return rc;
+}
+
+static int tokenize(gen_t *g, req_t *r, const char *text)
+{
+    char *formatted = NULL;
+    const char *src = text;
+    if (g->chat) {
+        kvs_chat_msg_t msgs[2];
+        size_t n = 0;
+        if (g->system != NULL) msgs[n++] = (kvs_chat_msg_t){"system", g->system};
+        msgs[n++] = (kvs_chat_msg_t){"user", text};
+        if (kvs_chat_format(kvs_tokenizer_chat_template(g->tok), msgs, n, 1, &formatted) !=
+            KVS_OK) {
+            fprintf(stderr, "error: the model's chat template is not one this tool renders\n");
+            return 1;
+        }
+        src = formatted;
+    }
+    size_t n = 0;
+    kvs_status_t st = kvs_tokenizer_encode_alloc(g->tok, src, strlen(src), g->chat, &r->prompt, &n);
+    kvs_free(formatted);
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: cannot tokenize the prompt '%s'\n", text);
+        return 1;
+    }
+    r->prompt_len = (uint32_t) n;
+    return 0;
+}
+
+static void gen_free(gen_t *g)
+{
+    for (uint32_t i = 0; i < g->nreqs; i++) {
+        kvs_free(g->reqs[i].prompt);
+        kvs_free(g->reqs[i].out);
+    }
+    kvs_tokenizer_destroy(g->tok);
+}
+
+static int tp_ok(const gen_t *g, uint32_t tp, const char *flag)
+{
+    if (tp == 0 || tp > KVS_MAX_TP) {
+        fprintf(stderr, "error: %s must be 1..%d\n", flag, KVS_MAX_TP);
+        return 0;
+    }
+    if (kvs_model_config_validate(&g->mc, (kvs_tp_t){tp, 0}) != KVS_OK) {
+        fprintf(stderr, "error: %s %u does not divide this model (%u heads, %u KV heads, ffn %u)\n",
+                flag, tp, g->mc.heads, g->mc.kv_heads, g->mc.ffn_dim);
+        return 0;
+    }
+    return 1;
+}
+
+int kvs_cmd_generate(int argc, char **argv)
+{
+    static gen_t gen;
+    gen_t *g = &gen;
+    memset(g, 0, sizeof(*g));
+    g->t0 = kvs_now_ns();
+    g->max_tokens = 32;
+    g->top_p = 1.0;
+    g->prefill_tp = g->decode_tp = 1;
+    g->page_size = 16;
+    g->chunk = 64;
+    g->prefill_radix = g->decode_radix = 1;
+    g->sequential = 1;
+    g->seed = 1;
+    g->timeout_s = 300;
+    const char *texts[MAX_PROMPTS], *idstr[MAX_PROMPTS];
+    int kind[MAX_PROMPTS], nprompts = 0, nrest = 0;
+    char **rest = kvs_calloc((size_t) argc + 1, sizeof(char *));
+    if (rest == NULL) return 1;
+    if (split_prompts(argc, argv, texts, idstr, kind, &nprompts, rest, &nrest) != 0) {
+        kvs_free(rest);
+        return 2;
+    }
+    const kvs_arg_t args[] = {
+        {"chat", KVS_ARG_FLAG, &g->chat, "render each prompt with the model's chat template", NULL,
+         NULL},
+        {"system", KVS_ARG_STR, &g->system, "system message (with --chat)", NULL, NULL},
+        {"max-tokens", KVS_ARG_U32, &g->max_tokens, "tokens to generate at most (32)", NULL, NULL},
+        {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)", NULL,
+         NULL},
+        {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", NULL, NULL},
+        {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
+         NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &g->prefill_tp, "prefill ranks (1)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &g->decode_tp, "decode ranks (1)", NULL, NULL},
+        {"colocated", KVS_ARG_FLAG, &g->colocated,
+         "one instance does prefill and decode: no transfer", NULL, NULL},
+        {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)", NULL,
+         &g->tp_seen},
+        {"model", KVS_ARG_STR, &g->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &g->seeded,
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (needs --prompt-ids)",
+         NULL, NULL},
+        {"model-seed", KVS_ARG_U64, &g->model_seed, "seed of --seeded weights", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", NULL, NULL},
+        {"prefill-radix", KVS_ARG_ONOFF, &g->prefill_radix,
+         "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
+        {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
+         NULL},
+        {"sequential", KVS_ARG_ONOFF, &g->sequential,
+         "submit each request once the previous one finished (on)", NULL, NULL},
+        {"max-running", KVS_ARG_U32, &g->max_running,
+         "requests admitted at once (default: all, at most 16)", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &g->data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", NULL, NULL},
+        {"json", KVS_ARG_FLAG, &g->json, "one JSON object with every request", NULL, NULL},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);
+    kvs_free(rest);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (nprompts == 0) {
+        fprintf(stderr, "error: give at least one --prompt or --prompt-ids\n");
+        kvs_args_usage(stderr, usage, args, nargs);
+        return 2;
+    }
+    if (g->max_tokens == 0 || g->page_size == 0 || g->chunk == 0 || g->timeout_s == 0 ||
+        !(g->top_p > 0 && g->top_p <= 1) || !(g->temperature >= 0)) {
+        fprintf(stderr, "error: --max-tokens, --page-size, --chunk and --timeout-s must be "
+                        "positive, --top-p in (0, 1], --temperature >= 0\n");
+        return 2;
+    }
+    if (!g->colocated && g->tp_seen) {
+        fprintf(stderr, "error: --tp is for --colocated (use --prefill-tp and --decode-tp)\n");
+        return 2;
+    }
+    if (!g->tp_seen) g->tp = g->prefill_tp;
+    if ((rc = open_model(g)) != 0) {
+        gen_free(g);
+        return rc;
+    }
+    rc = 2;
+    if (g->tok == NULL && g->chat) {
+        fprintf(stderr, "error: --chat needs a GGUF model with a tokenizer\n");
+        goto out;
+    }
+    if (g->colocated
+            ? !tp_ok(g, g->tp, "--tp")
+            : !tp_ok(g, g->prefill_tp, "--prefill-tp") || !tp_ok(g, g->decode_tp, "--decode-tp"))
+        goto out;
+    g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
+    g->stop_id = g->eos;
+    if (g->chat) {
+        uint32_t id;
+        if (kvs_tokenizer_token_id(g->tok, "<|im_end|>", 10, &id) == KVS_OK) g->stop_id = id;
+    }
+    for (int i = 0; i < nprompts; i++) {
+        req_t *r = &g->reqs[g->nreqs++];
+        r->room = g->nreqs;
+        if (kind[i]) {
+            r->label = idstr[i];
+            if (parse_ids(idstr[i], &r->prompt, &r->prompt_len) != 0) {
+                fprintf(stderr, "error: bad value '%s' for '--prompt-ids'\n", idstr[i]);
+                goto out;
+            }
+        } else {
+            r->label = texts[i];
+            if (g->tok == NULL) {
+                fprintf(stderr, "error: a seeded model has no tokenizer: use --prompt-ids\n");
+                goto out;
+            }
+            if (tokenize(g, r, texts[i]) != 0) {
+                rc = 1;
+                goto out;
+            }
+        }
+        if (r->prompt_len == 0) {
+            fprintf(stderr, "error: prompt %d has no tokens\n", i + 1);
+            goto out;
+        }
+        for (uint32_t k = 0; k < r->prompt_len; k++)
+            if (r->prompt[k] >= g->mc.vocab) {
+                fprintf(stderr, "error: token id %u of prompt %d is outside the vocabulary (%u)\n",
+                        r->prompt[k], i + 1, g->mc.vocab);
+                goto out;
+            }
+        if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx) {
+            fprintf(stderr,
+                    "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the "
+                    "model's context of %u\n",
+                    i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
+            goto out;
+        }
+        r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));
+        if (r->out == NULL) {
+            rc = 1;
+            goto out;
+        }
+    }
+    if (g->max_running == 0) g->max_running = g->nreqs < 16 ? g->nreqs : 16;
+    if (!g->json) {
+        const char *name = g->seeded ? "seeded model" : strrchr(g->model_path, '/');
+        name = name && name[0] == '/' ? name + 1 : name ? name : g->model_path;
+        if (g->colocated)
+            printf("kvstage generate: %s, colocated TP%u (no transfer), page %u, chunk %u, radix "
+                   "%s\n",
+                   name, g->tp, g->page_size, g->chunk, g->prefill_radix ? "on" : "off");
+        else
+            printf("kvstage generate: %s, prefill TP%u -> decode TP%u, every rank a process "
+                   "(ZeroMQ control, UCX data);\npage %u, chunk %u, radix prefill %s / decode "
+                   "%s, %u request%s%s\n",
+                   name, g->prefill_tp, g->decode_tp, g->page_size, g->chunk,
+                   g->prefill_radix ? "on" : "off", g->decode_radix ? "on" : "off", g->nreqs,
+                   g->nreqs == 1 ? "" : "s",
+                   g->sequential && g->nreqs > 1 ? " one after another" : "");
+        fflush(stdout);
+    }
+    signal(SIGPIPE, SIG_IGN);
+    rc = run_deployment(g);
+    int ok = rc == 0;
+    for (uint32_t i = 0; i < g->nreqs; i++)
+        ok &= finished(&g->reqs[i]) && !g->reqs[i].rejected &&
+              strcmp(g->reqs[i].side[1].status, "ok") == 0 &&
+              (g->colocated || strcmp(g->reqs[i].side[0].status, "ok") == 0);
+    if (g->json)
+        print_json(g, ok);
+    else
+        print_totals(g, ok);
+    rc = ok ? 0 : 1;
+out:
+    gen_free(g);
+    return rc;
+}

@@ -1,0 +1,389 @@
+/* `kvstage plan`: prints the transfer plan between a prefill and a decode TP layout (who writes
+ * which heads where, slot layout, status peers) and what staging saves over per-page writes. */
+#include "cmd/commands.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/args.h"
+#include "common/json.h"
+#include "kvstage/grid.h"
+#include "kvstage/layout.h"
+#include "kvstage/log.h"
+
+typedef struct {
+    uint32_t prefill_tp, decode_tp;
+    kvs_kv_shape_t shape;
+    uint32_t page, chunk;
+    uint64_t room;
+    int json;
+} plan_cfg_t;
+
+/* The whole plan, computed once through the library and then printed either way. */
+typedef struct {
+    uint64_t grid_tokens, pages_per_slot;
+    kvs_writer_t writers[KVS_MAX_TP][KVS_MAX_WRITERS];
+    uint64_t offsets[KVS_MAX_TP][KVS_MAX_WRITERS];
+    uint32_t writer_count[KVS_MAX_TP];
+    uint64_t slot_bytes[KVS_MAX_TP];
+    uint32_t peers[KVS_MAX_TP][KVS_MAX_TP], peer_count[KVS_MAX_TP];
+    kvs_dest_t dests[KVS_MAX_TP][KVS_MAX_TP];
+    uint32_t dest_count[KVS_MAX_TP];
+    uint32_t decode_peers[KVS_MAX_TP][KVS_MAX_TP], decode_peer_count[KVS_MAX_TP];
+    uint64_t bulk_writes, per_page_writes;
+} plan_t;
+
+/* Turns the library's logged reason into the tool's one-line error message. */
+typedef struct {
+    char msg[512];
+} last_error_t;
+
+static void capture_error(void *arg, kvs_log_level_t level, const char *file, int line,
+                          const char *msg)
+{
+    (void) file;
+    (void) line;
+    if (level == KVS_LOG_ERROR) snprintf(((last_error_t *) arg)->msg, 512, "%s", msg);
+}
+
+static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
+{
+    if (a != 0 && b > UINT64_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+/* Validates the configuration through the library; on error prints it and returns 0. */
+static int plan_validate(const plan_cfg_t *cfg)
+{
+    last_error_t err = {{0}};
+    kvs_log_set_sink(capture_error, &err);
+    const char *what = "model"; /* the shape check names its own fields */
+    kvs_status_t st = kvs_kv_shape_validate(&cfg->shape);
+    if (st == KVS_OK) {
+        what = "prefill layout";
+        st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->prefill_tp});
+    }
+    if (st == KVS_OK) {
+        what = "decode layout";
+        st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
+    }
+    kvs_log_set_sink(NULL, NULL);
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: %s: %s\n", what, err.msg[0] ? err.msg : kvs_status_str(st));
+        return 0;
+    }
+    if (cfg->page == 0 || cfg->page > (1u << 20)) {
+        fprintf(stderr, "error: --page-size %u is out of range [1, 1048576]\n", cfg->page);
+        return 0;
+    }
+    if (cfg->chunk == 0 || cfg->chunk > (1u << 24)) {
+        fprintf(stderr, "error: --chunk %u is out of range [1, 16777216]\n", cfg->chunk);
+        return 0;
+    }
+    return 1;
+}
+
+static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
+{
+    const kvs_kv_shape_t *s = &cfg->shape;
+    plan->grid_tokens = kvs_grid_tokens(cfg->chunk, cfg->page);
+    plan->pages_per_slot = plan->grid_tokens / cfg->page;
+    plan->bulk_writes = 0;
+    for (uint32_t d = 0; d < cfg->decode_tp; d++) {
+        if (kvs_plan_writers(s, cfg->prefill_tp, cfg->decode_tp, d, cfg->room, plan->writers[d],
+                             &plan->writer_count[d]) != KVS_OK ||
+            kvs_plan_peers(s, cfg->prefill_tp, cfg->decode_tp, d, plan->peers[d],
+                           &plan->peer_count[d]) != KVS_OK)
+            return 0;
+        /* The slot layout is plain uint64 arithmetic: refuse sizes it cannot represent. */
+        uint64_t per_token = 0, payload;
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++)
+            per_token += plan->writers[d][i].bytes_per_token;
+        if (!mul_ok(plan->grid_tokens, per_token, &payload) || payload > UINT64_MAX / 2) {
+            fprintf(stderr,
+                    "error: a %" PRIu64 "-token slot of %" PRIu64
+                    " bytes per token is too large; use a smaller --chunk\n",
+                    plan->grid_tokens, per_token);
+            return 0;
+        }
+        plan->slot_bytes[d] = kvs_slot_layout(plan->writers[d], plan->writer_count[d],
+                                              plan->grid_tokens, plan->offsets[d]);
+        plan->bulk_writes += plan->writer_count[d];
+    }
+    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
+        if (kvs_plan_destinations(s, cfg->prefill_tp, cfg->decode_tp, p, cfg->room, plan->dests[p],
+                                  &plan->dest_count[p]) != KVS_OK ||
+            kvs_plan_decode_peers(s, cfg->prefill_tp, cfg->decode_tp, p, plan->decode_peers[p],
+                                  &plan->decode_peer_count[p]) != KVS_OK)
+            return 0;
+    }
+    /* The per-page path posts one write per page x layer x component for every writer. */
+    uint64_t per_writer;
+    if (!mul_ok(plan->pages_per_slot, s->layers, &per_writer) ||
+        !mul_ok(per_writer, kvs_kv_shape_components(s), &per_writer) ||
+        !mul_ok(per_writer, plan->bulk_writes, &plan->per_page_writes)) {
+        fprintf(stderr, "error: per-page write count overflows; use smaller --layers/--chunk\n");
+        return 0;
+    }
+    return 1;
+}
+
+static uint64_t region_bytes(const plan_t *plan, const kvs_writer_t *w)
+{
+    return plan->grid_tokens * w->bytes_per_token;
+}
+
+static void format_heads(char *buf, size_t cap, const kvs_kv_shape_t *s, uint32_t first,
+                         uint32_t count)
+{
+    if (s->attn == KVS_ATTN_MLA)
+        snprintf(buf, cap, "latent");
+    else if (count == 1)
+        snprintf(buf, cap, "%u", first);
+    else
+        snprintf(buf, cap, "%u-%u", first, first + count - 1);
+}
+
+/* A rank's slice for headings: "heads 0-3", "head 2" or "latent". */
+static void format_slice(char *buf, size_t cap, const kvs_kv_shape_t *s, uint32_t first,
+                         uint32_t count)
+{
+    char heads[32];
+    format_heads(heads, sizeof(heads), s, first, count);
+    if (s->attn == KVS_ATTN_MLA)
+        snprintf(buf, cap, "%s", heads);
+    else
+        snprintf(buf, cap, "head%s %s", count == 1 ? "" : "s", heads);
+}
+
+static void format_bytes(char *buf, size_t cap, uint64_t bytes)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double) bytes;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < sizeof(units) / sizeof(units[0])) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, cap, "%" PRIu64 " B", bytes);
+    else
+        snprintf(buf, cap, "%.1f %s", v, units[u]);
+}
+
+static void print_ranks(const char *label, const uint32_t *ranks, uint32_t n)
+{
+    printf("%s ", label);
+    for (uint32_t i = 0; i < n; i++) printf("%s%u", i ? "," : "", ranks[i]);
+}
+
+static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
+{
+    const kvs_kv_shape_t *s = &cfg->shape;
+    char buf[64], buf2[64];
+    printf("kvstage plan: prefill TP%u -> decode TP%u, room %" PRIu64 "\n", cfg->prefill_tp,
+           cfg->decode_tp, cfg->room);
+    if (s->attn == KVS_ATTN_MLA)
+        printf("  model: MLA latent of %u elements, %u layers, %u-byte elements\n", s->head_dim_k,
+               s->layers, s->elem_bytes);
+    else
+        printf("  model: MHA, %u KV heads, %u layers, head dim K %u / V %u, %u-byte elements\n",
+               s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v, s->elem_bytes);
+    printf("  grid: page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
+           " pages per slot)\n",
+           cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+    printf("  heads per rank: prefill %u (replication %u), decode %u (replication %u)\n",
+           kvs_tp_heads_per_rank(s, cfg->prefill_tp), kvs_tp_replication(s, cfg->prefill_tp),
+           kvs_tp_heads_per_rank(s, cfg->decode_tp), kvs_tp_replication(s, cfg->decode_tp));
+
+    for (uint32_t d = 0; d < cfg->decode_tp; d++) {
+        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->decode_tp, d),
+                     kvs_tp_heads_per_rank(s, cfg->decode_tp));
+        format_bytes(buf2, sizeof(buf2), plan->slot_bytes[d]);
+        printf("\ndecode rank %u (%s): %u writer%s, slot %" PRIu64 " bytes (%s); ", d, buf,
+               plan->writer_count[d], plan->writer_count[d] == 1 ? "" : "s", plan->slot_bytes[d],
+               buf2);
+        print_ranks("status peers: prefill", plan->peers[d], plan->peer_count[d]);
+        printf("\n  %6s %8s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "global heads",
+               "src head", "dst head", "heads", "region offset", "bytes/slot");
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++) {
+            const kvs_writer_t *w = &plan->writers[d][i];
+            format_heads(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->decode_tp, d) + w->dst_head,
+                         w->heads);
+            printf("  %6u %8u %13s %9u %9u %6u %14" PRIu64 " %14" PRIu64 "\n", i, w->prefill_rank,
+                   buf, w->src_head, w->dst_head, w->heads, plan->offsets[d][i],
+                   region_bytes(plan, w));
+        }
+    }
+    printf("\n");
+    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
+        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->prefill_tp, p),
+                     kvs_tp_heads_per_rank(s, cfg->prefill_tp));
+        printf("prefill rank %u (%s): ", p, buf);
+        print_ranks("status peers: decode", plan->decode_peers[p], plan->decode_peer_count[p]);
+        printf("\n");
+        if (plan->dest_count[p] == 0)
+            printf("  -> none (replica not chosen; reports status only)\n");
+        for (uint32_t i = 0; i < plan->dest_count[p]; i++) {
+            const kvs_dest_t *x = &plan->dests[p][i];
+            printf("  -> decode %u writer %u: src head %u, dst head %u, %u head%s, region "
+                   "offset %" PRIu64 ", %" PRIu64 " bytes/slot\n",
+                   x->decode_rank, x->writer, x->w.src_head, x->w.dst_head, x->w.heads,
+                   x->w.heads == 1 ? "" : "s", plan->offsets[x->decode_rank][x->writer],
+                   region_bytes(plan, &x->w));
+        }
+    }
+    printf("\nwrites per chunk (one full slot of %" PRIu64 " tokens, all decode ranks):\n",
+           plan->grid_tokens);
+    char label[64];
+    snprintf(label, sizeof(label),
+             "per-page (page x layer x %s x writer):", s->attn == KVS_ATTN_MLA ? "latent" : "K/V");
+    printf("  %-44s %12" PRIu64 "\n", "staged (one bulk write per writer):", plan->bulk_writes);
+    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u layers x %u x %" PRIu64 " writers\n",
+           label, plan->per_page_writes, plan->pages_per_slot, s->layers,
+           kvs_kv_shape_components(s), plan->bulk_writes);
+    printf("  %-44s %11" PRIu64 "x\n", "reduction:", plan->per_page_writes / plan->bulk_writes);
+}
+
+static void json_ranks(kvs_json_t *j, const char *key, const uint32_t *ranks, uint32_t n)
+{
+    kvs_json_array_begin(j, key);
+    for (uint32_t i = 0; i < n; i++) kvs_json_u64(j, NULL, ranks[i]);
+    kvs_json_array_end(j);
+}
+
+static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t offset,
+                               uint64_t bytes)
+{
+    kvs_json_u64(j, "src_head", w->src_head);
+    kvs_json_u64(j, "dst_head", w->dst_head);
+    kvs_json_u64(j, "heads", w->heads);
+    kvs_json_u64(j, "bytes_per_token", w->bytes_per_token);
+    kvs_json_u64(j, "region_offset", offset);
+    kvs_json_u64(j, "region_bytes", bytes);
+}
+
+static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
+{
+    const kvs_kv_shape_t *s = &cfg->shape;
+    kvs_json_t j;
+    kvs_json_begin(&j, stdout);
+    kvs_json_object_begin(&j, "config");
+    kvs_json_u64(&j, "prefill_tp", cfg->prefill_tp);
+    kvs_json_u64(&j, "decode_tp", cfg->decode_tp);
+    kvs_json_str(&j, "attn", s->attn == KVS_ATTN_MLA ? "mla" : "mha");
+    kvs_json_u64(&j, "kv_heads", s->kv_heads);
+    kvs_json_u64(&j, "layers", s->layers);
+    kvs_json_u64(&j, "head_dim_k", s->head_dim_k);
+    kvs_json_u64(&j, "head_dim_v", s->head_dim_v);
+    kvs_json_u64(&j, "dtype_bytes", s->elem_bytes);
+    kvs_json_u64(&j, "page_size", cfg->page);
+    kvs_json_u64(&j, "chunk", cfg->chunk);
+    kvs_json_u64(&j, "room", cfg->room);
+    kvs_json_object_end(&j);
+    kvs_json_u64(&j, "grid_tokens", plan->grid_tokens);
+    kvs_json_u64(&j, "pages_per_slot", plan->pages_per_slot);
+
+    uint64_t max_slot = 0;
+    kvs_json_array_begin(&j, "decode");
+    for (uint32_t d = 0; d < cfg->decode_tp; d++) {
+        kvs_json_object_begin(&j, NULL);
+        kvs_json_u64(&j, "rank", d);
+        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->decode_tp, d));
+        kvs_json_u64(&j, "heads", kvs_tp_heads_per_rank(s, cfg->decode_tp));
+        kvs_json_u64(&j, "slot_bytes", plan->slot_bytes[d]);
+        json_ranks(&j, "peers", plan->peers[d], plan->peer_count[d]);
+        kvs_json_array_begin(&j, "writers");
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++) {
+            const kvs_writer_t *w = &plan->writers[d][i];
+            kvs_json_object_begin(&j, NULL);
+            kvs_json_u64(&j, "prefill_rank", w->prefill_rank);
+            json_writer_fields(&j, w, plan->offsets[d][i], region_bytes(plan, w));
+            kvs_json_object_end(&j);
+        }
+        kvs_json_array_end(&j);
+        kvs_json_object_end(&j);
+        if (plan->slot_bytes[d] > max_slot) max_slot = plan->slot_bytes[d];
+    }
+    kvs_json_array_end(&j);
+
+    kvs_json_array_begin(&j, "prefill");
+    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
+        kvs_json_object_begin(&j, NULL);
+        kvs_json_u64(&j, "rank", p);
+        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->prefill_tp, p));
+        kvs_json_u64(&j, "heads", kvs_tp_heads_per_rank(s, cfg->prefill_tp));
+        json_ranks(&j, "decode_peers", plan->decode_peers[p], plan->decode_peer_count[p]);
+        kvs_json_array_begin(&j, "destinations");
+        for (uint32_t i = 0; i < plan->dest_count[p]; i++) {
+            const kvs_dest_t *x = &plan->dests[p][i];
+            kvs_json_object_begin(&j, NULL);
+            kvs_json_u64(&j, "decode_rank", x->decode_rank);
+            kvs_json_u64(&j, "writer", x->writer);
+            json_writer_fields(&j, &x->w, plan->offsets[x->decode_rank][x->writer],
+                               region_bytes(plan, &x->w));
+            kvs_json_object_end(&j);
+        }
+        kvs_json_array_end(&j);
+        kvs_json_object_end(&j);
+    }
+    kvs_json_array_end(&j);
+
+    kvs_json_u64(&j, "max_slot_bytes", max_slot);
+    kvs_json_u64(&j, "bulk_writes_per_chunk", plan->bulk_writes);
+    kvs_json_u64(&j, "per_page_writes_per_chunk", plan->per_page_writes);
+    kvs_json_u64(&j, "reduction", plan->per_page_writes / plan->bulk_writes);
+    kvs_json_end(&j);
+}
+
+int kvs_cmd_plan(int argc, char **argv)
+{
+    plan_cfg_t cfg = {.prefill_tp = 4, .decode_tp = 2, .page = 16, .chunk = 256};
+    uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0, dtype_bytes = 2;
+    int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0;
+    const kvs_arg_t args[] = {
+        {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", NULL, NULL},
+        {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", NULL,
+         &seen_heads},
+        {"layers", KVS_ARG_U32, &layers, "layers L (32)", NULL, NULL},
+        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for both K and V (128)", NULL, NULL},
+        {"head-dim-k", KVS_ARG_U32, &dim_k, "K head dim (or MLA latent width)", NULL, &seen_k},
+        {"head-dim-v", KVS_ARG_U32, &dim_v, "V head dim (0 with --mla)", NULL, &seen_v},
+        {"dtype-bytes", KVS_ARG_U32, &dtype_bytes, "element size in bytes: 1, 2 or 4 (2)", NULL,
+         NULL},
+        {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token, held whole by every rank", NULL,
+         NULL},
+        {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", NULL, NULL},
+        {"room", KVS_ARG_U64, &cfg.room, "room id, picks among prefill replicas (0)", NULL, NULL},
+        {"json", KVS_ARG_FLAG, &cfg.json, "print one JSON object instead of the table", NULL, NULL},
+    };
+    int rc =
+        kvs_args_parse("kvstage plan [flags]", args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
+    if (rc == KVS_ARGS_HELP) return 0;
+    if (rc != KVS_ARGS_OK) return 2;
+
+    /* MLA has one latent and no V: its defaults follow, but explicit flags still win so that
+     * a contradictory request is refused by the shape check rather than silently fixed. */
+    cfg.shape = (kvs_kv_shape_t){
+        .layers = layers,
+        .kv_heads = mla && !seen_heads ? 1 : kv_heads,
+        .head_dim_k = seen_k ? dim_k : head_dim,
+        .head_dim_v = seen_v ? dim_v : (mla ? 0 : head_dim),
+        .elem_bytes = dtype_bytes,
+        .attn = mla ? KVS_ATTN_MLA : KVS_ATTN_MHA,
+    };
+    if (!plan_validate(&cfg)) return 2;
+
+    static plan_t plan; /* large: keep it off the stack */
+    memset(&plan, 0, sizeof(plan));
+    if (!plan_compute(&cfg, &plan)) return 2;
+    if (cfg.json)
+        print_json(&cfg, &plan);
+    else
+        print_table(&cfg, &plan);
+    return 0;
+}

@@ -1,0 +1,139 @@
+/* `kvstage router`: the prefill/decode router (kvstage/router.h) over running `kvstage serve`
+ * instances, serving until SIGINT or SIGTERM. */
+#include "cmd/commands.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/args.h"
+#include "kvstage/alloc.h"
+#include "http/router.h"
+#include "common/serve_signal.h"
+
+#define MAX_SERVERS 64
+
+static const char usage[] =
+    "kvstage router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...] [--port P]\n"
+    "  [--policy round-robin|prefix]\n"
+    "  an OpenAI-compatible front that sends each request to a prefill and a decode server\n"
+    "  (`kvstage serve`); --prefill and --decode repeat or take comma-separated lists";
+
+/* Adds the comma-separated URLs of v to list. 0, or -1 when there are too many. */
+static int add_urls(char *v, char **list, size_t *n)
+{
+    for (char *save = NULL, *u = strtok_r(v, ",", &save); u; u = strtok_r(NULL, ",", &save)) {
+        if (*n == MAX_SERVERS) {
+            fprintf(stderr, "error: at most %d servers of a role\n", MAX_SERVERS);
+            return -1;
+        }
+        list[(*n)++] = u;
+    }
+    return 0;
+}
+
+/* Takes --prefill and --decode (repeatable) out of argv; the rest goes to the table parser. */
+static int split_servers(int argc, char **argv, char **pre, size_t *np, char **dec, size_t *nd,
+                         char **rest, int *nrest_p)
+{
+    int nrest = 0;
+    rest[nrest++] = argv[0];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int is_p = strcmp(a, "--prefill") == 0, is_d = strcmp(a, "--decode") == 0;
+        char *v = NULL;
+        if (strncmp(a, "--prefill=", 10) == 0) {
+            is_p = 1;
+            v = argv[i] + 10;
+        } else if (strncmp(a, "--decode=", 9) == 0) {
+            is_d = 1;
+            v = argv[i] + 9;
+        } else if (is_p || is_d) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "error: flag '%s' needs a value\n", a);
+                return -1;
+            }
+            v = argv[++i];
+        }
+        if (!is_p && !is_d) {
+            rest[nrest++] = argv[i];
+            continue;
+        }
+        if (add_urls(v, is_p ? pre : dec, is_p ? np : nd) != 0) return -1;
+    }
+    rest[nrest] = NULL;
+    *nrest_p = nrest;
+    return 0;
+}
+
+int kvs_cmd_router(int argc, char **argv)
+{
+    char *pre[MAX_SERVERS], *dec[MAX_SERVERS];
+    size_t np = 0, nd = 0;
+    int nrest = 0;
+    char **rest = kvs_calloc((size_t) argc + 1, sizeof(char *));
+    if (rest == NULL) return 1;
+    if (split_servers(argc, argv, pre, &np, dec, &nd, rest, &nrest) != 0) {
+        kvs_free(rest);
+        return 2;
+    }
+    const char *host = "127.0.0.1";
+    uint32_t port = 0, threads = 8, match_ms = 2000, health_ms = 1000, timeout_s = 600;
+    int policy = 0;
+    const kvs_arg_t args[] = {
+        {"port", KVS_ARG_U32, &port, "HTTP port (0: a free one, printed)", NULL, NULL},
+        {"host", KVS_ARG_STR, &host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
+        {"policy", KVS_ARG_CHOICE, &policy,
+         "server choice: round robin, or the longest cached prefix (POST /internal/match)",
+         "round-robin|prefix", NULL},
+        {"threads", KVS_ARG_U32, &threads, "HTTP worker threads (8)", NULL, NULL},
+        {"match-timeout-ms", KVS_ARG_U32, &match_ms,
+         "prefix policy: how long a server's cache answer may take (2000)", NULL, NULL},
+        {"health-interval-ms", KVS_ARG_U32, &health_ms, "health checks of every server (1000)",
+         NULL, NULL},
+        {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", NULL, NULL},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);
+    kvs_free(rest);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (np == 0 || nd == 0 || port > 65535 || timeout_s == 0 || timeout_s > 4000000) {
+        fprintf(stderr, "error: give --prefill URL and --decode URL (--port 0..65535, "
+                        "--request-timeout-s 1..4000000)\n");
+        kvs_args_usage(stderr, usage, args, nargs);
+        return 2;
+    }
+    for (size_t i = 0; i < np + nd; i++) {
+        const char *u = i < np ? pre[i] : dec[i - np];
+        if (strncmp(u, "http://", 7) != 0) {
+            fprintf(stderr, "error: '%s' is not an http:// URL\n", u);
+            return 2;
+        }
+    }
+    kvs_serve_signal_install();
+    kvs_router_config_t c = {.host = host,
+                             .port = (uint16_t) port,
+                             .threads = threads,
+                             .prefill = (const char *const *) pre,
+                             .n_prefill = np,
+                             .decode = (const char *const *) dec,
+                             .n_decode = nd,
+                             .prefill_policy = (kvs_router_policy_t) policy,
+                             .decode_policy = (kvs_router_policy_t) policy,
+                             .health_interval_ms = health_ms,
+                             .match_timeout_ms = match_ms,
+                             .request_timeout_ms = timeout_s * 1000u};
+    kvs_router_t *rt = NULL;
+    if (kvs_router_create(&c, &rt) != KVS_OK) {
+        fprintf(stderr, "error: cannot start the router on %s:%u\n", host, port);
+        return 1;
+    }
+    printf("routing on http://%s:%u (%zu prefill, %zu decode, policy %s)\n", host,
+           (unsigned) kvs_router_port(rt), np, nd, policy ? "prefix" : "round-robin");
+    fflush(stdout);
+    while (!kvs_serve_signal_wait(1000)) {
+    }
+    fprintf(stderr, "kvstage router: shutting down\n");
+    kvs_router_destroy(rt);
+    return 0;
+}

@@ -1,0 +1,401 @@
+/* `kvstage serve`: one instance of a real model (colocated, prefill or decode) behind the
+ * OpenAI-compatible HTTP server. It launches the instance's rank processes (instance.h), serves
+ * a prefill instance's bootstrap registry from a thread of its own, puts a rank backend
+ * (kvstage/rank_backend.h) over rank 0, and serves HTTP until SIGINT or SIGTERM; then it stops
+ * the server (live requests end), quits rank 0 and waits for every rank.
+ *
+ * A seeded model has no tokenizer: the server then uses the byte tokenizer (ids 0-255 are
+ * bytes, 256 its EOS), so the seeded vocabulary must hold at least 257 ids; generated ids above
+ * 256 render as nothing. Token-id prompts work either way. */
+#include "cmd/commands.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/args.h"
+#include "common/instance.h"
+#include "kvstage/clock.h"
+#include "model/gguf.h"
+#include "http/rank_backend.h"
+#include "kvstage/registry.h"
+#include "http/server.h"
+#include "model/tokenizer.h"
+#include "common/serve_signal.h"
+
+#define EXIT_WAIT_MS 15000 /* ranks get this long to exit after quit */
+
+typedef struct {
+    kvs_registry_t *registry;
+    int stop; /* atomic */
+} reg_thread_t;
+
+static void *registry_main(void *arg)
+{
+    reg_thread_t *t = arg;
+    while (!__atomic_load_n(&t->stop, __ATOMIC_RELAXED)) kvs_registry_serve(t->registry, 50);
+    return NULL;
+}
+
+static const char usage[] =
+    "kvstage serve --role prefill|decode|colocated [--model PATH | --seeded L,dim,ffn,heads,"
+    "kv_heads,head_dim,vocab] --tp N [--port P] [flags]\n"
+    "  one instance of a real model (every rank a process) behind an OpenAI-compatible HTTP\n"
+    "  server; a decode instance is bound to the prefill instance whose registry --bootstrap\n"
+    "  names; put `kvstage router` in front of prefill and decode servers";
+
+typedef struct {
+    int role; /* 0 colocated, 1 prefill, 2 decode (the llm roles) */
+    const char *model, *seeded, *host, *bootstrap, *registry, *name;
+    uint64_t model_seed;
+    uint32_t tp, peer_tp, port, page_size, chunk, max_running, max_prompt, max_new, threads;
+    uint32_t startup_s;
+    int radix, data, peer_tp_seen, page_seen, chunk_seen;
+} serve_flags_t;
+
+/* The model's configuration and tokenizer (GGUF) or the seeded configuration. 0, 1 or 2. */
+static int open_model(serve_flags_t *f, char *path, size_t cap, kvs_model_config_t *mc,
+                      kvs_tokenizer_t **tok_p)
+{
+    if (f->seeded != NULL) {
+        if (f->model != NULL) {
+            fprintf(stderr, "error: --model and --seeded exclude each other\n");
+            return 2;
+        }
+        if (kvs_parse_seeded(f->seeded, mc) != 0 ||
+            kvs_model_config_validate(mc, (kvs_tp_t){1, 0}) != KVS_OK) {
+            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", f->seeded);
+            return 2;
+        }
+        if (mc->vocab < 257) {
+            fprintf(stderr, "error: a seeded model is served with the byte tokenizer, which needs "
+                            "a vocabulary of at least 257 ids\n");
+            return 2;
+        }
+        return 0;
+    }
+    if (f->model != NULL)
+        snprintf(path, cap, "%s", f->model);
+    else if (kvs_model_default_path(path, cap) != KVS_OK)
+        return 1;
+    kvs_gguf_t *g = NULL;
+    if (kvs_gguf_open(path, &g) != KVS_OK) {
+        fprintf(stderr, "error: cannot open the model %s\n", path);
+        return 1;
+    }
+    int rc = 0;
+    if (kvs_model_config_from_gguf(g, mc) != KVS_OK) {
+        fprintf(stderr, "error: %s is not a model this engine runs\n", path);
+        rc = 1;
+    } else if (kvs_tokenizer_from_gguf(g, tok_p) != KVS_OK) {
+        fprintf(stderr, "error: %s has no tokenizer this tool reads\n", path);
+        rc = 1;
+    }
+    kvs_gguf_close(g);
+    return rc;
+}
+
+/* The served model's name: the GGUF's file name without ".gguf", or "seeded". */
+static void model_name(const serve_flags_t *f, const char *path, char *buf, size_t cap)
+{
+    if (f->name != NULL) {
+        snprintf(buf, cap, "%s", f->name);
+        return;
+    }
+    if (f->seeded != NULL) {
+        snprintf(buf, cap, "seeded");
+        return;
+    }
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    size_t n = strlen(base);
+    if (n > 5 && strcmp(base + n - 5, ".gguf") == 0) n -= 5;
+    snprintf(buf, cap, "%.*s", (int) n, base);
+}
+
+static int check_flags(serve_flags_t *f, const kvs_model_config_t *mc)
+{
+    const int role = f->role;
+    if (f->port > 65535) {
+        fprintf(stderr, "error: --port must be 0..65535\n");
+        return 2;
+    }
+    if ((role == KVS_LLM_DECODE) != (f->bootstrap != NULL)) {
+        fprintf(stderr, role == KVS_LLM_DECODE
+                            ? "error: a decode server needs --bootstrap (the prefill instance's "
+                              "registry endpoint, as its server prints it)\n"
+                            : "error: --bootstrap is for --role decode\n");
+        return 2;
+    }
+    if (f->registry != NULL && role != KVS_LLM_PREFILL) {
+        fprintf(stderr, "error: --registry is for --role prefill\n");
+        return 2;
+    }
+    if (f->peer_tp_seen && role == KVS_LLM_COLOCATED) {
+        fprintf(stderr, "error: --peer-tp is for prefill and decode servers\n");
+        return 2;
+    }
+    if (f->page_size == 0 || f->chunk == 0 || f->max_running == 0 || f->max_prompt == 0 ||
+        f->max_new == 0) {
+        fprintf(stderr, "error: --page-size, --chunk, --max-running, --max-prompt and --max-new "
+                        "must be positive\n");
+        return 2;
+    }
+    if ((uint64_t) f->max_prompt + f->max_new > mc->max_ctx) {
+        fprintf(stderr,
+                "error: --max-prompt %u plus --max-new %u exceed the model's context of %u\n",
+                f->max_prompt, f->max_new, mc->max_ctx);
+        return 2;
+    }
+    const uint32_t tps[2] = {f->tp, f->peer_tp};
+    const char *names[2] = {"--tp", "--peer-tp"};
+    for (int i = 0; i < (role == KVS_LLM_COLOCATED ? 1 : 2); i++) {
+        if (tps[i] == 0 || tps[i] > KVS_MAX_TP ||
+            kvs_model_config_validate(mc, (kvs_tp_t){tps[i], 0}) != KVS_OK) {
+            fprintf(stderr,
+                    "error: %s %u does not divide this model (%u heads, %u KV heads, ffn %u)\n",
+                    names[i], tps[i], mc->heads, mc->kv_heads, mc->ffn_dim);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+/* Decode: what the prefill instance registered fills the flags not given. */
+static int learn_from_prefill(serve_flags_t *f)
+{
+    kvs_msg_register_t reg;
+    if (kvs_registry_query(f->bootstrap, 0, 30ull * 1000000000ull, &reg) != KVS_OK) {
+        fprintf(stderr, "error: no prefill instance answered at %s within 30 s\n", f->bootstrap);
+        return 1;
+    }
+    if (!f->peer_tp_seen) f->peer_tp = reg.tp_size;
+    if (!f->page_seen) f->page_size = reg.page_size;
+    if (!f->chunk_seen) f->chunk = reg.chunk_tokens;
+    return 0;
+}
+
+static const char *role_str(int role)
+{
+    return role == KVS_LLM_PREFILL ? "prefill" : role == KVS_LLM_DECODE ? "decode" : "colocated";
+}
+
+/* Runs until a signal or a rank failure; 0 when stopped by a signal. */
+static int serve_loop(kvs_instance_t *inst, kvs_rank_backend_t *backend, const char *role)
+{
+    for (;;) {
+        if (kvs_serve_signal_wait(200)) {
+            fprintf(stderr, "kvstage serve (%s): shutting down\n", role);
+            return 0;
+        }
+        if (kvs_instance_poll(inst) < inst->n || kvs_rank_backend_ended(backend)) {
+            char why[128];
+            kvs_instance_poll(inst);
+            kvs_instance_describe_exit(inst, why, sizeof(why));
+            fprintf(stderr, "error: kvstage serve (%s): the instance failed (%s); shutting down\n",
+                    role, why);
+            return 1;
+        }
+    }
+}
+
+int kvs_cmd_serve(int argc, char **argv)
+{
+    serve_flags_t f;
+    memset(&f, 0, sizeof(f));
+    f.host = "127.0.0.1";
+    f.tp = f.peer_tp = 1;
+    f.page_size = 16;
+    f.chunk = 64;
+    f.max_running = 4;
+    f.max_prompt = 1024;
+    f.max_new = 256;
+    f.radix = 1;
+    f.threads = 4;
+    f.startup_s = 300;
+    const kvs_arg_t args[] = {
+        {"role", KVS_ARG_CHOICE, &f.role, "what this instance does", "colocated|prefill|decode",
+         NULL},
+        {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &f.seeded,
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)", NULL,
+         NULL},
+        {"model-seed", KVS_ARG_U64, &f.model_seed, "seed of --seeded weights", NULL, NULL},
+        {"tp", KVS_ARG_U32, &f.tp, "ranks of this instance (1)", NULL, NULL},
+        {"peer-tp", KVS_ARG_U32, &f.peer_tp,
+         "prefill: the decode instance's TP (1); decode: the prefill instance's (default: from "
+         "its registry)",
+         NULL, &f.peer_tp_seen},
+        {"port", KVS_ARG_U32, &f.port, "HTTP port (0: a free one, printed)", NULL, NULL},
+        {"host", KVS_ARG_STR, &f.host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
+        {"bootstrap", KVS_ARG_STR, &f.bootstrap,
+         "decode: the prefill instance's registry endpoint (its server prints it)", NULL, NULL},
+        {"registry", KVS_ARG_STR, &f.registry,
+         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)", NULL,
+         NULL},
+        {"name", KVS_ARG_STR, &f.name, "model name served (default: the GGUF's file name)", NULL,
+         NULL},
+        {"page-size", KVS_ARG_U32, &f.page_size,
+         "tokens per KV page (16; decode: the prefill instance's)", NULL, &f.page_seen},
+        {"chunk", KVS_ARG_U32, &f.chunk,
+         "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", NULL,
+         &f.chunk_seen},
+        {"radix", KVS_ARG_ONOFF, &f.radix, "radix prefix cache (on)", NULL, NULL},
+        {"max-running", KVS_ARG_U32, &f.max_running, "requests admitted at once (4)", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &f.max_prompt, "longest prompt, tokens (1024)", NULL, NULL},
+        {"max-new", KVS_ARG_U32, &f.max_new, "most tokens generated per request (256)", NULL, NULL},
+        {"threads", KVS_ARG_U32, &f.threads, "HTTP worker threads (4)", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &f.data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"startup-timeout-s", KVS_ARG_U32, &f.startup_s,
+         "give up when the ranks are not ready after this long (300)", NULL, NULL},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+
+    char path[4096] = "";
+    kvs_model_config_t mc;
+    kvs_tokenizer_t *tok = NULL;
+    if ((rc = open_model(&f, path, sizeof(path), &mc, &tok)) != 0) return rc;
+    kvs_registry_t *registry = NULL;
+    reg_thread_t rt = {0};
+    pthread_t reg_thread;
+    int reg_started = 0;
+    kvs_instance_t inst;
+    memset(&inst, 0, sizeof(inst));
+    int inst_started = 0;
+    kvs_rank_backend_t *backend = NULL;
+    kvs_server_t *srv = NULL;
+    const char *role = role_str(f.role);
+    if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f)) != 0) goto out;
+    if ((rc = check_flags(&f, &mc)) != 0) goto out;
+    rc = 1;
+    kvs_serve_signal_install();
+
+    const char *ep = f.bootstrap;
+    if (f.role == KVS_LLM_PREFILL) {
+        const char *bind = f.registry ? f.registry : "tcp://127.0.0.1:*";
+        if (kvs_registry_create(bind, &registry) != KVS_OK) {
+            fprintf(stderr, "error: cannot serve the bootstrap registry at %s\n", bind);
+            goto out;
+        }
+        ep = kvs_registry_endpoint(registry);
+        rt.registry = registry;
+        if (pthread_create(&reg_thread, NULL, registry_main, &rt) != 0) {
+            fprintf(stderr, "error: cannot start the registry thread\n");
+            goto out;
+        }
+        reg_started = 1;
+    }
+    kvs_instance_config_t ic = {.role = (kvs_llm_role_t) f.role,
+                                .tp = f.tp,
+                                .peer_tp = f.peer_tp,
+                                .model_path = f.seeded ? NULL : path,
+                                .seeded = f.seeded,
+                                .model_seed = f.model_seed,
+                                .page_size = f.page_size,
+                                .chunk = f.chunk,
+                                .max_running = f.max_running,
+                                .max_prompt = f.max_prompt,
+                                .max_new = f.max_new,
+                                .radix = f.radix,
+                                .registry = ep,
+                                .data = f.data};
+    if (kvs_instance_start(&ic, &inst) != 0) goto out;
+    inst_started = 1;
+
+    const kvs_server_role_t srole = f.role == KVS_LLM_PREFILL  ? KVS_SERVER_ROLE_PREFILL
+                                    : f.role == KVS_LLM_DECODE ? KVS_SERVER_ROLE_DECODE
+                                                               : KVS_SERVER_ROLE_NONE;
+    kvs_rank_backend_config_t bc = {.in_fd = inst.in_fd,
+                                    .out_fd = inst.out_fd,
+                                    .role = srole,
+                                    .bootstrap = f.role == KVS_LLM_DECODE ? ep : NULL,
+                                    .page_size = f.page_size,
+                                    .kv_bytes_per_token = (uint64_t) mc.layers * mc.kv_heads *
+                                                          mc.head_dim * 2 * sizeof(float),
+                                    .vocab = mc.vocab,
+                                    .text_vocab = tok ? 0 : 257,
+                                    .max_prompt = f.max_prompt,
+                                    .max_new = f.max_new};
+    inst.in_fd = inst.out_fd = -1; /* the backend's now */
+    if (kvs_rank_backend_create(&bc, &backend) != KVS_OK) {
+        fprintf(stderr, "error: cannot start the backend over rank 0\n");
+        goto out;
+    }
+    const uint64_t deadline = kvs_now_ns() + (uint64_t) f.startup_s * 1000000000ull;
+    for (;;) {
+        kvs_status_t st = kvs_rank_backend_wait_ready(backend, 200);
+        if (st == KVS_OK) break;
+        char why[128] = "rank 0 ended";
+        if (st == KVS_ERR_IO || kvs_instance_poll(&inst) < inst.n) {
+            kvs_instance_poll(&inst);
+            if (kvs_instance_poll(&inst) < inst.n)
+                kvs_instance_describe_exit(&inst, why, sizeof(why));
+            fprintf(stderr, "error: the %s instance did not start (%s)\n", role, why);
+            goto out;
+        }
+        if (kvs_serve_signal_wait(0)) {
+            rc = 0;
+            goto out;
+        }
+        if (kvs_now_ns() >= deadline) {
+            fprintf(stderr, "error: the %s instance was not ready after %u s\n", role, f.startup_s);
+            goto out;
+        }
+    }
+
+    kvs_server_tokenizer_t stok;
+    if (tok != NULL) {
+        if (kvs_server_tokenizer_from(tok, &stok) != KVS_OK) goto out;
+    } else {
+        stok = kvs_server_byte_tokenizer();
+    }
+    char name[256];
+    model_name(&f, path, name, sizeof(name));
+    kvs_server_config_t sc = {.host = f.host,
+                              .port = (uint16_t) f.port,
+                              .threads = f.threads,
+                              .model = name,
+                              .max_context = f.max_prompt + f.max_new,
+                              .default_max_tokens = f.max_new,
+                              .role = srole,
+                              .bootstrap = ep,
+                              .strict_role = 1,
+                              .backend = kvs_rank_backend_ops(backend),
+                              .tokenizer = stok};
+    if (kvs_server_create(&sc, &srv) != KVS_OK) {
+        fprintf(stderr, "error: cannot serve HTTP on %s:%u\n", f.host, f.port);
+        goto out;
+    }
+    printf("serving on http://%s:%u (role %s, TP %u, bootstrap %s)\n", f.host,
+           (unsigned) kvs_server_port(srv), role, f.tp, ep ? ep : "none");
+    fflush(stdout);
+    rc = serve_loop(&inst, backend, role);
+
+out:
+    kvs_server_destroy(srv); /* live requests end first, through the backend */
+    if (backend != NULL) kvs_rank_backend_quit(backend);
+    if (inst_started && kvs_instance_wait(&inst, EXIT_WAIT_MS) != 0 && rc == 0) {
+        char why[128];
+        kvs_instance_describe_exit(&inst, why, sizeof(why));
+        fprintf(stderr, "error: the %s instance did not end cleanly (%s)\n", role, why);
+        rc = 1;
+    }
+    kvs_rank_backend_destroy(backend);
+    if (inst.in_fd >= 0) close(inst.in_fd);
+    if (inst.out_fd >= 0) close(inst.out_fd);
+    if (reg_started) {
+        __atomic_store_n(&rt.stop, 1, __ATOMIC_RELAXED);
+        pthread_join(reg_thread, NULL);
+    }
+    kvs_registry_destroy(registry);
+    kvs_tokenizer_destroy(tok);
+    return rc;
+}

@@ -1,0 +1,166 @@
+/* `kvstage serve-demo`: what `make demo` runs. A real deployment on this host: a prefill server
+ * (`kvstage serve`, SmolLM2 on TP3: three rank processes), a decode server (TP1) bound to it,
+ * and a prefix-aware router in front, each server in a process group of its own. It sends two
+ * chat requests that share a system prompt through the router, streams both answers, prints
+ * the time to first token, the cache hits on each side and the KV bytes each request moved,
+ * then stops the router and the servers with SIGTERM and waits for every process. */
+#include "cmd/commands.h"
+
+#include <curl/curl.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/args.h"
+#include "kvstage/alloc.h"
+#include "kvstage/clock.h"
+#include "model/gguf.h"
+#include "common/serve_client.h"
+#include "common/serve_signal.h"
+
+#define NPROC 3
+
+static const char k_system[] =
+    "You are a concise geography tutor. Answer every question in one short sentence that "
+    "names the city and the country, without any list, greeting or explanation. If a question "
+    "is not about geography, say that you only answer geography questions.";
+static const char *const k_questions[2] = {"What is the capital of France?",
+                                           "What is the capital of Germany?"};
+
+/* A streamed chat completion through the router, printed as it comes; 0 when it came back. */
+static int ask(const char *router, const char *question, kvs_stream_t *s)
+{
+    json_t *body =
+        json_pack("{s:[{s:s, s:s}, {s:s, s:s}], s:i, s:f, s:b, s:{s:b}}", "messages", "role",
+                  "system", "content", k_system, "role", "user", "content", question, "max_tokens",
+                  48, "temperature", 0.0, "stream", 1, "stream_options", "include_usage", 1);
+    json_malloc_t jmalloc;
+    json_free_t jfree;
+    json_get_alloc_funcs(&jmalloc, &jfree); /* the text is jansson's to free */
+    char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
+    json_decref(body);
+    if (text == NULL) {
+        fprintf(stderr, "error: out of memory building the request\n");
+        return -1;
+    }
+    s->print = 1;
+    int rc = kvs_stream_request(router, "/v1/chat/completions", text, s);
+    jfree(text);
+    if (rc != 0) fprintf(stderr, "\nerror: the request failed: %s\n", s->error);
+    return rc;
+}
+
+/* ---- the demo ---- */
+
+static const char usage[] =
+    "kvstage serve-demo [flags]\n"
+    "  a real deployment on this host: router -> prefill server (TP3) -> decode server (TP1),\n"
+    "  SmolLM2 on the CPU, every rank a process; two chat requests sharing a system prompt";
+
+int kvs_cmd_serve_demo(int argc, char **argv)
+{
+    uint32_t prefill_tp = 3, decode_tp = 1, timeout_s = 300;
+    const char *model = NULL;
+    const kvs_arg_t args[] = {
+        {"prefill-tp", KVS_ARG_U32, &prefill_tp, "prefill server ranks (3)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &decode_tp, "decode server ranks (1)", NULL, NULL},
+        {"model", KVS_ARG_STR, &model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
+        {"timeout-s", KVS_ARG_U32, &timeout_s, "give up on a server after this long (300)", NULL,
+         NULL},
+    };
+    const size_t nargs = sizeof(args) / sizeof(args[0]);
+    int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    char path[4096];
+    if (model != NULL)
+        snprintf(path, sizeof(path), "%s", model);
+    else if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        return 1;
+    char ptp[16], dtp[16];
+    snprintf(ptp, sizeof(ptp), "%u", prefill_tp);
+    snprintf(dtp, sizeof(dtp), "%u", decode_tp);
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+        fprintf(stderr, "error: libcurl did not initialise\n");
+        return 1;
+    }
+    kvs_serve_signal_install();
+    const uint64_t t0 = kvs_now_ns();
+    printf("kvstage serve-demo: an OpenAI-compatible deployment on this host, every process its "
+           "own:\n  router (prefix-aware) -> prefill server, TP%u (%u rank processes) -> decode "
+           "server, TP%u;\n  the KV of each request moves from prefill to decode through kvstage "
+           "(ZeroMQ control, UCX data)\n  model %s, CPU\n\n",
+           prefill_tp, prefill_tp, decode_tp, path);
+
+    kvs_child_t ps[NPROC] = {{.name = "prefill server", .out_fd = -1},
+                             {.name = "decode server", .out_fd = -1},
+                             {.name = "router", .out_fd = -1}};
+    kvs_child_t *pre = &ps[0], *dec = &ps[1], *rt = &ps[2];
+    static kvs_stream_t res[2];
+    int ok = 0, answers = 0;
+    double cached_p[2] = {0, 0}, handoff_ms[2] = {0, 0};
+
+    char *pargs[] = {"kvstage",      "serve", "--role",    "prefill", "--tp",   ptp,
+                     "--peer-tp",    dtp,     "--model",   path,      "--port", "0",
+                     "--max-prompt", "512",   "--max-new", "64",      NULL};
+    printf("starting the prefill server ... ");
+    fflush(stdout);
+    if (kvs_child_start(pre, pargs) != 0 || kvs_child_wait_line(pre, "serving on", timeout_s) != 0)
+        goto out;
+    printf("%s\n", pre->line);
+    char *dargs[] = {"kvstage",      "serve", "--role",    "decode", "--tp",        dtp,
+                     "--model",      path,    "--port",    "0",      "--bootstrap", pre->bootstrap,
+                     "--max-prompt", "512",   "--max-new", "64",     NULL};
+    printf("starting the decode server ... ");
+    fflush(stdout);
+    if (kvs_child_start(dec, dargs) != 0 || kvs_child_wait_line(dec, "serving on", timeout_s) != 0)
+        goto out;
+    printf("%s\n", dec->line);
+    char *rargs[] = {"kvstage", "router", "--prefill", pre->url, "--decode", dec->url,
+                     "--port",  "0",      "--policy",  "prefix", NULL};
+    printf("starting the router ... ");
+    fflush(stdout);
+    if (kvs_child_start(rt, rargs) != 0 || kvs_child_wait_line(rt, "routing on", timeout_s) != 0)
+        goto out;
+    printf("%s\nup in %.1f s\n\n", rt->line, (double) (kvs_now_ns() - t0) / 1e9);
+    printf("system: %s\n\n", k_system);
+
+    for (int i = 0; i < 2; i++) {
+        double c0 = kvs_metric_get(pre->url, "kvstage_cached_prompt_tokens_total");
+        double h0 = kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum");
+        printf("[%d] user: %s\n    assistant: ", i + 1, k_questions[i]);
+        fflush(stdout);
+        if (ask(rt->url, k_questions[i], &res[i]) != 0) goto out;
+        /* The prefill answer ends at the handoff, which the decode answer may precede. */
+        for (int k = 0; k < 50 && kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum") == h0;
+             k++)
+            kvs_serve_signal_wait(20);
+        double c1 = kvs_metric_get(pre->url, "kvstage_cached_prompt_tokens_total");
+        double h1 = kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum");
+        cached_p[i] = c0 >= 0 && c1 >= c0 ? c1 - c0 : 0;
+        handoff_ms[i] = h0 >= 0 && h1 >= h0 ? (h1 - h0) * 1e3 : 0;
+        const kvs_stream_t *s = &res[i];
+        printf("\n    -> %ld tokens (%s); TTFT %.0f ms at the client, %.0f ms in the decode "
+               "server;\n       prompt %ld tokens, cached %.0f on the prefill side, %ld on the "
+               "decode side;\n       KV moved %.2f MiB (%.0f KiB), handoff %.1f ms after the "
+               "prompt was computed\n\n",
+               s->completion_tokens, s->finish, (double) (s->first_ns - s->t0) / 1e6,
+               (double) s->ttft_ns / 1e6, s->prompt_tokens, cached_p[i], s->cached,
+               (double) s->kv_bytes / 1048576.0, (double) s->kv_bytes / 1024.0, handoff_ms[i]);
+        answers++;
+    }
+    ok = answers == 2;
+    if (ok && (cached_p[1] <= 0 || res[1].cached <= 0))
+        printf("note: the second request found no cached prefix on the %s side\n",
+               cached_p[1] <= 0 ? "prefill" : "decode");
+
+out:
+    printf("stopping the router, the decode server and the prefill server (SIGTERM)\n");
+    fflush(stdout);
+    int clean = 1;
+    for (int i = NPROC - 1; i >= 0; i--) clean &= kvs_child_stop(&ps[i], 30);
+    printf("%s\n", clean ? "every process exited cleanly" : "not every process exited cleanly");
+    if (answers < 2) fprintf(stderr, "FAILED: %d of 2 answers came back\n", answers);
+    printf("%s in %.1f s\n", ok && clean ? "done" : "FAILED", (double) (kvs_now_ns() - t0) / 1e9);
+    curl_global_cleanup();
+    return ok && clean ? 0 : 1;
+}

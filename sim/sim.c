@@ -1,6 +1,6 @@
 /* The simulation driver: a router, one prefill and one decode instance over the in-process
  * transport, all on a virtual clock and one seed, so any run (and any failure) replays exactly.
- * After the last room concludes it checks what SPEC section 7 promises: exact KV, empty rings,
+ * After the last room concludes it checks what protocol.md §7 promises: exact KV, empty rings,
  * no live rooms, every page free or cached, and no heap block left after teardown. */
 #include <stdio.h>
 #include <string.h>
@@ -161,7 +161,8 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
 /* Protocol timeouts in virtual time. Healthy rooms finish within a few thousand ticks, so the
  * room-level timeouts sit orders of magnitude above that; retries are a few round trips of the
  * largest injected delay, so drops recover quickly. Decode's waiting timeout is below prefill's
- * transfer timeout so that a stalled prefill is failed by decode (SPEC 3.8), not by itself. */
+ * transfer timeout so that a stalled prefill is failed by decode (protocol.md §3.8), not by itself.
+ */
 static kvs_pd_timeouts_t sim_timeouts(const kvs_sim_config_t *c)
 {
     uint64_t t = c->tick_ns;
@@ -554,7 +555,7 @@ static void sim_teardown(sim_t *s)
     kvs_workload_destroy(s->wl);
 }
 
-/* SPEC 7.1 from outside: empty rings, no live rooms, every page free or cached. */
+/* protocol.md §7.1 from outside: empty rings, no live rooms, every page free or cached. */
 static void check_leaks(sim_t *s)
 {
     const kvs_sim_config_t *c = s->cfg;

@@ -1,7 +1,7 @@
 /* The deterministic whole-system simulation: synthetic but exact KV, seeded workloads, and a
  * driver that runs one prefill instance and one decode instance (each with its own engine, KV
  * pools and radix cache) over the in-process transport on a virtual clock, then checks every
- * SPEC section 7 invariant it can observe from outside the protocol. */
+ * protocol.md §7 invariant it can observe from outside the protocol. */
 #ifndef KVSTAGE_SIM_H
 #define KVSTAGE_SIM_H
 

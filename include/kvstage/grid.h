@@ -1,4 +1,4 @@
-/* Grid arithmetic of SPEC section 1: slot size, segments split at grid boundaries, flooring a
+/* Grid arithmetic of protocol.md §1: slot size, segments split at grid boundaries, flooring a
  * send to the grid, and chunk numbering. All positions are absolute token positions. */
 #ifndef KVSTAGE_GRID_H
 #define KVSTAGE_GRID_H

@@ -1,4 +1,4 @@
-/* KV shape, tensor-parallel layout and the transfer plan (SPEC sections 1 and 2).
+/* KV shape, tensor-parallel layout and the transfer plan (protocol.md §1 and §2).
  * Everything here is a pure function of its arguments. */
 #ifndef KVSTAGE_LAYOUT_H
 #define KVSTAGE_LAYOUT_H

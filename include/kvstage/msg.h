@@ -1,4 +1,4 @@
-/* Control-plane messages (SPEC section 5) and their codec. The codec is a pair of pure
+/* Control-plane messages (protocol.md §5) and their codec. The codec is a pair of pure
  * functions: encode writes a fixed binary header and explicit little-endian fields; decode
  * checks every length and range and returns KVS_ERR_PROTOCOL for anything that does not fit.
  *
@@ -35,7 +35,7 @@ typedef enum {
     KVS_MSG_HEARTBEAT = 12,    /* any rank -> peer: liveness */
 } kvs_msg_type_t;
 
-/* Status values of SPEC section 6, in order; Failed is sticky. */
+/* Status values of protocol.md §6, in order; Failed is sticky. */
 typedef enum {
     KVS_ROOM_FAILED = 0,
     KVS_ROOM_BOOTSTRAPPING = 1,

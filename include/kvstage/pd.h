@@ -1,4 +1,4 @@
-/* The prefill/decode handoff protocol (SPEC sections 3 and 4) as an engine sees it.
+/* The prefill/decode handoff protocol (protocol.md §3 and §4) as an engine sees it.
  *
  * Each prefill rank owns a kvs_sender_t and each decode rank a kvs_receiver_t. Both are
  * progress-driven: nothing happens between calls; the caller drives kvs_*_progress() (from its

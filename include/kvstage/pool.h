@@ -58,7 +58,7 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
 void kvs_pool_destroy(kvs_pool_t *pool);
 
 const kvs_pool_config_t *kvs_pool_config(const kvs_pool_t *pool);
-/* Heads this rank holds (h of SPEC section 1). */
+/* Heads this rank holds (h of protocol.md §1). */
 uint32_t kvs_pool_heads(const kvs_pool_t *pool);
 /* component 0 = K (or latent), 1 = V. */
 const kvs_region_t *kvs_pool_region(const kvs_pool_t *pool, uint32_t layer, uint32_t component);

@@ -1,4 +1,4 @@
-/* The bootstrap registry (SPEC section 5). Each prefill instance runs one; every prefill rank
+/* The bootstrap registry (protocol.md §5). Each prefill instance runs one; every prefill rank
  * registers with it (rank, control endpoint, TP size, KV shape, page size, chunk size, layout
  * hash), and decode ranks query it to learn the prefill layout and endpoints, refusing an
  * incompatible peer with a message that names the mismatch. Messages are the codec's REGISTER,

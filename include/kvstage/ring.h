@@ -1,4 +1,4 @@
-/* The decode staging ring (SPEC section 3 item 4): a byte-range allocator over one ring of
+/* The decode staging ring (protocol.md §3.4): a byte-range allocator over one ring of
  * `capacity` bytes, shared by every prefill peer and room of a decode rank. Requests queue in
  * FIFO order and are granted contiguous ranges only when the space is free: a grant never
  * overlaps another live grant and is never revoked. Not thread-safe: the owner drives it. */

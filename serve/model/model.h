@@ -40,7 +40,7 @@ kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config
 kvs_status_t kvs_model_config_validate(const kvs_model_config_t *cfg, kvs_tp_t tp);
 
 /* Dequantises this rank's shard of every tensor to f32: query heads
- * [r*heads/T, (r+1)*heads/T), the KV heads of SPEC section 1, feed-forward columns
+ * [r*heads/T, (r+1)*heads/T), the KV heads of protocol.md §1, feed-forward columns
  * [r*ffn/T, (r+1)*ffn/T); embeddings, norms and output are whole. The GGUF may be closed
  * afterwards. Output weights are tied to the embeddings unless output.weight exists. */
 kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **model_p);

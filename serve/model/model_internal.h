@@ -51,7 +51,7 @@ struct kvs_model {
     kvs_tp_t tp;
     kvs_kv_shape_t kv_shape;
     uint32_t q_first, q_heads;    /* query heads [q_first, q_first + q_heads) */
-    uint32_t kv_first, kv_heads;  /* KV heads (SPEC section 1) */
+    uint32_t kv_first, kv_heads;  /* KV heads (protocol.md §1) */
     uint32_t ffn_first, ffn_cols; /* feed-forward columns */
     uint32_t *q_kv;               /* [q_heads] local KV head read by each local query head */
     uint32_t block_o, block_down; /* quantisation blocks of the row-split Wo and Wdown */

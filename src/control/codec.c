@@ -1,4 +1,4 @@
-/* The control-plane message codec (SPEC section 5): encode and decode of kvs_msg_t to the
+/* The control-plane message codec (protocol.md §5): encode and decode of kvs_msg_t to the
  * fixed-header, little-endian wire format described in kvstage/msg.h. Both directions share
  * one range check, so anything encode accepts decodes back to the same struct and anything
  * decode accepts re-encodes to the same bytes. */

@@ -1,4 +1,4 @@
-/* Grid arithmetic of SPEC section 1: slot size, splitting sends at slot boundaries, flooring a
+/* Grid arithmetic of protocol.md §1: slot size, splitting sends at slot boundaries, flooring a
  * non-last send, and chunk numbering. Degenerate inputs (page or grid 0) give the neutral
  * answer documented per function instead of dividing by zero. */
 #include "kvstage/grid.h"

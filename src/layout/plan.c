@@ -1,4 +1,4 @@
-/* The transfer plan of SPEC section 2: which prefill rank writes which heads of each decode
+/* The transfer plan of protocol.md §2: which prefill rank writes which heads of each decode
  * rank's slot, the converse destinations and status peers, and the slot's region layout. */
 #include "kvstage/layout.h"
 

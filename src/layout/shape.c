@@ -1,4 +1,4 @@
-/* KV shape validation and the tensor-parallel head layout of one side (SPEC section 1). */
+/* KV shape validation and the tensor-parallel head layout of one side (protocol.md §1). */
 #include "kvstage/layout.h"
 
 #include "kvstage/log.h"

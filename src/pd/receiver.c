@@ -1,4 +1,4 @@
-/* The decode-side room state machine (SPEC section 3): room registration and metadata, the
+/* The decode-side room state machine (protocol.md §3): room registration and metadata, the
  * staging ring grants, per-writer arrivals, scatter into the room's pages, status, timeouts,
  * abort with quarantine. One receiver per decode rank, driven by kvs_receiver_progress(). The
  * ring and the copy backend follow the pool's memory kind (host + CPU, or the pool's GPU). */
@@ -413,7 +413,7 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
         if (kvs_pd_rank_index(r->writer_ranks, r->nwriter_ranks, p) < 0)
             r->writer_ranks[r->nwriter_ranks++] = p;
     }
-    /* Registered before any prefill rank hears of it (SPEC 3.2). */
+    /* Registered before any prefill rank hears of it (protocol.md §3.2). */
     if ((st = kvs_map_put(&rx->rooms, room, r)) != KVS_OK) {
         room_free(r);
         return st;

@@ -1,4 +1,4 @@
-/* The prefill-side room state machine (SPEC section 4): waits for room metadata from every
+/* The prefill-side room state machine (protocol.md §4): waits for room metadata from every
  * decode peer, floors sends to the grid and splits them per slot, requests slots within a
  * bounded window, gathers each destination's head slice into a staging buffer, writes it into
  * the granted slot, announces it with CHUNK_READY, and reports STATUS. One sender per prefill
@@ -39,7 +39,7 @@ typedef struct {
     uint64_t base, prompt_len, total_pages, grid;
 } smeta_t;
 
-/* Messages about rooms the engine has not added yet (SPEC 3.2: decode registers first). */
+/* Messages about rooms the engine has not added yet (protocol.md §3.2: decode registers first). */
 typedef struct {
     uint64_t meta_got; /* bit per decode rank */
     uint64_t aborted;  /* bit per decode rank */
@@ -892,7 +892,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     if (window_end > r->nchunks) window_end = r->nchunks;
     for (uint64_t k = r->first_open; k < r->nchunks; k++) {
         /* A slot only for a chunk whose whole KV is computed or in the forward pass now
-         * running: a granted slot must be written soon (SPEC 4.5). */
+         * running: a granted slot must be written soon (protocol.md §4.5). */
         uint64_t k_end = r->base + (k + 1) * F * g->page_size;
         if (k_end > r->prompt_len) k_end = r->prompt_len;
         int may_request = k < window_end && (r->finished || k_end <= r->scheduled);

@@ -1,4 +1,4 @@
-/* Tests for src/layout/grid.c: the SPEC section 1 test vectors, the worked request, and seeded
+/* Tests for src/layout/grid.c: the protocol.md §1 test vectors, the worked request, and seeded
  * property tests of segments, floor and chunk numbering. */
 #include "kvs_test.h"
 
@@ -95,7 +95,7 @@ static void test_floor_and_pages_vectors(void **state)
     assert_int_equal(kvs_grid_chunk_of(256, 8192, 64), 2);
 }
 
-/* SPEC section 1 worked request: C=8192, P=64, prompt 30000, decode hit 6144, prefill hit
+/* protocol.md §1 worked request: C=8192, P=64, prompt 30000, decode hit 6144, prefill hit
  * 12288, prefill forwards in chunks of C from its hit. */
 static void test_worked_request(void **state)
 {
@@ -231,7 +231,7 @@ static void test_segments_and_floor_property(void **state)
     }
 }
 
-/* SPEC section 4 sending discipline over random prompts: every non-last send floored to the
+/* protocol.md §4 sending discipline over random prompts: every non-last send floored to the
  * grid, each split into sub-sends. Every non-empty sub-send is then exactly one whole chunk,
  * which is what makes chunk_of(suffix_page_start) exact. */
 static void test_sends_are_whole_chunks_property(void **state)

@@ -1,4 +1,4 @@
-/* Tests for src/layout/plan.c: the SPEC section 2 examples, an exhaustive check of the plan
+/* Tests for src/layout/plan.c: the protocol.md §2 examples, an exhaustive check of the plan
  * over TP pairs, head counts and rooms, the slot layout, and the `kvstage plan` tool. */
 #include "kvs_test.h"
 

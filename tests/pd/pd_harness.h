@@ -263,7 +263,7 @@ static inline void h_release(h_t *h, uint64_t room)
         assert_int_equal(kvs_receiver_release(h->rx[r], room), KVS_OK);
 }
 
-/* SPEC 7.1 on the protocol objects: nothing live on any rank. */
+/* protocol.md §7.1 on the protocol objects: nothing live on any rank. */
 static inline void h_assert_idle(h_t *h)
 {
     kvs_pd_metrics_t m;

@@ -1,6 +1,6 @@
 /* Protocol tests driven directly through the sender/receiver API over the inproc transport:
  * every TP pair shape, decode and prefill prefixes, chunked advance, hostile schedules, and the
- * failure paths of SPEC sections 3 and 4 (misaligned prefix, oversize slot, abort with
+ * failure paths of protocol.md §3 and §4 (misaligned prefix, oversize slot, abort with
  * quarantine, timeouts), each checked byte for byte and for leaks. */
 #include "pd/pd_harness.h"
 

@@ -1,6 +1,6 @@
 /* Seeded property test: random small deployments (TP pairs with non-integer ratios and
  * replication, MLA, page and chunk sizes, ring sizes, workloads, radix on/off, pool layouts) under
- * random fault mixes, each checked against every SPEC section 7 invariant the simulation can
+ * random fault mixes, each checked against every protocol.md §7 invariant the simulation can
  * observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a soak); a failure prints the
  * `kvstage sim` command line that replays it. */
 #include "kvs_test.h"
@@ -93,7 +93,7 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     c->max_iterations = 3000000;
 }
 
-/* Every invariant of SPEC section 7 that is visible from outside the protocol; returns the
+/* Every invariant of protocol.md §7 that is visible from outside the protocol; returns the
  * first one violated, or NULL. */
 static const char *violated(const kvs_sim_config_t *c, const kvs_sim_result_t *r)
 {

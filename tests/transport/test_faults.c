@@ -747,8 +747,8 @@ static ev_t proc_quit(proc_t *p)
     return ev;
 }
 
-/* Quits a survivor: nothing of any room may remain (SPEC 7.1), except that a sender may still
- * hold up to `stash` ABORTs for rooms it no longer (or never) had: a repeat of an ABORT that
+/* Quits a survivor: nothing of any room may remain (protocol.md §7.1), except that a sender may
+ * still hold up to `stash` ABORTs for rooms it no longer (or never) had: a repeat of an ABORT that
  * arrives after the room was released cannot be told from an ABORT that precedes its room, so
  * it is kept until the bootstrap timeout and counted in live_rooms. */
 static ev_t proc_quit_clean(proc_t *p, uint64_t stash)
@@ -892,7 +892,7 @@ static void room_add_to(proc_t *p, const room_t *r)
                         .pace_ms = r->pace_ms});
 }
 
-/* Decode registers the room first (SPEC 3.2), then prefill computes it. */
+/* Decode registers the room first (protocol.md §3.2), then prefill computes it. */
 static void room_add(const room_t *r, proc_t **pre, uint32_t np, proc_t **dec, uint32_t nd)
 {
     for (uint32_t i = 0; i < nd; i++) room_add_to(dec[i], r);

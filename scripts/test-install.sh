@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The installed library as an engine integrator sees it (CTest's install/example): installs the
 # build tree into a fresh prefix, builds examples/*.c from a clean directory with nothing but
-# `cc` and `pkg-config --cflags --libs kvstage`, and runs each; also checks that the shared
-# library exports kvs_ symbols only.  Usage: test-install.sh BUILD_DIR SOURCE_DIR
+# `cc` and `pkg-config --cflags --libs kvstage` (and once against libkvstage.a), and runs each;
+# also checks that the shared library exports kvs_ symbols only and that every installed
+# header compiles on its own.  Usage: test-install.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
 build=$(cd "$1" && pwd)
 src=$(cd "$2" && pwd)
@@ -31,4 +32,12 @@ for ex in "$src"/examples/*.c; do
     $(pkg-config --cflags --libs kvstage) -Wl,-rpath,"$libdir" -o "$name"
   echo "test-install: running $name"
   ./"$name"
+  # The static archive too. Debian's libzmq.pc cannot link statically (it names a missing
+  # libprotokit.a), so the dependencies link as shared libraries and only libkvstage is static.
+  # shellcheck disable=SC2046,SC2086
+  cc -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -Werror ${KVS_EXAMPLE_CFLAGS:-} "$name.c" \
+    $(pkg-config --cflags kvstage) "$libdir/libkvstage.a" $(pkg-config --libs libzmq ucx) \
+    $(sed -n 's/^Libs.private: //p' "$libdir/pkgconfig/kvstage.pc") -o "$name-static"
+  echo "test-install: running $name (static libkvstage)"
+  ./"$name-static"
 done

@@ -12,7 +12,7 @@ trap 'rm -rf "$work"' EXIT
 
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
 libdir=$(dirname "$(find "$work/prefix" -name kvstage.pc | head -1)")/..
-export PKG_CONFIG_PATH="$libdir/pkgconfig"
+export PKG_CONFIG_PATH="$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 for f in "$work/prefix/include/kvstage/"*.h; do
   # Every installed header stands alone.
   echo "#include <kvstage/$(basename "$f")>" | cc -std=c11 -fsyntax-only -Wall -Wextra -Werror \

@@ -1,7 +1,7 @@
 /* The control-plane message codec (protocol.md §5): encode and decode of kvs_msg_t to the
- * fixed-header, little-endian wire format described in kvstage/msg.h. Both directions share
- * one range check, so anything encode accepts decodes back to the same struct and anything
- * decode accepts re-encodes to the same bytes. */
+ * fixed-header, little-endian wire format described in kvstage/msg.h. Both directions walk the
+ * field table of msg_fields.h and share one range check, so anything encode accepts decodes
+ * back to the same struct and anything decode accepts re-encodes to the same bytes. */
 #include "base/bytes.h"
 #include "kvstage/msg.h"
 
@@ -9,57 +9,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "control/msg_fields.h"
 #include "kvstage/log.h"
-
-/* Payload sizes of the fixed parts; variable tails (final metadata, endpoint) come on top. */
-#define ROOM_META_SIZE     48
-#define STAGING_REQ_SIZE   28
-#define STAGING_GRANT_SIZE 32
-#define CHUNK_READY_SIZE   44
-#define STATUS_SIZE        28 /* + final_len */
-#define ABORT_SIZE         20
-#define ACK_SIZE           26
-#define SHAPE_SIZE         24
-#define REGISTER_SIZE      (28 + SHAPE_SIZE) /* + endpoint_len */
-#define QUERY_SIZE         4
-#define QUERY_REPLY_SIZE   8 /* + a registration when found */
-#define HEARTBEAT_SIZE     16
-
-/* Two's complement without relying on the implementation-defined unsigned-to-signed cast. */
-static int32_t i32_from_u32(uint32_t v)
-{
-    return v <= INT32_MAX ? (int32_t) v : (int32_t) (v - 0x80000000u) + INT32_MIN;
-}
 
 const char *kvs_msg_type_str(kvs_msg_type_t type)
 {
-    switch (type) {
-    case KVS_MSG_ROOM_META:
-        return "ROOM_META";
-    case KVS_MSG_STAGING_REQ:
-        return "STAGING_REQ";
-    case KVS_MSG_STAGING_GRANT:
-        return "STAGING_GRANT";
-    case KVS_MSG_CHUNK_READY:
-        return "CHUNK_READY";
-    case KVS_MSG_STATUS:
-        return "STATUS";
-    case KVS_MSG_ABORT:
-        return "ABORT";
-    case KVS_MSG_ABORT_ACK:
-        return "ABORT_ACK";
-    case KVS_MSG_ACK:
-        return "ACK";
-    case KVS_MSG_REGISTER:
-        return "REGISTER";
-    case KVS_MSG_QUERY:
-        return "QUERY";
-    case KVS_MSG_QUERY_REPLY:
-        return "QUERY_REPLY";
-    case KVS_MSG_HEARTBEAT:
-        return "HEARTBEAT";
-    }
-    return "UNKNOWN";
+    const kvs_msg_schema_t *s = kvs_msg_schema((uint32_t) type);
+    return s != NULL ? s->name : "UNKNOWN";
 }
 
 const char *kvs_room_status_str(kvs_room_status_t status)
@@ -79,150 +35,105 @@ const char *kvs_room_status_str(kvs_room_status_t status)
     return "Unknown";
 }
 
-static int type_known(uint32_t type)
+/* A field's value as the struct holds it, for a log line. */
+static const char *value_str(const kvs_msg_t *m, const kvs_msg_field_t *f, char *buf, size_t cap)
 {
-    return type >= KVS_MSG_ROOM_META && type <= KVS_MSG_HEARTBEAT;
+    if (f->kind == KVS_FIELD_I32) {
+        int32_t v;
+        memcpy(&v, (const uint8_t *) m + f->offset, sizeof(v));
+        snprintf(buf, cap, "%d", v);
+    } else {
+        snprintf(buf, cap, "%llu", (unsigned long long) kvs_msg_field_get(m, f));
+    }
+    return buf;
 }
 
-/* Range checks shared by encode and decode. On a violation writes a description naming the
- * field into why and returns -1. */
-static int check_register(const kvs_msg_register_t *r, char *why, size_t cap)
+/* The rules of field f that need no other field. On a violation writes a description naming
+ * the field into why and returns -1. */
+static int check_own(const kvs_msg_t *m, const kvs_msg_field_t *f, char *why, size_t cap)
 {
-    if (r->tp_size < 1 || r->tp_size > KVS_MAX_TP) {
-        snprintf(why, cap, "tp_size %u out of [1, %d]", r->tp_size, KVS_MAX_TP);
+    uint64_t v = kvs_msg_field_get(m, f);
+    char s[32];
+    switch (f->rule) {
+    case KVS_RULE_NONZERO:
+        if (v != 0) return 0;
+        snprintf(why, cap, "%s is 0", f->name);
         return -1;
-    }
-    if (r->rank >= r->tp_size) {
-        snprintf(why, cap, "rank %u >= tp_size %u", r->rank, r->tp_size);
+    case KVS_RULE_RANGE:
+        if (v >= f->lo && v <= f->hi) return 0;
+        snprintf(why, cap, "%s %s out of [%llu, %llu]", f->name, value_str(m, f, s, sizeof(s)),
+                 (unsigned long long) f->lo, (unsigned long long) f->hi);
         return -1;
-    }
-    uint32_t e = r->shape.elem_bytes;
-    if (e != 1 && e != 2 && e != 4) {
-        snprintf(why, cap, "shape elem_bytes %u not 1, 2 or 4", e);
+    case KVS_RULE_SET:
+        if (v < 64 && (f->set >> v) & 1) return 0;
+        snprintf(why, cap, "%s %s not %s", f->name, value_str(m, f, s, sizeof(s)), f->valid);
         return -1;
-    }
-    if (r->shape.attn != KVS_ATTN_MHA && r->shape.attn != KVS_ATTN_MLA) {
-        snprintf(why, cap, "shape attn %u not 0 or 1", (unsigned) r->shape.attn);
+    case KVS_RULE_LENGTH:
+        if (v <= f->hi) return 0;
+        snprintf(why, cap, "%s %s > %llu", f->name, value_str(m, f, s, sizeof(s)),
+                 (unsigned long long) f->hi);
         return -1;
-    }
-    if (r->endpoint_len > KVS_MSG_ENDPOINT_MAX) {
-        snprintf(why, cap, "endpoint_len %u > %d", r->endpoint_len, KVS_MSG_ENDPOINT_MAX);
+    case KVS_RULE_PRESENCE:
+        if (v <= 1) return 0;
+        snprintf(why, cap, "%s %s not 0 or 1", f->name, value_str(m, f, s, sizeof(s)));
         return -1;
-    }
-    /* A NUL inside the counted bytes would make the string and its length disagree. */
-    if (memchr(r->endpoint, 0, r->endpoint_len) != NULL) {
-        snprintf(why, cap, "endpoint contains a NUL byte");
-        return -1;
+    case KVS_RULE_ANY:
+    case KVS_RULE_BELOW:
+    case KVS_RULE_AT_MOST:
+    case KVS_RULE_NO_NUL:
+        return 0;
     }
     return 0;
 }
 
+/* The rules of field i of s that look at another field: checked after every field's own, so
+ * the other field's value is already known to be in range. */
+static int check_relation(const kvs_msg_t *m, const kvs_msg_schema_t *sc, size_t i, char *why,
+                          size_t cap)
+{
+    const kvs_msg_field_t *f = &sc->fields[i];
+    char s[32], t[32];
+    if (f->rule == KVS_RULE_NO_NUL) {
+        /* A NUL inside the counted bytes would make the string and its length disagree. */
+        if (memchr((const uint8_t *) m + f->offset, 0, kvs_msg_field_wire_size(sc, i, m)) == NULL)
+            return 0;
+        snprintf(why, cap, "%s contains a NUL byte", f->name);
+        return -1;
+    }
+    if (f->rule != KVS_RULE_BELOW && f->rule != KVS_RULE_AT_MOST) return 0;
+    const kvs_msg_field_t *ref = kvs_msg_field_at(sc, f->ref);
+    assert(ref != NULL);
+    uint64_t v = kvs_msg_field_get(m, f), limit = kvs_msg_field_get(m, ref);
+    int below = f->rule == KVS_RULE_BELOW;
+    if (below ? v < limit : v <= limit) return 0;
+    snprintf(why, cap, "%s %s %s %s %s", f->name, value_str(m, f, s, sizeof(s)), below ? ">=" : ">",
+             ref->name, value_str(m, ref, t, sizeof(t)));
+    return -1;
+}
+
+/* Range checks shared by encode and decode, over the fields m has on the wire. */
 static int check_msg(const kvs_msg_t *m, char *why, size_t cap)
 {
-    switch (m->type) {
-    case KVS_MSG_ROOM_META: {
-        const kvs_msg_room_meta_t *r = &m->u.room_meta;
-        if (r->decode_tp < 1 || r->decode_tp > KVS_MAX_TP) {
-            snprintf(why, cap, "decode_tp %u out of [1, %d]", r->decode_tp, KVS_MAX_TP);
-            return -1;
-        }
-        if (r->decode_rank >= r->decode_tp) {
-            snprintf(why, cap, "decode_rank %u >= decode_tp %u", r->decode_rank, r->decode_tp);
-            return -1;
-        }
-        if (r->base > r->prompt_len) {
-            snprintf(why, cap, "base %llu > prompt_len %llu", (unsigned long long) r->base,
-                     (unsigned long long) r->prompt_len);
-            return -1;
-        }
-        if (r->grid_tokens == 0) {
-            snprintf(why, cap, "grid_tokens is 0");
-            return -1;
-        }
-        return 0;
+    const kvs_msg_schema_t *s = kvs_msg_schema((uint32_t) m->type);
+    if (s == NULL) {
+        snprintf(why, cap, "unknown type %d", (int) m->type);
+        return -1;
     }
-    case KVS_MSG_CHUNK_READY:
-        if (m->u.chunk_ready.pages == 0) {
-            snprintf(why, cap, "pages is 0");
-            return -1;
-        }
-        return 0;
-    case KVS_MSG_STATUS: {
-        const kvs_msg_status_t *s = &m->u.status;
-        if (s->status != KVS_ROOM_SUCCESS && s->status != KVS_ROOM_FAILED) {
-            snprintf(why, cap, "status %d is neither Success nor Failed", s->status);
-            return -1;
-        }
-        if (s->final_len > KVS_MSG_FINAL_MAX) {
-            snprintf(why, cap, "final_len %u > %d", s->final_len, KVS_MSG_FINAL_MAX);
-            return -1;
-        }
-        return 0;
-    }
-    case KVS_MSG_ACK: {
-        uint16_t t = m->u.ack.acked_type;
-        if (t != KVS_MSG_ROOM_META && t != KVS_MSG_CHUNK_READY && t != KVS_MSG_STATUS) {
-            snprintf(why, cap, "acked_type %u is not ROOM_META, CHUNK_READY or STATUS", t);
-            return -1;
-        }
-        return 0;
-    }
-    case KVS_MSG_REGISTER:
-        return check_register(&m->u.reg, why, cap);
-    case KVS_MSG_QUERY_REPLY:
-        if (m->u.query.found != 0 && m->u.query.found != 1) {
-            snprintf(why, cap, "found %d not 0 or 1", m->u.query.found);
-            return -1;
-        }
-        return m->u.query.found ? check_register(&m->u.query.reg, why, cap) : 0;
-    case KVS_MSG_HEARTBEAT:
-        if (m->u.heartbeat.side > 1) {
-            snprintf(why, cap, "side %u not 0 or 1", m->u.heartbeat.side);
-            return -1;
-        }
-        return 0;
-    case KVS_MSG_STAGING_REQ:
-    case KVS_MSG_STAGING_GRANT:
-    case KVS_MSG_ABORT:
-    case KVS_MSG_ABORT_ACK:
-    case KVS_MSG_QUERY:
-        return 0;
-    }
-    snprintf(why, cap, "unknown type %d", (int) m->type);
-    return -1;
+    size_t n = kvs_msg_fields_on_wire(s, m);
+    for (size_t i = 0; i < n; i++)
+        if (check_own(m, &s->fields[i], why, cap) != 0) return -1;
+    for (size_t i = 0; i < n; i++)
+        if (check_relation(m, s, i, why, cap) != 0) return -1;
+    return 0;
 }
 
 /* Payload size of a message that passed check_msg. */
 static size_t payload_size(const kvs_msg_t *m)
 {
-    switch (m->type) {
-    case KVS_MSG_ROOM_META:
-        return ROOM_META_SIZE;
-    case KVS_MSG_STAGING_REQ:
-        return STAGING_REQ_SIZE;
-    case KVS_MSG_STAGING_GRANT:
-        return STAGING_GRANT_SIZE;
-    case KVS_MSG_CHUNK_READY:
-        return CHUNK_READY_SIZE;
-    case KVS_MSG_STATUS:
-        return STATUS_SIZE + m->u.status.final_len;
-    case KVS_MSG_ABORT:
-    case KVS_MSG_ABORT_ACK:
-        return ABORT_SIZE;
-    case KVS_MSG_ACK:
-        return ACK_SIZE;
-    case KVS_MSG_REGISTER:
-        return REGISTER_SIZE + m->u.reg.endpoint_len;
-    case KVS_MSG_QUERY:
-        return QUERY_SIZE;
-    case KVS_MSG_QUERY_REPLY:
-        return QUERY_REPLY_SIZE +
-               (m->u.query.found ? REGISTER_SIZE + m->u.query.reg.endpoint_len : 0);
-    case KVS_MSG_HEARTBEAT:
-        return HEARTBEAT_SIZE;
-    }
-    assert(!"payload_size of an unchecked message");
-    return 0;
+    const kvs_msg_schema_t *s = kvs_msg_schema((uint32_t) m->type);
+    size_t n = kvs_msg_fields_on_wire(s, m), size = 0;
+    for (size_t i = 0; i < n; i++) size += kvs_msg_field_wire_size(s, i, m);
+    return size;
 }
 
 /* Sequential writer; encode sizes the buffer first, so running past the end is a bug. */
@@ -250,11 +161,6 @@ static void out_u32(wire_out_t *w, uint32_t v)
     kvs_put_u32(out_take(w, 4), v);
 }
 
-static void out_i32(wire_out_t *w, int32_t v)
-{
-    kvs_put_u32(out_take(w, 4), (uint32_t) v);
-}
-
 static void out_u64(wire_out_t *w, uint64_t v)
 {
     kvs_put_u64(out_take(w, 8), v);
@@ -265,115 +171,22 @@ static void out_bytes(wire_out_t *w, const void *src, size_t n)
     if (n > 0) memcpy(out_take(w, n), src, n);
 }
 
-static void out_register(wire_out_t *w, const kvs_msg_register_t *r)
-{
-    out_u32(w, r->rank);
-    out_u32(w, r->tp_size);
-    out_u32(w, r->shape.layers);
-    out_u32(w, r->shape.kv_heads);
-    out_u32(w, r->shape.head_dim_k);
-    out_u32(w, r->shape.head_dim_v);
-    out_u32(w, r->shape.elem_bytes);
-    out_u32(w, (uint32_t) r->shape.attn);
-    out_u32(w, r->page_size);
-    out_u32(w, r->chunk_tokens);
-    out_u64(w, r->layout_hash);
-    out_u32(w, r->endpoint_len);
-    out_bytes(w, r->endpoint, r->endpoint_len);
-}
-
 static void out_payload(wire_out_t *w, const kvs_msg_t *m)
 {
-    switch (m->type) {
-    case KVS_MSG_ROOM_META: {
-        const kvs_msg_room_meta_t *r = &m->u.room_meta;
-        out_u64(w, r->room);
-        out_u32(w, r->decode_rank);
-        out_u32(w, r->decode_tp);
-        out_u64(w, r->base);
-        out_u64(w, r->prompt_len);
-        out_u64(w, r->total_pages);
-        out_u64(w, r->grid_tokens);
-        return;
+    const kvs_msg_schema_t *s = kvs_msg_schema((uint32_t) m->type);
+    size_t n = kvs_msg_fields_on_wire(s, m);
+    for (size_t i = 0; i < n; i++) {
+        const kvs_msg_field_t *f = &s->fields[i];
+        uint64_t v = kvs_msg_field_get(m, f);
+        if (f->kind == KVS_FIELD_BYTES)
+            out_bytes(w, (const uint8_t *) m + f->offset, kvs_msg_field_wire_size(s, i, m));
+        else if (f->size == 2)
+            out_u16(w, (uint16_t) v);
+        else if (f->size == 4)
+            out_u32(w, (uint32_t) v);
+        else
+            out_u64(w, v);
     }
-    case KVS_MSG_STAGING_REQ: {
-        const kvs_msg_staging_req_t *r = &m->u.staging_req;
-        out_u64(w, r->room);
-        out_u32(w, r->chunk);
-        out_u32(w, r->prefill_rank);
-        out_u32(w, r->decode_rank);
-        out_u64(w, r->slot_bytes);
-        return;
-    }
-    case KVS_MSG_STAGING_GRANT: {
-        const kvs_msg_staging_grant_t *g = &m->u.staging_grant;
-        out_u64(w, g->room);
-        out_u32(w, g->chunk);
-        out_u32(w, g->decode_rank);
-        out_u64(w, g->offset);
-        out_u64(w, g->size);
-        return;
-    }
-    case KVS_MSG_CHUNK_READY: {
-        const kvs_msg_chunk_ready_t *c = &m->u.chunk_ready;
-        out_u64(w, c->room);
-        out_u32(w, c->chunk);
-        out_u32(w, c->prefill_rank);
-        out_u32(w, c->decode_rank);
-        out_u32(w, c->writer);
-        out_u64(w, c->suffix_page_start);
-        out_u32(w, c->pages);
-        out_u64(w, c->bytes);
-        return;
-    }
-    case KVS_MSG_STATUS: {
-        const kvs_msg_status_t *s = &m->u.status;
-        out_u64(w, s->room);
-        out_u32(w, s->prefill_rank);
-        out_u32(w, s->decode_rank);
-        out_i32(w, s->status);
-        out_i32(w, s->reason);
-        out_u32(w, s->final_len);
-        out_bytes(w, s->final, s->final_len);
-        return;
-    }
-    case KVS_MSG_ABORT:
-    case KVS_MSG_ABORT_ACK: {
-        const kvs_msg_abort_t *a = &m->u.abort;
-        out_u64(w, a->room);
-        out_u32(w, a->from_rank);
-        out_u32(w, a->to_rank);
-        out_i32(w, a->reason);
-        return;
-    }
-    case KVS_MSG_ACK: {
-        const kvs_msg_ack_t *a = &m->u.ack;
-        out_u64(w, a->room);
-        out_u16(w, a->acked_type);
-        out_u32(w, a->chunk);
-        out_u32(w, a->writer);
-        out_u32(w, a->from_rank);
-        out_u32(w, a->to_rank);
-        return;
-    }
-    case KVS_MSG_REGISTER:
-        out_register(w, &m->u.reg);
-        return;
-    case KVS_MSG_QUERY:
-        out_u32(w, m->u.query.rank);
-        return;
-    case KVS_MSG_QUERY_REPLY:
-        out_u32(w, m->u.query.rank);
-        out_i32(w, m->u.query.found);
-        if (m->u.query.found) out_register(w, &m->u.query.reg);
-        return;
-    case KVS_MSG_HEARTBEAT:
-        out_u32(w, m->u.heartbeat.side);
-        out_u32(w, m->u.heartbeat.rank);
-        out_u64(w, m->u.heartbeat.seq);
-        return;
-    }
-    assert(!"out_payload of an unchecked message");
 }
 
 kvs_status_t kvs_msg_encode(const kvs_msg_t *msg, uint8_t *buf, size_t cap, size_t *len_p)
@@ -427,27 +240,11 @@ static const uint8_t *in_take(wire_in_t *r, size_t n)
     return p;
 }
 
-static uint16_t in_u16(wire_in_t *r)
+static uint64_t in_uint(wire_in_t *r, size_t width)
 {
-    const uint8_t *p = in_take(r, 2);
-    return p ? kvs_get_u16(p) : 0;
-}
-
-static uint32_t in_u32(wire_in_t *r)
-{
-    const uint8_t *p = in_take(r, 4);
-    return p ? kvs_get_u32(p) : 0;
-}
-
-static int32_t in_i32(wire_in_t *r)
-{
-    return i32_from_u32(in_u32(r));
-}
-
-static uint64_t in_u64(wire_in_t *r)
-{
-    const uint8_t *p = in_take(r, 8);
-    return p ? kvs_get_u64(p) : 0;
+    const uint8_t *p = in_take(r, width);
+    if (p == NULL) return 0;
+    return width == 2 ? kvs_get_u16(p) : width == 4 ? kvs_get_u32(p) : kvs_get_u64(p);
 }
 
 static void in_bytes(wire_in_t *r, void *dst, size_t n)
@@ -456,135 +253,24 @@ static void in_bytes(wire_in_t *r, void *dst, size_t n)
     if (p != NULL && n > 0) memcpy(dst, p, n);
 }
 
-/* Reads a registration; the fields whose bad values cannot even be stored (enum, array
- * length) are refused here, the rest by check_register. */
-static int in_register(wire_in_t *r, kvs_msg_register_t *reg, char *why, size_t cap)
-{
-    reg->rank = in_u32(r);
-    reg->tp_size = in_u32(r);
-    reg->shape.layers = in_u32(r);
-    reg->shape.kv_heads = in_u32(r);
-    reg->shape.head_dim_k = in_u32(r);
-    reg->shape.head_dim_v = in_u32(r);
-    reg->shape.elem_bytes = in_u32(r);
-    uint32_t attn = in_u32(r);
-    if (attn != KVS_ATTN_MHA && attn != KVS_ATTN_MLA) {
-        snprintf(why, cap, "shape attn %u not 0 or 1", attn);
-        return -1;
-    }
-    reg->shape.attn = (kvs_attn_t) attn;
-    reg->page_size = in_u32(r);
-    reg->chunk_tokens = in_u32(r);
-    reg->layout_hash = in_u64(r);
-    reg->endpoint_len = in_u32(r);
-    if (reg->endpoint_len > KVS_MSG_ENDPOINT_MAX) {
-        snprintf(why, cap, "endpoint_len %u > %d", reg->endpoint_len, KVS_MSG_ENDPOINT_MAX);
-        return -1;
-    }
-    in_bytes(r, reg->endpoint, reg->endpoint_len);
-    reg->endpoint[reg->endpoint_len] = '\0';
-    return 0;
-}
-
+/* Reads the payload's fields into *m (zeroed, so a BYTES field's terminator is there). The
+ * fields that say how much follows (a length, a presence flag) are checked as they arrive, so
+ * nothing is read on their word; the rest are left to check_msg. */
 static int in_payload(wire_in_t *r, kvs_msg_t *m, char *why, size_t cap)
 {
-    switch (m->type) {
-    case KVS_MSG_ROOM_META: {
-        kvs_msg_room_meta_t *rm = &m->u.room_meta;
-        rm->room = in_u64(r);
-        rm->decode_rank = in_u32(r);
-        rm->decode_tp = in_u32(r);
-        rm->base = in_u64(r);
-        rm->prompt_len = in_u64(r);
-        rm->total_pages = in_u64(r);
-        rm->grid_tokens = in_u64(r);
-        return 0;
-    }
-    case KVS_MSG_STAGING_REQ: {
-        kvs_msg_staging_req_t *q = &m->u.staging_req;
-        q->room = in_u64(r);
-        q->chunk = in_u32(r);
-        q->prefill_rank = in_u32(r);
-        q->decode_rank = in_u32(r);
-        q->slot_bytes = in_u64(r);
-        return 0;
-    }
-    case KVS_MSG_STAGING_GRANT: {
-        kvs_msg_staging_grant_t *g = &m->u.staging_grant;
-        g->room = in_u64(r);
-        g->chunk = in_u32(r);
-        g->decode_rank = in_u32(r);
-        g->offset = in_u64(r);
-        g->size = in_u64(r);
-        return 0;
-    }
-    case KVS_MSG_CHUNK_READY: {
-        kvs_msg_chunk_ready_t *c = &m->u.chunk_ready;
-        c->room = in_u64(r);
-        c->chunk = in_u32(r);
-        c->prefill_rank = in_u32(r);
-        c->decode_rank = in_u32(r);
-        c->writer = in_u32(r);
-        c->suffix_page_start = in_u64(r);
-        c->pages = in_u32(r);
-        c->bytes = in_u64(r);
-        return 0;
-    }
-    case KVS_MSG_STATUS: {
-        kvs_msg_status_t *s = &m->u.status;
-        s->room = in_u64(r);
-        s->prefill_rank = in_u32(r);
-        s->decode_rank = in_u32(r);
-        s->status = in_i32(r);
-        s->reason = in_i32(r);
-        s->final_len = in_u32(r);
-        if (s->final_len > KVS_MSG_FINAL_MAX) {
-            snprintf(why, cap, "final_len %u > %d", s->final_len, KVS_MSG_FINAL_MAX);
-            return -1;
+    const kvs_msg_schema_t *s = kvs_msg_schema((uint32_t) m->type);
+    for (size_t i = 0; i < s->count; i++) {
+        const kvs_msg_field_t *f = &s->fields[i];
+        if (f->kind == KVS_FIELD_BYTES) {
+            in_bytes(r, (uint8_t *) m + f->offset, kvs_msg_field_wire_size(s, i, m));
+            continue;
         }
-        in_bytes(r, s->final, s->final_len);
-        return 0;
+        kvs_msg_field_set(m, f, in_uint(r, f->size));
+        if (f->rule != KVS_RULE_LENGTH && f->rule != KVS_RULE_PRESENCE) continue;
+        if (check_own(m, f, why, cap) != 0) return -1;
+        if (f->rule == KVS_RULE_PRESENCE && kvs_msg_field_get(m, f) == 0) break;
     }
-    case KVS_MSG_ABORT:
-    case KVS_MSG_ABORT_ACK: {
-        kvs_msg_abort_t *a = &m->u.abort;
-        a->room = in_u64(r);
-        a->from_rank = in_u32(r);
-        a->to_rank = in_u32(r);
-        a->reason = in_i32(r);
-        return 0;
-    }
-    case KVS_MSG_ACK: {
-        kvs_msg_ack_t *a = &m->u.ack;
-        a->room = in_u64(r);
-        a->acked_type = in_u16(r);
-        a->chunk = in_u32(r);
-        a->writer = in_u32(r);
-        a->from_rank = in_u32(r);
-        a->to_rank = in_u32(r);
-        return 0;
-    }
-    case KVS_MSG_REGISTER:
-        return in_register(r, &m->u.reg, why, cap);
-    case KVS_MSG_QUERY:
-        m->u.query.rank = in_u32(r);
-        return 0;
-    case KVS_MSG_QUERY_REPLY:
-        m->u.query.rank = in_u32(r);
-        m->u.query.found = in_i32(r);
-        if (m->u.query.found != 0 && m->u.query.found != 1) {
-            snprintf(why, cap, "found %d not 0 or 1", m->u.query.found);
-            return -1;
-        }
-        return m->u.query.found ? in_register(r, &m->u.query.reg, why, cap) : 0;
-    case KVS_MSG_HEARTBEAT:
-        m->u.heartbeat.side = in_u32(r);
-        m->u.heartbeat.rank = in_u32(r);
-        m->u.heartbeat.seq = in_u64(r);
-        return 0;
-    }
-    assert(!"in_payload of an unknown type");
-    return -1;
+    return 0;
 }
 
 kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
@@ -614,7 +300,7 @@ kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
         kvs_debug("msg decode: unknown version %u", version);
         return KVS_ERR_PROTOCOL;
     }
-    if (!type_known(type)) {
+    if (kvs_msg_schema(type) == NULL) {
         kvs_debug("msg decode: unknown type %u", type);
         return KVS_ERR_PROTOCOL;
     }

@@ -123,6 +123,10 @@ static void seed_msg(kvs_msg_type_t type, kvs_msg_t *m)
     case KVS_MSG_HEARTBEAT:
         m->u.heartbeat = (kvs_msg_heartbeat_t){.side = 1, .rank = 1, .seq = 1000};
         break;
+    case KVS_MSG_STAGING_QUEUED:
+        m->u.staging_queued =
+            (kvs_msg_staging_queued_t){.room = 42, .chunk = 3, .decode_rank = 1, .queued = 5};
+        break;
     }
 }
 
@@ -132,7 +136,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
         return 2;
     }
-    for (int t = KVS_MSG_ROOM_META; t <= KVS_MSG_HEARTBEAT; t++) {
+    for (int t = KVS_MSG_ROOM_META; t <= KVS_MSG_STAGING_QUEUED; t++) {
         kvs_msg_t m;
         uint8_t buf[KVS_MSG_MAX_SIZE];
         size_t len;

@@ -18,13 +18,22 @@ typedef struct {
     uint32_t drop_permille;      /* chance that a control message is lost */
     uint32_t dup_permille;       /* chance that a control message is delivered twice */
     uint64_t write_delay_max_ns; /* data writes land (and complete) after up to this */
+    /* Exactly one loss, for systematic sweeps: the drop_nth-th (1-based) control message of
+     * type drop_type (a kvs_msg_type_t; 0: none) sent since the net was created or its faults
+     * were last set is lost, whatever the random mix says. */
+    uint32_t drop_type;
+    uint64_t drop_nth;
 } kvs_inproc_faults_t;
+
+/* Control message types counted per type in the stats (kvs_msg_type_t values below this). */
+#define KVS_INPROC_MSG_TYPES 32
 
 typedef struct kvs_inproc_net kvs_inproc_net_t;
 
 typedef struct {
     uint64_t sent, delivered, dropped, duplicated, in_flight;
     uint64_t writes, write_bytes, writes_in_flight;
+    uint64_t sent_by_type[KVS_INPROC_MSG_TYPES]; /* since the faults were last set */
 } kvs_inproc_stats_t;
 
 /* faults may be NULL (reliable, immediate). The clock must outlive the net. */

@@ -21,18 +21,19 @@
 #define KVS_MSG_ENDPOINT_MAX 128  /* bytes of an endpoint string, without terminator */
 
 typedef enum {
-    KVS_MSG_ROOM_META = 1,     /* decode -> prefill: a room's geometry */
-    KVS_MSG_STAGING_REQ = 2,   /* prefill -> decode: ask for a chunk's slot */
-    KVS_MSG_STAGING_GRANT = 3, /* decode -> prefill: the granted slot (re-sent on repeat REQ) */
-    KVS_MSG_CHUNK_READY = 4,   /* prefill -> decode: a writer's region is written */
-    KVS_MSG_STATUS = 5,        /* prefill -> decode: the rank's outcome for the room */
-    KVS_MSG_ABORT = 6,         /* decode -> prefill: stop writing for this room */
-    KVS_MSG_ABORT_ACK = 7,     /* prefill -> decode: no write for the room is in flight */
-    KVS_MSG_ACK = 8,           /* receipt of ROOM_META, CHUNK_READY or STATUS */
-    KVS_MSG_REGISTER = 9,      /* prefill rank -> bootstrap registry */
-    KVS_MSG_QUERY = 10,        /* decode rank -> registry: describe prefill rank `rank` */
-    KVS_MSG_QUERY_REPLY = 11,  /* registry -> decode: a registration (or not found) */
-    KVS_MSG_HEARTBEAT = 12,    /* any rank -> peer: liveness */
+    KVS_MSG_ROOM_META = 1,       /* decode -> prefill: a room's geometry */
+    KVS_MSG_STAGING_REQ = 2,     /* prefill -> decode: ask for a chunk's slot */
+    KVS_MSG_STAGING_GRANT = 3,   /* decode -> prefill: the granted slot (resent until confirmed) */
+    KVS_MSG_CHUNK_READY = 4,     /* prefill -> decode: a writer's region is written */
+    KVS_MSG_STATUS = 5,          /* prefill -> decode: the rank's outcome for the room */
+    KVS_MSG_ABORT = 6,           /* decode -> prefill: stop writing for this room */
+    KVS_MSG_ABORT_ACK = 7,       /* prefill -> decode: no write for the room is in flight */
+    KVS_MSG_ACK = 8,             /* receipt of ROOM_META, STAGING_GRANT, CHUNK_READY or STATUS */
+    KVS_MSG_REGISTER = 9,        /* prefill rank -> bootstrap registry */
+    KVS_MSG_QUERY = 10,          /* decode rank -> registry: describe prefill rank `rank` */
+    KVS_MSG_QUERY_REPLY = 11,    /* registry -> decode: a registration (or not found) */
+    KVS_MSG_HEARTBEAT = 12,      /* any rank -> peer: liveness */
+    KVS_MSG_STAGING_QUEUED = 13, /* decode -> prefill: the request waits behind a full ring */
 } kvs_msg_type_t;
 
 /* Status values of protocol.md §6, in order; Failed is sticky. */
@@ -72,6 +73,14 @@ typedef struct {
     uint64_t size;   /* bytes granted; writes never exceed it */
 } kvs_msg_staging_grant_t;
 
+/* The answer to a STAGING_REQ that cannot be granted yet: the writer stops resending it. */
+typedef struct {
+    uint64_t room;
+    uint32_t chunk;
+    uint32_t decode_rank;
+    uint32_t queued; /* requests waiting in the decode rank's ring queue, this one included */
+} kvs_msg_staging_queued_t;
+
 typedef struct {
     uint64_t room;
     uint32_t chunk;
@@ -102,8 +111,8 @@ typedef struct {
 
 typedef struct {
     uint64_t room;
-    uint16_t acked_type; /* ROOM_META, CHUNK_READY or STATUS */
-    uint32_t chunk;      /* CHUNK_READY: the chunk; otherwise 0 */
+    uint16_t acked_type; /* ROOM_META, STAGING_GRANT, CHUNK_READY or STATUS */
+    uint32_t chunk;      /* STAGING_GRANT, CHUNK_READY: the chunk; otherwise 0 */
     uint32_t writer;     /* CHUNK_READY: the writer; otherwise 0 */
     uint32_t from_rank;  /* who acknowledges */
     uint32_t to_rank;
@@ -138,6 +147,7 @@ typedef struct {
         kvs_msg_room_meta_t room_meta;
         kvs_msg_staging_req_t staging_req;
         kvs_msg_staging_grant_t staging_grant;
+        kvs_msg_staging_queued_t staging_queued;
         kvs_msg_chunk_ready_t chunk_ready;
         kvs_msg_status_t status;
         kvs_msg_abort_t abort; /* ABORT and ABORT_ACK */

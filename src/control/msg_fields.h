@@ -108,6 +108,13 @@ static const kvs_msg_field_t kvs_msg_fields_staging_grant[] = {
     U64(staging_grant, size,        ANY),
 };
 
+static const kvs_msg_field_t kvs_msg_fields_staging_queued[] = {
+    U64(staging_queued, room,        ANY),
+    U32(staging_queued, chunk,       ANY),
+    U32(staging_queued, decode_rank, ANY),
+    U32(staging_queued, queued,      NONZERO),
+};
+
 static const kvs_msg_field_t kvs_msg_fields_chunk_ready[] = {
     U64(chunk_ready, room,              ANY),
     U32(chunk_ready, chunk,             ANY),
@@ -140,8 +147,9 @@ static const kvs_msg_field_t kvs_msg_fields_abort[] = {
 
 static const kvs_msg_field_t kvs_msg_fields_ack[] = {
     U64(ack, room,       ANY),
-    U16(ack, acked_type, SET(BIT(KVS_MSG_ROOM_META) | BIT(KVS_MSG_CHUNK_READY) |
-                             BIT(KVS_MSG_STATUS), "ROOM_META, CHUNK_READY or STATUS")),
+    U16(ack, acked_type, SET(BIT(KVS_MSG_ROOM_META) | BIT(KVS_MSG_STAGING_GRANT) |
+                             BIT(KVS_MSG_CHUNK_READY) | BIT(KVS_MSG_STATUS),
+                             "ROOM_META, STAGING_GRANT, CHUNK_READY or STATUS")),
     U32(ack, chunk,      ANY),
     U32(ack, writer,     ANY),
     U32(ack, from_rank,  ANY),
@@ -198,6 +206,7 @@ static const kvs_msg_schema_t kvs_msg_schemas[] = {
     [KVS_MSG_QUERY]         = SCHEMA("QUERY",         kvs_msg_fields_query),
     [KVS_MSG_QUERY_REPLY]   = SCHEMA("QUERY_REPLY",   kvs_msg_fields_query_reply),
     [KVS_MSG_HEARTBEAT]     = SCHEMA("HEARTBEAT",     kvs_msg_fields_heartbeat),
+    [KVS_MSG_STAGING_QUEUED] = SCHEMA("STAGING_QUEUED", kvs_msg_fields_staging_queued),
 };
 /* clang-format on */
 

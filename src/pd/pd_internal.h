@@ -15,6 +15,11 @@ static inline uint64_t kvs_all_bits(uint32_t n)
     return n >= 64 ? ~0ull : KVS_BIT(n) - 1;
 }
 
+/* A request decode answered QUEUED is resent only after this many retry periods: the grant
+ * that ends the wait is resent by decode until confirmed, so this resend only matters if
+ * decode lost the request itself. */
+#define KVS_PD_QUEUED_RETRY_FACTOR 64
+
 /* Encodes and sends one control message to rank `peer` of the other side; counts it. A send
  * failure is logged and otherwise ignored: every message that matters is retried on a timer. */
 void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg);

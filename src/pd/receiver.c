@@ -26,8 +26,10 @@ typedef struct {
     rchunk_state_t state;
     uint64_t offset, size; /* the grant */
     uint64_t arrived;      /* bit per writer */
-    uint64_t requested;    /* bit per writer: its STAGING_REQ arrived at least once */
-    uint64_t ticket;       /* last scatter copy */
+    uint64_t grant_acked;  /* bit per writer rank index: it holds the grant (ACK or arrival) */
+    uint64_t grant_retry_at;
+    uint32_t grant_tries;
+    uint64_t ticket; /* last scatter copy */
 } rchunk_t;
 
 typedef struct {
@@ -47,7 +49,9 @@ typedef struct {
     uint64_t meta_acked, status_ok, status_seen, abort_acked; /* bit per peer index */
     rchunk_t *chunks;                                         /* [nchunks] */
     uint64_t chunks_done;
-    uint32_t scattering; /* chunks in RCH_SCATTERING */
+    uint32_t scattering;       /* chunks in RCH_SCATTERING */
+    uint64_t unacked_grants;   /* granted chunks some writer rank has not confirmed */
+    uint64_t next_grant_retry; /* earliest grant_retry_at among them */
     uint64_t meta_sent_at, all_success_at, failed_at;
     uint64_t next_retry; /* metadata or abort resend */
     uint32_t final_len;
@@ -79,6 +83,8 @@ typedef struct {
 } early_fail_t;
 
 #define COOKIE_CHUNK_BITS 24
+
+static uint32_t grant_slots(kvs_receiver_t *rx);
 
 static uint64_t cookie_of(const rroom_t *r, uint64_t chunk)
 {
@@ -239,6 +245,67 @@ static void send_abort(kvs_receiver_t *rx, const rroom_t *r, uint32_t peer)
         .reason = r->reason,
     };
     kvs_pd_send(rx->link, &rx->m, peer, &msg);
+}
+
+static void send_queued(kvs_receiver_t *rx, const rroom_t *r, uint32_t chunk, uint32_t peer)
+{
+    kvs_ring_stats_t rs;
+    kvs_ring_stats(rx->ring, &rs);
+    kvs_msg_t msg = {.type = KVS_MSG_STAGING_QUEUED};
+    msg.u.staging_queued = (kvs_msg_staging_queued_t){
+        .room = r->id,
+        .chunk = chunk,
+        .decode_rank = rx->cfg.rank,
+        .queued = (uint32_t) (rs.queued > UINT32_MAX ? UINT32_MAX : rs.queued),
+    };
+    kvs_pd_send(rx->link, &rx->m, peer, &msg);
+}
+
+/* ---- grants (protocol.md §5.2: a grant is resent until its writer confirms it) ---- */
+
+static int writer_rank_index(const rroom_t *r, uint32_t prefill_rank)
+{
+    return kvs_pd_rank_index(r->writer_ranks, r->nwriter_ranks, prefill_rank);
+}
+
+static void arm_grant_retry(kvs_receiver_t *rx, rroom_t *r, rchunk_t *c, uint64_t now)
+{
+    uint32_t t = c->grant_tries < 5 ? c->grant_tries : 5;
+    c->grant_retry_at = now + (rx->cfg.timeouts.retry_ns << t);
+    if (r->unacked_grants == 0 || c->grant_retry_at < r->next_grant_retry)
+        r->next_grant_retry = c->grant_retry_at;
+}
+
+/* Writer rank i holds chunk c's grant: it acknowledged it or wrote the chunk. */
+static void grant_confirmed(rroom_t *r, rchunk_t *c, int i)
+{
+    if (i < 0 || (c->grant_acked & KVS_BIT(i))) return;
+    c->grant_acked |= KVS_BIT(i);
+    if (c->grant_acked == kvs_all_bits(r->nwriter_ranks)) r->unacked_grants--;
+}
+
+/* Resends the grants no writer rank confirmed within their retry time. */
+static void retry_grants(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
+{
+    if (r->unacked_grants == 0 || now < r->next_grant_retry) return;
+    uint64_t next = UINT64_MAX;
+    for (uint64_t k = 0; k < r->nchunks; k++) {
+        rchunk_t *c = &r->chunks[k];
+        uint64_t all = kvs_all_bits(r->nwriter_ranks);
+        if (c->state != RCH_GRANTED || c->grant_acked == all) continue;
+        if (now >= c->grant_retry_at) {
+            for (uint32_t i = 0; i < r->nwriter_ranks; i++) {
+                if (c->grant_acked & KVS_BIT(i)) continue;
+                send_grant(rx, r, k, r->writer_ranks[i]);
+                rx->m.retries++;
+            }
+            c->grant_tries++;
+            uint32_t t = c->grant_tries < 5 ? c->grant_tries : 5;
+            c->grant_retry_at = now + (rx->cfg.timeouts.retry_ns << t);
+        }
+        if (c->grant_retry_at < next) next = c->grant_retry_at;
+    }
+    r->next_grant_retry = next;
 }
 
 /* ---- slots and chunks ---- */
@@ -510,8 +577,6 @@ static void on_staging_req(kvs_receiver_t *rx, const kvs_msg_staging_req_t *q)
     }
     rchunk_t *c = &r->chunks[q->chunk];
     uint64_t want = slot_bytes(rx, r, q->chunk, NULL);
-    int repeat = (c->requested & KVS_BIT(w)) != 0;
-    c->requested |= KVS_BIT(w);
     if (q->slot_bytes != want) {
         fail_room(rx, r, KVS_ERR_PROTOCOL, "prefill and decode disagree on the slot size");
         return;
@@ -529,16 +594,20 @@ static void on_staging_req(kvs_receiver_t *rx, const kvs_msg_staging_req_t *q)
             fail_room(rx, r, st, "cannot queue a staging request");
         } else {
             c->state = RCH_QUEUED;
+            grant_slots(rx); /* granted at once when the ring has room */
+            if (c->state == RCH_QUEUED) send_queued(rx, r, q->chunk, q->prefill_rank);
         }
         break;
     }
     case RCH_GRANTED:
-        /* The grant went to every writer when it was made; a first request crossing it needs
-         * no answer, a repeat means the grant was lost. */
-        if (repeat) send_grant(rx, r, q->chunk, q->prefill_rank);
+        /* The grant went to every writer when it was made and is resent until confirmed; a
+         * request from a writer that has not confirmed it gets it again now. */
+        if (!(c->grant_acked & KVS_BIT(writer_rank_index(r, q->prefill_rank))))
+            send_grant(rx, r, q->chunk, q->prefill_rank);
         break;
     case RCH_QUEUED:
-        if (repeat) rx->m.ignored++; /* a retry while still queued */
+        /* The QUEUED answer was lost (or the writer's long wait ran out): answer again. */
+        send_queued(rx, r, q->chunk, q->prefill_rank);
         break;
     default:
         rx->m.ignored++; /* late, after the scatter */
@@ -580,6 +649,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
         return;
     }
     c->arrived |= KVS_BIT(cr->writer);
+    grant_confirmed(r, c, writer_rank_index(r, cr->prefill_rank));
     if (c->arrived == kvs_all_bits(r->nwriters)) {
         kvs_status_t st = start_scatter(rx, r, cr->chunk);
         if (st != KVS_OK) fail_room(rx, r, st, "scatter failed to start");
@@ -632,6 +702,19 @@ static void on_ack(kvs_receiver_t *rx, const kvs_msg_ack_t *a)
 {
     rroom_t *r = room_for(rx, a->room);
     if (r == NULL) return;
+    if (a->acked_type == KVS_MSG_STAGING_GRANT) {
+        int w = writer_rank_index(r, a->from_rank);
+        if (w < 0 || a->chunk >= r->nchunks) {
+            rx->m.rejected++;
+            return;
+        }
+        rchunk_t *c = &r->chunks[a->chunk];
+        if (c->state == RCH_GRANTED)
+            grant_confirmed(r, c, w);
+        else
+            rx->m.ignored++; /* a late ACK: the chunk moved on */
+        return;
+    }
     int i = kvs_pd_rank_index(r->peers, r->npeers, a->from_rank);
     if (a->acked_type != KVS_MSG_ROOM_META || i < 0) {
         rx->m.rejected++;
@@ -716,9 +799,16 @@ static uint32_t grant_slots(kvs_receiver_t *rx)
         c->state = RCH_GRANTED;
         c->offset = offset;
         c->size = size;
-        /* Every writer of the chunk gets the grant, requested yet or not. */
+        /* Every writer of the chunk gets the grant, requested yet or not, and it is resent
+         * until each confirms it: a writer that has not asked yet may not ask for a long time
+         * (its window can wait on another decode rank), so its request cannot be what
+         * recovers a lost grant. */
         for (uint32_t i = 0; i < r->nwriter_ranks; i++)
             send_grant(rx, r, chunk, r->writer_ranks[i]);
+        c->grant_acked = 0;
+        c->grant_tries = 0;
+        arm_grant_retry(rx, r, c, now_ns(rx));
+        r->unacked_grants++;
     }
     return n;
 }
@@ -780,6 +870,7 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
         fail_room(rx, r, KVS_ERR_TIMEOUT, "completion timeout");
         return;
     }
+    retry_grants(rx, r, now);
     if (r->meta_acked != all && now >= r->next_retry) {
         for (uint32_t i = 0; i < r->npeers; i++) {
             if (r->meta_acked & KVS_BIT(i)) continue;

@@ -19,6 +19,7 @@
 typedef enum {
     SD_IDLE = 0,   /* nothing asked yet */
     SD_REQUESTED,  /* STAGING_REQ sent, waiting for the grant */
+    SD_QUEUED,     /* decode answered that the request waits in its ring's queue */
     SD_GRANTED,    /* slot granted; waiting for the chunk's KV or a staging buffer */
     SD_WRITING,    /* gathered; the transport write reads the staging buffer */
     SD_READY_SENT, /* written; CHUNK_READY sent, waiting for its ACK */
@@ -306,6 +307,20 @@ static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
     kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
 }
 
+/* Confirms a grant, so decode stops resending it. */
+static void send_grant_ack(kvs_sender_t *tx, uint64_t room, uint32_t chunk, uint32_t decode_rank)
+{
+    kvs_msg_t msg = {.type = KVS_MSG_ACK};
+    msg.u.ack = (kvs_msg_ack_t){
+        .room = room,
+        .acked_type = KVS_MSG_STAGING_GRANT,
+        .chunk = chunk,
+        .from_rank = tx->cfg.rank,
+        .to_rank = decode_rank,
+    };
+    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+}
+
 static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
 {
     kvs_msg_t msg = {.type = KVS_MSG_ABORT_ACK};
@@ -557,13 +572,38 @@ static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
         return;
     }
     sdest_t *sd = &r->cd[gr->chunk * r->ndests + (uint32_t) d];
-    if (sd->state != SD_IDLE && sd->state != SD_REQUESTED) {
+    /* Confirmed whether new or a repeat (the first confirmation may have been lost); a grant
+     * for a room this rank does not hold yet is not, so decode keeps resending it. */
+    send_grant_ack(tx, gr->room, gr->chunk, gr->decode_rank);
+    if (sd->state != SD_IDLE && sd->state != SD_REQUESTED && sd->state != SD_QUEUED) {
         tx->m.ignored++; /* a repeat of a grant we already hold */
         return;
     }
     sd->state = SD_GRANTED;
     sd->offset = gr->offset;
     sd->size = gr->size;
+    r->last_activity = now_ns(tx);
+}
+
+/* The request waits behind a full ring: no resend until the grant (which decode resends until
+ * confirmed) or the long queued timeout, so retries count real losses only. */
+static void on_queued(kvs_sender_t *tx, const kvs_msg_staging_queued_t *q)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, q->room);
+    int d = r ? dest_index(r, q->decode_rank) : -1;
+    if (r == NULL || d < 0 || r->cd == NULL || q->chunk >= r->nchunks ||
+        r->status == KVS_ROOM_FAILED) {
+        tx->m.ignored++;
+        return;
+    }
+    sdest_t *sd = &r->cd[q->chunk * r->ndests + (uint32_t) d];
+    if (sd->state != SD_REQUESTED && sd->state != SD_QUEUED) {
+        tx->m.ignored++; /* late: the grant overtook it */
+        return;
+    }
+    sd->state = SD_QUEUED;
+    sd->tries = 0;
+    sd->retry_at = now_ns(tx) + KVS_PD_QUEUED_RETRY_FACTOR * tx->cfg.timeouts.retry_ns;
     r->last_activity = now_ns(tx);
 }
 
@@ -635,6 +675,9 @@ static void handle(kvs_sender_t *tx, const kvs_msg_t *msg)
         break;
     case KVS_MSG_STAGING_GRANT:
         on_grant(tx, &msg->u.staging_grant);
+        break;
+    case KVS_MSG_STAGING_QUEUED:
+        on_queued(tx, &msg->u.staging_queued);
         break;
     case KVS_MSG_ACK:
         on_ack(tx, &msg->u.ack);
@@ -789,7 +832,7 @@ static int waiting_on_decode(const sroom_t *r)
     for (uint64_t k = r->first_open; r->cd != NULL && k < r->nchunks; k++) {
         for (uint32_t d = 0; d < r->ndests; d++) {
             sdest_state_t st = r->cd[k * r->ndests + d].state;
-            if (st == SD_REQUESTED || st == SD_READY_SENT) return 1;
+            if (st == SD_REQUESTED || st == SD_QUEUED || st == SD_READY_SENT) return 1;
             if (st == SD_IDLE) return 0;
         }
     }
@@ -911,6 +954,14 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
                 arm_retry(sd, now, t->retry_ns, sd->tries + 1);
+                break;
+            case SD_QUEUED:
+                /* Only if decode lost the request (a restart the liveness check missed). */
+                if (now < sd->retry_at) break;
+                send_staging_req(tx, r, k, d);
+                tx->m.retries++;
+                sd->state = SD_REQUESTED;
+                arm_retry(sd, now, t->retry_ns, 0);
                 break;
             case SD_GRANTED:
                 if (k < r->chunks_issued) {

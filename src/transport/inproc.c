@@ -14,6 +14,7 @@
 #include "kvstage/alloc.h"
 #include "kvstage/layout.h"
 #include "kvstage/log.h"
+#include "kvstage/msg.h"
 #include "kvstage/rng.h"
 #include "transport/link.h"
 
@@ -134,6 +135,7 @@ void kvs_inproc_net_set_faults(kvs_inproc_net_t *net, const kvs_inproc_faults_t 
         memset(&net->faults, 0, sizeof(net->faults));
     }
     kvs_rng_seed(&net->rng, net->faults.seed);
+    memset(net->stats.sent_by_type, 0, sizeof(net->stats.sent_by_type));
 }
 
 void kvs_inproc_net_stats(const kvs_inproc_net_t *net, kvs_inproc_stats_t *stats_p)
@@ -221,6 +223,13 @@ static kvs_status_t ep_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t
         return KVS_ERR_INVALID;
     }
     net->stats.sent++;
+    kvs_msg_t msg;
+    uint32_t type = kvs_msg_decode(buf, len, &msg) == KVS_OK ? (uint32_t) msg.type : 0;
+    uint64_t nth = type < KVS_INPROC_MSG_TYPES ? ++net->stats.sent_by_type[type] : 0;
+    if (type != 0 && type == net->faults.drop_type && nth == net->faults.drop_nth) {
+        net->stats.dropped++;
+        return KVS_OK;
+    }
     if (kvs_rng_chance(&net->rng, net->faults.drop_permille, 1000)) {
         net->stats.dropped++;
         return KVS_OK; /* lost in flight: the sender cannot tell */

@@ -13,7 +13,7 @@
 #include "kvstage/rng.h"
 
 #define TYPE_FIRST KVS_MSG_ROOM_META
-#define TYPE_LAST  KVS_MSG_HEARTBEAT
+#define TYPE_LAST  KVS_MSG_STAGING_QUEUED
 
 static uint64_t g_seed;
 
@@ -215,6 +215,7 @@ static const size_t fixed_payload[TYPE_LAST + 1] = {
     [KVS_MSG_QUERY] = 4,
     [KVS_MSG_QUERY_REPLY] = 8 + 4 * 2 + 4 * 6 + 4 * 2 + 8 + 4,
     [KVS_MSG_HEARTBEAT] = 4 + 4 + 8,
+    [KVS_MSG_STAGING_QUEUED] = 8 + 4 * 3,
 };
 
 /* Payload offset of field i of s in m: the widths before it, as the table says. */
@@ -306,13 +307,14 @@ static uint64_t get_le(const uint8_t *p, size_t width)
 static void test_type_and_status_str(void **state)
 {
     (void) state;
-    static const char *const names[] = {"ROOM_META", "STAGING_REQ", "STAGING_GRANT", "CHUNK_READY",
-                                        "STATUS",    "ABORT",       "ABORT_ACK",     "ACK",
-                                        "REGISTER",  "QUERY",       "QUERY_REPLY",   "HEARTBEAT"};
+    static const char *const names[] = {
+        "ROOM_META",   "STAGING_REQ", "STAGING_GRANT", "CHUNK_READY", "STATUS",
+        "ABORT",       "ABORT_ACK",   "ACK",           "REGISTER",    "QUERY",
+        "QUERY_REPLY", "HEARTBEAT",   "STAGING_QUEUED"};
     for (int t = TYPE_FIRST; t <= TYPE_LAST; t++)
         assert_string_equal(kvs_msg_type_str((kvs_msg_type_t) t), names[t - TYPE_FIRST]);
     assert_string_equal(kvs_msg_type_str((kvs_msg_type_t) 0), "UNKNOWN");
-    assert_string_equal(kvs_msg_type_str((kvs_msg_type_t) 13), "UNKNOWN");
+    assert_string_equal(kvs_msg_type_str((kvs_msg_type_t) 14), "UNKNOWN");
     assert_string_equal(kvs_room_status_str(KVS_ROOM_FAILED), "Failed");
     assert_string_equal(kvs_room_status_str(KVS_ROOM_BOOTSTRAPPING), "Bootstrapping");
     assert_string_equal(kvs_room_status_str(KVS_ROOM_WAITING), "WaitingForInput");
@@ -852,7 +854,7 @@ static void test_bad_headers_rejected(void **state)
     expect_reject(bad, len, "version", "version 2");
     put_le(bad + 4, 0, 2);
     expect_reject(bad, len, "version", "version 0");
-    static const uint16_t bad_types[] = {0, 13, 0x100, 0xffff};
+    static const uint16_t bad_types[] = {0, 14, 0x100, 0xffff};
     for (size_t i = 0; i < sizeof(bad_types) / sizeof(bad_types[0]); i++) {
         memcpy(bad, buf, len);
         put_le(bad + 6, bad_types[i], 2);

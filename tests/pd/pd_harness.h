@@ -282,4 +282,100 @@ static inline void h_assert_idle(h_t *h)
         assert_int_equal(kvs_pool_free_pages(h->ppool[r]), kvs_pool_total_pages(h->ppool[r]));
 }
 
+/* One room as an engine drives it in h_run_rooms. */
+typedef struct {
+    h_room_t room;
+    uint64_t computed;    /* what the "engine" has computed so far */
+    uint64_t prefill_hit; /* at-rest prefix on prefill (early send) */
+    int added_prefill, finished, released;
+    int stall; /* never finishes: for timeout tests */
+    kvs_room_status_t final_status;
+    uint64_t mismatched;
+} h_run_room_t;
+
+/* Drives rooms like an engine would: decode registers first, prefill adds the room a little
+ * later, computes one chunk every few ticks and finishes; concluded rooms are verified, then
+ * released and their pages freed. Returns the number of steps taken. */
+static inline uint64_t h_run_rooms(h_t *h, h_run_room_t *rooms, size_t n, uint64_t max_steps)
+{
+    const uint64_t C = h->geo.chunk_tokens;
+    for (size_t i = 0; i < n; i++) {
+        h_room_t *rm = &rooms[i].room;
+        for (uint32_t r = 0; r < h->geo.decode_tp; r++)
+            assert_int_equal(
+                kvs_receiver_add_room(h->rx[r], rm->id, rm->base, rm->prompt_len, rm->dpages),
+                KVS_OK);
+    }
+    size_t left = n;
+    uint64_t step = 0;
+    for (; step < max_steps && left > 0; step++) {
+        h_step(h);
+        for (size_t i = 0; i < n; i++) {
+            h_run_room_t *rr = &rooms[i];
+            h_room_t *rm = &rr->room;
+            if (rr->released) continue;
+            if (!rr->added_prefill && step >= i % 7) {
+                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                    assert_int_equal(
+                        kvs_sender_add_room(h->tx[r], rm->id, rm->prompt_len, rm->ptable), KVS_OK);
+                    h_fill(h, r, rm->id, rm->ptable, 0, rr->prefill_hit);
+                    /* The cached prefix is at rest: it may go before any forward pass. */
+                    assert_int_equal(
+                        kvs_sender_advance(h->tx[r], rm->id, rr->prefill_hit, rr->prefill_hit),
+                        KVS_OK);
+                }
+                rr->computed = rr->prefill_hit;
+                rr->added_prefill = 1;
+            } else if (rr->added_prefill && !rr->finished && !rr->stall && step % 3 == 0) {
+                uint64_t next = rr->computed + C;
+                if (next > rm->prompt_len) next = rm->prompt_len;
+                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                    h_fill(h, r, rm->id, rm->ptable, rr->computed, next);
+                    if (next == rm->prompt_len) {
+                        uint32_t token = (uint32_t) rm->id * 7 + 1;
+                        assert_int_equal(kvs_sender_finish(h->tx[r], rm->id, &token, 4), KVS_OK);
+                    } else {
+                        assert_int_equal(kvs_sender_advance(h->tx[r], rm->id, next, next + C),
+                                         KVS_OK);
+                    }
+                }
+                rr->computed = next;
+                rr->finished = next == rm->prompt_len;
+            }
+            if (!rr->added_prefill || !h_concluded(h, rm->id)) continue;
+            rr->final_status = h_status(h, 1, rm->id, NULL);
+            if (rr->final_status == KVS_ROOM_SUCCESS) {
+                for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
+                    rr->mismatched +=
+                        h_mismatches(h, r, rm->id, rm->dpages, rm->base, rm->prompt_len);
+                    kvs_room_info_t info;
+                    assert_int_equal(kvs_receiver_poll(h->rx[r], rm->id, &info), KVS_OK);
+                    uint32_t token = (uint32_t) rm->id * 7 + 1;
+                    assert_int_equal(info.final_len, 4);
+                    assert_memory_equal(info.final, &token, 4);
+                }
+                /* Success on decode implies Success on prefill. */
+                assert_int_equal(h_status(h, 0, rm->id, NULL), KVS_ROOM_SUCCESS);
+            }
+            h_release(h, rm->id);
+            h_room_free(h, rm);
+            rr->released = 1;
+            left--;
+        }
+    }
+    return step;
+}
+
+static inline void h_assert_all_succeeded(h_run_room_t *rooms, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!rooms[i].released || rooms[i].final_status != KVS_ROOM_SUCCESS ||
+            rooms[i].mismatched != 0)
+            fail_msg("room %llu: released %d status %s mismatched %llu",
+                     (unsigned long long) rooms[i].room.id, rooms[i].released,
+                     kvs_room_status_str(rooms[i].final_status),
+                     (unsigned long long) rooms[i].mismatched);
+    }
+}
+
 #endif

@@ -7,101 +7,6 @@
 #include "kvstage/log.h"
 
 typedef struct {
-    h_room_t room;
-    uint64_t computed;    /* what the "engine" has computed so far */
-    uint64_t prefill_hit; /* at-rest prefix on prefill (early send) */
-    int added_prefill, finished, released;
-    int stall; /* never finishes: for timeout tests */
-    kvs_room_status_t final_status;
-    uint64_t mismatched;
-} run_room_t;
-
-/* Drives rooms like an engine would: decode registers first, prefill adds the room a little
- * later, computes one chunk every few ticks and finishes; concluded rooms are verified, then
- * released and their pages freed. Returns the number of steps taken. */
-static uint64_t run_rooms(h_t *h, run_room_t *rooms, size_t n, uint64_t max_steps)
-{
-    const uint64_t C = h->geo.chunk_tokens;
-    for (size_t i = 0; i < n; i++) {
-        h_room_t *rm = &rooms[i].room;
-        for (uint32_t r = 0; r < h->geo.decode_tp; r++)
-            assert_int_equal(
-                kvs_receiver_add_room(h->rx[r], rm->id, rm->base, rm->prompt_len, rm->dpages),
-                KVS_OK);
-    }
-    size_t left = n;
-    uint64_t step = 0;
-    for (; step < max_steps && left > 0; step++) {
-        h_step(h);
-        for (size_t i = 0; i < n; i++) {
-            run_room_t *rr = &rooms[i];
-            h_room_t *rm = &rr->room;
-            if (rr->released) continue;
-            if (!rr->added_prefill && step >= i % 7) {
-                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
-                    assert_int_equal(
-                        kvs_sender_add_room(h->tx[r], rm->id, rm->prompt_len, rm->ptable), KVS_OK);
-                    h_fill(h, r, rm->id, rm->ptable, 0, rr->prefill_hit);
-                    /* The cached prefix is at rest: it may go before any forward pass. */
-                    assert_int_equal(
-                        kvs_sender_advance(h->tx[r], rm->id, rr->prefill_hit, rr->prefill_hit),
-                        KVS_OK);
-                }
-                rr->computed = rr->prefill_hit;
-                rr->added_prefill = 1;
-            } else if (rr->added_prefill && !rr->finished && !rr->stall && step % 3 == 0) {
-                uint64_t next = rr->computed + C;
-                if (next > rm->prompt_len) next = rm->prompt_len;
-                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
-                    h_fill(h, r, rm->id, rm->ptable, rr->computed, next);
-                    if (next == rm->prompt_len) {
-                        uint32_t token = (uint32_t) rm->id * 7 + 1;
-                        assert_int_equal(kvs_sender_finish(h->tx[r], rm->id, &token, 4), KVS_OK);
-                    } else {
-                        assert_int_equal(kvs_sender_advance(h->tx[r], rm->id, next, next + C),
-                                         KVS_OK);
-                    }
-                }
-                rr->computed = next;
-                rr->finished = next == rm->prompt_len;
-            }
-            if (!rr->added_prefill || !h_concluded(h, rm->id)) continue;
-            rr->final_status = h_status(h, 1, rm->id, NULL);
-            if (rr->final_status == KVS_ROOM_SUCCESS) {
-                for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
-                    rr->mismatched +=
-                        h_mismatches(h, r, rm->id, rm->dpages, rm->base, rm->prompt_len);
-                    kvs_room_info_t info;
-                    assert_int_equal(kvs_receiver_poll(h->rx[r], rm->id, &info), KVS_OK);
-                    uint32_t token = (uint32_t) rm->id * 7 + 1;
-                    assert_int_equal(info.final_len, 4);
-                    assert_memory_equal(info.final, &token, 4);
-                }
-                /* Success on decode implies Success on prefill. */
-                assert_int_equal(h_status(h, 0, rm->id, NULL), KVS_ROOM_SUCCESS);
-            }
-            h_release(h, rm->id);
-            h_room_free(h, rm);
-            rr->released = 1;
-            left--;
-        }
-    }
-    return step;
-}
-
-static void assert_all_succeeded(run_room_t *rooms, size_t n)
-{
-    for (size_t i = 0; i < n; i++) {
-        if (!rooms[i].released || rooms[i].final_status != KVS_ROOM_SUCCESS ||
-            rooms[i].mismatched != 0)
-            fail_msg("room %llu: released %d status %s mismatched %llu",
-                     (unsigned long long) rooms[i].room.id, rooms[i].released,
-                     kvs_room_status_str(rooms[i].final_status),
-                     (unsigned long long) rooms[i].mismatched);
-    }
-}
-
-typedef struct {
     uint32_t ptp, dtp, heads;
     int mla;
 } pair_t;
@@ -131,7 +36,7 @@ static void test_tp_pairs_exact(void **state)
         set_geo(&g, &pairs[p]);
         h_t h;
         h_setup(&h, &g, NULL, 1 << 16, 256);
-        run_room_t rooms[5];
+        h_run_room_t rooms[5];
         memset(rooms, 0, sizeof(rooms));
         /* plain; decode prefix; prefill hit over several slots; full decode hit; tiny prompt */
         h_room_init(&h, &rooms[0].room, 100 + p, 70, 0);
@@ -141,8 +46,8 @@ static void test_tp_pairs_exact(void **state)
         h_room_init(&h, &rooms[3].room, 400 + p, 40, 40);
         rooms[3].prefill_hit = 40;
         h_room_init(&h, &rooms[4].room, 500 + p, 3, 0);
-        run_rooms(&h, rooms, 5, 20000);
-        assert_all_succeeded(rooms, 5);
+        h_run_rooms(&h, rooms, 5, 20000);
+        h_assert_all_succeeded(rooms, 5);
         h_assert_idle(&h);
         h_teardown(&h);
     }
@@ -171,7 +76,7 @@ static void test_hostile_network(void **state)
         /* About three full slots of ring: rooms queue behind each other in the FIFO. */
         h_setup(&h, &g, &f, 3 * 16 * 2 * 8 * 12 * 2 + 4096, 1024);
         enum { N = 16 };
-        run_room_t rooms[N];
+        h_run_room_t rooms[N];
         memset(rooms, 0, sizeof(rooms));
         for (size_t i = 0; i < N; i++) {
             uint64_t len = kvs_rng_range(&rng, 1, 120);
@@ -179,7 +84,7 @@ static void test_hostile_network(void **state)
             h_room_init(&h, &rooms[i].room, 1000 * it + i + 1, len, base);
             rooms[i].prefill_hit = kvs_rng_below(&rng, len + 1);
         }
-        run_rooms(&h, rooms, N, 200000);
+        h_run_rooms(&h, rooms, N, 200000);
         for (size_t i = 0; i < N; i++) {
             if (rooms[i].final_status != KVS_ROOM_SUCCESS || rooms[i].mismatched)
                 fail_msg("seed %llu iteration %llu: room %zu %s, %llu bytes wrong",
@@ -206,11 +111,11 @@ static void test_duplicates_ignored(void **state)
     kvs_inproc_faults_t f = {.seed = 3, .delay_max_ns = 20 * H_TICK_NS, .dup_permille = 1000};
     h_t h;
     h_setup(&h, &g, &f, 1 << 16, 256);
-    run_room_t rooms[3];
+    h_run_room_t rooms[3];
     memset(rooms, 0, sizeof(rooms));
     for (int i = 0; i < 3; i++) h_room_init(&h, &rooms[i].room, 10 + i, 50 + 10 * i, 0);
-    run_rooms(&h, rooms, 3, 50000);
-    assert_all_succeeded(rooms, 3);
+    h_run_rooms(&h, rooms, 3, 50000);
+    h_assert_all_succeeded(rooms, 3);
     kvs_pd_metrics_t m;
     kvs_receiver_metrics(h.rx[0], &m);
     assert_true(m.ignored > 0);
@@ -229,11 +134,11 @@ static void test_drops_recovered_by_retry(void **state)
     kvs_inproc_faults_t f = {.seed = 11, .delay_max_ns = 5 * H_TICK_NS, .drop_permille = 500};
     h_t h;
     h_setup(&h, &g, &f, 1 << 16, 256);
-    run_room_t rooms[4];
+    h_run_room_t rooms[4];
     memset(rooms, 0, sizeof(rooms));
     for (int i = 0; i < 4; i++) h_room_init(&h, &rooms[i].room, 20 + i, 33 + 17 * i, 4 * i);
-    run_rooms(&h, rooms, 4, 200000);
-    assert_all_succeeded(rooms, 4);
+    h_run_rooms(&h, rooms, 4, 200000);
+    h_assert_all_succeeded(rooms, 4);
     uint64_t retries = 0;
     kvs_pd_metrics_t m;
     for (uint32_t r = 0; r < 4; r++) {
@@ -256,12 +161,12 @@ static void test_misaligned_prefix_fails_room_only(void **state)
     h_default_geo(&g, 2, 2, 4);
     h_t h;
     h_setup(&h, &g, NULL, 1 << 16, 256);
-    run_room_t rooms[2];
+    h_run_room_t rooms[2];
     memset(rooms, 0, sizeof(rooms));
     h_room_init(&h, &rooms[0].room, 1, 40, 4);
     rooms[0].room.base = 6; /* not a multiple of the page size 4 */
     h_room_init(&h, &rooms[1].room, 2, 40, 4);
-    run_rooms(&h, rooms, 2, 20000);
+    h_run_rooms(&h, rooms, 2, 20000);
     assert_true(rooms[0].released);
     assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
     assert_int_equal(rooms[1].final_status, KVS_ROOM_SUCCESS);
@@ -279,10 +184,10 @@ static void test_slot_larger_than_ring_fails_fast(void **state)
     h_default_geo(&g, 1, 1, 2);
     h_t h;
     h_setup(&h, &g, NULL, 512, 64); /* a full slot is 16 tokens * 2 layers * 2 heads * 24 B */
-    run_room_t rooms[1];
+    h_run_room_t rooms[1];
     memset(rooms, 0, sizeof(rooms));
     h_room_init(&h, &rooms[0].room, 5, 40, 0);
-    uint64_t steps = run_rooms(&h, rooms, 1, 20000);
+    uint64_t steps = h_run_rooms(&h, rooms, 1, 20000);
     assert_true(rooms[0].released);
     assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
     assert_true(steps < 1000); /* far below every timeout */
@@ -300,13 +205,13 @@ static void test_waiting_timeout(void **state)
     h_default_geo(&g, 2, 1, 4);
     h_t h;
     h_setup(&h, &g, NULL, 1 << 16, 256);
-    run_room_t rooms[2];
+    h_run_room_t rooms[2];
     memset(rooms, 0, sizeof(rooms));
     h_room_init(&h, &rooms[0].room, 1, 80, 0);
     rooms[0].stall = 1;
     rooms[0].prefill_hit = 20; /* one chunk goes, the rest never comes */
     h_room_init(&h, &rooms[1].room, 2, 80, 0);
-    uint64_t steps = run_rooms(&h, rooms, 2, 200000);
+    uint64_t steps = h_run_rooms(&h, rooms, 2, 200000);
     assert_int_equal(rooms[0].final_status, KVS_ROOM_FAILED);
     assert_int_equal(rooms[1].final_status, KVS_ROOM_SUCCESS);
     assert_true(steps * H_TICK_NS >= h.timeouts.waiting_timeout_ns);
@@ -414,11 +319,11 @@ static void test_garbage_rejected(void **state)
     assert_int_equal(m.rejected, 1);
     kvs_sender_metrics(h.tx[0], &m);
     assert_int_equal(m.rejected, 1);
-    run_room_t rooms[1];
+    h_run_room_t rooms[1];
     memset(rooms, 0, sizeof(rooms));
     h_room_init(&h, &rooms[0].room, 1, 30, 0);
-    run_rooms(&h, rooms, 1, 20000);
-    assert_all_succeeded(rooms, 1);
+    h_run_rooms(&h, rooms, 1, 20000);
+    h_assert_all_succeeded(rooms, 1);
     h_teardown(&h);
     kvs_assert_no_leaks();
 }

@@ -160,29 +160,27 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
                 (unsigned long long) ev->match_len);
         }
         break;
-    case KVS_RANK_LINE_EV_STATS:
+    case KVS_RANK_LINE_EV_STATS: {
         put(&o,
             "{\"event\":\"stats\",\"role\":\"%s\",\"rank\":%u,\"steps\":%llu,"
             "\"forward_passes\":%llu,\"forward_ns\":%llu,\"prompt_tokens\":%llu,"
             "\"cached_tokens\":%llu,\"decode_tokens\":%llu,\"requests_ok\":%llu,"
-            "\"requests_failed\":%llu,\"radix_pages\":%llu,\"rooms_succeeded\":%llu,"
-            "\"rooms_failed\":%llu,\"chunks\":%llu,\"bulk_writes\":%llu,\"direct_writes\":%llu,"
-            "\"bytes_moved\":%llu,\"control_messages\":%llu,\"retries\":%llu,\"rejected\":%llu,"
-            "\"ring_used\":%llu,\"ring_capacity\":%llu,\"queued\":%u,\"running\":%u,"
-            "\"load_s\":%.3f,\"wall_s\":%.3f,\"final\":%s}",
+            "\"requests_failed\":%llu,\"radix_pages\":%llu",
             kvs_rank_line_role_str(ev->role), ev->rank, (unsigned long long) s->steps,
             (unsigned long long) s->forward_passes, (unsigned long long) s->forward_ns,
             (unsigned long long) s->prompt_tokens, (unsigned long long) s->cached_tokens,
             (unsigned long long) s->decode_tokens, (unsigned long long) s->requests_ok,
-            (unsigned long long) s->requests_failed, (unsigned long long) s->radix_pages,
-            (unsigned long long) m->rooms_succeeded, (unsigned long long) m->rooms_failed,
-            (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
-            (unsigned long long) m->direct_writes, (unsigned long long) m->bytes,
-            (unsigned long long) m->msgs_sent, (unsigned long long) m->retries,
-            (unsigned long long) m->rejected, (unsigned long long) m->ring_used,
-            (unsigned long long) m->ring_capacity, s->queued, s->running, ev->load_s, ev->wall_s,
-            ev->final ? "true" : "false");
+            (unsigned long long) s->requests_failed, (unsigned long long) s->radix_pages);
+        uint32_t nf;
+        const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+        for (uint32_t i = 0; i < nf; i++)
+            if (f[i].line != NULL)
+                put(&o, ",\"%s\":%llu", f[i].line,
+                    (unsigned long long) kvs_pd_metrics_get(m, &f[i]));
+        put(&o, ",\"queued\":%u,\"running\":%u,\"load_s\":%.3f,\"wall_s\":%.3f,\"final\":%s}",
+            s->queued, s->running, ev->load_s, ev->wall_s, ev->final ? "true" : "false");
         break;
+    }
     default:
         return KVS_ERR_INVALID;
     }
@@ -688,6 +686,20 @@ static int get_finish(const obj_t *o, kvs_llm_finish_t *f)
     return 1;
 }
 
+/* The stats line's transfer counters: the fields with a line key. -1: one of the wrong type. */
+static int get_metrics(const obj_t *o, kvs_pd_metrics_t *m)
+{
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    for (uint32_t i = 0; i < nf; i++) {
+        uint64_t v = 0;
+        if (f[i].line == NULL) continue;
+        if (get_u64(o, f[i].line, UINT64_MAX, &v) < 0) return -1;
+        kvs_pd_metrics_set(m, &f[i], v);
+    }
+    return 0;
+}
+
 #define U64(key, field) (get_u64(&o, key, UINT64_MAX, &(field)) < 0)
 #define U32(key, field) (get_u32(&o, key, &(field)) < 0)
 
@@ -740,13 +752,7 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
                 U64("prompt_tokens", s->prompt_tokens) || U64("cached_tokens", s->cached_tokens) ||
                 U64("decode_tokens", s->decode_tokens) || U64("requests_ok", s->requests_ok) ||
                 U64("requests_failed", s->requests_failed) || U64("radix_pages", s->radix_pages) ||
-                U64("rooms_succeeded", m->rooms_succeeded) ||
-                U64("rooms_failed", m->rooms_failed) || U64("chunks", m->chunks) ||
-                U64("bulk_writes", m->bulk_writes) || U64("direct_writes", m->direct_writes) ||
-                U64("bytes_moved", m->bytes) || U64("control_messages", m->msgs_sent) ||
-                U64("retries", m->retries) || U64("rejected", m->rejected) ||
-                U64("ring_used", m->ring_used) || U64("ring_capacity", m->ring_capacity) ||
-                U32("queued", s->queued) || U32("running", s->running) ||
+                get_metrics(&o, m) || U32("queued", s->queued) || U32("running", s->running) ||
                 get_double(&o, "load_s", &ev->load_s) < 0 ||
                 get_double(&o, "wall_s", &ev->wall_s) < 0 || get_bool(&o, "final", &ev->final) < 0;
     } else {

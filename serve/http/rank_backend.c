@@ -275,12 +275,7 @@ static void on_answer(kvs_rank_backend_t *b, const kvs_rank_line_event_t *ev, qk
     } else {
         kvs_server_backend_stats_t s;
         memset(&s, 0, sizeof(s));
-        s.kv_bytes = ev->metrics.bytes;
-        s.chunks = ev->metrics.chunks;
-        s.retries = ev->metrics.retries;
-        s.rejected = ev->metrics.rejected;
-        s.ring_used = ev->metrics.ring_used;
-        s.ring_capacity = ev->metrics.ring_capacity;
+        s.metrics = ev->metrics;
         s.queued = ev->stats.queued;
         s.running = ev->stats.running;
         q->stats = s;

@@ -1,6 +1,7 @@
 /* Tests for serve/engine/rank_line.c: a round trip of every request and event kind, literal
- * lines that pin the text format, and the decoders' refusal of truncated, malformed, over-long
- * and mismatched input (exact-size heap copies, so ASan sees any over-read). */
+ * lines that pin the text format, the decoders' refusal of truncated, malformed, over-long and
+ * mismatched input (exact-size heap copies, so ASan sees any over-read), and the transfer
+ * counters' table (kvstage/pd.h) that the stats line is written from. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -509,6 +510,52 @@ static void test_bad_events(void **state)
     }
 }
 
+/* The transfer counters' table: one row per member, and every row with a line key in the stats
+ * line, each with its own value back. */
+static void test_metrics_table(void **state)
+{
+    (void) state;
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    assert_int_equal((size_t) nf * sizeof(uint64_t), sizeof(kvs_pd_metrics_t));
+    uint32_t in_line = 0, prom = 0;
+    for (uint32_t i = 0; i < nf; i++) {
+        assert_int_equal(f[i].offset, i * sizeof(uint64_t)); /* the struct's order */
+        for (uint32_t k = 0; k < i; k++) {
+            assert_string_not_equal(f[i].field, f[k].field);
+            if (f[i].line && f[k].line) assert_string_not_equal(f[i].line, f[k].line);
+            if (f[i].json && f[k].json) assert_string_not_equal(f[i].json, f[k].json);
+            if (f[i].prom && f[k].prom) assert_int_not_equal(f[i].prom_at, f[k].prom_at);
+        }
+        assert_true((f[i].prom == NULL) == (f[i].prom_at == 0));
+        assert_true((f[i].prom == NULL) == (f[i].help == NULL));
+        in_line += f[i].line != NULL;
+        prom += f[i].prom != NULL;
+    }
+    assert_int_equal(in_line, 11);
+    assert_int_equal(prom, 6);
+
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_STATS, .final = 1};
+    for (uint32_t i = 0; i < nf; i++) kvs_pd_metrics_set(&ev.metrics, &f[i], 1000 + i);
+    char buf[4096];
+    size_t n;
+    assert_int_equal(kvs_rank_line_event_encode(&ev, buf, sizeof(buf), &n), KVS_OK);
+    kvs_rank_line_event_t back;
+    assert_int_equal(ev_decode(buf, &back), KVS_OK);
+    for (uint32_t i = 0; i < nf; i++) {
+        char want[64];
+        snprintf(want, sizeof(want), "\"%s\":%u,", f[i].line ? f[i].line : f[i].field, 1000 + i);
+        if ((strstr(buf, want) != NULL) != (f[i].line != NULL))
+            fail_msg("%s: line key %s in %s", f[i].field, f[i].line ? f[i].line : "(none)", buf);
+        assert_int_equal(kvs_pd_metrics_get(&back.metrics, &f[i]), f[i].line ? 1000 + i : 0);
+    }
+
+    /* Sums add every field. */
+    kvs_pd_metrics_t a = ev.metrics, b = ev.metrics;
+    kvs_pd_metrics_add(&a, &b);
+    for (uint32_t i = 0; i < nf; i++) assert_int_equal(kvs_pd_metrics_get(&a, &f[i]), 2000 + 2 * i);
+}
+
 static void test_names(void **state)
 {
     (void) state;
@@ -522,13 +569,10 @@ static void test_names(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_requests_round_trip),
-        cmocka_unit_test(test_request_literals),
-        cmocka_unit_test(test_bad_requests),
-        cmocka_unit_test(test_events_round_trip),
-        cmocka_unit_test(test_event_leniency),
-        cmocka_unit_test(test_bad_events),
-        cmocka_unit_test(test_names),
+        cmocka_unit_test(test_requests_round_trip), cmocka_unit_test(test_request_literals),
+        cmocka_unit_test(test_bad_requests),        cmocka_unit_test(test_events_round_trip),
+        cmocka_unit_test(test_event_leniency),      cmocka_unit_test(test_bad_events),
+        cmocka_unit_test(test_metrics_table),       cmocka_unit_test(test_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

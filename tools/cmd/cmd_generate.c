@@ -138,7 +138,7 @@ typedef struct {
     size_t len;
     int ready, exited, status;
     double load_s;
-    unsigned long long bytes, chunks, bulk_writes, direct_writes, msgs; /* its stats line */
+    kvs_pd_metrics_t metrics; /* from its stats line */
 } child_t;
 
 /* One side's EV_DONE. */
@@ -378,11 +378,7 @@ static void on_line(gen_t *g, child_t *c, const char *line)
     if (kvs_rank_line_event_decode(line, strlen(line), &ev, NULL) != KVS_OK) return;
     const kvs_llm_event_t *e = &ev.llm;
     if (ev.kind == KVS_RANK_LINE_EV_STATS) {
-        c->bytes = ev.metrics.bytes;
-        c->chunks = ev.metrics.chunks;
-        c->bulk_writes = ev.metrics.bulk_writes;
-        c->direct_writes = ev.metrics.direct_writes;
-        c->msgs = ev.metrics.msgs_sent;
+        c->metrics = ev.metrics;
         return;
     }
     const int side = c->role == KVS_LLM_PREFILL ? 0 : 1;
@@ -667,6 +663,19 @@ static void text_of(const gen_t *g, const req_t *r, char *buf, size_t cap)
     buf[at] = '\0';
 }
 
+/* The prefill ranks' counters summed (*tx_p: bytes and writes are the senders') and the decode
+ * ranks' (*rx_p: chunks scattered); colocated ranks move nothing. */
+static void side_totals(const gen_t *g, kvs_pd_metrics_t *tx_p, kvs_pd_metrics_t *rx_p)
+{
+    memset(tx_p, 0, sizeof(*tx_p));
+    memset(rx_p, 0, sizeof(*rx_p));
+    for (int i = 0; i < g->nchildren; i++) {
+        const child_t *c = &g->cs[i];
+        if (c->role == KVS_LLM_PREFILL) kvs_pd_metrics_add(tx_p, &c->metrics);
+        if (c->role == KVS_LLM_DECODE) kvs_pd_metrics_add(rx_p, &c->metrics);
+    }
+}
+
 static void print_json(gen_t *g, int ok)
 {
     kvs_json_t j;
@@ -681,18 +690,10 @@ static void print_json(gen_t *g, int ok)
     kvs_json_bool(&j, "prefill_radix", g->prefill_radix);
     kvs_json_bool(&j, "decode_radix", g->colocated ? g->prefill_radix : g->decode_radix);
     double load = 0;
-    unsigned long long bytes = 0, chunks = 0, writes = 0, direct = 0;
-    for (int i = 0; i < g->nchildren; i++) {
-        const child_t *c = &g->cs[i];
-        if (c->load_s > load) load = c->load_s;
-        if (c->role == KVS_LLM_PREFILL) {
-            bytes += c->bytes;
-            writes += c->bulk_writes;
-            direct += c->direct_writes;
-        } else if (c->role == KVS_LLM_DECODE) {
-            chunks += c->chunks;
-        }
-    }
+    for (int i = 0; i < g->nchildren; i++)
+        if (g->cs[i].load_s > load) load = g->cs[i].load_s;
+    kvs_pd_metrics_t tx, rx;
+    side_totals(g, &tx, &rx);
     kvs_json_double(&j, "load_s", load);
     kvs_json_array_begin(&j, "requests");
     static char text[1 << 16];
@@ -721,30 +722,24 @@ static void print_json(gen_t *g, int ok)
         kvs_json_object_end(&j);
     }
     kvs_json_array_end(&j);
-    kvs_json_u64(&j, "bytes_moved", bytes);
-    kvs_json_u64(&j, "chunks", chunks);
-    kvs_json_u64(&j, "bulk_writes", writes);
-    kvs_json_u64(&j, "direct_writes", direct);
+    kvs_json_u64(&j, "bytes_moved", tx.bytes);
+    kvs_json_u64(&j, "chunks", rx.chunks);
+    kvs_json_u64(&j, "bulk_writes", tx.bulk_writes);
+    kvs_json_u64(&j, "direct_writes", tx.direct_writes);
     kvs_json_double(&j, "wall_s", (double) (kvs_now_ns() - g->t0) / 1e9);
     kvs_json_end(&j);
 }
 
 static void print_totals(const gen_t *g, int ok)
 {
-    unsigned long long bytes = 0, chunks = 0, writes = 0, msgs = 0;
-    for (int i = 0; i < g->nchildren; i++) {
-        const child_t *c = &g->cs[i];
-        if (c->role == KVS_LLM_PREFILL) {
-            bytes += c->bytes;
-            writes += c->bulk_writes;
-        }
-        if (c->role == KVS_LLM_DECODE) chunks += c->chunks;
-        msgs += c->msgs;
-    }
+    kvs_pd_metrics_t tx, rx;
+    side_totals(g, &tx, &rx);
     if (!g->colocated)
         printf("kvstage moved %.2f MiB of KV: %llu chunks scattered, %llu bulk writes, %llu "
                "control messages\n",
-               (double) bytes / 1048576.0, chunks, writes, msgs);
+               (double) tx.bytes / 1048576.0, (unsigned long long) rx.chunks,
+               (unsigned long long) tx.bulk_writes,
+               (unsigned long long) (tx.msgs_sent + rx.msgs_sent));
     printf("%s in %.2f s\n", ok ? "done" : "FAILED", (double) (kvs_now_ns() - g->t0) / 1e9);
 }
 

@@ -560,19 +560,12 @@ static void check_leaks(sim_t *s)
 {
     const kvs_sim_config_t *c = s->cfg;
     kvs_sim_result_t *res = &s->res;
-    kvs_pd_metrics_t m;
+    /* Each side's counters summed over its ranks: writes and bytes are the senders', chunks
+     * scattered the receivers', messages and time both sides'. */
+    kvs_pd_metrics_t m, tx = {0}, rx = {0};
     for (uint32_t r = 0; r < c->prefill_tp; r++) {
         kvs_sender_metrics(s->senders[r], &m);
-        res->leaked_rooms += m.live_rooms;
-        res->bulk_writes += m.bulk_writes;
-        res->direct_writes += m.direct_writes;
-        res->bytes_moved += m.bytes;
-        res->control_messages += m.msgs_sent;
-        res->retries += m.retries;
-        res->rejected_messages += m.rejected;
-        res->ignored_messages += m.ignored;
-        res->protocol_ns += m.progress_ns;
-        res->data_ns += m.data_ns;
+        kvs_pd_metrics_add(&tx, &m);
         uint64_t total = kvs_pool_total_pages(s->pf_pools[r]);
         uint64_t held =
             kvs_pool_free_pages(s->pf_pools[r]) + kvs_prefill_engine_cached_pages(s->pe);
@@ -580,21 +573,28 @@ static void check_leaks(sim_t *s)
     }
     for (uint32_t r = 0; r < c->decode_tp; r++) {
         kvs_receiver_metrics(s->receivers[r], &m);
-        res->leaked_rooms += m.live_rooms;
+        kvs_pd_metrics_add(&rx, &m);
         res->leaked_slots += m.live_slots + (m.live_slots == 0 && m.ring_used != 0);
-        res->chunks += m.chunks;
-        res->control_messages += m.msgs_sent;
-        res->retries += m.retries;
-        res->rejected_messages += m.rejected;
-        res->ignored_messages += m.ignored;
-        res->protocol_ns += m.progress_ns;
-        res->data_ns += m.data_ns;
+        /* Per decode rank, not summed. */
         if (m.ring_capacity > res->ring_capacity) res->ring_capacity = m.ring_capacity;
         if (m.ring_high_water > res->ring_high_water) res->ring_high_water = m.ring_high_water;
         uint64_t total = kvs_pool_total_pages(s->dc_pools[r]);
         uint64_t held = kvs_pool_free_pages(s->dc_pools[r]) + kvs_decode_engine_cached_pages(s->de);
         res->leaked_pages += total > held ? total - held : 0;
     }
+    kvs_pd_metrics_t both = tx;
+    kvs_pd_metrics_add(&both, &rx);
+    res->leaked_rooms += both.live_rooms;
+    res->bulk_writes += tx.bulk_writes;
+    res->direct_writes += tx.direct_writes;
+    res->bytes_moved += tx.bytes;
+    res->chunks += rx.chunks;
+    res->control_messages += both.msgs_sent;
+    res->retries += both.retries;
+    res->rejected_messages += both.rejected;
+    res->ignored_messages += both.ignored;
+    res->protocol_ns += both.progress_ns;
+    res->data_ns += both.data_ns;
     kvs_inproc_stats_t ns;
     kvs_inproc_net_stats(s->net, &ns);
     res->net_dropped = ns.dropped;

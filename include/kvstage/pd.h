@@ -12,6 +12,7 @@
 #ifndef KVSTAGE_PD_H
 #define KVSTAGE_PD_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvstage/clock.h"
@@ -43,29 +44,90 @@ typedef struct {
     uint8_t final[KVS_MSG_FINAL_MAX];
 } kvs_room_info_t;
 
-/* Counters a rank keeps (monotonic unless noted). */
+/* The counters a rank keeps: one row per kvs_pd_metrics_t field, from which the struct and
+ * every output of it (JSON, text and Prometheus) are made, so that a field is named once.
+ *   X(field, kind, json, line, text, prom, prom_at, help)
+ *   field    the member (a uint64_t); the comment beside the row says what it counts
+ *   kind     COUNTER (monotonic) or GAUGE (a value now, or a size or peak)
+ *   json     its key in the tools' JSON results (`kvstage prefill|decode --json`)
+ *   line     its key in rank 0's stats line (engine/rank_line.h)
+ *   text     the words before its value in a rank's text stats line (`kill -USR1`), the
+ *            separator from the field before included
+ *   prom     its Prometheus metric (the server's /metrics), prom_at its place among them
+ *            (from 1), help the metric's HELP
+ * NULL (prom_at 0): not in that output. The JSON and text outputs follow the rows' order, so a
+ * row moves only with its outputs' bytes in mind. */
+#define KVS_PD_METRICS(X)                                                                          \
+    X(rooms_added, COUNTER, NULL, NULL, "rooms added ", NULL, 0, NULL)                             \
+    X(rooms_succeeded, COUNTER, NULL, "rooms_succeeded", " succeeded ", NULL, 0, NULL)             \
+    X(rooms_failed, COUNTER, NULL, "rooms_failed", " failed ", NULL, 0, NULL)                      \
+    X(live_rooms, GAUGE, NULL, NULL, " live ", NULL, 0, NULL) /* now */                            \
+    /* sender, now: metadata or aborts kept for rooms the engine has not added (or already         \
+     * released); each expires after the bootstrap timeout */                                      \
+    X(stashed_rooms, GAUGE, NULL, NULL, NULL, NULL, 0, NULL)                                       \
+    /* sender: (chunk, destination) writes acknowledged; receiver: chunks scattered */             \
+    X(chunks, COUNTER, "chunks", "chunks", "; chunks ", "kvstage_kv_chunks_total", 2,              \
+      "KV chunks moved (backend).")                                                                \
+    /* transport writes issued (sender), direct writes included */                                 \
+    X(bulk_writes, COUNTER, "bulk_writes", "bulk_writes", "; bulk writes ", NULL, 0, NULL)         \
+    /* sender: of bulk_writes, gathered straight into the remote slot */                           \
+    X(direct_writes, COUNTER, "direct_writes", "direct_writes", NULL, NULL, 0, NULL)               \
+    /* payload bytes written (sender) / scattered (receiver) */                                    \
+    X(bytes, COUNTER, "bytes_moved", "bytes_moved", "; bytes ", "kvstage_kv_bytes_total", 1,       \
+      "KV bytes moved (backend).")                                                                 \
+    X(msgs_sent, COUNTER, "control_messages", "control_messages", "; messages sent ", NULL, 0,     \
+      NULL)                                                                                        \
+    X(msgs_received, COUNTER, NULL, NULL, " received ", NULL, 0, NULL)                             \
+    /* control messages resent on a timer */                                                       \
+    X(retries, COUNTER, "retries", "retries", "; retries ", "kvstage_control_retries_total", 3,    \
+      "Control messages resent (backend).")                                                        \
+    /* messages that failed to decode or validate */                                               \
+    X(rejected, COUNTER, "rejected_messages", "rejected", "; rejected ",                           \
+      "kvstage_control_rejected_total", 4, "Control messages rejected (backend).")                 \
+    /* late, duplicate or unknown-room messages */                                                 \
+    X(ignored, COUNTER, "ignored_messages", NULL, "; ignored ", NULL, 0, NULL)                     \
+    /* receiver, now */                                                                            \
+    X(ring_used, GAUGE, NULL, "ring_used", "; ring used ", "kvstage_ring_used_bytes", 5,           \
+      "Staging ring bytes in use.")                                                                \
+    /* receiver */                                                                                 \
+    X(ring_capacity, GAUGE, NULL, "ring_capacity", " of ", "kvstage_ring_capacity_bytes", 6,       \
+      "Staging ring bytes.")                                                                       \
+    /* receiver */                                                                                 \
+    X(ring_high_water, GAUGE, "ring_high_water", NULL, " (high water ", NULL, 0, NULL)             \
+    /* receiver: granted slots not yet freed, now */                                               \
+    X(live_slots, GAUGE, NULL, NULL, "), live slots ", NULL, 0, NULL)                              \
+    /* real time spent inside progress calls */                                                    \
+    X(progress_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)                                       \
+    /* of which: gather, scatter and transport write calls */                                      \
+    X(data_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)
+
 typedef struct {
-    uint64_t rooms_added, rooms_succeeded, rooms_failed;
-    uint64_t live_rooms;    /* now */
-    uint64_t stashed_rooms; /* sender, now: metadata or aborts kept for rooms the engine has not
-                               added (or already released); each expires after the bootstrap
-                               timeout */
-    uint64_t chunks;        /* sender: (chunk, destination) writes acknowledged;
-                               receiver: chunks scattered */
-    uint64_t bulk_writes;   /* transport writes issued (sender), direct writes included */
-    uint64_t direct_writes; /* sender: of bulk_writes, gathered straight into the remote slot */
-    uint64_t bytes;         /* payload bytes written (sender) / scattered (receiver) */
-    uint64_t msgs_sent, msgs_received;
-    uint64_t retries;         /* control messages resent on a timer */
-    uint64_t rejected;        /* messages that failed to decode or validate */
-    uint64_t ignored;         /* late, duplicate or unknown-room messages */
-    uint64_t ring_capacity;   /* receiver */
-    uint64_t ring_used;       /* receiver, now */
-    uint64_t ring_high_water; /* receiver */
-    uint64_t live_slots;      /* receiver: granted slots not yet freed, now */
-    uint64_t progress_ns;     /* real time spent inside progress calls */
-    uint64_t data_ns;         /* of which: gather, scatter and transport write calls */
+#define KVS_PD_METRIC_MEMBER_(field, ...) uint64_t field;
+    KVS_PD_METRICS(KVS_PD_METRIC_MEMBER_)
+#undef KVS_PD_METRIC_MEMBER_
 } kvs_pd_metrics_t;
+
+typedef enum { KVS_PD_COUNTER = 0, KVS_PD_GAUGE = 1 } kvs_pd_metric_kind_t;
+
+/* One row of KVS_PD_METRICS. */
+typedef struct {
+    const char *field; /* the member's name */
+    size_t offset;     /* of the uint64_t in kvs_pd_metrics_t */
+    kvs_pd_metric_kind_t kind;
+    const char *json, *line, *text, *prom; /* NULL: not in that output */
+    uint32_t prom_at;                      /* 0: not exported */
+    const char *help;
+} kvs_pd_metric_field_t;
+
+/* The table, in the struct's order; *count_p: its rows. */
+const kvs_pd_metric_field_t *kvs_pd_metrics_fields(uint32_t *count_p);
+/* The value of one field of *metrics. */
+uint64_t kvs_pd_metrics_get(const kvs_pd_metrics_t *metrics, const kvs_pd_metric_field_t *field);
+void kvs_pd_metrics_set(kvs_pd_metrics_t *metrics, const kvs_pd_metric_field_t *field,
+                        uint64_t value);
+/* Adds every field of *src to *dst: counters sum, and so do gauges (an instance's ring is its
+ * ranks' rings together). */
+void kvs_pd_metrics_add(kvs_pd_metrics_t *dst, const kvs_pd_metrics_t *src);
 
 /* ---- prefill side ---- */
 

@@ -6,7 +6,6 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +13,7 @@
 #include <unistd.h>
 
 #include "pd/plumbing.h"
+#include "engine/rank_line.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "model/gguf.h"
@@ -22,8 +22,7 @@
 #include "model/tpgroup.h"
 
 #define MS          1000000ull
-#define MAX_LINE    (16u << 20) /* longest request line accepted */
-#define GROUP_BCAST 65536u      /* the engine broadcasts its inputs in pieces of this */
+#define GROUP_BCAST 65536u /* the engine broadcasts its inputs in pieces of this */
 /* Idle steps: poll every 50 us while the rank was busy within the last HOT_NS (a handoff is a
  * few round trips), then back off to IDLE_SLEEP_MAX. Polling fast all the time cost the other
  * instance's forward passes about 10% on a 2-core VM; the first message after a long quiet
@@ -35,13 +34,7 @@
 
 static const char *role_str(kvs_llm_role_t role)
 {
-    return role == KVS_LLM_PREFILL ? "prefill" : role == KVS_LLM_DECODE ? "decode" : "colocated";
-}
-
-static const char *finish_str(kvs_llm_finish_t f)
-{
-    static const char *names[] = {"length", "eos", "stop", "handoff", "error"};
-    return (unsigned) f < 5 ? names[f] : "unknown";
+    return kvs_rank_line_role_str(role);
 }
 
 static void sleep_us(long us)
@@ -52,19 +45,11 @@ static void sleep_us(long us)
 
 /* ---- output lines ---- */
 
-static void out_line(int fd, const char *fmt, ...)
+static void write_line(int fd, const char *line, size_t n)
 {
     if (fd < 0) return;
-    char buf[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t) n > sizeof(buf) - 2) n = (int) sizeof(buf) - 2;
-    buf[n++] = '\n';
-    for (size_t at = 0; at < (size_t) n;) {
-        ssize_t w = write(fd, buf + at, (size_t) n - at);
+    for (size_t at = 0; at < n;) {
+        ssize_t w = write(fd, line + at, n - at);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) {
             kvs_warn("llm rank: cannot write an event line: %s", strerror(errno));
@@ -74,24 +59,47 @@ static void out_line(int fd, const char *fmt, ...)
     }
 }
 
-static void write_event(int fd, const kvs_llm_event_t *ev)
+/* Encodes ev into line[cap]; 0 (and a warning) when it does not fit. */
+static size_t encode_event(const kvs_rank_line_event_t *ev, char *line, size_t cap)
 {
-    if (ev->kind == KVS_LLM_EV_TOKEN) {
-        out_line(fd, "{\"event\":\"token\",\"room\":%llu,\"token\":%u,\"index\":%u}",
-                 (unsigned long long) ev->room, ev->token, ev->index);
-        return;
+    size_t n = 0;
+    if (kvs_rank_line_event_encode(ev, line, cap, &n) != KVS_OK) {
+        kvs_warn("llm rank: an event line does not fit %zu bytes", cap);
+        return 0;
     }
-    out_line(fd,
-             "{\"event\":\"done\",\"room\":%llu,\"status\":\"%s\",\"finish\":\"%s\","
-             "\"prompt_len\":%u,\"cached\":%u,\"generated\":%u,\"submitted_ns\":%llu,"
-             "\"admitted_ns\":%llu,\"prefilled_ns\":%llu,\"kv_ready_ns\":%llu,"
-             "\"first_token_ns\":%llu,\"done_ns\":%llu}",
-             (unsigned long long) ev->room,
-             ev->status == KVS_OK ? "ok" : kvs_status_str(ev->status), finish_str(ev->finish),
-             ev->prompt_len, ev->cached_tokens, ev->generated,
-             (unsigned long long) ev->submitted_ns, (unsigned long long) ev->admitted_ns,
-             (unsigned long long) ev->prefilled_ns, (unsigned long long) ev->kv_ready_ns,
-             (unsigned long long) ev->first_token_ns, (unsigned long long) ev->done_ns);
+    return n;
+}
+
+/* Every line fits: the longest is the stats line, and messages are cut to KVS_RANK_LINE_TEXT. */
+#define EVENT_LINE_CAP (8 * KVS_RANK_LINE_TEXT + 1024)
+
+static void out_event(int fd, const kvs_rank_line_event_t *ev)
+{
+    if (fd < 0) return;
+    char line[EVENT_LINE_CAP];
+    write_line(fd, line, encode_event(ev, line, sizeof(line)));
+}
+
+static void out_error(int fd, const char *prefix, const char *what)
+{
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_ERROR};
+    snprintf(ev.text, sizeof(ev.text), "%s%s", prefix, what);
+    out_event(fd, &ev);
+}
+
+static void out_rejected(int fd, uint64_t room, kvs_status_t why)
+{
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_REJECTED};
+    ev.llm.room = room;
+    ev.llm.status = why;
+    out_event(fd, &ev);
+}
+
+static void write_event(int fd, const kvs_llm_event_t *e)
+{
+    kvs_rank_line_event_t ev = {.llm = *e};
+    ev.kind = e->kind == KVS_LLM_EV_TOKEN ? KVS_RANK_LINE_EV_TOKEN : KVS_RANK_LINE_EV_DONE;
+    out_event(fd, &ev);
 }
 
 /* ---- rank 0's request pipe ---- */
@@ -115,90 +123,24 @@ typedef struct {
     uint64_t stats_after; /* the stats answers are due once collections exceed this */
 } io_t;
 
-static int next_u64(char **p, uint64_t *v)
-{
-    char *s = *p;
-    if (*s == ' ') s++;
-    if (*s < '0' || *s > '9') return -1;
-    errno = 0;
-    char *end;
-    unsigned long long x = strtoull(s, &end, 10);
-    if (errno != 0 || (*end != ' ' && *end != '\0')) return -1;
-    *v = x;
-    *p = end;
-    return 0;
-}
-
-static int next_f32(char **p, float *v)
-{
-    char *s = *p;
-    if (*s == ' ') s++;
-    if (*s == '\0' || *s == ' ') return -1;
-    errno = 0;
-    char *end;
-    float x = strtof(s, &end);
-    if (errno != 0 || end == s || (*end != ' ' && *end != '\0')) return -1;
-    *v = x;
-    *p = end;
-    return 0;
-}
-
 static void parse_error(io_t *io, const char *what)
 {
     kvs_warn("llm rank: bad request line: %s", what);
-    out_line(io->cfg->out_fd, "{\"event\":\"error\",\"message\":\"bad request line: %s\"}", what);
+    out_error(io->cfg->out_fd, "bad request line: ", what);
 }
 
-static void handle_submit(io_t *io, char *p)
+static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
 {
-    uint64_t room, max_new, seed, n;
-    float temp, top_p;
-    if (next_u64(&p, &room) || next_u64(&p, &max_new) || next_f32(&p, &temp) ||
-        next_f32(&p, &top_p) || next_u64(&p, &seed) || max_new > UINT32_MAX) {
-        parse_error(io, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P SEED EOS N IDS");
-        return;
-    }
-    uint32_t eos = UINT32_MAX;
-    if (strncmp(p, " -1", 3) == 0 && (p[3] == ' ' || p[3] == '\0')) {
-        p += 3;
-    } else {
-        uint64_t e;
-        if (next_u64(&p, &e) || e >= UINT32_MAX) {
-            parse_error(io, "EOS must be a token id or -1");
-            return;
-        }
-        eos = (uint32_t) e;
-    }
-    if (next_u64(&p, &n) || n == 0 || n > io->cfg->max_prompt) {
-        out_line(io->cfg->out_fd, "{\"event\":\"rejected\",\"room\":%llu,\"status\":\"%s\"}",
-                 (unsigned long long) room, kvs_status_str(KVS_ERR_INVALID));
-        kvs_warn("llm rank: room %llu: prompt length must be 1..%u", (unsigned long long) room,
-                 io->cfg->max_prompt);
-        return;
-    }
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t id;
-        if (next_u64(&p, &id) || id > UINT32_MAX) {
-            parse_error(io, "prompt token ids");
-            return;
-        }
-        io->ids[i] = (uint32_t) id;
-    }
-    if (*p != '\0') {
-        parse_error(io, "more token ids than N");
-        return;
-    }
-    kvs_llm_request_t q = {.room = room,
-                           .prompt = io->ids,
-                           .prompt_len = (uint32_t) n,
-                           .max_new_tokens = (uint32_t) max_new,
-                           .sampling = {.temperature = temp, .top_p = top_p},
-                           .seed = seed,
-                           .eos = eos};
+    kvs_llm_request_t q = {
+        .room = s->room,
+        .prompt = s->prompt,
+        .prompt_len = s->prompt_len,
+        .max_new_tokens = s->max_new,
+        .sampling = {.temperature = (float) s->temperature, .top_p = (float) s->top_p},
+        .seed = s->seed,
+        .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
-    if (st != KVS_OK)
-        out_line(io->cfg->out_fd, "{\"event\":\"rejected\",\"room\":%llu,\"status\":\"%s\"}",
-                 (unsigned long long) room, kvs_status_str(st));
+    if (st != KVS_OK) out_rejected(io->cfg->out_fd, s->room, st);
 }
 
 static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final);
@@ -218,41 +160,30 @@ static int hold(io_t *io, char *line)
 }
 
 /* `match N IDS`: answered with one match line whatever happens, so that the asker can pair
- * answers with questions in order. */
-static void handle_match(io_t *io, char *p)
+ * answers with questions in order. why: the decoder's complaint (NULL: well formed); a prompt
+ * longer than max_prompt (fits) is refused on submit, so nothing of it would be reused. */
+static void handle_match(io_t *io, const kvs_rank_line_request_t *q, const char *why, int fits)
 {
-    uint64_t n;
-    uint32_t cached = 0;
-    const char *why = NULL;
-    if (next_u64(&p, &n) || n == 0) why = "match needs N >= 1 and N token ids";
-    for (uint64_t i = 0; why == NULL && i < n; i++) {
-        uint64_t id;
-        if (next_u64(&p, &id) || id > UINT32_MAX)
-            why = "match: prompt token ids";
-        else if (i < io->cfg->max_prompt)
-            io->ids[i] = (uint32_t) id;
-    }
-    if (why == NULL && *p != '\0') why = "match: more token ids than N";
-    /* A prompt longer than max_prompt is refused on submit: nothing of it would be reused. */
-    if (why == NULL && n <= io->cfg->max_prompt &&
-        kvs_llm_cached(io->llm, io->ids, (uint32_t) n, &cached) != KVS_OK)
-        cached = 0;
-    char line[256];
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_MATCH};
     if (why != NULL) {
         kvs_warn("llm rank: bad request line: %s", why);
-        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":0,\"error\":\"%s\"}", why);
+        snprintf(ev.text, sizeof(ev.text), "%s", why);
     } else {
-        snprintf(line, sizeof(line), "{\"event\":\"match\",\"cached\":%u,\"prompt_len\":%llu}",
-                 cached, (unsigned long long) n);
+        ev.match_len = q->match_len;
+        if (fits && kvs_llm_cached(io->llm, q->match, q->match_len, &ev.cached) != KVS_OK)
+            ev.cached = 0;
     }
+    char line[EVENT_LINE_CAP];
+    size_t n = encode_event(&ev, line, sizeof(line));
+    if (n == 0) return;
     if (io->nheld == 0) {
-        out_line(io->cfg->out_fd, "%s", line);
+        write_line(io->cfg->out_fd, line, n);
         return;
     }
-    char *copy = kvs_strdup(line);
+    char *copy = kvs_strdup(line); /* the whole line, its newline included */
     if (copy == NULL || !hold(io, copy)) {
         kvs_free(copy);
-        out_line(io->cfg->out_fd, "%s", line); /* out of memory: late order beats no answer */
+        write_line(io->cfg->out_fd, line, n); /* out of memory: late order beats no answer */
     }
 }
 
@@ -282,7 +213,7 @@ static void answer_held(io_t *io)
         if (io->held[i] == NULL) {
             write_stats(io->cfg, &r, 0);
         } else {
-            out_line(io->cfg->out_fd, "%s", io->held[i]);
+            write_line(io->cfg->out_fd, io->held[i], strlen(io->held[i]));
             kvs_free(io->held[i]);
         }
     }
@@ -291,26 +222,46 @@ static void answer_held(io_t *io)
 
 static void handle_line(io_t *io, char *line)
 {
-    if (strncmp(line, "submit ", 7) == 0) {
-        handle_submit(io, line + 6);
-    } else if (strncmp(line, "stop ", 5) == 0) {
-        char *p = line + 4;
-        uint64_t room;
-        if (next_u64(&p, &room) || *p != '\0') {
-            parse_error(io, "stop needs ROOM");
-            return;
-        }
+    if (line[0] == '\0') return;
+    kvs_rank_line_request_t q;
+    const char *why = NULL;
+    kvs_status_t st =
+        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->cfg->max_prompt, &q, &why);
+    if (q.kind == KVS_RANK_LINE_MATCH && st != KVS_ERR_INVALID) {
+        handle_match(io, &q, NULL, st == KVS_OK);
+        return;
+    }
+    if (q.kind == KVS_RANK_LINE_MATCH) {
+        handle_match(io, &q, why, 0);
+        return;
+    }
+    if (q.kind == KVS_RANK_LINE_SUBMIT && st == KVS_ERR_NOSPACE) {
+        out_rejected(io->cfg->out_fd, q.submit.room, KVS_ERR_INVALID);
+        kvs_warn("llm rank: room %llu: prompt length must be 1..%u",
+                 (unsigned long long) q.submit.room, io->cfg->max_prompt);
+        return;
+    }
+    if (st != KVS_OK) {
+        parse_error(io, why);
+        return;
+    }
+    switch (q.kind) {
+    case KVS_RANK_LINE_SUBMIT:
+        handle_submit(io, &q.submit);
+        break;
+    case KVS_RANK_LINE_STOP:
         /* A room that already ended is no error: the stop raced its last token. */
-        (void) kvs_llm_stop(io->llm, room);
-    } else if (strncmp(line, "match ", 6) == 0) {
-        handle_match(io, line + 5);
-    } else if (strcmp(line, "stats") == 0) {
+        (void) kvs_llm_stop(io->llm, q.room);
+        break;
+    case KVS_RANK_LINE_STATS:
         handle_stats(io);
-    } else if (strcmp(line, "quit") == 0) {
+        break;
+    case KVS_RANK_LINE_QUIT:
         if (!io->quitting) io->quit_at = kvs_now_ns() + io->cfg->quit_grace_ns;
         io->quitting = 1;
-    } else if (line[0] != '\0') {
-        parse_error(io, "expected submit, stop, match, stats or quit");
+        break;
+    default:
+        break;
     }
 }
 
@@ -322,7 +273,7 @@ static void read_input(io_t *io)
         if (poll(&pfd, 1, 0) <= 0) return;
         if (io->len + 65536 > io->cap) {
             size_t ncap = io->cap ? io->cap * 2 : 131072;
-            char *b = ncap <= MAX_LINE + 131072 ? kvs_realloc(io->buf, ncap) : NULL;
+            char *b = ncap <= KVS_RANK_LINE_MAX + 131072 ? kvs_realloc(io->buf, ncap) : NULL;
             if (b == NULL) {
                 parse_error(io, "line too long");
                 io->len = 0;
@@ -392,29 +343,15 @@ static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
 
 static void write_stats(const kvs_llm_rank_config_t *c, const kvs_llm_rank_result_t *r, int final)
 {
-    const kvs_llm_stats_t *s = &r->stats;
-    const kvs_pd_metrics_t *m = &r->metrics;
-    out_line(c->out_fd,
-             "{\"event\":\"stats\",\"role\":\"%s\",\"rank\":%u,\"steps\":%llu,"
-             "\"forward_passes\":%llu,\"forward_ns\":%llu,\"prompt_tokens\":%llu,"
-             "\"cached_tokens\":%llu,\"decode_tokens\":%llu,\"requests_ok\":%llu,"
-             "\"requests_failed\":%llu,\"radix_pages\":%llu,\"rooms_succeeded\":%llu,"
-             "\"rooms_failed\":%llu,\"chunks\":%llu,\"bulk_writes\":%llu,\"direct_writes\":%llu,"
-             "\"bytes_moved\":%llu,\"control_messages\":%llu,\"retries\":%llu,\"rejected\":%llu,"
-             "\"ring_used\":%llu,\"ring_capacity\":%llu,\"queued\":%u,\"running\":%u,"
-             "\"load_s\":%.3f,\"wall_s\":%.3f,\"final\":%s}",
-             role_str(c->role), c->rank, (unsigned long long) s->steps,
-             (unsigned long long) s->forward_passes, (unsigned long long) s->forward_ns,
-             (unsigned long long) s->prompt_tokens, (unsigned long long) s->cached_tokens,
-             (unsigned long long) s->decode_tokens, (unsigned long long) s->requests_ok,
-             (unsigned long long) s->requests_failed, (unsigned long long) s->radix_pages,
-             (unsigned long long) m->rooms_succeeded, (unsigned long long) m->rooms_failed,
-             (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
-             (unsigned long long) m->direct_writes, (unsigned long long) m->bytes,
-             (unsigned long long) m->msgs_sent, (unsigned long long) m->retries,
-             (unsigned long long) m->rejected, (unsigned long long) m->ring_used,
-             (unsigned long long) m->ring_capacity, s->queued, s->running, r->load_s, r->wall_s,
-             final ? "true" : "false");
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_STATS,
+                                .role = c->role,
+                                .rank = c->rank,
+                                .load_s = r->load_s,
+                                .wall_s = r->wall_s,
+                                .final = final,
+                                .stats = r->stats,
+                                .metrics = r->metrics};
+    out_event(c->out_fd, &ev);
 }
 
 kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_result_t *result_p)
@@ -521,9 +458,11 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         }
     }
     res.load_s = io.load_s = (double) (kvs_now_ns() - t0) / 1e9;
-    if (c.rank == 0)
-        out_line(c.out_fd, "{\"event\":\"ready\",\"role\":\"%s\",\"tp\":%u,\"load_s\":%.3f}",
-                 role_str(c.role), tp, res.load_s);
+    if (c.rank == 0) {
+        kvs_rank_line_event_t ready = {
+            .kind = KVS_RANK_LINE_EV_READY, .role = c.role, .tp = tp, .load_s = res.load_s};
+        out_event(c.out_fd, &ready);
+    }
 
     long idle_us = IDLE_SLEEP_US;
     uint64_t last_work = kvs_now_ns();
@@ -544,9 +483,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         if ((st = kvs_llm_step(llm, want_quit, &quit, &stepped)) != KVS_OK) {
             kvs_error("%s rank %u: the instance cannot go on: %s", role_str(c.role), c.rank,
                       kvs_status_str(st));
-            if (c.rank == 0)
-                out_line(c.out_fd, "{\"event\":\"error\",\"message\":\"TP group failed: %s\"}",
-                         kvs_status_str(st));
+            if (c.rank == 0) out_error(c.out_fd, "TP group failed: ", kvs_status_str(st));
             break;
         }
         work += stepped;

@@ -4,43 +4,9 @@
  * lockstep with the instance's other ranks until rank 0 is told to quit. `kvstage generate`
  * launches one process per rank and talks to each instance's rank 0 through two pipes.
  *
- * Rank 0 reads requests from in_fd, one line each (fields separated by single spaces):
- *   submit ROOM MAX_NEW TEMPERATURE TOP_P SEED EOS N ID_1 ... ID_N
- *                         EOS: a token id, or -1 for none; N >= 1 prompt token ids
- *   stop ROOM             ends a live request at the next step
- *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
- *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
- *   stats                 the stats line below (with "final":false), after the next step: its
- *                         transfer counters (bytes_moved, chunks, retries, ring...) are then
- *                         summed over every rank of the instance (kvs_llm_collect_metrics);
- *                         answers asked after it wait behind it
- *   quit                  ends the instance once no request is live (or after quit_grace_ns);
- *                         end of file means the same
- * Lines are taken between steps, so an answer can wait for one forward pass. Every match and
- * stats line is answered by exactly one line, in the order asked, so a client pairs answers
- * with questions in order. It writes to out_fd one JSON object per line:
- *   {"event":"ready","role":R,"tp":T,"load_s":X}          engine up, peers bootstrapped
- *   {"event":"token","room":N,"token":ID,"index":I}
- *   {"event":"done","room":N,"status":S,"finish":F,"prompt_len":..,"cached":..,
- *    "generated":..,"submitted_ns":..,"admitted_ns":..,"prefilled_ns":..,"kv_ready_ns":..,
- *    "first_token_ns":..,"done_ns":..}                     status "ok" or an error string
- *   {"event":"rejected","room":N,"status":S}               the submit was refused
- *   {"event":"error","message":S}                          a line it could not parse
- *   {"event":"match","cached":C,"prompt_len":N}            the answer to match ("cached":0 and
- *                                                          "error":S for a malformed one)
- * Every rank, rank 0 included, writes one last line on out_fd (when out_fd >= 0) as it exits:
- *   {"event":"stats","role":R,"rank":r,...,"final":true}   kvs_llm_stats (steps, forward
- *                                                          passes, prompt, cached and decode
- *                                                          tokens, requests ok and failed,
- *                                                          radix pages, queued, running), this
- *                                                          rank's sender/receiver metrics
- *                                                          (rooms, chunks, bulk and direct
- *                                                          writes, bytes_moved, control
- *                                                          messages, retries, rejected,
- *                                                          ring_used, ring_capacity), load_s
- *                                                          and wall_s; rank 0 writes the same
- *                                                          line with "final":false for stats,
- *                                                          its metrics those of the instance */
+ * Rank 0 reads request lines from in_fd and writes event lines to out_fd; every rank writes one
+ * last stats line on out_fd as it exits. The format of both directions, and its one encoder and
+ * decoder, is engine/rank_line.h. */
 #ifndef KVSTAGE_LLM_RANK_H
 #define KVSTAGE_LLM_RANK_H
 

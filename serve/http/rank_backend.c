@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "base/map.h"
+#include "engine/rank_line.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/log.h"
@@ -100,16 +101,26 @@ static kvs_status_t queue_line_locked(kvs_rank_backend_t *b, const char *line, s
     return KVS_OK;
 }
 
-static kvs_status_t status_from(const char *s)
+/* Why a room failed: its error status; "ok" or "in progress" on a failure say nothing. */
+static kvs_status_t failure_of(kvs_status_t st)
 {
-    static const kvs_status_t all[] = {
-        KVS_ERR_INVALID, KVS_ERR_NOMEM,        KVS_ERR_NOSPACE,     KVS_ERR_NOT_FOUND,
-        KVS_ERR_TIMEOUT, KVS_ERR_PROTOCOL,     KVS_ERR_UNSUPPORTED, KVS_ERR_IO,
-        KVS_ERR_ABORTED, KVS_ERR_INCOMPATIBLE, KVS_ERR_STATE,
-    };
-    for (size_t i = 0; s != NULL && i < sizeof(all) / sizeof(all[0]); i++)
-        if (strcmp(s, kvs_status_str(all[i])) == 0) return all[i];
-    return KVS_ERR_IO;
+    return st < 0 ? st : KVS_ERR_IO;
+}
+
+/* Encodes a request line into line[cap] and queues it (under mu). */
+static kvs_status_t queue_request_locked(kvs_rank_backend_t *b, const kvs_rank_line_request_t *q,
+                                         char *line, size_t cap)
+{
+    size_t n;
+    kvs_status_t st = kvs_rank_line_request_encode(q, line, cap, &n);
+    return st == KVS_OK ? queue_line_locked(b, line, n) : st;
+}
+
+static kvs_status_t queue_stop_locked(kvs_rank_backend_t *b, uint64_t room)
+{
+    kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_STOP, .room = room};
+    char line[64];
+    return queue_request_locked(b, &q, line, sizeof(line));
 }
 
 static void room_free(room_t *r)
@@ -173,17 +184,10 @@ static void fail_everything(kvs_rank_backend_t *b, kvs_status_t why)
 
 /* ---- rank 0's events ---- */
 
-static uint64_t u64_of(json_t *obj, const char *key)
+static void on_token(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
 {
-    json_t *v = json_object_get(obj, key);
-    return json_is_integer(v) && json_integer_value(v) > 0 ? (uint64_t) json_integer_value(v) : 0;
-}
-
-static void on_token(kvs_rank_backend_t *b, json_t *ev)
-{
-    uint64_t room = u64_of(ev, "room");
-    uint32_t token = (uint32_t) u64_of(ev, "token");
-    char stop_line[64];
+    uint64_t room = ev->room;
+    uint32_t token = ev->token;
     int send_stop = 0;
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_get(&b->rooms, room);
@@ -195,8 +199,7 @@ static void on_token(kvs_rank_backend_t *b, json_t *ev)
     for (uint32_t i = 0; i < r->n_stop_ids; i++)
         if (r->stop_ids[i] == token) r->closed = 1;
     if (r->closed && !r->stop_sent) {
-        int n = snprintf(stop_line, sizeof(stop_line), "stop %llu\n", (unsigned long long) room);
-        send_stop = queue_line_locked(b, stop_line, (size_t) n) == KVS_OK;
+        send_stop = queue_stop_locked(b, room) == KVS_OK;
         r->stop_sent = send_stop;
     }
     pthread_mutex_unlock(&b->mu);
@@ -205,40 +208,44 @@ static void on_token(kvs_rank_backend_t *b, json_t *ev)
     r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0);
 }
 
-static kvs_server_finish_t finish_of(const char *finish, const char *status)
+static kvs_server_finish_t finish_of(kvs_llm_finish_t finish, kvs_status_t status)
 {
-    if (status == NULL || strcmp(status, "ok") != 0) return KVS_SERVER_FINISH_ERROR;
-    if (finish == NULL) return KVS_SERVER_FINISH_ERROR;
-    if (strcmp(finish, "length") == 0) return KVS_SERVER_FINISH_LENGTH;
-    if (strcmp(finish, "handoff") == 0) return KVS_SERVER_FINISH_HANDOFF;
-    if (strcmp(finish, "eos") == 0 || strcmp(finish, "stop") == 0) return KVS_SERVER_FINISH_STOP;
-    return KVS_SERVER_FINISH_ERROR;
+    if (status != KVS_OK) return KVS_SERVER_FINISH_ERROR;
+    switch (finish) {
+    case KVS_LLM_FINISH_LENGTH:
+        return KVS_SERVER_FINISH_LENGTH;
+    case KVS_LLM_FINISH_HANDOFF:
+        return KVS_SERVER_FINISH_HANDOFF;
+    case KVS_LLM_FINISH_EOS:
+    case KVS_LLM_FINISH_STOP:
+        return KVS_SERVER_FINISH_STOP;
+    default:
+        return KVS_SERVER_FINISH_ERROR;
+    }
 }
 
-static void on_done(kvs_rank_backend_t *b, json_t *ev, int refused)
+static void on_done(kvs_rank_backend_t *b, const kvs_llm_event_t *ev, int refused)
 {
-    uint64_t room = u64_of(ev, "room");
+    uint64_t room = ev->room;
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_remove(&b->rooms, room);
     pthread_mutex_unlock(&b->mu);
     if (r == NULL) return;
-    const char *status = json_string_value(json_object_get(ev, "status"));
     kvs_server_done_t d;
     memset(&d, 0, sizeof(d));
     if (refused) {
         d.finish = KVS_SERVER_FINISH_ERROR;
-        d.status = status_from(status);
+        d.status = failure_of(ev->status);
         kvs_warn("rank backend: rank 0 refused room %llu: %s", (unsigned long long) room,
-                 status ? status : "?");
+                 kvs_status_str(ev->status));
         room_end(r, &d);
         return;
     }
-    d.finish = finish_of(json_string_value(json_object_get(ev, "finish")), status);
-    d.status = d.finish == KVS_SERVER_FINISH_ERROR ? status_from(status) : KVS_OK;
-    d.prompt_tokens = (uint32_t) u64_of(ev, "prompt_len");
-    d.cached_tokens = (uint32_t) u64_of(ev, "cached");
-    uint64_t first = u64_of(ev, "first_token_ns"), prefilled = u64_of(ev, "prefilled_ns"),
-             done_ns = u64_of(ev, "done_ns");
+    d.finish = finish_of(ev->finish, ev->status);
+    d.status = d.finish == KVS_SERVER_FINISH_ERROR ? failure_of(ev->status) : KVS_OK;
+    d.prompt_tokens = ev->prompt_len;
+    d.cached_tokens = ev->cached_tokens;
+    uint64_t first = ev->first_token_ns, prefilled = ev->prefilled_ns, done_ns = ev->done_ns;
     if (first > r->submit_ns) d.ttft_ns = first - r->submit_ns;
     if (r->role == KVS_SERVER_ROLE_PREFILL && prefilled != 0 && done_ns > prefilled)
         d.transfer_ns = done_ns - prefilled;
@@ -251,7 +258,7 @@ static void on_done(kvs_rank_backend_t *b, json_t *ev, int refused)
 }
 
 /* Pops the oldest question; rank 0 answers in order, so it is the one answered. */
-static void on_answer(kvs_rank_backend_t *b, json_t *ev, qkind_t kind)
+static void on_answer(kvs_rank_backend_t *b, const kvs_rank_line_event_t *ev, qkind_t kind)
 {
     pthread_mutex_lock(&b->mu);
     query_t *q = b->qhead;
@@ -264,18 +271,13 @@ static void on_answer(kvs_rank_backend_t *b, json_t *ev, qkind_t kind)
     b->qhead = q->next;
     if (b->qhead == NULL) b->qtail = NULL;
     if (kind == Q_MATCH) {
-        q->cached = (uint32_t) u64_of(ev, "cached");
+        q->cached = ev->cached;
     } else {
         kvs_server_backend_stats_t s;
         memset(&s, 0, sizeof(s));
-        s.kv_bytes = u64_of(ev, "bytes_moved");
-        s.chunks = u64_of(ev, "chunks");
-        s.retries = u64_of(ev, "retries");
-        s.rejected = u64_of(ev, "rejected");
-        s.ring_used = u64_of(ev, "ring_used");
-        s.ring_capacity = u64_of(ev, "ring_capacity");
-        s.queued = (uint32_t) u64_of(ev, "queued");
-        s.running = (uint32_t) u64_of(ev, "running");
+        s.metrics = ev->metrics;
+        s.queued = ev->stats.queued;
+        s.running = ev->stats.running;
         q->stats = s;
         b->last = s;
     }
@@ -290,32 +292,41 @@ static void on_answer(kvs_rank_backend_t *b, json_t *ev, qkind_t kind)
 
 static void on_line(kvs_rank_backend_t *b, const char *line, size_t len)
 {
-    json_error_t jerr;
-    json_t *ev = json_loadb(line, len, 0, &jerr);
-    const char *kind = json_string_value(json_object_get(ev, "event"));
-    if (kind == NULL) {
-        kvs_warn("rank backend: rank 0 wrote a line that is not an event: %.*s",
+    kvs_rank_line_event_t ev;
+    const char *why = NULL;
+    kvs_status_t st = kvs_rank_line_event_decode(line, len, &ev, &why);
+    if (st == KVS_ERR_UNSUPPORTED) return; /* an event this side does not know */
+    if (st != KVS_OK) {
+        kvs_warn("rank backend: rank 0 wrote a line that is not an event (%s): %.*s", why,
                  (int) (len > 200 ? 200 : len), line);
-    } else if (strcmp(kind, "token") == 0) {
-        on_token(b, ev);
-    } else if (strcmp(kind, "done") == 0) {
-        on_done(b, ev, 0);
-    } else if (strcmp(kind, "rejected") == 0) {
-        on_done(b, ev, 1);
-    } else if (strcmp(kind, "match") == 0) {
-        on_answer(b, ev, Q_MATCH);
-    } else if (strcmp(kind, "stats") == 0) {
-        if (json_is_false(json_object_get(ev, "final"))) on_answer(b, ev, Q_STATS);
-    } else if (strcmp(kind, "ready") == 0) {
+        return;
+    }
+    switch (ev.kind) {
+    case KVS_RANK_LINE_EV_TOKEN:
+        on_token(b, &ev.llm);
+        break;
+    case KVS_RANK_LINE_EV_DONE:
+        on_done(b, &ev.llm, 0);
+        break;
+    case KVS_RANK_LINE_EV_REJECTED:
+        on_done(b, &ev.llm, 1);
+        break;
+    case KVS_RANK_LINE_EV_MATCH:
+        on_answer(b, &ev, Q_MATCH);
+        break;
+    case KVS_RANK_LINE_EV_STATS:
+        if (!ev.final) on_answer(b, &ev, Q_STATS);
+        break;
+    case KVS_RANK_LINE_EV_READY:
         pthread_mutex_lock(&b->mu);
         b->ready = 1;
         pthread_cond_broadcast(&b->cv);
         pthread_mutex_unlock(&b->mu);
-    } else if (strcmp(kind, "error") == 0) {
-        const char *m = json_string_value(json_object_get(ev, "message"));
-        kvs_warn("rank backend: rank 0 reports: %s", m ? m : "?");
+        break;
+    case KVS_RANK_LINE_EV_ERROR:
+        kvs_warn("rank backend: rank 0 reports: %s", ev.text);
+        break;
     }
-    json_decref(ev);
 }
 
 /* ---- the I/O thread ---- */
@@ -449,7 +460,18 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
     kvs_status_t st = check_request(b, q);
     if (st != KVS_OK) return st;
     room_t *r = kvs_calloc(1, sizeof(*r));
-    size_t cap = 160 + (size_t) q->prompt_len * 11;
+    /* Rank 0 knows one EOS: the first stop id (the tokenizer's EOS when it has one). */
+    kvs_rank_line_request_t line_q = {
+        .kind = KVS_RANK_LINE_SUBMIT,
+        .submit = {.room = q->room,
+                   .max_new = q->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->max_tokens,
+                   .temperature = q->temperature,
+                   .top_p = q->top_p,
+                   .seed = q->seed,
+                   .eos = q->n_stop_ids > 0 ? (int64_t) q->stop_ids[0] : -1,
+                   .prompt_len = q->prompt_len,
+                   .prompt = q->prompt}};
+    size_t cap = kvs_rank_line_request_size(&line_q), n = 0;
     char *line = kvs_malloc(cap);
     if (r == NULL || line == NULL) goto nomem;
     r->room = q->room;
@@ -462,19 +484,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
         memcpy(r->stop_ids, q->stop_ids + 1, (size_t) (q->n_stop_ids - 1) * sizeof(uint32_t));
         r->n_stop_ids = q->n_stop_ids - 1;
     }
-    /* Rank 0 knows one EOS: the first stop id (the tokenizer's EOS when it has one). */
-    char eos[16];
-    if (q->n_stop_ids > 0)
-        snprintf(eos, sizeof(eos), "%u", q->stop_ids[0]);
-    else
-        snprintf(eos, sizeof(eos), "-1");
-    uint32_t max_new = q->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->max_tokens;
-    int n = snprintf(line, cap, "submit %llu %u %.9g %.9g %llu %s %u", (unsigned long long) q->room,
-                     max_new, (double) q->temperature, (double) q->top_p,
-                     (unsigned long long) q->seed, eos, q->prompt_len);
-    for (uint32_t i = 0; i < q->prompt_len; i++)
-        n += snprintf(line + n, cap - (size_t) n, " %u", q->prompt[i]);
-    line[n++] = '\n';
+    if (kvs_rank_line_request_encode(&line_q, line, cap, &n) != KVS_OK) goto nomem;
 
     pthread_mutex_lock(&b->mu);
     if (!b->ready || b->ended || b->quit_queued) {
@@ -486,7 +496,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
         r->submit_ns = kvs_now_ns();
         st = kvs_map_put(&b->rooms, q->room, r);
         if (st == KVS_OK) {
-            st = queue_line_locked(b, line, (size_t) n);
+            st = queue_line_locked(b, line, n);
             if (st != KVS_OK) kvs_map_remove(&b->rooms, q->room);
         }
     }
@@ -508,14 +518,12 @@ nomem:
 static kvs_status_t op_cancel(void *ctx, uint64_t room)
 {
     kvs_rank_backend_t *b = ctx;
-    char line[64];
-    int n = snprintf(line, sizeof(line), "stop %llu\n", (unsigned long long) room);
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_get(&b->rooms, room);
     kvs_status_t st = KVS_ERR_NOT_FOUND;
     if (r != NULL) {
         st = KVS_OK;
-        if (!r->stop_sent && queue_line_locked(b, line, (size_t) n) == KVS_OK) r->stop_sent = 1;
+        if (!r->stop_sent && queue_stop_locked(b, room) == KVS_OK) r->stop_sent = 1;
     }
     pthread_mutex_unlock(&b->mu);
     if (st == KVS_OK) wake_thread(b);
@@ -531,15 +539,15 @@ static kvs_status_t op_health(void *ctx)
     return ok ? KVS_OK : KVS_ERR_IO;
 }
 
-/* Asks rank 0 and waits for its answer (or the timeout). */
-static kvs_status_t ask(kvs_rank_backend_t *b, qkind_t kind, const char *line, size_t len,
-                        query_t *answer_p)
+/* Asks rank 0 (req, encoded into line[cap]) and waits for its answer (or the timeout). */
+static kvs_status_t ask(kvs_rank_backend_t *b, const kvs_rank_line_request_t *req, char *line,
+                        size_t cap, query_t *answer_p)
 {
     query_t *q = kvs_calloc(1, sizeof(*q));
     if (q == NULL) return KVS_ERR_NOMEM;
-    q->kind = kind;
+    q->kind = req->kind == KVS_RANK_LINE_MATCH ? Q_MATCH : Q_STATS;
     pthread_mutex_lock(&b->mu);
-    kvs_status_t st = b->ready ? queue_line_locked(b, line, len) : KVS_ERR_STATE;
+    kvs_status_t st = b->ready ? queue_request_locked(b, req, line, cap) : KVS_ERR_STATE;
     if (st != KVS_OK) {
         pthread_mutex_unlock(&b->mu);
         kvs_free(q);
@@ -581,15 +589,13 @@ static kvs_status_t op_match(void *ctx, const uint32_t *prompt, uint32_t prompt_
         *cached_p = 0; /* nothing of it can be served here */
         return KVS_OK;
     }
-    size_t cap = 32 + (size_t) prompt_len * 11;
+    kvs_rank_line_request_t req = {
+        .kind = KVS_RANK_LINE_MATCH, .match_len = prompt_len, .match = prompt};
+    size_t cap = kvs_rank_line_request_size(&req);
     char *line = kvs_malloc(cap);
     if (line == NULL) return KVS_ERR_NOMEM;
-    int n = snprintf(line, cap, "match %u", prompt_len);
-    for (uint32_t i = 0; i < prompt_len; i++)
-        n += snprintf(line + n, cap - (size_t) n, " %u", prompt[i]);
-    line[n++] = '\n';
     query_t a;
-    kvs_status_t st = ask(b, Q_MATCH, line, (size_t) n, &a);
+    kvs_status_t st = ask(b, &req, line, cap, &a);
     kvs_free(line);
     if (st != KVS_OK) return st;
     *cached_p = a.cached;
@@ -600,7 +606,9 @@ static void op_stats(void *ctx, kvs_server_backend_stats_t *stats_p)
 {
     kvs_rank_backend_t *b = ctx;
     query_t a;
-    if (ask(b, Q_STATS, "stats\n", 6, &a) == KVS_OK) {
+    kvs_rank_line_request_t req = {.kind = KVS_RANK_LINE_STATS};
+    char line[32];
+    if (ask(b, &req, line, sizeof(line), &a) == KVS_OK) {
         *stats_p = a.stats;
         return;
     }
@@ -699,7 +707,12 @@ kvs_server_backend_t kvs_rank_backend_ops(kvs_rank_backend_t *b)
 void kvs_rank_backend_quit(kvs_rank_backend_t *b)
 {
     pthread_mutex_lock(&b->mu);
-    if (!b->quit_queued && b->in_fd >= 0 && !b->ended) kvs__sb_puts(&b->out, "quit\n");
+    kvs_rank_line_request_t req = {.kind = KVS_RANK_LINE_QUIT};
+    char line[32];
+    size_t n;
+    if (!b->quit_queued && b->in_fd >= 0 && !b->ended &&
+        kvs_rank_line_request_encode(&req, line, sizeof(line), &n) == KVS_OK)
+        kvs__sb_append(&b->out, line, n);
     b->quit_queued = 1; /* the pipe closes once flushed: end of file is a quit too */
     pthread_mutex_unlock(&b->mu);
     wake_thread(b);

@@ -16,7 +16,7 @@
  *     its cache hit): the whole pages past the hit, ceil(prompt / P) - cached / P, times P times
  *     the model's KV bytes per token, which is what every prefill rank together moved;
  *   - stats for /metrics from rank 0's stats line: rank 0's own sender or receiver counters
- *     (kv_bytes is the bytes rank 0 sent or scattered) and the instance's queued and running
+ *     (metrics.bytes is the bytes rank 0 sent or scattered) and the instance's queued and running
  *     requests (every rank has the same).
  * A room whose rank 0 went away (end of file on its events) ends with FINISH_ERROR
  * (KVS_ERR_IO), and every later submit fails. All sink calls come from the I/O thread. */

@@ -967,13 +967,16 @@ kvs_status_t kvs_server_metrics(kvs_server_t *srv, char **text_p)
     kvs__hist_render(&sb, "kvstage_request_duration_seconds", "Submission to the end.", &srv->e2e);
     kvs__hist_render(&sb, "kvstage_kv_transfer_seconds", "KV transfer time per room.",
                      &srv->transfer);
-    counter(&sb, "kvstage_kv_bytes_total", "KV bytes moved (backend).", bs.kv_bytes);
-    counter(&sb, "kvstage_kv_chunks_total", "KV chunks moved (backend).", bs.chunks);
-    counter(&sb, "kvstage_control_retries_total", "Control messages resent (backend).", bs.retries);
-    counter(&sb, "kvstage_control_rejected_total", "Control messages rejected (backend).",
-            bs.rejected);
-    gauge(&sb, "kvstage_ring_used_bytes", "Staging ring bytes in use.", bs.ring_used);
-    gauge(&sb, "kvstage_ring_capacity_bytes", "Staging ring bytes.", bs.ring_capacity);
+    /* The backend's transfer counters, in their Prometheus order. */
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    for (uint32_t at = 1; at <= nf; at++) {
+        for (uint32_t i = 0; i < nf; i++) {
+            if (f[i].prom == NULL || f[i].prom_at != at) continue;
+            (f[i].kind == KVS_PD_COUNTER ? counter : gauge)(&sb, f[i].prom, f[i].help,
+                                                            kvs_pd_metrics_get(&bs.metrics, &f[i]));
+        }
+    }
     gauge(&sb, "kvstage_requests_queued", "Requests waiting for admission (backend).", bs.queued);
     gauge(&sb, "kvstage_requests_running", "Requests admitted (backend).", bs.running);
     gauge(&sb, "kvstage_requests_live", "Requests submitted and not finished.", live);

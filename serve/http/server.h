@@ -56,6 +56,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvstage/pd.h"
 #include "kvstage/status.h"
 #include "model/tokenizer.h"
 
@@ -118,14 +119,12 @@ typedef struct {
 
 /* Counters (since start) and gauges (now) for /metrics. */
 typedef struct {
-    uint64_t kv_bytes;      /* counter: KV payload bytes moved (sent or scattered) */
-    uint64_t chunks;        /* counter: chunks moved */
-    uint64_t retries;       /* counter: control messages resent */
-    uint64_t rejected;      /* counter: control messages rejected */
-    uint64_t ring_used;     /* gauge: staging ring bytes in use */
-    uint64_t ring_capacity; /* gauge: staging ring bytes */
-    uint32_t queued;        /* gauge: requests waiting for admission */
-    uint32_t running;       /* gauge: requests admitted */
+    /* The instance's transfer counters; /metrics exports the fields KVS_PD_METRICS gives a
+     * Prometheus name (bytes: KV payload bytes moved, sent or scattered; chunks; retries and
+     * rejected control messages; ring_used and ring_capacity). */
+    kvs_pd_metrics_t metrics;
+    uint32_t queued;  /* gauge: requests waiting for admission */
+    uint32_t running; /* gauge: requests admitted */
 } kvs_server_backend_stats_t;
 
 /* The serving engine behind the server. Every function may be called from several server

@@ -354,11 +354,11 @@ static void fake_stats(void *ctx, kvs_server_backend_stats_t *s)
     kvs_server_fake_t *f = ctx;
     memset(s, 0, sizeof(*s));
     pthread_mutex_lock(&f->mu);
-    s->kv_bytes = f->kv_bytes;
-    s->chunks = f->chunks;
-    s->ring_capacity = f->config.ring_capacity;
+    s->metrics.bytes = f->kv_bytes;
+    s->metrics.chunks = f->chunks;
+    s->metrics.ring_capacity = f->config.ring_capacity;
     uint64_t used = (uint64_t) f->n_live * 4096u;
-    s->ring_used = used < s->ring_capacity ? used : s->ring_capacity;
+    s->metrics.ring_used = used < s->metrics.ring_capacity ? used : s->metrics.ring_capacity;
     for (uint32_t i = 0; i < f->n_live; i++) {
         if (f->live[i]->generated == 0)
             s->queued++;

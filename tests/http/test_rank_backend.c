@@ -313,12 +313,12 @@ static void test_questions_and_quit(void **state)
     assert_int_equal(a.cached[0], 0);
     assert_int_equal(a.st[1], KVS_OK);
     assert_int_equal(a.cached[1], 8);
-    assert_int_equal(a.stats.kv_bytes, 4096);
-    assert_int_equal(a.stats.chunks, 3);
-    assert_int_equal(a.stats.retries, 2);
-    assert_int_equal(a.stats.rejected, 1);
-    assert_int_equal(a.stats.ring_used, 5);
-    assert_int_equal(a.stats.ring_capacity, 6);
+    assert_int_equal(a.stats.metrics.bytes, 4096);
+    assert_int_equal(a.stats.metrics.chunks, 3);
+    assert_int_equal(a.stats.metrics.retries, 2);
+    assert_int_equal(a.stats.metrics.rejected, 1);
+    assert_int_equal(a.stats.metrics.ring_used, 5);
+    assert_int_equal(a.stats.metrics.ring_capacity, 6);
     assert_int_equal(a.stats.queued, 7);
     assert_int_equal(a.stats.running, 2);
     /* A prompt longer than max_prompt is not asked about. */

@@ -928,6 +928,23 @@ static void test_metrics(void **state)
     char *text = NULL;
     assert_int_equal(kvs_server_metrics(f.srv, &text), KVS_OK);
     expect_prometheus(text);
+    /* Every transfer counter the table exports is there, with its type and help, in order. */
+    uint32_t nf, exported = 0;
+    const kvs_pd_metric_field_t *mf = kvs_pd_metrics_fields(&nf);
+    const char *last = text;
+    for (uint32_t at = 1; at <= nf; at++) {
+        for (uint32_t i = 0; i < nf; i++) {
+            if (mf[i].prom == NULL || mf[i].prom_at != at) continue;
+            char want[256];
+            snprintf(want, sizeof(want), "# HELP %s %s\n# TYPE %s %s\n%s ", mf[i].prom, mf[i].help,
+                     mf[i].prom, mf[i].kind == KVS_PD_COUNTER ? "counter" : "gauge", mf[i].prom);
+            const char *p = strstr(text, want);
+            if (p == NULL || p < last) fail_msg("/metrics lacks %s in its place:\n%s", want, text);
+            last = p;
+            exported++;
+        }
+    }
+    assert_int_equal(exported, 6);
     kvs_free(text);
     stop(&f);
     kvs_assert_no_leaks();

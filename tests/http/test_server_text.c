@@ -388,7 +388,7 @@ static void test_fake_backend(void **state)
     assert_int_equal(s2.d.kv_bytes, 100);
     kvs_server_backend_stats_t bs;
     b.stats(b.ctx, &bs);
-    assert_int_equal(bs.kv_bytes, 100);
+    assert_int_equal(bs.metrics.bytes, 100);
 
     /* A stop id, a duplicate live room, cancel, and the records. */
     kvs_server_fake_config_t slow = {.token_delay_ns = 50000000};

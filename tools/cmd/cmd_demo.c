@@ -20,6 +20,7 @@
 #include "common/json.h"
 #include "kvstage/clock.h"
 #include "kvstage/grid.h"
+#include "kvstage/pd.h"
 #include "kvstage/registry.h"
 #include "common/rank_flags.h"
 #include "common/spawn.h"
@@ -39,7 +40,7 @@ typedef struct {
     /* Parsed from the result. */
     int have_result, ok;
     unsigned long long succeeded, failed, mismatched, leaked_slots, leaked_pages, leaked_rooms;
-    unsigned long long chunks, bulk_writes, direct_writes, bytes, msgs, retries, rejected;
+    kvs_pd_metrics_t metrics; /* the result's transfer counters (rejected: the link's too) */
 } child_t;
 
 static const char intro[] =
@@ -74,13 +75,10 @@ static void parse_line(child_t *c, const char *line)
     c->leaked_slots = json_u64(line, "leaked_slots");
     c->leaked_pages = json_u64(line, "leaked_pages");
     c->leaked_rooms = json_u64(line, "leaked_rooms");
-    c->chunks = json_u64(line, "chunks");
-    c->bulk_writes = json_u64(line, "bulk_writes");
-    c->direct_writes = json_u64(line, "direct_writes");
-    c->bytes = json_u64(line, "bytes_moved");
-    c->msgs = json_u64(line, "control_messages");
-    c->retries = json_u64(line, "retries");
-    c->rejected = json_u64(line, "rejected_messages");
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    for (uint32_t i = 0; i < nf; i++)
+        if (f[i].json != NULL) kvs_pd_metrics_set(&c->metrics, &f[i], json_u64(line, f[i].json));
 }
 
 static void on_child_line(void *arg, char *line)
@@ -260,8 +258,8 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
 
     int ok = started == n;
     unsigned long long succeeded = ~0ull, failed = 0, mismatched = 0, lslots = 0, lpages = 0,
-                       lrooms = 0, chunks = 0, writes = 0, direct = 0, bytes = 0, msgs = 0,
-                       retries = 0, rejected = 0;
+                       lrooms = 0;
+    kvs_pd_metrics_t tx = {0}, rx = {0}; /* the prefill ranks' counters, the decode ranks' */
     for (int i = 0; i < started; i++) {
         const child_t *k = &cs[i];
         int exited_ok = WIFEXITED(k->status) && WEXITSTATUS(k->status) == 0;
@@ -272,16 +270,7 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
         lslots += k->leaked_slots;
         lpages += k->leaked_pages;
         lrooms += k->leaked_rooms;
-        if (k->side_decode)
-            chunks += k->chunks;
-        else {
-            writes += k->bulk_writes;
-            direct += k->direct_writes;
-            bytes += k->bytes;
-        }
-        msgs += k->msgs;
-        retries += k->retries;
-        rejected += k->rejected;
+        kvs_pd_metrics_add(k->side_decode ? &rx : &tx, &k->metrics);
         if (!json)
             printf("  %-7s rank %u: %s, %llu succeeded, %llu failed%s\n",
                    k->side_decode ? "decode" : "prefill", k->rank,
@@ -291,6 +280,10 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
                    k->succeeded, k->failed, exited_ok ? "" : " (exited abnormally)");
     }
     if (succeeded == ~0ull) succeeded = 0;
+    /* Chunks scattered are the receivers', writes and bytes the senders', messages both's. */
+    unsigned long long chunks = rx.chunks, writes = tx.bulk_writes, direct = tx.direct_writes,
+                       bytes = tx.bytes, msgs = tx.msgs_sent + rx.msgs_sent,
+                       retries = tx.retries + rx.retries, rejected = tx.rejected + rx.rejected;
     if (json) {
         kvs_json_t j;
         kvs_json_begin(&j, stdout);

@@ -23,6 +23,7 @@
 #include "kvstage/clock.h"
 #include "model/gguf.h"
 #include "engine/llm_rank.h"
+#include "engine/rank_line.h"
 #include "kvstage/log.h"
 #include "model/model.h"
 #include "kvstage/registry.h"
@@ -137,7 +138,7 @@ typedef struct {
     size_t len;
     int ready, exited, status;
     double load_s;
-    unsigned long long bytes, chunks, bulk_writes, direct_writes, msgs; /* its stats line */
+    kvs_pd_metrics_t metrics; /* from its stats line */
 } child_t;
 
 /* One side's EV_DONE. */
@@ -195,38 +196,6 @@ static void write_all(int fd, const char *s, size_t n)
     }
 }
 
-/* Value of "key": N in a flat JSON line (0 when absent). */
-static unsigned long long json_u64(const char *line, const char *key)
-{
-    char pat[64];
-    snprintf(pat, sizeof(pat), "\"%s\":", key);
-    const char *p = strstr(line, pat);
-    return p ? strtoull(p + strlen(pat), NULL, 10) : 0;
-}
-
-static double json_dbl(const char *line, const char *key)
-{
-    char pat[64];
-    snprintf(pat, sizeof(pat), "\"%s\":", key);
-    const char *p = strstr(line, pat);
-    return p ? strtod(p + strlen(pat), NULL) : 0.0;
-}
-
-/* Value of "key":"..." (no escapes inside: the ranks write none). */
-static void json_str(const char *line, const char *key, char *out, size_t cap)
-{
-    char pat[64];
-    snprintf(pat, sizeof(pat), "\"%s\":\"", key);
-    const char *p = strstr(line, pat);
-    out[0] = '\0';
-    if (p == NULL) return;
-    p += strlen(pat);
-    size_t n = strcspn(p, "\"");
-    if (n >= cap) n = cap - 1;
-    memcpy(out, p, n);
-    out[n] = '\0';
-}
-
 static const char *role_name(kvs_llm_role_t r)
 {
     return r == KVS_LLM_PREFILL ? "prefill" : r == KVS_LLM_DECODE ? "decode" : "colocated";
@@ -258,26 +227,41 @@ static void send_line(child_t *c, const char *line)
     if (c != NULL) write_all(c->in_fd, line, strlen(line));
 }
 
+/* A request without ids (stop, stats, quit). */
+static void send_request(child_t *c, kvs_rank_line_kind_t kind, uint64_t room)
+{
+    kvs_rank_line_request_t q = {.kind = kind, .room = room};
+    char line[64];
+    size_t n;
+    if (kvs_rank_line_request_encode(&q, line, sizeof(line), &n) == KVS_OK) send_line(c, line);
+}
+
+static void send_stop(child_t *c, uint64_t room)
+{
+    send_request(c, KVS_RANK_LINE_STOP, room);
+}
+
 static void submit(gen_t *g, req_t *r)
 {
-    size_t cap = 160 + (size_t) r->prompt_len * 11;
+    kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_SUBMIT,
+                                 .submit = {.room = r->room,
+                                            .max_new = g->max_tokens,
+                                            .temperature = g->temperature,
+                                            .top_p = g->top_p,
+                                            .seed = g->seed + r->room - 1,
+                                            .eos = g->eos == UINT32_MAX ? -1 : (int64_t) g->eos,
+                                            .prompt_len = r->prompt_len,
+                                            .prompt = r->prompt}};
+    size_t cap = kvs_rank_line_request_size(&q), n;
     char *line = kvs_malloc(cap);
-    if (line == NULL) {
+    if (line == NULL || kvs_rank_line_request_encode(&q, line, cap, &n) != KVS_OK) {
+        kvs_free(line);
         fprintf(stderr, "error: out of memory submitting request %llu\n",
                 (unsigned long long) r->room);
         g->failed = 1;
         r->done[0] = r->done[1] = r->rejected = 1;
         return;
     }
-    char eos[16];
-    snprintf(eos, sizeof(eos), g->eos == UINT32_MAX ? "-1" : "%u", g->eos);
-    int n = snprintf(line, cap, "submit %llu %u %.9g %.9g %llu %s %u", (unsigned long long) r->room,
-                     g->max_tokens, g->temperature, g->top_p,
-                     (unsigned long long) (g->seed + r->room - 1), eos, r->prompt_len);
-    for (uint32_t i = 0; i < r->prompt_len; i++)
-        n += snprintf(line + n, cap - (size_t) n, " %u", r->prompt[i]);
-    line[n++] = '\n';
-    line[n] = '\0';
     if (streaming(g)) {
         print_label(r);
         fflush(stdout);
@@ -294,23 +278,23 @@ static int finished(const req_t *r)
     return r->done[0] && r->done[1];
 }
 
-static void on_done_line(gen_t *g, int side, const char *line)
+static void on_done_line(gen_t *g, int side, const kvs_llm_event_t *ev)
 {
-    uint64_t room = json_u64(line, "room");
+    uint64_t room = ev->room;
     if (room == 0 || room > g->nreqs) return;
     req_t *r = &g->reqs[room - 1];
     side_t *s = &r->side[side];
-    json_str(line, "status", s->status, sizeof(s->status));
-    json_str(line, "finish", s->finish, sizeof(s->finish));
-    s->cached = json_u64(line, "cached");
-    s->generated = json_u64(line, "generated");
-    s->prompt_len = json_u64(line, "prompt_len");
-    s->submitted = json_u64(line, "submitted_ns");
-    s->admitted = json_u64(line, "admitted_ns");
-    s->prefilled = json_u64(line, "prefilled_ns");
-    s->kv_ready = json_u64(line, "kv_ready_ns");
-    s->first_token = json_u64(line, "first_token_ns");
-    s->done = json_u64(line, "done_ns");
+    snprintf(s->status, sizeof(s->status), "%s", kvs_status_str(ev->status));
+    snprintf(s->finish, sizeof(s->finish), "%s", kvs_rank_line_finish_str(ev->finish));
+    s->cached = ev->cached_tokens;
+    s->generated = ev->generated;
+    s->prompt_len = ev->prompt_len;
+    s->submitted = ev->submitted_ns;
+    s->admitted = ev->admitted_ns;
+    s->prefilled = ev->prefilled_ns;
+    s->kv_ready = ev->kv_ready_ns;
+    s->first_token = ev->first_token_ns;
+    s->done = ev->done_ns;
     r->done[side] = 1;
     if (strcmp(s->status, "ok") != 0) {
         fprintf(stderr, "error: request %llu failed on the %s side: %s\n",
@@ -321,9 +305,7 @@ static void on_done_line(gen_t *g, int side, const char *line)
                 s->status);
         g->failed = 1;
         /* The other side may still hold the room: end it there too. */
-        char stop[64];
-        snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
-        send_line(g->head[1 - side], stop);
+        send_stop(g->head[1 - side], room);
     }
 }
 
@@ -392,25 +374,22 @@ static void print_request_summary(const gen_t *g, const req_t *r)
 
 static void on_line(gen_t *g, child_t *c, const char *line)
 {
-    char ev[16];
-    json_str(line, "event", ev, sizeof(ev));
-    if (strcmp(ev, "stats") == 0) {
-        c->bytes = json_u64(line, "bytes_moved");
-        c->chunks = json_u64(line, "chunks");
-        c->bulk_writes = json_u64(line, "bulk_writes");
-        c->direct_writes = json_u64(line, "direct_writes");
-        c->msgs = json_u64(line, "control_messages");
+    kvs_rank_line_event_t ev;
+    if (kvs_rank_line_event_decode(line, strlen(line), &ev, NULL) != KVS_OK) return;
+    const kvs_llm_event_t *e = &ev.llm;
+    if (ev.kind == KVS_RANK_LINE_EV_STATS) {
+        c->metrics = ev.metrics;
         return;
     }
     const int side = c->role == KVS_LLM_PREFILL ? 0 : 1;
-    if (strcmp(ev, "ready") == 0) {
+    if (ev.kind == KVS_RANK_LINE_EV_READY) {
         c->ready = 1;
-        c->load_s = json_dbl(line, "load_s");
-    } else if (strcmp(ev, "token") == 0 && side == 1) {
-        uint64_t room = json_u64(line, "room");
+        c->load_s = ev.load_s;
+    } else if (ev.kind == KVS_RANK_LINE_EV_TOKEN && side == 1) {
+        uint64_t room = e->room;
         if (room == 0 || room > g->nreqs) return;
         req_t *r = &g->reqs[room - 1];
-        uint32_t tok = (uint32_t) json_u64(line, "token");
+        uint32_t tok = e->token;
         if (r->closed || r->nout >= g->max_tokens) return;
         r->out[r->nout++] = tok;
         if (streaming(g)) {
@@ -418,37 +397,29 @@ static void on_line(gen_t *g, child_t *c, const char *line)
             fflush(stdout);
         }
         if (tok == g->stop_id && tok != g->eos) {
-            char stop[64];
-            snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
-            send_line(g->head[1], stop);
+            send_stop(g->head[1], room);
             r->closed = 1;
         }
-    } else if (strcmp(ev, "done") == 0) {
-        uint64_t room = json_u64(line, "room");
-        on_done_line(g, side, line);
+    } else if (ev.kind == KVS_RANK_LINE_EV_DONE) {
+        uint64_t room = e->room;
+        on_done_line(g, side, e);
         if (!g->json && room >= 1 && room <= g->nreqs && finished(&g->reqs[room - 1]))
             print_request_summary(g, &g->reqs[room - 1]);
-    } else if (strcmp(ev, "rejected") == 0) {
-        uint64_t room = json_u64(line, "room");
-        char st[64];
-        json_str(line, "status", st, sizeof(st));
+    } else if (ev.kind == KVS_RANK_LINE_EV_REJECTED) {
+        uint64_t room = e->room;
         fprintf(stderr, "error: %s rank 0 refused request %llu: %s\n", role_name(c->role),
-                (unsigned long long) room, st);
+                (unsigned long long) room, kvs_status_str(e->status));
         g->failed = 1;
         if (room >= 1 && room <= g->nreqs) {
             req_t *r = &g->reqs[room - 1];
             r->rejected = 1;
             r->done[side] = 1;
-            char stop[64];
-            snprintf(stop, sizeof(stop), "stop %llu\n", (unsigned long long) room);
-            send_line(g->head[1 - side], stop);
+            send_stop(g->head[1 - side], room);
             /* Nothing more will come from a side that never took it. */
             if (g->colocated) r->done[0] = 1;
         }
-    } else if (strcmp(ev, "error") == 0) {
-        char msg[256];
-        json_str(line, "message", msg, sizeof(msg));
-        fprintf(stderr, "error: %s rank 0: %s\n", role_name(c->role), msg);
+    } else if (ev.kind == KVS_RANK_LINE_EV_ERROR) {
+        fprintf(stderr, "error: %s rank 0: %s\n", role_name(c->role), ev.text);
         g->failed = 1;
     }
 }
@@ -645,7 +616,7 @@ static int run_deployment(gen_t *g)
             }
             for (int h = 0; h < 2; h++) {
                 if (g->head[h] == NULL || g->head[h]->in_fd < 0) continue;
-                send_line(g->head[h], "quit\n");
+                send_request(g->head[h], KVS_RANK_LINE_QUIT, 0);
                 close(g->head[h]->in_fd);
                 g->head[h]->in_fd = -1;
             }
@@ -692,6 +663,19 @@ static void text_of(const gen_t *g, const req_t *r, char *buf, size_t cap)
     buf[at] = '\0';
 }
 
+/* The prefill ranks' counters summed (*tx_p: bytes and writes are the senders') and the decode
+ * ranks' (*rx_p: chunks scattered); colocated ranks move nothing. */
+static void side_totals(const gen_t *g, kvs_pd_metrics_t *tx_p, kvs_pd_metrics_t *rx_p)
+{
+    memset(tx_p, 0, sizeof(*tx_p));
+    memset(rx_p, 0, sizeof(*rx_p));
+    for (int i = 0; i < g->nchildren; i++) {
+        const child_t *c = &g->cs[i];
+        if (c->role == KVS_LLM_PREFILL) kvs_pd_metrics_add(tx_p, &c->metrics);
+        if (c->role == KVS_LLM_DECODE) kvs_pd_metrics_add(rx_p, &c->metrics);
+    }
+}
+
 static void print_json(gen_t *g, int ok)
 {
     kvs_json_t j;
@@ -706,18 +690,10 @@ static void print_json(gen_t *g, int ok)
     kvs_json_bool(&j, "prefill_radix", g->prefill_radix);
     kvs_json_bool(&j, "decode_radix", g->colocated ? g->prefill_radix : g->decode_radix);
     double load = 0;
-    unsigned long long bytes = 0, chunks = 0, writes = 0, direct = 0;
-    for (int i = 0; i < g->nchildren; i++) {
-        const child_t *c = &g->cs[i];
-        if (c->load_s > load) load = c->load_s;
-        if (c->role == KVS_LLM_PREFILL) {
-            bytes += c->bytes;
-            writes += c->bulk_writes;
-            direct += c->direct_writes;
-        } else if (c->role == KVS_LLM_DECODE) {
-            chunks += c->chunks;
-        }
-    }
+    for (int i = 0; i < g->nchildren; i++)
+        if (g->cs[i].load_s > load) load = g->cs[i].load_s;
+    kvs_pd_metrics_t tx, rx;
+    side_totals(g, &tx, &rx);
     kvs_json_double(&j, "load_s", load);
     kvs_json_array_begin(&j, "requests");
     static char text[1 << 16];
@@ -746,30 +722,24 @@ static void print_json(gen_t *g, int ok)
         kvs_json_object_end(&j);
     }
     kvs_json_array_end(&j);
-    kvs_json_u64(&j, "bytes_moved", bytes);
-    kvs_json_u64(&j, "chunks", chunks);
-    kvs_json_u64(&j, "bulk_writes", writes);
-    kvs_json_u64(&j, "direct_writes", direct);
+    kvs_json_u64(&j, "bytes_moved", tx.bytes);
+    kvs_json_u64(&j, "chunks", rx.chunks);
+    kvs_json_u64(&j, "bulk_writes", tx.bulk_writes);
+    kvs_json_u64(&j, "direct_writes", tx.direct_writes);
     kvs_json_double(&j, "wall_s", (double) (kvs_now_ns() - g->t0) / 1e9);
     kvs_json_end(&j);
 }
 
 static void print_totals(const gen_t *g, int ok)
 {
-    unsigned long long bytes = 0, chunks = 0, writes = 0, msgs = 0;
-    for (int i = 0; i < g->nchildren; i++) {
-        const child_t *c = &g->cs[i];
-        if (c->role == KVS_LLM_PREFILL) {
-            bytes += c->bytes;
-            writes += c->bulk_writes;
-        }
-        if (c->role == KVS_LLM_DECODE) chunks += c->chunks;
-        msgs += c->msgs;
-    }
+    kvs_pd_metrics_t tx, rx;
+    side_totals(g, &tx, &rx);
     if (!g->colocated)
         printf("kvstage moved %.2f MiB of KV: %llu chunks scattered, %llu bulk writes, %llu "
                "control messages\n",
-               (double) bytes / 1048576.0, chunks, writes, msgs);
+               (double) tx.bytes / 1048576.0, (unsigned long long) rx.chunks,
+               (unsigned long long) tx.bulk_writes,
+               (unsigned long long) (tx.msgs_sent + rx.msgs_sent));
     printf("%s in %.2f s\n", ok ? "done" : "FAILED", (double) (kvs_now_ns() - g->t0) / 1e9);
 }
 

@@ -4,6 +4,7 @@
 #include "cmd/commands.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -29,15 +30,13 @@ static void print_json(const kvs_rank_config_t *c, const kvs_rank_result_t *r, i
     kvs_json_u64(&j, "leaked_slots", r->leaked_slots);
     kvs_json_u64(&j, "leaked_pages", r->leaked_pages);
     kvs_json_u64(&j, "leaked_rooms", r->leaked_rooms);
-    kvs_json_u64(&j, "chunks", r->metrics.chunks);
-    kvs_json_u64(&j, "bulk_writes", r->metrics.bulk_writes);
-    kvs_json_u64(&j, "direct_writes", r->metrics.direct_writes);
-    kvs_json_u64(&j, "bytes_moved", r->metrics.bytes);
-    kvs_json_u64(&j, "control_messages", r->metrics.msgs_sent);
-    kvs_json_u64(&j, "retries", r->metrics.retries);
-    kvs_json_u64(&j, "rejected_messages", r->metrics.rejected + r->net.rejected);
-    kvs_json_u64(&j, "ignored_messages", r->metrics.ignored);
-    kvs_json_u64(&j, "ring_high_water", r->metrics.ring_high_water);
+    /* The messages rejected are the protocol's and the link's together. */
+    kvs_pd_metrics_t m = r->metrics;
+    m.rejected += r->net.rejected;
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    for (uint32_t i = 0; i < nf; i++)
+        if (f[i].json != NULL) kvs_json_u64(&j, f[i].json, kvs_pd_metrics_get(&m, &f[i]));
     kvs_json_u64(&j, "dead_peers", r->net.dead_peers);
     kvs_json_bool(&j, "timed_out", r->timed_out);
     kvs_json_double(&j, "wall_s", r->wall_s);
@@ -63,20 +62,23 @@ static void on_sigusr1(int sig)
 static void print_metrics(void *arg, const kvs_pd_metrics_t *m, const kvs_net_stats_t *n)
 {
     (void) arg;
-    fprintf(stderr,
-            "metrics: rooms added %llu succeeded %llu failed %llu live %llu; chunks %llu; bulk "
-            "writes %llu; bytes %llu; messages sent %llu received %llu; retries %llu; rejected "
-            "%llu (link %llu); ignored %llu; ring used %llu of %llu (high water %llu), live "
-            "slots %llu; dead peers %llu\n",
-            (unsigned long long) m->rooms_added, (unsigned long long) m->rooms_succeeded,
-            (unsigned long long) m->rooms_failed, (unsigned long long) m->live_rooms,
-            (unsigned long long) m->chunks, (unsigned long long) m->bulk_writes,
-            (unsigned long long) m->bytes, (unsigned long long) m->msgs_sent,
-            (unsigned long long) m->msgs_received, (unsigned long long) m->retries,
-            (unsigned long long) m->rejected, (unsigned long long) n->rejected,
-            (unsigned long long) m->ignored, (unsigned long long) m->ring_used,
-            (unsigned long long) m->ring_capacity, (unsigned long long) m->ring_high_water,
-            (unsigned long long) m->live_slots, (unsigned long long) n->dead_peers);
+    char line[1024];
+    size_t len = (size_t) snprintf(line, sizeof(line), "metrics: ");
+    uint32_t nf;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
+    for (uint32_t i = 0; i < nf && len < sizeof(line); i++) {
+        if (f[i].text == NULL) continue;
+        len += (size_t) snprintf(line + len, sizeof(line) - len, "%s%llu", f[i].text,
+                                 (unsigned long long) kvs_pd_metrics_get(m, &f[i]));
+        /* The link's rejections go with the protocol's. */
+        if (len < sizeof(line) && f[i].offset == offsetof(kvs_pd_metrics_t, rejected))
+            len += (size_t) snprintf(line + len, sizeof(line) - len, " (link %llu)",
+                                     (unsigned long long) n->rejected);
+    }
+    if (len < sizeof(line))
+        snprintf(line + len, sizeof(line) - len, "; dead peers %llu\n",
+                 (unsigned long long) n->dead_peers);
+    fputs(line, stderr);
 }
 
 static int run_side(kvs_side_t side, int argc, char **argv)

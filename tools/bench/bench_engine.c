@@ -181,105 +181,134 @@ static row_t measure(const config_t *c, uint32_t runs, uint32_t prompt_len, uint
     return row;
 }
 
+typedef struct {
+    uint32_t runs, prompt_len, max_tokens;
+    uint64_t seed;
+    int json, only; /* only: 0 all, 1 SmolLM2, 2 seeded */
+} engine_opts_t;
+
+static void engine_flags(kvs_arg_table_t *t, engine_opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"runs", KVS_ARG_U32, &o->runs, "requests per deployment, the median is reported (3)", NULL,
+         NULL},
+        {"prompt-len", KVS_ARG_U32, &o->prompt_len, "prompt tokens (128)", NULL, NULL},
+        {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request (32)", NULL,
+         NULL},
+        {"seed", KVS_ARG_U64, &o->seed, "seed of the random prompts", NULL, NULL},
+        {"only", KVS_ARG_CHOICE, &o->only, "which models", "all|smollm2|seeded", NULL},
+        {"json", KVS_ARG_FLAG, &o->json, "one JSON object", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* The table's preamble and header, or the JSON object's opening fields. */
+static void print_begin(const engine_opts_t *o, kvs_json_t *j, const char *cpu, long cores,
+                        int have_smol)
+{
+    if (o->json) {
+        kvs_json_begin(j, stdout);
+        kvs_json_str(j, "cpu", cpu);
+        kvs_json_u64(j, "cores", (uint64_t) cores);
+        kvs_json_u64(j, "prompt_tokens", o->prompt_len);
+        kvs_json_u64(j, "new_tokens", o->max_tokens);
+        kvs_json_u64(j, "runs", o->runs);
+        kvs_json_str(j, "seeded_shape", SEEDED);
+        kvs_json_array_begin(j, "rows");
+        return;
+    }
+    printf("kvstage bench engine: the reference engine (f32, CPU), colocated vs disaggregated "
+           "through kvstage\nhardware: %s, %ld cores; every rank a process, ranks of both "
+           "instances share the cores\n%u-token prompts, %u new tokens, radix caches off, "
+           "median of %u requests served one after another\n%s\n",
+           cpu, cores, o->prompt_len, o->max_tokens, o->runs,
+           have_smol || o->only == 2 ? ""
+                                     : "(SmolLM2 not found: run scripts/setup.sh; its rows are "
+                                       "skipped)\n");
+    printf("%-14s %-15s %14s %13s %10s %12s %7s %10s\n", "model", "deployment", "prefill tok/s",
+           "decode tok/s", "TTFT ms", "transfer ms", "share", "KV/req KiB");
+    fflush(stdout);
+}
+
+/* One deployment's row: a JSON object, or a table line. */
+static void print_row(const engine_opts_t *o, kvs_json_t *j, const config_t *c, const row_t *r)
+{
+    char deploy[32];
+    if (c->colocated)
+        snprintf(deploy, sizeof(deploy), "colocated TP%u", c->prefill_tp);
+    else
+        snprintf(deploy, sizeof(deploy), "TP%u -> TP%u", c->prefill_tp, c->decode_tp);
+    if (o->json) {
+        kvs_json_object_begin(j, NULL);
+        kvs_json_str(j, "model", c->model);
+        kvs_json_str(j, "deployment", deploy);
+        kvs_json_bool(j, "colocated", c->colocated);
+        kvs_json_u64(j, "prefill_tp", c->prefill_tp);
+        kvs_json_u64(j, "decode_tp", c->colocated ? c->prefill_tp : c->decode_tp);
+        kvs_json_bool(j, "ok", r->ok);
+        kvs_json_double(j, "prefill_tok_s", r->prefill_tok_s);
+        kvs_json_double(j, "decode_tok_s", r->decode_tok_s);
+        kvs_json_double(j, "ttft_ms", r->ttft_ms);
+        kvs_json_double(j, "transfer_ms", r->transfer_ms);
+        kvs_json_double(j, "transfer_share", r->share);
+        kvs_json_double(j, "kv_bytes_per_request", r->kv_bytes);
+        kvs_json_double(j, "load_s", r->load_s);
+        kvs_json_object_end(j);
+    } else if (!r->ok) {
+        printf("%-14s %-15s   FAILED (run `kvstage generate` with these settings to see why)\n",
+               c->model, deploy);
+    } else if (c->colocated) {
+        printf("%-14s %-15s %14.1f %13.1f %10.1f %12s %7s %10s\n", c->model, deploy,
+               r->prefill_tok_s, r->decode_tok_s, r->ttft_ms, "-", "-", "-");
+    } else {
+        printf("%-14s %-15s %14.1f %13.1f %10.1f %12.2f %6.1f%% %10.0f\n", c->model, deploy,
+               r->prefill_tok_s, r->decode_tok_s, r->ttft_ms, r->transfer_ms, 100.0 * r->share,
+               r->kv_bytes / 1024.0);
+    }
+    fflush(stdout);
+}
+
+static void print_end(const engine_opts_t *o, kvs_json_t *j, int failed)
+{
+    if (o->json) {
+        kvs_json_array_end(j);
+        kvs_json_bool(j, "ok", !failed);
+        kvs_json_end(j);
+        return;
+    }
+    printf("\nprefill and decode tok/s: one request at a time (prefill: the prompt on the "
+           "prefill side;\ndecode: tokens after the first); TTFT: submission to the first "
+           "token on decode; transfer:\nprompt computed on prefill -> KV and first token on "
+           "every decode rank.\n");
+}
+
 int kvs_bench_engine(int argc, char **argv)
 {
-    uint32_t runs = 3, prompt_len = 128, max_tokens = 32;
-    uint64_t seed = 1;
-    int json = 0, only = 0;
-    const kvs_arg_t args[] = {
-        {"runs", KVS_ARG_U32, &runs, "requests per deployment, the median is reported (3)", NULL,
-         NULL},
-        {"prompt-len", KVS_ARG_U32, &prompt_len, "prompt tokens (128)", NULL, NULL},
-        {"max-tokens", KVS_ARG_U32, &max_tokens, "tokens generated per request (32)", NULL, NULL},
-        {"seed", KVS_ARG_U64, &seed, "seed of the random prompts", NULL, NULL},
-        {"only", KVS_ARG_CHOICE, &only, "which models", "all|smollm2|seeded", NULL},
-        {"json", KVS_ARG_FLAG, &json, "one JSON object", NULL, NULL},
-    };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse("kvstage bench engine [flags]", args, nargs, argc, argv, 1);
+    engine_opts_t o = {.runs = 3, .prompt_len = 128, .max_tokens = 32, .seed = 1};
+    kvs_arg_table_t t = {.count = 0};
+    engine_flags(&t, &o);
+    int rc = kvs_arg_table_parse(&t, "kvstage bench engine [flags]", argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    if (runs == 0 || runs > MAX_RUNS || prompt_len == 0 || prompt_len > 2048 || max_tokens < 2) {
+    if (o.runs == 0 || o.runs > MAX_RUNS || o.prompt_len == 0 || o.prompt_len > 2048 ||
+        o.max_tokens < 2) {
         fprintf(stderr, "error: --runs 1..%d, --prompt-len 1..2048, --max-tokens >= 2\n", MAX_RUNS);
         return 2;
     }
     char cpu[256], path[4096];
     long cores = 0;
     kvs_bench_cpu_info(cpu, sizeof(cpu), &cores);
-    int have_smol = only != 2 && kvs_model_default_path(path, sizeof(path)) == KVS_OK;
-    if (only == 1 && !have_smol) return 1;
-    if (!json) {
-        printf("kvstage bench engine: the reference engine (f32, CPU), colocated vs disaggregated "
-               "through kvstage\nhardware: %s, %ld cores; every rank a process, ranks of both "
-               "instances share the cores\n%u-token prompts, %u new tokens, radix caches off, "
-               "median of %u requests served one after another\n%s\n",
-               cpu, cores, prompt_len, max_tokens, runs,
-               have_smol || only == 2 ? ""
-                                      : "(SmolLM2 not found: run scripts/setup.sh; its rows are "
-                                        "skipped)\n");
-        printf("%-14s %-15s %14s %13s %10s %12s %7s %10s\n", "model", "deployment", "prefill tok/s",
-               "decode tok/s", "TTFT ms", "transfer ms", "share", "KV/req KiB");
-        fflush(stdout);
-    }
+    int have_smol = o.only != 2 && kvs_model_default_path(path, sizeof(path)) == KVS_OK;
+    if (o.only == 1 && !have_smol) return 1;
     kvs_json_t j;
-    if (json) {
-        kvs_json_begin(&j, stdout);
-        kvs_json_str(&j, "cpu", cpu);
-        kvs_json_u64(&j, "cores", (uint64_t) cores);
-        kvs_json_u64(&j, "prompt_tokens", prompt_len);
-        kvs_json_u64(&j, "new_tokens", max_tokens);
-        kvs_json_u64(&j, "runs", runs);
-        kvs_json_str(&j, "seeded_shape", SEEDED);
-        kvs_json_array_begin(&j, "rows");
-    }
+    print_begin(&o, &j, cpu, cores, have_smol);
     int failed = 0;
     for (size_t i = 0; i < sizeof(configs) / sizeof(configs[0]); i++) {
         const config_t *c = &configs[i];
-        if ((c->seeded && only == 1) || (!c->seeded && (only == 2 || !have_smol))) continue;
-        char deploy[32];
-        if (c->colocated)
-            snprintf(deploy, sizeof(deploy), "colocated TP%u", c->prefill_tp);
-        else
-            snprintf(deploy, sizeof(deploy), "TP%u -> TP%u", c->prefill_tp, c->decode_tp);
-        row_t r = measure(c, runs, prompt_len, max_tokens, seed);
+        if ((c->seeded && o.only == 1) || (!c->seeded && (o.only == 2 || !have_smol))) continue;
+        row_t r = measure(c, o.runs, o.prompt_len, o.max_tokens, o.seed);
         failed |= !r.ok;
-        if (json) {
-            kvs_json_object_begin(&j, NULL);
-            kvs_json_str(&j, "model", c->model);
-            kvs_json_str(&j, "deployment", deploy);
-            kvs_json_bool(&j, "colocated", c->colocated);
-            kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
-            kvs_json_u64(&j, "decode_tp", c->colocated ? c->prefill_tp : c->decode_tp);
-            kvs_json_bool(&j, "ok", r.ok);
-            kvs_json_double(&j, "prefill_tok_s", r.prefill_tok_s);
-            kvs_json_double(&j, "decode_tok_s", r.decode_tok_s);
-            kvs_json_double(&j, "ttft_ms", r.ttft_ms);
-            kvs_json_double(&j, "transfer_ms", r.transfer_ms);
-            kvs_json_double(&j, "transfer_share", r.share);
-            kvs_json_double(&j, "kv_bytes_per_request", r.kv_bytes);
-            kvs_json_double(&j, "load_s", r.load_s);
-            kvs_json_object_end(&j);
-        } else if (!r.ok) {
-            printf("%-14s %-15s   FAILED (run `kvstage generate` with these settings to see why)\n",
-                   c->model, deploy);
-        } else if (c->colocated) {
-            printf("%-14s %-15s %14.1f %13.1f %10.1f %12s %7s %10s\n", c->model, deploy,
-                   r.prefill_tok_s, r.decode_tok_s, r.ttft_ms, "-", "-", "-");
-        } else {
-            printf("%-14s %-15s %14.1f %13.1f %10.1f %12.2f %6.1f%% %10.0f\n", c->model, deploy,
-                   r.prefill_tok_s, r.decode_tok_s, r.ttft_ms, r.transfer_ms, 100.0 * r.share,
-                   r.kv_bytes / 1024.0);
-        }
-        fflush(stdout);
+        print_row(&o, &j, c, &r);
     }
-    if (json) {
-        kvs_json_array_end(&j);
-        kvs_json_bool(&j, "ok", !failed);
-        kvs_json_end(&j);
-    } else {
-        printf("\nprefill and decode tok/s: one request at a time (prefill: the prompt on the "
-               "prefill side;\ndecode: tokens after the first); TTFT: submission to the first "
-               "token on decode; transfer:\nprompt computed on prefill -> KV and first token on "
-               "every decode rank.\n");
-    }
+    print_end(&o, &j, failed);
     return failed ? 1 : 0;
 }

@@ -51,6 +51,11 @@ typedef struct {
 
 #define MAX_LIST 16
 
+typedef struct {
+    uint32_t tokens[MAX_LIST], pages[MAX_LIST];
+    int ntokens, npages;
+} lists_t;
+
 /* Parses "a,b,c" of positive integers; returns the count or -1. */
 static int parse_list(const char *s, uint32_t *out)
 {
@@ -176,17 +181,177 @@ static int fill_random(uint8_t *dev, uint64_t n, kvs_rng_t *rng)
     return ok && cu_ok(cudaDeviceSynchronize(), "filling memory");
 }
 
-/* Records what failed for the message at the end of bench_pool, then cleans up there. */
-#define FAIL(what)                                                                                 \
-    do {                                                                                           \
-        failed = (what);                                                                           \
-        goto out;                                                                                  \
-    } while (0)
-
 typedef struct {
     int rows, rows_met, checks_failed;
     double worst_pct;
 } totals_t;
+
+/* One (model, layout, page size): the device pool and region, and the host tables every row of
+ * it shares. */
+typedef struct {
+    const cfg_t *cfg;
+    const model_t *m;
+    kvs_pool_config_t pc;
+    uint32_t num_pages;
+    cudaStream_t stream; /* the backend's */
+    kvs_pool_t *pool;
+    kvs_region_t *regions;  /* [layers x K/V] */
+    uint32_t *list, *other; /* pages in a random order; the same rotated by one */
+    uint8_t *region;
+    uint64_t max_bytes; /* of the region */
+    float *ms;
+    cudaEvent_t *ev;
+    uint32_t nev; /* created */
+} pool_bench_t;
+
+static void pool_config(const cfg_t *cfg, const model_t *m, kvs_pool_layout_t layout, uint32_t P,
+                        uint32_t num_pages, kvs_pool_config_t *pc)
+{
+    memset(pc, 0, sizeof(*pc));
+    pc->shape.layers = m->layers;
+    pc->shape.kv_heads = m->kv_heads;
+    pc->shape.head_dim_k = m->head_dim;
+    pc->shape.head_dim_v = m->head_dim;
+    pc->shape.elem_bytes = 2; /* bf16 */
+    pc->shape.attn = KVS_ATTN_MHA;
+    pc->tp.tp_size = 1;
+    pc->page_size = P;
+    pc->num_pages = num_pages;
+    pc->layout = layout;
+    pc->mem = KVS_MEM_DEVICE;
+    pc->device = (int) cfg->device;
+}
+
+/* Allocates and fills b's pool, region and tables; NULL, or what failed. */
+static const char *pool_setup(pool_bench_t *b, kvs_rng_t *rng)
+{
+    const uint32_t LC = b->m->layers * 2, num_pages = b->num_pages, reps = b->cfg->reps;
+    b->max_bytes =
+        kvs_copy_region_bytes(&b->pc.shape, b->m->kv_heads, (uint64_t) num_pages * b->pc.page_size);
+    if (kvs_pool_create(&b->pc, &b->pool) != KVS_OK) return "creating the device pool";
+    b->regions = kvs_calloc(LC, sizeof(kvs_region_t));
+    b->list = kvs_calloc(num_pages, sizeof(uint32_t));
+    b->other = kvs_calloc(num_pages, sizeof(uint32_t));
+    b->ms = kvs_calloc(reps, sizeof(float));
+    b->ev = kvs_calloc(reps + 1, sizeof(cudaEvent_t));
+    if (!b->regions || !b->list || !b->other || !b->ms || !b->ev) return "out of host memory";
+    for (uint32_t i = 0; i < LC; i++) b->regions[i] = *kvs_pool_region(b->pool, i / 2, i % 2);
+    for (; b->nev < reps + 1; b->nev++)
+        if (!cu_ok(cudaEventCreate(&b->ev[b->nev]), "cudaEventCreate")) return "creating events";
+    void *p = NULL;
+    if (!cu_ok(cudaMalloc(&p, b->max_bytes), "allocating the region"))
+        return "allocating the region";
+    b->region = p;
+    /* the pool's one allocation starts at the first region and holds max_bytes at least */
+    const uint64_t pool_bytes = (uint64_t) (b->regions[LC - 1].base - b->regions[0].base) +
+                                (uint64_t) num_pages * b->regions[LC - 1].page_stride;
+    if (!fill_random(b->regions[0].base, pool_bytes, rng) ||
+        !fill_random(b->region, b->max_bytes, rng))
+        return "filling the pool and region with random bytes";
+    /* pages in a random order, as a long-running pool hands them out */
+    for (uint32_t i = 0; i < num_pages; i++) b->list[i] = i;
+    for (uint32_t i = num_pages; i > 1; i--) {
+        uint32_t j = (uint32_t) kvs_rng_below(rng, i), x = b->list[i - 1];
+        b->list[i - 1] = b->list[j];
+        b->list[j] = x;
+    }
+    return NULL;
+}
+
+static void pool_teardown(pool_bench_t *b)
+{
+    for (uint32_t i = 0; i < b->nev; i++) (void) cudaEventDestroy(b->ev[i]);
+    if (b->region) (void) cudaFree(b->region);
+    kvs_free(b->ev);
+    kvs_free(b->ms);
+    kvs_free(b->other);
+    kvs_free(b->list);
+    kvs_free(b->regions);
+    kvs_pool_destroy(b->pool);
+}
+
+/* The copy of the first npages of b's page list between the pool and the region. */
+static void row_desc(const pool_bench_t *b, uint32_t npages, kvs_copy_desc_t *d)
+{
+    const uint32_t P = b->pc.page_size;
+    memset(d, 0, sizeof(*d));
+    d->regions = b->regions;
+    d->layers = b->m->layers;
+    d->components = 2;
+    d->shape = &kvs_pool_config(b->pool)->shape;
+    d->pages = b->list;
+    d->npages = npages;
+    d->pool_pages = b->num_pages;
+    d->page_size = P;
+    d->pool_head = 0;
+    d->heads = b->m->kv_heads;
+    d->region = b->region;
+    d->region_bytes = kvs_copy_region_bytes(&b->pc.shape, d->heads, (uint64_t) npages * P);
+}
+
+/* Scatters the region once more to other pages (d's list rotated by one page) and adds the
+ * sampled heads that differ there to *bad_p; NULL, or what failed. */
+static const char *checked_scatter(pool_bench_t *b, const kvs_copy_desc_t *d,
+                                   const kvs_copy_backend_t *gpu, kvs_rng_t *rng, uint64_t *bad_p)
+{
+    for (uint32_t i = 0; i < d->npages; i++) b->other[i] = b->list[(i + 1) % d->npages];
+    kvs_copy_desc_t d2 = *d;
+    d2.pages = b->other;
+    uint64_t ticket = 0;
+    kvs_status_t st = kvs_copy_submit(gpu, KVS_COPY_SCATTER, &d2, &ticket);
+    if (st == KVS_OK) {
+        while ((st = kvs_copy_poll(gpu, ticket)) == KVS_INPROGRESS) {
+        }
+    }
+    if (st != KVS_OK) return "the checked scatter";
+    *bad_p += check_samples(&d2, rng, b->cfg->samples);
+    return NULL;
+}
+
+/* One row: memcpy, gather and scatter of `tokens` tokens timed and checked, printed and added
+ * to tot; NULL, or what failed. */
+static const char *bench_row(pool_bench_t *b, uint32_t tokens, const kvs_copy_backend_t *gpu,
+                             kvs_rng_t *rng, totals_t *tot)
+{
+    const cfg_t *cfg = b->cfg;
+    const uint32_t P = b->pc.page_size;
+    kvs_copy_desc_t d;
+    row_desc(b, (tokens + P - 1) / P, &d);
+    const uint64_t bytes = d.region_bytes;
+    kvs_cuda_plan_t plan;
+    if (kvs__copy_cuda_plan(&d, &plan) != KVS_OK) return "planning the copy";
+
+    double t_mem = 0, t_g = 0, t_s = 0;
+    op_t mem = {NULL, KVS_COPY_GATHER, NULL, b->region, b->regions[0].base, bytes};
+    op_t gat = {gpu, KVS_COPY_GATHER, &d, NULL, NULL, bytes};
+    op_t sca = {gpu, KVS_COPY_SCATTER, &d, NULL, NULL, bytes};
+    if (!op_time(&mem, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_mem) ||
+        !op_time(&gat, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_g))
+        return "timing the memcpy or the gather";
+    /* the region now holds the gather of the list: check it */
+    uint64_t bad = check_samples(&d, rng, cfg->samples);
+    if (!op_time(&sca, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_s))
+        return "timing the scatter";
+    const char *failed = checked_scatter(b, &d, gpu, rng, &bad);
+    if (failed) return failed;
+
+    const double gb = (double) bytes / 1e9;
+    const double g_mem = gb / t_mem, g_g = gb / t_g, g_s = gb / t_s;
+    const double pg = 100.0 * g_g / g_mem, ps = 100.0 * g_s / g_mem;
+    const int met = pg >= TARGET_PCT && ps >= TARGET_PCT;
+    static const char *runs[] = {"head", "token", "page"};
+    printf("%-10s %-3s %4u %6u %9.1f %7.0f (%5.0f) %7.0f %5.1f%% %7.0f %5.1f%% %3u %-5s %s%s\n",
+           b->m->name, b->pc.layout == KVS_POOL_HND ? "HND" : "NHD", P, tokens,
+           (double) bytes / (1 << 20), g_mem, 2 * g_mem, g_g, pg, g_s, ps, plan.vec_bytes,
+           runs[plan.run], met ? "yes" : "NO", bad ? "  CHECK FAILED" : "");
+    fflush(stdout);
+    tot->rows++;
+    tot->rows_met += met;
+    tot->checks_failed += bad != 0;
+    if (pg < tot->worst_pct) tot->worst_pct = pg;
+    if (ps < tot->worst_pct) tot->worst_pct = ps;
+    return NULL;
+}
 
 /* One (model, layout, page size): a pool sized for the largest token count, then one row per
  * token count. */
@@ -197,184 +362,70 @@ static int bench_pool(const cfg_t *cfg, const model_t *m, kvs_pool_layout_t layo
     uint32_t max_tokens = 0;
     for (int i = 0; i < ntokens; i++)
         if (tokens[i] > max_tokens) max_tokens = tokens[i];
-    const uint32_t num_pages = (max_tokens + P - 1) / P;
-    kvs_pool_config_t pc;
-    memset(&pc, 0, sizeof(pc));
-    pc.shape.layers = m->layers;
-    pc.shape.kv_heads = m->kv_heads;
-    pc.shape.head_dim_k = m->head_dim;
-    pc.shape.head_dim_v = m->head_dim;
-    pc.shape.elem_bytes = 2; /* bf16 */
-    pc.shape.attn = KVS_ATTN_MHA;
-    pc.tp.tp_size = 1;
-    pc.page_size = P;
-    pc.num_pages = num_pages;
-    pc.layout = layout;
-    pc.mem = KVS_MEM_DEVICE;
-    pc.device = (int) cfg->device;
-    const uint32_t L = m->layers, C = 2, H = m->kv_heads;
-
-    int ok = 0;
-    const char *failed = "setup";
-    kvs_pool_t *pool = NULL;
-    kvs_region_t *regions = NULL;
-    uint32_t *list = NULL, *other = NULL;
-    uint8_t *region = NULL;
-    float *ms = NULL;
-    cudaEvent_t *ev = NULL;
-    uint32_t nev = 0;
-    cudaStream_t stream = (cudaStream_t) kvs_copy_cuda_stream(gpu);
-    const uint64_t max_bytes = kvs_copy_region_bytes(&pc.shape, H, (uint64_t) num_pages * P);
-
-    if (kvs_pool_create(&pc, &pool) != KVS_OK) FAIL("creating the device pool");
-    regions = kvs_calloc((size_t) L * C, sizeof(kvs_region_t));
-    list = kvs_calloc(num_pages, sizeof(uint32_t));
-    other = kvs_calloc(num_pages, sizeof(uint32_t));
-    ms = kvs_calloc(cfg->reps, sizeof(float));
-    ev = kvs_calloc(cfg->reps + 1, sizeof(cudaEvent_t));
-    if (!regions || !list || !other || !ms || !ev) {
-        FAIL("out of host memory");
-    }
-    for (uint32_t i = 0; i < L * C; i++) regions[i] = *kvs_pool_region(pool, i / C, i % C);
-    for (; nev < cfg->reps + 1; nev++)
-        if (!cu_ok(cudaEventCreate(&ev[nev]), "cudaEventCreate")) FAIL("creating events");
-    void *p = NULL;
-    if (!cu_ok(cudaMalloc(&p, max_bytes), "allocating the region")) FAIL("allocating the region");
-    region = p;
-    /* the pool's one allocation starts at the first region and holds max_bytes at least */
-    const uint64_t pool_bytes = (uint64_t) (regions[L * C - 1].base - regions[0].base) +
-                                (uint64_t) num_pages * regions[L * C - 1].page_stride;
-    if (!fill_random(regions[0].base, pool_bytes, rng) || !fill_random(region, max_bytes, rng))
-        FAIL("filling the pool and region with random bytes");
-    /* pages in a random order, as a long-running pool hands them out */
-    for (uint32_t i = 0; i < num_pages; i++) list[i] = i;
-    for (uint32_t i = num_pages; i > 1; i--) {
-        uint32_t j = (uint32_t) kvs_rng_below(rng, i), x = list[i - 1];
-        list[i - 1] = list[j];
-        list[j] = x;
-    }
-
-    for (int ti = 0; ti < ntokens; ti++) {
-        const uint32_t npages = (tokens[ti] + P - 1) / P;
-        const uint64_t T = (uint64_t) npages * P;
-        const uint64_t bytes = kvs_copy_region_bytes(&pc.shape, H, T);
-        kvs_copy_desc_t d;
-        memset(&d, 0, sizeof(d));
-        d.regions = regions;
-        d.layers = L;
-        d.components = C;
-        d.shape = &kvs_pool_config(pool)->shape;
-        d.pages = list;
-        d.npages = npages;
-        d.pool_pages = num_pages;
-        d.page_size = P;
-        d.pool_head = 0;
-        d.heads = H;
-        d.region = region;
-        d.region_bytes = bytes;
-        kvs_cuda_plan_t plan;
-        if (kvs__copy_cuda_plan(&d, &plan) != KVS_OK) FAIL("planning the copy");
-
-        double t_mem = 0, t_g = 0, t_s = 0;
-        op_t mem = {NULL, KVS_COPY_GATHER, NULL, region, regions[0].base, bytes};
-        op_t gat = {gpu, KVS_COPY_GATHER, &d, NULL, NULL, bytes};
-        op_t sca = {gpu, KVS_COPY_SCATTER, &d, NULL, NULL, bytes};
-        if (!op_time(&mem, stream, cfg->warmup, cfg->reps, ev, ms, &t_mem) ||
-            !op_time(&gat, stream, cfg->warmup, cfg->reps, ev, ms, &t_g))
-            FAIL("timing the memcpy or the gather");
-        /* the region now holds the gather of `list`: check it */
-        uint64_t bad = check_samples(&d, rng, cfg->samples);
-        if (!op_time(&sca, stream, cfg->warmup, cfg->reps, ev, ms, &t_s))
-            FAIL("timing the scatter");
-        /* scatter once more to other pages (the list rotated by one page) and check those */
-        for (uint32_t i = 0; i < npages; i++) other[i] = list[(i + 1) % npages];
-        kvs_copy_desc_t d2 = d;
-        d2.pages = other;
-        uint64_t ticket = 0;
-        kvs_status_t st = kvs_copy_submit(gpu, KVS_COPY_SCATTER, &d2, &ticket);
-        if (st == KVS_OK) {
-            while ((st = kvs_copy_poll(gpu, ticket)) == KVS_INPROGRESS) {
-            }
-        }
-        if (st != KVS_OK) FAIL("the checked scatter");
-        bad += check_samples(&d2, rng, cfg->samples);
-
-        const double gb = (double) bytes / 1e9;
-        const double g_mem = gb / t_mem, g_g = gb / t_g, g_s = gb / t_s;
-        const double pg = 100.0 * g_g / g_mem, ps = 100.0 * g_s / g_mem;
-        const int met = pg >= TARGET_PCT && ps >= TARGET_PCT;
-        static const char *runs[] = {"head", "token", "page"};
-        printf("%-10s %-3s %4u %6u %9.1f %7.0f (%5.0f) %7.0f %5.1f%% %7.0f %5.1f%% %3u %-5s %s%s\n",
-               m->name, layout == KVS_POOL_HND ? "HND" : "NHD", P, tokens[ti],
-               (double) bytes / (1 << 20), g_mem, 2 * g_mem, g_g, pg, g_s, ps, plan.vec_bytes,
-               runs[plan.run], met ? "yes" : "NO", bad ? "  CHECK FAILED" : "");
-        fflush(stdout);
-        tot->rows++;
-        tot->rows_met += met;
-        tot->checks_failed += bad != 0;
-        if (pg < tot->worst_pct) tot->worst_pct = pg;
-        if (ps < tot->worst_pct) tot->worst_pct = ps;
-    }
-    ok = 1;
-out:
-    if (!ok)
+    pool_bench_t b;
+    memset(&b, 0, sizeof(b));
+    b.cfg = cfg;
+    b.m = m;
+    b.num_pages = (max_tokens + P - 1) / P;
+    b.stream = (cudaStream_t) kvs_copy_cuda_stream(gpu);
+    pool_config(cfg, m, layout, P, b.num_pages, &b.pc);
+    const char *failed = pool_setup(&b, rng);
+    for (int ti = 0; failed == NULL && ti < ntokens; ti++)
+        failed = bench_row(&b, tokens[ti], gpu, rng, tot);
+    if (failed)
         fprintf(stderr, "error: %s failed (%s, %s, page size %u)\n", failed, m->name,
                 layout == KVS_POOL_HND ? "HND" : "NHD", P);
-    for (uint32_t i = 0; i < nev; i++) (void) cudaEventDestroy(ev[i]);
-    if (region) (void) cudaFree(region);
-    kvs_free(ev);
-    kvs_free(ms);
-    kvs_free(other);
-    kvs_free(list);
-    kvs_free(regions);
-    kvs_pool_destroy(pool);
-    return ok;
+    pool_teardown(&b);
+    return failed == NULL;
 }
 
-int kvs_bench_kernels(int argc, char **argv)
+static void kernels_flags(kvs_arg_table_t *t, cfg_t *cfg)
 {
-    cfg_t cfg = {.device = 0, .reps = 10, .warmup = 3, .samples = 64};
-    cfg.tokens = "1024,4096,16384,32768";
-    cfg.pages = "1,16,64";
-    const kvs_arg_t args[] = {
-        {"device", KVS_ARG_U32, &cfg.device, "CUDA device (default 0)", NULL, NULL},
-        {"model", KVS_ARG_CHOICE, &cfg.model, "KV shapes (bf16, 8 KV heads, head dim 128)",
+    const kvs_arg_t g[] = {
+        {"device", KVS_ARG_U32, &cfg->device, "CUDA device (default 0)", NULL, NULL},
+        {"model", KVS_ARG_CHOICE, &cfg->model, "KV shapes (bf16, 8 KV heads, head dim 128)",
          "all|llama3-8b|llama3-70b", NULL},
-        {"layout", KVS_ARG_CHOICE, &cfg.layout, "pool layouts", "both|nhd|hnd", NULL},
-        {"tokens", KVS_ARG_STR, &cfg.tokens, "token counts (default 1024,4096,16384,32768)", NULL,
+        {"layout", KVS_ARG_CHOICE, &cfg->layout, "pool layouts", "both|nhd|hnd", NULL},
+        {"tokens", KVS_ARG_STR, &cfg->tokens, "token counts (default 1024,4096,16384,32768)", NULL,
          NULL},
-        {"page-sizes", KVS_ARG_STR, &cfg.pages, "page sizes (default 1,16,64)", NULL, NULL},
-        {"reps", KVS_ARG_U32, &cfg.reps, "timed copies per row, median reported (default 10)", NULL,
-         NULL},
-        {"warmup", KVS_ARG_U32, &cfg.warmup, "untimed copies first (default 3)", NULL, NULL},
-        {"samples", KVS_ARG_U32, &cfg.samples, "heads checked per gather and scatter (default 64)",
+        {"page-sizes", KVS_ARG_STR, &cfg->pages, "page sizes (default 1,16,64)", NULL, NULL},
+        {"reps", KVS_ARG_U32, &cfg->reps, "timed copies per row, median reported (default 10)",
          NULL, NULL},
-        {"inline-max", KVS_ARG_U64, &cfg.inline_max,
+        {"warmup", KVS_ARG_U32, &cfg->warmup, "untimed copies first (default 3)", NULL, NULL},
+        {"samples", KVS_ARG_U32, &cfg->samples, "heads checked per gather and scatter (default 64)",
+         NULL, NULL},
+        {"inline-max", KVS_ARG_U64, &cfg->inline_max,
          "largest table (bytes) passed in kernel parameters; 0 uploads every page list "
          "(default: the backend's)",
-         NULL, &cfg.inline_seen},
+         NULL, &cfg->inline_seen},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int prc = kvs_args_parse(USAGE, args, nargs, argc, argv, 1);
-    if (prc == KVS_ARGS_HELP) return 0;
-    if (prc != KVS_ARGS_OK) return EXIT_USAGE;
-    uint32_t tokens[MAX_LIST], pages[MAX_LIST];
-    int ntokens = parse_list(cfg.tokens, tokens), npages = parse_list(cfg.pages, pages);
-    const char *bad = NULL;
-    if (ntokens <= 0)
-        bad = "--tokens takes up to 16 comma-separated counts in 1..16777216";
-    else if (npages <= 0)
-        bad = "--page-sizes takes up to 16 comma-separated sizes in 1..16777216";
-    else if (cfg.reps == 0 || cfg.reps > 1000)
-        bad = "--reps must be in 1..1000";
-    else if (cfg.warmup > 1000)
-        bad = "--warmup must be at most 1000";
-    if (bad) {
-        fprintf(stderr, "error: %s\n", bad);
-        kvs_args_usage(stderr, USAGE, args, nargs);
-        return EXIT_USAGE;
-    }
+    KVS_ARG_TABLE_ADD(t, g);
+}
 
+/* The token and page lists, into lists; 0, or EXIT_USAGE after the error and the usage. */
+static int parse_lists(const cfg_t *cfg, const kvs_arg_table_t *t, lists_t *lists)
+{
+    lists->ntokens = parse_list(cfg->tokens, lists->tokens);
+    lists->npages = parse_list(cfg->pages, lists->pages);
+    const char *bad = NULL;
+    if (lists->ntokens <= 0)
+        bad = "--tokens takes up to 16 comma-separated counts in 1..16777216";
+    else if (lists->npages <= 0)
+        bad = "--page-sizes takes up to 16 comma-separated sizes in 1..16777216";
+    else if (cfg->reps == 0 || cfg->reps > 1000)
+        bad = "--reps must be in 1..1000";
+    else if (cfg->warmup > 1000)
+        bad = "--warmup must be at most 1000";
+    if (bad == NULL) return 0;
+    fprintf(stderr, "error: %s\n", bad);
+    kvs_args_usage(stderr, USAGE, t->items, t->count);
+    return EXIT_USAGE;
+}
+
+/* Makes --device current, describes it into desc and creates the copy backend on it; 0, or the
+ * exit code after saying why. */
+static int open_gpu(const cfg_t *cfg, kvs_copy_backend_t *gpu, char *desc, size_t cap)
+{
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
@@ -383,35 +434,39 @@ int kvs_bench_kernels(int argc, char **argv)
                 err != cudaSuccess ? cudaGetErrorString(err) : "the runtime sees 0 devices");
         return EXIT_RUN_FAILED;
     }
-    if ((int) cfg.device >= count) {
-        fprintf(stderr, "error: --device %u but this machine has %d CUDA device(s)\n", cfg.device,
+    if ((int) cfg->device >= count) {
+        fprintf(stderr, "error: --device %u but this machine has %d CUDA device(s)\n", cfg->device,
                 count);
         return EXIT_USAGE;
     }
     struct cudaDeviceProp prop;
     int rt = 0, drv = 0;
-    if (!cu_ok(cudaGetDeviceProperties(&prop, (int) cfg.device), "cudaGetDeviceProperties"))
+    if (!cu_ok(cudaGetDeviceProperties(&prop, (int) cfg->device), "cudaGetDeviceProperties"))
         return EXIT_RUN_FAILED;
     (void) cudaRuntimeGetVersion(&rt);
     (void) cudaDriverGetVersion(&drv);
-    if (!cu_ok(cudaSetDevice((int) cfg.device), "cudaSetDevice")) return EXIT_RUN_FAILED;
+    if (!cu_ok(cudaSetDevice((int) cfg->device), "cudaSetDevice")) return EXIT_RUN_FAILED;
+    if (kvs_copy_cuda_create((int) cfg->device, gpu) != KVS_OK) return EXIT_RUN_FAILED;
+    if (cfg->inline_seen) (void) kvs__copy_cuda_set_inline_max(gpu, (size_t) cfg->inline_max);
+    snprintf(desc, cap,
+             "GPU %u: %s, %d SMs, %.1f GiB, L2 %d MiB, compute %d.%d; CUDA runtime %d.%d, driver "
+             "%d.%d",
+             cfg->device, prop.name, prop.multiProcessorCount,
+             (double) prop.totalGlobalMem / (1ull << 30), prop.l2CacheSize >> 20, prop.major,
+             prop.minor, rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    return 0;
+}
 
-    kvs_copy_backend_t gpu = {NULL, NULL};
-    if (kvs_copy_cuda_create((int) cfg.device, &gpu) != KVS_OK) return EXIT_RUN_FAILED;
-    if (cfg.inline_seen) (void) kvs__copy_cuda_set_inline_max(&gpu, (size_t) cfg.inline_max);
-
+static void print_header(const cfg_t *cfg, const char *gpu_desc)
+{
     printf("kvstage bench kernels: CUDA gather/scatter vs a device-to-device cudaMemcpy of the "
            "same bytes\n");
-    printf("GPU %u: %s, %d SMs, %.1f GiB, L2 %d MiB, compute %d.%d; CUDA runtime %d.%d, driver "
-           "%d.%d\n",
-           cfg.device, prop.name, prop.multiProcessorCount,
-           (double) prop.totalGlobalMem / (1ull << 30), prop.l2CacheSize >> 20, prop.major,
-           prop.minor, rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    printf("%s\n", gpu_desc);
     printf("shapes: bf16, 8 KV heads, head dim 128, all heads of a TP-1 pool, pages in random "
            "order\n");
     printf("timing: CUDA events on the backend's stream around each copy (page-list upload + "
            "one kernel), %u warm-up + %u timed, median\n",
-           cfg.warmup, cfg.reps);
+           cfg->warmup, cfg->reps);
     printf("page lists: inside the kernel parameters while the table fits (16 KiB; "
            "--inline-max), else uploaded first\n");
     printf("GB/s counts payload bytes once (1 GB = 1e9 B); DRAM traffic is read + write = 2x, "
@@ -420,20 +475,46 @@ int kvs_bench_kernels(int argc, char **argv)
     printf("%-10s %-3s %4s %6s %9s %15s %14s %14s %3s %-5s %s\n", "model", "lay", "page", "tokens",
            "MiB", "memcpy (r+w)", "gather %", "scatter %", "vec", "run", "ok");
     fflush(stdout);
+}
 
+/* Every selected model, layout and page size; 0 when a run failed. */
+static int bench_all(const cfg_t *cfg, const lists_t *lists, const kvs_copy_backend_t *gpu,
+                     totals_t *tot)
+{
     kvs_rng_t rng;
     kvs_rng_seed(&rng, 0xbe4c4);
-    totals_t tot = {0, 0, 0, 1e9};
     int ok = 1;
     for (size_t mi = 0; mi < sizeof(models) / sizeof(models[0]) && ok; mi++) {
-        if (cfg.model != 0 && (size_t) cfg.model != mi + 1) continue;
+        if (cfg->model != 0 && (size_t) cfg->model != mi + 1) continue;
         for (int li = 0; li < 2 && ok; li++) {
-            if (cfg.layout != 0 && cfg.layout != li + 1) continue;
-            for (int pi = 0; pi < npages && ok; pi++)
-                ok = bench_pool(&cfg, &models[mi], li == 0 ? KVS_POOL_NHD : KVS_POOL_HND, pages[pi],
-                                tokens, ntokens, &gpu, &rng, &tot);
+            if (cfg->layout != 0 && cfg->layout != li + 1) continue;
+            for (int pi = 0; pi < lists->npages && ok; pi++)
+                ok = bench_pool(cfg, &models[mi], li == 0 ? KVS_POOL_NHD : KVS_POOL_HND,
+                                lists->pages[pi], lists->tokens, lists->ntokens, gpu, &rng, tot);
         }
     }
+    return ok;
+}
+
+int kvs_bench_kernels(int argc, char **argv)
+{
+    cfg_t cfg = {.device = 0, .reps = 10, .warmup = 3, .samples = 64};
+    cfg.tokens = "1024,4096,16384,32768";
+    cfg.pages = "1,16,64";
+    kvs_arg_table_t t = {.count = 0};
+    kernels_flags(&t, &cfg);
+    int rc = kvs_arg_table_parse(&t, USAGE, argc, argv, 1);
+    if (rc == KVS_ARGS_HELP) return 0;
+    if (rc != KVS_ARGS_OK) return EXIT_USAGE;
+    lists_t lists;
+    if ((rc = parse_lists(&cfg, &t, &lists)) != 0) return rc;
+    kvs_copy_backend_t gpu = {NULL, NULL};
+    char desc[512];
+    if ((rc = open_gpu(&cfg, &gpu, desc, sizeof(desc))) != 0) return rc;
+    print_header(&cfg, desc);
+
+    totals_t tot = {0, 0, 0, 1e9};
+    int ok = bench_all(&cfg, &lists, &gpu, &tot);
     kvs_copy_backend_destroy(&gpu);
     printf("\n");
     if (!ok) {

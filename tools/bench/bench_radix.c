@@ -944,92 +944,126 @@ static void print_json(const bench_cfg_t *cfg, const workload_t *ws, const resul
 
 static const char USAGE[] = "kvstage bench radix [flags]";
 
-int kvs_bench_radix(int argc, char **argv)
+/* bench_cfg_t and which flags were given, for the checks. */
+typedef struct {
+    bench_cfg_t cfg;
+    int seen_workload, seen_seed, seen_scale;
+} radix_opts_t;
+
+static void radix_flags(kvs_arg_table_t *t, radix_opts_t *o)
 {
-    bench_cfg_t cfg = {.page_size = 16, .seed = 1, .scale = 1.0, .repeat = 5};
-    int seen_workload = 0, seen_seed = 0, seen_scale = 0;
-    const kvs_arg_t args[] = {
-        {"workload", KVS_ARG_CHOICE, &cfg.workload, "built-in workload(s) to run",
-         "all|shared-prefix|multi-turn|few-shot", &seen_workload},
-        {"page-size", KVS_ARG_U32, &cfg.page_size, "tokens per page (default 16)", NULL, NULL},
-        {"capacity-pages", KVS_ARG_U64, &cfg.capacity,
+    bench_cfg_t *cfg = &o->cfg;
+    const kvs_arg_t g[] = {
+        {"workload", KVS_ARG_CHOICE, &cfg->workload, "built-in workload(s) to run",
+         "all|shared-prefix|multi-turn|few-shot", &o->seen_workload},
+        {"page-size", KVS_ARG_U32, &cfg->page_size, "tokens per page (default 16)", NULL, NULL},
+        {"capacity-pages", KVS_ARG_U64, &cfg->capacity,
          "pool pages; evict when an allocation would exceed it (default 0: no eviction)", NULL,
          NULL},
-        {"seed", KVS_ARG_U64, &cfg.seed, "workload generator seed (default 1)", NULL, &seen_seed},
-        {"scale", KVS_ARG_DOUBLE, &cfg.scale,
-         "scale the number of requests (groups, clients, questions); default 1", NULL, &seen_scale},
-        {"repeat", KVS_ARG_U32, &cfg.repeat,
+        {"seed", KVS_ARG_U64, &cfg->seed, "workload generator seed (default 1)", NULL,
+         &o->seen_seed},
+        {"scale", KVS_ARG_DOUBLE, &cfg->scale,
+         "scale the number of requests (groups, clients, questions); default 1", NULL,
+         &o->seen_scale},
+        {"repeat", KVS_ARG_U32, &cfg->repeat,
          "timed passes per workload, the fastest reported (default 5)", NULL, NULL},
-        {"json", KVS_ARG_FLAG, &cfg.json, "print JSON instead of a table", NULL, NULL},
-        {"trace", KVS_ARG_STR, &cfg.trace, "replay this trace file instead of the built-ins", NULL,
+        {"json", KVS_ARG_FLAG, &cfg->json, "print JSON instead of a table", NULL, NULL},
+        {"trace", KVS_ARG_STR, &cfg->trace, "replay this trace file instead of the built-ins", NULL,
          NULL},
-        {"dump-trace", KVS_ARG_STR, &cfg.dump,
+        {"dump-trace", KVS_ARG_STR, &cfg->dump,
          "write the workloads as a trace file (docs/radix-trace.md), then run", NULL, NULL},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int prc = kvs_args_parse(USAGE, args, nargs, argc, argv, 1);
-    if (prc == KVS_ARGS_HELP) return 0;
-    if (prc != KVS_ARGS_OK) return EXIT_USAGE;
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* 0, or EXIT_USAGE after the error and the usage. */
+static int check_opts(const radix_opts_t *o, const kvs_arg_table_t *t)
+{
+    const bench_cfg_t *cfg = &o->cfg;
     const char *bad = NULL;
-    if (cfg.page_size == 0)
+    if (cfg->page_size == 0)
         bad = "--page-size must be at least 1";
-    else if (!(cfg.scale > 0.0 && cfg.scale <= 1000.0))
+    else if (!(cfg->scale > 0.0 && cfg->scale <= 1000.0))
         bad = "--scale must be in (0, 1000]";
-    else if (cfg.repeat == 0 || cfg.repeat > 1000)
+    else if (cfg->repeat == 0 || cfg->repeat > 1000)
         bad = "--repeat must be in 1..1000";
-    else if (cfg.trace && (seen_workload || seen_seed || seen_scale))
+    else if (cfg->trace && (o->seen_workload || o->seen_seed || o->seen_scale))
         bad = "--trace replays a file: --workload, --seed and --scale do not apply";
-    if (bad) {
-        fprintf(stderr, "error: %s\n", bad);
-        kvs_args_usage(stderr, USAGE, args, nargs);
-        return EXIT_USAGE;
+    if (bad == NULL) return 0;
+    fprintf(stderr, "error: %s\n", bad);
+    kvs_args_usage(stderr, USAGE, t->items, t->count);
+    return EXIT_USAGE;
+}
+
+/* The trace, or the selected built-ins, into ws; *nw_p counts every workload to free, also
+ * after a failure. 0, EXIT_USAGE for a bad trace, EXIT_RUN_FAILED (said why). */
+static int load_workloads(const bench_cfg_t *cfg, workload_t *ws, size_t *nw_p)
+{
+    if (cfg->trace) return trace_read(cfg->trace, ws, nw_p) != 0 ? EXIT_USAGE : 0;
+    for (int b = 0; b < NBUILTINS; b++) {
+        if (cfg->workload != 0 && cfg->workload != b + 1) continue;
+        workload_t *w = &ws[(*nw_p)++];
+        snprintf(w->name, sizeof(w->name), "%s", builtins[b].name);
+        kvs_rng_t rng;
+        kvs_rng_seed(&rng, kvs_mix64(cfg->seed) ^ (uint64_t) b);
+        if (builtins[b].build(w, &rng, cfg->scale) != 0) {
+            fprintf(stderr, "error: out of memory building workload %s\n", w->name);
+            return EXIT_RUN_FAILED;
+        }
     }
+    return 0;
+}
+
+/* --dump-trace: the workloads as a trace file, with where they came from; 0 or -1. */
+static int dump_workloads(const bench_cfg_t *cfg, const workload_t *ws, size_t nw)
+{
+    char origin[256];
+    if (cfg->trace)
+        snprintf(origin, sizeof(origin), "replayed from %s", cfg->trace);
+    else
+        snprintf(origin, sizeof(origin),
+                 "kvstage bench radix built-in workloads, --seed %" PRIu64 " --scale %g", cfg->seed,
+                 cfg->scale);
+    return trace_write(cfg->dump, ws, nw, origin);
+}
+
+/* Loads (and dumps) the workloads, runs each and prints the results; the exit code. */
+static int bench_radix_run(const bench_cfg_t *cfg, workload_t *ws, result_t *res, size_t *nw_p)
+{
+    int rc = load_workloads(cfg, ws, nw_p);
+    if (rc != 0) return rc;
+    const size_t nw = *nw_p;
+    if (cfg->dump && dump_workloads(cfg, ws, nw) != 0) return EXIT_RUN_FAILED;
+    for (size_t i = 0; i < nw; i++)
+        if (run_workload(&ws[i], cfg->trace, cfg->page_size, cfg->capacity, cfg->repeat, &res[i]) !=
+            0)
+            return EXIT_RUN_FAILED;
+    if (cfg->json)
+        print_json(cfg, ws, res, nw);
+    else
+        print_text(cfg, ws, res, nw);
+    return 0;
+}
+
+int kvs_bench_radix(int argc, char **argv)
+{
+    radix_opts_t o = {.cfg = {.page_size = 16, .seed = 1, .scale = 1.0, .repeat = 5}};
+    kvs_arg_table_t t = {.count = 0};
+    radix_flags(&t, &o);
+    int rc = kvs_arg_table_parse(&t, USAGE, argc, argv, 1);
+    if (rc == KVS_ARGS_HELP) return 0;
+    if (rc != KVS_ARGS_OK) return EXIT_USAGE;
+    if ((rc = check_opts(&o, &t)) != 0) return rc;
 
     workload_t *ws = kvs_calloc(MAX_WORKLOADS, sizeof(workload_t));
     result_t *res = kvs_calloc(MAX_WORKLOADS, sizeof(result_t));
     size_t nw = 0;
-    int rc = EXIT_RUN_FAILED;
     if (ws == NULL || res == NULL) {
         fprintf(stderr, "error: out of memory\n");
-        goto out;
-    }
-    if (cfg.trace) {
-        if (trace_read(cfg.trace, ws, &nw) != 0) {
-            rc = EXIT_USAGE;
-            goto out;
-        }
+        rc = EXIT_RUN_FAILED;
     } else {
-        for (int b = 0; b < NBUILTINS; b++) {
-            if (cfg.workload != 0 && cfg.workload != b + 1) continue;
-            workload_t *w = &ws[nw++];
-            snprintf(w->name, sizeof(w->name), "%s", builtins[b].name);
-            kvs_rng_t rng;
-            kvs_rng_seed(&rng, kvs_mix64(cfg.seed) ^ (uint64_t) b);
-            if (builtins[b].build(w, &rng, cfg.scale) != 0) {
-                fprintf(stderr, "error: out of memory building workload %s\n", w->name);
-                goto out;
-            }
-        }
+        rc = bench_radix_run(&o.cfg, ws, res, &nw);
     }
-    if (cfg.dump) {
-        char origin[256];
-        if (cfg.trace)
-            snprintf(origin, sizeof(origin), "replayed from %s", cfg.trace);
-        else
-            snprintf(origin, sizeof(origin),
-                     "kvstage bench radix built-in workloads, --seed %" PRIu64 " --scale %g",
-                     cfg.seed, cfg.scale);
-        if (trace_write(cfg.dump, ws, nw, origin) != 0) goto out;
-    }
-    for (size_t i = 0; i < nw; i++)
-        if (run_workload(&ws[i], cfg.trace, cfg.page_size, cfg.capacity, cfg.repeat, &res[i]) != 0)
-            goto out;
-    if (cfg.json)
-        print_json(&cfg, ws, res, nw);
-    else
-        print_text(&cfg, ws, res, nw);
-    rc = 0;
-out:
     if (ws)
         for (size_t i = 0; i < nw; i++) workload_free(&ws[i]);
     kvs_free(ws);

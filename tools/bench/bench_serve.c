@@ -252,6 +252,125 @@ static const char usage[] =
     "  concurrent streaming clients against a colocated server and against a router over a\n"
     "  prefill and a decode server: TTFT p50/p99, output tokens/s per user and in total";
 
+static void serve_bench_flags(kvs_arg_table_t *t, opts_t *o, const char **levels_p, int *json_p)
+{
+    const kvs_arg_t g[] = {
+        {"concurrency", KVS_ARG_STR, levels_p, "users at once, a sweep (1,2,4)", NULL, NULL},
+        {"requests", KVS_ARG_U32, &o->requests, "requests per user, one after another (3)", NULL,
+         NULL},
+        {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request at most (24)",
+         NULL, NULL},
+        {"prompt-words", KVS_ARG_U32, &o->prompt_words, "words per prompt (60)", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &o->prefill_tp, "prefill server ranks (1)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &o->decode_tp,
+         "decode server ranks, also the colocated server's (1)", NULL, NULL},
+        {"model", KVS_ARG_STR, &o->model_path, "GGUF file (default: the embedded SmolLM2)", NULL,
+         NULL},
+        {"seeded", KVS_ARG_STR, &o->seeded,
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (vocab >= 257)", NULL,
+         NULL},
+        {"json", KVS_ARG_FLAG, json_p, "one JSON object instead of the table", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* Every level on the colocated deployment, then on the disaggregated one, each deployment
+ * started and stopped in turn; 0 when something failed (said on stderr). */
+static int run_deployments(const opts_t *o, int json, char labels[2][64], row_t rows[2][MAX_LEVELS])
+{
+    int ok = 1;
+    for (int mode = 0; mode < 2 && ok; mode++) {
+        kvs_child_t cs[3] = {{.out_fd = -1}, {.out_fd = -1}, {.out_fd = -1}};
+        const char *url = NULL;
+        if (deploy(o, mode, cs, &url) != 0) {
+            ok = 0;
+        } else {
+            /* One request first: pools and caches warm, every rank's pages touched. */
+            opts_t warm = *o;
+            warm.requests = 1;
+            row_t w;
+            ok = run_level(url, "warmup", &warm, 1, &w) == 0;
+            for (uint32_t i = 0; ok && i < o->nlevels; i++) {
+                ok = run_level(url, labels[mode], o, o->levels[i], &rows[mode][i]) == 0;
+                if (!json && ok)
+                    fprintf(stderr, "  %s, %u users: %.1f s\n", labels[mode], o->levels[i],
+                            rows[mode][i].wall_s);
+            }
+        }
+        for (int i = 2; i >= 0; i--)
+            if (cs[i].pid > 0) kvs_child_stop(&cs[i], 30);
+    }
+    return ok;
+}
+
+static void print_rows_json(const opts_t *o, int ok, row_t rows[2][MAX_LEVELS])
+{
+    kvs_json_t j;
+    kvs_json_begin(&j, stdout);
+    kvs_json_bool(&j, "ok", ok);
+    kvs_json_str(&j, "model", o->seeded ? "seeded" : o->model_path);
+    kvs_json_array_begin(&j, "rows");
+    for (int mode = 0; mode < 2; mode++)
+        for (uint32_t i = 0; i < o->nlevels; i++) {
+            const row_t *r = &rows[mode][i];
+            if (r->label == NULL) continue;
+            kvs_json_object_begin(&j, NULL);
+            kvs_json_str(&j, "deployment", r->label);
+            kvs_json_u64(&j, "users", r->users);
+            kvs_json_u64(&j, "requests", r->requests);
+            kvs_json_double(&j, "ttft_p50_ms", r->ttft_p50);
+            kvs_json_double(&j, "ttft_p99_ms", r->ttft_p99);
+            kvs_json_double(&j, "tok_s_per_user", r->tok_s_user);
+            kvs_json_double(&j, "tok_s_total", r->tok_s_total);
+            kvs_json_object_end(&j);
+        }
+    kvs_json_array_end(&j);
+    kvs_json_end(&j);
+}
+
+static void print_rows_table(const opts_t *o, int ok, row_t rows[2][MAX_LEVELS])
+{
+    printf("%-20s %5s %8s %11s %11s %12s %12s\n", "deployment", "users", "requests", "TTFT p50",
+           "TTFT p99", "tok/s/user", "tok/s total");
+    for (int mode = 0; mode < 2; mode++)
+        for (uint32_t i = 0; i < o->nlevels; i++) {
+            const row_t *r = &rows[mode][i];
+            if (r->label == NULL) continue;
+            printf("%-20s %5u %8u %8.0f ms %8.0f ms %12.1f %12.1f\n", r->label, r->users,
+                   r->requests, r->ttft_p50, r->ttft_p99, r->tok_s_user, r->tok_s_total);
+        }
+    printf("\nTTFT at the client (request sent -> first text); tok/s/user: a request's output "
+           "tokens over its whole time; p99 of a few requests is close to their maximum\n");
+    if (!ok) printf("FAILED: see the errors above\n");
+}
+
+/* Starts each deployment in turn and prints what the sweep measured; the exit code. */
+static int bench_serve_run(const opts_t *o, int json)
+{
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) return 1;
+    kvs_serve_signal_install();
+    char cpu[256];
+    long cores;
+    kvs_bench_cpu_info(cpu, sizeof(cpu), &cores);
+    char labels[2][64];
+    snprintf(labels[0], sizeof(labels[0]), "colocated TP%u", o->decode_tp);
+    snprintf(labels[1], sizeof(labels[1]), "disagg TP%u->TP%u", o->prefill_tp, o->decode_tp);
+    if (!json)
+        printf("kvstage bench serve: %s, %s (%ld cores); %u requests per user, %u prompt words, "
+               "up to %u tokens each, greedy, streamed; every prompt distinct (no cache hits)\n\n",
+               o->seeded ? "seeded model" : o->model_path, cpu, cores, o->requests, o->prompt_words,
+               o->max_tokens);
+    row_t rows[2][MAX_LEVELS];
+    memset(rows, 0, sizeof(rows));
+    int ok = run_deployments(o, json, labels, rows);
+    if (json)
+        print_rows_json(o, ok, rows);
+    else
+        print_rows_table(o, ok, rows);
+    curl_global_cleanup();
+    return ok ? 0 : 1;
+}
+
 int kvs_bench_serve(int argc, char **argv)
 {
     opts_t o;
@@ -262,25 +381,9 @@ int kvs_bench_serve(int argc, char **argv)
     o.prompt_words = 60;
     const char *levels = "1,2,4";
     int json = 0;
-    const kvs_arg_t args[] = {
-        {"concurrency", KVS_ARG_STR, &levels, "users at once, a sweep (1,2,4)", NULL, NULL},
-        {"requests", KVS_ARG_U32, &o.requests, "requests per user, one after another (3)", NULL,
-         NULL},
-        {"max-tokens", KVS_ARG_U32, &o.max_tokens, "tokens generated per request at most (24)",
-         NULL, NULL},
-        {"prompt-words", KVS_ARG_U32, &o.prompt_words, "words per prompt (60)", NULL, NULL},
-        {"prefill-tp", KVS_ARG_U32, &o.prefill_tp, "prefill server ranks (1)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &o.decode_tp,
-         "decode server ranks, also the colocated server's (1)", NULL, NULL},
-        {"model", KVS_ARG_STR, &o.model_path, "GGUF file (default: the embedded SmolLM2)", NULL,
-         NULL},
-        {"seeded", KVS_ARG_STR, &o.seeded,
-         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (vocab >= 257)", NULL,
-         NULL},
-        {"json", KVS_ARG_FLAG, &json, "one JSON object instead of the table", NULL, NULL},
-    };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
+    kvs_arg_table_t t = {.count = 0};
+    serve_bench_flags(&t, &o, &levels, &json);
+    int rc = kvs_arg_table_parse(&t, usage, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     if (parse_levels(levels, &o) != 0 || o.requests == 0 || o.max_tokens == 0 ||
         o.prompt_words == 0 || o.prompt_words > 600) {
@@ -298,79 +401,5 @@ int kvs_bench_serve(int argc, char **argv)
             return 1;
         o.model_path = path;
     }
-    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) return 1;
-    kvs_serve_signal_install();
-    char cpu[256];
-    long cores;
-    kvs_bench_cpu_info(cpu, sizeof(cpu), &cores);
-    char labels[2][64];
-    snprintf(labels[0], sizeof(labels[0]), "colocated TP%u", o.decode_tp);
-    snprintf(labels[1], sizeof(labels[1]), "disagg TP%u->TP%u", o.prefill_tp, o.decode_tp);
-    if (!json)
-        printf("kvstage bench serve: %s, %s (%ld cores); %u requests per user, %u prompt words, "
-               "up to %u tokens each, greedy, streamed; every prompt distinct (no cache hits)\n\n",
-               o.seeded ? "seeded model" : o.model_path, cpu, cores, o.requests, o.prompt_words,
-               o.max_tokens);
-    row_t rows[2][MAX_LEVELS];
-    memset(rows, 0, sizeof(rows));
-    int ok = 1;
-    for (int mode = 0; mode < 2 && ok; mode++) {
-        kvs_child_t cs[3] = {{.out_fd = -1}, {.out_fd = -1}, {.out_fd = -1}};
-        const char *url = NULL;
-        if (deploy(&o, mode, cs, &url) != 0) {
-            ok = 0;
-        } else {
-            /* One request first: pools and caches warm, every rank's pages touched. */
-            opts_t warm = o;
-            warm.requests = 1;
-            row_t w;
-            ok = run_level(url, "warmup", &warm, 1, &w) == 0;
-            for (uint32_t i = 0; ok && i < o.nlevels; i++) {
-                ok = run_level(url, labels[mode], &o, o.levels[i], &rows[mode][i]) == 0;
-                if (!json && ok)
-                    fprintf(stderr, "  %s, %u users: %.1f s\n", labels[mode], o.levels[i],
-                            rows[mode][i].wall_s);
-            }
-        }
-        for (int i = 2; i >= 0; i--)
-            if (cs[i].pid > 0) kvs_child_stop(&cs[i], 30);
-    }
-    if (json) {
-        kvs_json_t j;
-        kvs_json_begin(&j, stdout);
-        kvs_json_bool(&j, "ok", ok);
-        kvs_json_str(&j, "model", o.seeded ? "seeded" : o.model_path);
-        kvs_json_array_begin(&j, "rows");
-        for (int mode = 0; mode < 2; mode++)
-            for (uint32_t i = 0; i < o.nlevels; i++) {
-                const row_t *r = &rows[mode][i];
-                if (r->label == NULL) continue;
-                kvs_json_object_begin(&j, NULL);
-                kvs_json_str(&j, "deployment", r->label);
-                kvs_json_u64(&j, "users", r->users);
-                kvs_json_u64(&j, "requests", r->requests);
-                kvs_json_double(&j, "ttft_p50_ms", r->ttft_p50);
-                kvs_json_double(&j, "ttft_p99_ms", r->ttft_p99);
-                kvs_json_double(&j, "tok_s_per_user", r->tok_s_user);
-                kvs_json_double(&j, "tok_s_total", r->tok_s_total);
-                kvs_json_object_end(&j);
-            }
-        kvs_json_array_end(&j);
-        kvs_json_end(&j);
-    } else {
-        printf("%-20s %5s %8s %11s %11s %12s %12s\n", "deployment", "users", "requests", "TTFT p50",
-               "TTFT p99", "tok/s/user", "tok/s total");
-        for (int mode = 0; mode < 2; mode++)
-            for (uint32_t i = 0; i < o.nlevels; i++) {
-                const row_t *r = &rows[mode][i];
-                if (r->label == NULL) continue;
-                printf("%-20s %5u %8u %8.0f ms %8.0f ms %12.1f %12.1f\n", r->label, r->users,
-                       r->requests, r->ttft_p50, r->ttft_p99, r->tok_s_user, r->tok_s_total);
-            }
-        printf("\nTTFT at the client (request sent -> first text); tok/s/user: a request's output "
-               "tokens over its whole time; p99 of a few requests is close to their maximum\n");
-        if (!ok) printf("FAILED: see the errors above\n");
-    }
-    curl_global_cleanup();
-    return ok ? 0 : 1;
+    return bench_serve_run(&o, json);
 }

@@ -808,255 +808,352 @@ static void xfer_fini(xfer_t *x)
     (void) x;
 }
 
-int kvs_bench_transfer(int argc, char **argv)
-{
+/* The flags as given; build_cfg checks them and turns them into cfg_t. */
+typedef struct {
     cfg_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.cuda = 1;
-    cfg.chunk = 512;
-    cfg.reps = 5;
-    cfg.warmup = 1;
-    cfg.samples = 256;
-    cfg.window = 4;
-    cfg.buffers = 3;
-    cfg.ring_slots = 8;
-    cfg.per_page_max = 20000;
-    const char *tokens = "128,1024,4096,16384,32768", *pages = "1,16,64", *tps = "1:1,2:1,1:2";
-    const char *gpus = "0,1";
-    int device = 1, seen_gpus = 0, seen_device = 0, transport = 0, data = 0, seen_data = 0;
-    int seen_hd = 0, seen_reps = 0, seen_pages = 0, seen_tp = 0;
-    uint32_t head_dim = 32;
-    const kvs_arg_t args[] = {
-        {"transport", KVS_ARG_CHOICE, &transport,
+    const char *tokens, *pages, *tps, *gpus;
+    int device, transport, data; /* transport: 0 inproc, 1 ucx; data: 0 shm, 1 tcp */
+    uint32_t head_dim;
+    int seen_gpus, seen_device, seen_data, seen_hd, seen_reps, seen_pages, seen_tp;
+} opts_t;
+
+static void opts_default(opts_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    cfg_t *cfg = &o->cfg;
+    cfg->cuda = 1;
+    cfg->chunk = 512;
+    cfg->reps = 5;
+    cfg->warmup = 1;
+    cfg->samples = 256;
+    cfg->window = 4;
+    cfg->buffers = 3;
+    cfg->ring_slots = 8;
+    cfg->per_page_max = 20000;
+    o->tokens = "128,1024,4096,16384,32768";
+    o->pages = "1,16,64";
+    o->tps = "1:1,2:1,1:2";
+    o->gpus = "0,1";
+    o->device = 1;
+    o->head_dim = 32;
+}
+
+static void add_transport_flags(kvs_arg_table_t *t, opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"transport", KVS_ARG_CHOICE, &o->transport,
          "inproc: every rank in this process; ucx: prefill and decode in two processes over the "
          "net link (ZeroMQ + UCX, host memory; implies --device cpu)",
          "inproc|ucx", NULL},
-        {"device", KVS_ARG_CHOICE, &device,
+        {"device", KVS_ARG_CHOICE, &o->device,
          "cuda: pools on GPUs (the measurement); cpu: host memory (checks the benchmark itself)",
-         "cpu|cuda", &seen_device},
-        {"data", KVS_ARG_CHOICE, &data, "ucx: UCX data over shared memory or tcp on loopback",
-         "shm|tcp", &seen_data},
-        {"head-dim", KVS_ARG_U32, &head_dim,
+         "cpu|cuda", &o->seen_device},
+        {"data", KVS_ARG_CHOICE, &o->data, "ucx: UCX data over shared memory or tcp on loopback",
+         "shm|tcp", &o->seen_data},
+        {"head-dim", KVS_ARG_U32, &o->head_dim,
          "ucx: head dim of the 8B shape scaled to this machine (32 layers, 8 KV heads) (32)", NULL,
-         &seen_hd},
-        {"gpus", KVS_ARG_STR, &gpus,
+         &o->seen_hd},
+        {"gpus", KVS_ARG_STR, &o->gpus,
          "prefill GPU,decode GPU (default 0,1; 0,0 when only one GPU is present)", NULL,
-         &seen_gpus},
-        {"model", KVS_ARG_CHOICE, &cfg.model, "KV shapes (bf16, 8 KV heads, head dim 128)",
+         &o->seen_gpus},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_shape_flags(kvs_arg_table_t *t, opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"model", KVS_ARG_CHOICE, &o->cfg.model, "KV shapes (bf16, 8 KV heads, head dim 128)",
          "all|llama3-8b|llama3-70b", NULL},
-        {"tokens", KVS_ARG_STR, &tokens, "prompt lengths (default 128,1024,4096,16384,32768)", NULL,
-         NULL},
-        {"page-sizes", KVS_ARG_STR, &pages, "page sizes (default 1,16,64; ucx: one size, 16)", NULL,
-         &seen_pages},
-        {"tp", KVS_ARG_STR, &tps,
-         "prefill:decode TP pairs (default 1:1,2:1,1:2; ucx: one pair, 1:1)", NULL, &seen_tp},
-        {"layout", KVS_ARG_CHOICE, &cfg.layout,
+        {"tokens", KVS_ARG_STR, &o->tokens, "prompt lengths (default 128,1024,4096,16384,32768)",
+         NULL, NULL},
+        {"page-sizes", KVS_ARG_STR, &o->pages, "page sizes (default 1,16,64; ucx: one size, 16)",
+         NULL, &o->seen_pages},
+        {"tp", KVS_ARG_STR, &o->tps,
+         "prefill:decode TP pairs (default 1:1,2:1,1:2; ucx: one pair, 1:1)", NULL, &o->seen_tp},
+        {"layout", KVS_ARG_CHOICE, &o->cfg.layout,
          "pool layout of both sides (hnd: a page's head slice is one run, per-page copies are 1D)",
          "hnd|nhd", NULL},
-        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill tokens C, the slot size (512)", NULL,
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_protocol_flags(kvs_arg_table_t *t, opts_t *o)
+{
+    cfg_t *cfg = &o->cfg;
+    const kvs_arg_t g[] = {
+        {"chunk", KVS_ARG_U32, &cfg->chunk, "chunked-prefill tokens C, the slot size (512)", NULL,
          NULL},
-        {"window", KVS_ARG_U32, &cfg.window, "chunks per room with a slot request out (4)", NULL,
+        {"window", KVS_ARG_U32, &cfg->window, "chunks per room with a slot request out (4)", NULL,
          NULL},
-        {"staging-buffers", KVS_ARG_U32, &cfg.buffers, "staging buffers per prefill rank (3)", NULL,
+        {"staging-buffers", KVS_ARG_U32, &cfg->buffers, "staging buffers per prefill rank (3)",
+         NULL, NULL},
+        {"ring-slots", KVS_ARG_U32, &cfg->ring_slots, "decode ring size in full slots (8)", NULL,
          NULL},
-        {"ring-slots", KVS_ARG_U32, &cfg.ring_slots, "decode ring size in full slots (8)", NULL,
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_run_flags(kvs_arg_table_t *t, opts_t *o)
+{
+    cfg_t *cfg = &o->cfg;
+    const kvs_arg_t g[] = {
+        {"reps", KVS_ARG_U32, &cfg->reps, "timed runs per cell, median reported (5; ucx: 3)", NULL,
+         &o->seen_reps},
+        {"warmup", KVS_ARG_U32, &cfg->warmup, "untimed runs first (1)", NULL, NULL},
+        {"samples", KVS_ARG_U32, &cfg->samples, "heads checked per method and row (256)", NULL,
          NULL},
-        {"reps", KVS_ARG_U32, &cfg.reps, "timed runs per cell, median reported (5; ucx: 3)", NULL,
-         &seen_reps},
-        {"warmup", KVS_ARG_U32, &cfg.warmup, "untimed runs first (1)", NULL, NULL},
-        {"samples", KVS_ARG_U32, &cfg.samples, "heads checked per method and row (256)", NULL,
-         NULL},
-        {"per-page-max", KVS_ARG_U64, &cfg.per_page_max,
+        {"per-page-max", KVS_ARG_U64, &cfg->per_page_max,
          "per-page copies timed per row (whole pages; the rate is taken over them) (20000)", NULL,
          NULL},
-        {"json", KVS_ARG_FLAG, &cfg.json, "print one JSON object instead of the table", NULL, NULL},
+        {"json", KVS_ARG_FLAG, &cfg->json, "print one JSON object instead of the table", NULL,
+         NULL},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int prc = kvs_args_parse(USAGE, args, nargs, argc, argv, 1);
-    if (prc == KVS_ARGS_HELP) return 0;
-    if (prc != KVS_ARGS_OK) return EXIT_USAGE;
-    if (transport == 1) {
-        if (!seen_reps) cfg.reps = 3;
-        if (!seen_pages) pages = "16";
-        if (!seen_tp) tps = "1:1";
-        if (!seen_device) device = 0;
-    }
-    cfg.cuda = device == 1;
-    cfg.ntokens = kvs_bt_parse_list(tokens, cfg.tokens);
-    cfg.npages = kvs_bt_parse_list(pages, cfg.pages);
-    cfg.ntp = kvs_bt_parse_tp(tps, cfg.ptp, cfg.dtp);
-    /* two ordinals, 0 allowed (parse_list takes positive numbers only) */
-    uint32_t g[2] = {0, 0};
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* "a,b": two GPU ordinals, 0 allowed (kvs_bt_parse_list takes positive numbers only). Returns
+ * how many were read, or -1 for a malformed list. */
+static int parse_gpus(const char *s, uint32_t g[2])
+{
     int ng = 0;
-    for (const char *p = gpus; ng >= 0 && *p != '\0';) {
+    for (const char *p = s; *p != '\0';) {
         char *end;
         unsigned long v = strtoul(p, &end, 10);
-        if (end == p || v > 1024 || ng == 2 || (*end != ',' && *end != '\0')) {
-            ng = -1;
-            break;
-        }
+        if (end == p || v > 1024 || ng == 2 || (*end != ',' && *end != '\0')) return -1;
         g[ng++] = (uint32_t) v;
         p = *end == ',' ? end + 1 : end;
     }
-    const char *bad = NULL;
-    if (cfg.ntokens <= 0)
-        bad = "--tokens takes up to 16 comma-separated counts in 1..16777216";
-    else if (cfg.npages <= 0)
-        bad = "--page-sizes takes up to 16 comma-separated sizes in 1..16777216";
-    else if (cfg.ntp <= 0)
-        bad = "--tp takes up to 16 comma-separated pairs like 2:1";
-    else if (ng != 2)
-        bad = "--gpus takes two GPU ordinals, e.g. 0,1";
-    else if (cfg.reps == 0 || cfg.reps > 1000 || cfg.warmup > 1000 - cfg.reps)
-        bad = "--reps must be in 1..1000 and --warmup + --reps at most 1000";
-    else if (cfg.chunk == 0 || cfg.window == 0 || cfg.buffers == 0 || cfg.ring_slots == 0)
-        bad = "--chunk, --window, --staging-buffers and --ring-slots must be > 0";
-    else if (seen_gpus && !cfg.cuda)
-        bad = "--gpus needs --device cuda";
-    else if (transport == 1 && cfg.cuda)
-        bad = "--transport ucx moves host memory: it needs --device cpu";
-    else if (transport == 1 && (cfg.npages != 1 || cfg.ntp != 1))
-        bad = "--transport ucx takes one page size and one TP pair";
-    else if (transport == 1 && cfg.layout != 0 && (cfg.ptp[0] != 1 || cfg.dtp[0] != 1))
-        bad = "--transport ucx runs NHD pools with --tp 1:1 only (a page's slice is one run)";
-    else if (transport == 1 && (head_dim == 0 || head_dim % 4 != 0 || head_dim > 256))
-        bad = "--head-dim must be a multiple of 4 in 4..256";
-    else if (transport == 0 && (seen_data || seen_hd))
-        bad = "--data and --head-dim need --transport ucx";
-    for (int i = 0; bad == NULL && i < cfg.ntp; i++)
-        if (cfg.ptp[i] > 8 || cfg.dtp[i] > 8 || 8 % cfg.ptp[i] != 0 || 8 % cfg.dtp[i] != 0)
-            bad = "--tp sizes must divide the 8 KV heads (1, 2, 4 or 8)";
+    return ng;
+}
+
+/* What is wrong with the parsed lists and flags, or NULL. */
+static const char *check_opts(const opts_t *o, int ngpus)
+{
+    const cfg_t *cfg = &o->cfg;
+    const int ucx = o->transport == 1;
+    if (cfg->ntokens <= 0) return "--tokens takes up to 16 comma-separated counts in 1..16777216";
+    if (cfg->npages <= 0) return "--page-sizes takes up to 16 comma-separated sizes in 1..16777216";
+    if (cfg->ntp <= 0) return "--tp takes up to 16 comma-separated pairs like 2:1";
+    if (ngpus != 2) return "--gpus takes two GPU ordinals, e.g. 0,1";
+    if (cfg->reps == 0 || cfg->reps > 1000 || cfg->warmup > 1000 - cfg->reps)
+        return "--reps must be in 1..1000 and --warmup + --reps at most 1000";
+    if (cfg->chunk == 0 || cfg->window == 0 || cfg->buffers == 0 || cfg->ring_slots == 0)
+        return "--chunk, --window, --staging-buffers and --ring-slots must be > 0";
+    if (o->seen_gpus && !cfg->cuda) return "--gpus needs --device cuda";
+    if (ucx && cfg->cuda) return "--transport ucx moves host memory: it needs --device cpu";
+    if (ucx && (cfg->npages != 1 || cfg->ntp != 1))
+        return "--transport ucx takes one page size and one TP pair";
+    if (ucx && cfg->layout != 0 && (cfg->ptp[0] != 1 || cfg->dtp[0] != 1))
+        return "--transport ucx runs NHD pools with --tp 1:1 only (a page's slice is one run)";
+    if (ucx && (o->head_dim == 0 || o->head_dim % 4 != 0 || o->head_dim > 256))
+        return "--head-dim must be a multiple of 4 in 4..256";
+    if (!ucx && (o->seen_data || o->seen_hd)) return "--data and --head-dim need --transport ucx";
+    for (int i = 0; i < cfg->ntp; i++)
+        if (cfg->ptp[i] > 8 || cfg->dtp[i] > 8 || 8 % cfg->ptp[i] != 0 || 8 % cfg->dtp[i] != 0)
+            return "--tp sizes must divide the 8 KV heads (1, 2, 4 or 8)";
+    return NULL;
+}
+
+/* Fills o->cfg from the flags (ucx has defaults of its own); 0, or EXIT_USAGE after the error
+ * and the usage. */
+static int build_cfg(opts_t *o, const kvs_arg_table_t *t)
+{
+    cfg_t *cfg = &o->cfg;
+    if (o->transport == 1) {
+        if (!o->seen_reps) cfg->reps = 3;
+        if (!o->seen_pages) o->pages = "16";
+        if (!o->seen_tp) o->tps = "1:1";
+        if (!o->seen_device) o->device = 0;
+    }
+    cfg->cuda = o->device == 1;
+    cfg->ntokens = kvs_bt_parse_list(o->tokens, cfg->tokens);
+    cfg->npages = kvs_bt_parse_list(o->pages, cfg->pages);
+    cfg->ntp = kvs_bt_parse_tp(o->tps, cfg->ptp, cfg->dtp);
+    uint32_t g[2] = {0, 0};
+    const char *bad = check_opts(o, parse_gpus(o->gpus, g));
     if (bad) {
         fprintf(stderr, "error: %s\n", bad);
-        kvs_args_usage(stderr, USAGE, args, nargs);
+        kvs_args_usage(stderr, USAGE, t->items, t->count);
         return EXIT_USAGE;
     }
-    cfg.gpu_p = (int) g[0];
-    cfg.gpu_d = (int) g[1];
-    if (transport == 1) {
-        kvs_bench_ucx_cfg_t u;
-        memset(&u, 0, sizeof(u));
-        memcpy(u.tokens, cfg.tokens, sizeof(u.tokens));
-        u.ntokens = cfg.ntokens;
-        u.prefill_tp = cfg.ptp[0];
-        u.decode_tp = cfg.dtp[0];
-        u.page_size = cfg.pages[0];
-        u.chunk = cfg.chunk;
-        u.window = cfg.window;
-        u.buffers = cfg.buffers;
-        u.ring_slots = cfg.ring_slots;
-        u.head_dim = head_dim;
-        u.reps = cfg.reps;
-        u.warmup = cfg.warmup;
-        u.per_page_max = cfg.per_page_max;
-        u.tcp = data == 1;
-        u.nhd = cfg.layout == 1;
-        u.json = cfg.json;
-        return kvs_bench_transfer_ucx(&u) ? EXIT_RUN_FAILED : 0;
-    }
+    cfg->gpu_p = (int) g[0];
+    cfg->gpu_d = (int) g[1];
+    return 0;
+}
 
+/* --transport ucx: bench_transfer_ucx.c runs it; the exit code. */
+static int run_ucx(const opts_t *o)
+{
+    const cfg_t *cfg = &o->cfg;
+    kvs_bench_ucx_cfg_t u;
+    memset(&u, 0, sizeof(u));
+    memcpy(u.tokens, cfg->tokens, sizeof(u.tokens));
+    u.ntokens = cfg->ntokens;
+    u.prefill_tp = cfg->ptp[0];
+    u.decode_tp = cfg->dtp[0];
+    u.page_size = cfg->pages[0];
+    u.chunk = cfg->chunk;
+    u.window = cfg->window;
+    u.buffers = cfg->buffers;
+    u.ring_slots = cfg->ring_slots;
+    u.head_dim = o->head_dim;
+    u.reps = cfg->reps;
+    u.warmup = cfg->warmup;
+    u.per_page_max = cfg->per_page_max;
+    u.tcp = o->data == 1;
+    u.nhd = cfg->layout == 1;
+    u.json = cfg->json;
+    return kvs_bench_transfer_ucx(&u) ? EXIT_RUN_FAILED : 0;
+}
+
+/* What each method does and the targets, then the table's header. */
+static void print_header(const cfg_t *cfg, const char *hw)
+{
+    printf("kvstage bench transfer: one request's KV cache, prefill pools -> decode pools\n");
+    printf("hardware: %s\n", hw);
+    printf("shapes: bf16, 8 KV heads, head dim 128, %s pools on both sides, pages in random "
+           "order; chunk %u tokens, window %u, %u staging buffers, ring %u slots\n",
+           cfg->layout ? "NHD" : "HND", cfg->chunk, cfg->window, cfg->buffers, cfg->ring_slots);
+    printf("staged: the protocol over the in-process link: gather kernel -> staging buffer "
+           "-> one %s per chunk and writer -> ring -> scatter kernel\n",
+           cfg->cuda ? "CUDA peer copy" : "memcpy");
+    printf("direct: the same, but the gather kernel stores into the granted decode slot "
+           "(no staging buffer, no copy)\n");
+    printf("  both timed from add_room to Success on every rank (wall clock, control "
+           "included), median of %u after %u warm-up\n",
+           cfg->reps, cfg->warmup);
+    printf("per-page: one %s per page x layer x K/V x head slice, pool to pool, one stream; "
+           "timed over up to %llu copies (whole pages)\n",
+           cfg->cuda ? "cudaMemcpyAsync" : "memcpy", (unsigned long long) cfg->per_page_max);
+    printf("bulk: one %s of the same bytes between flat buffers (the limit); GB/s = payload "
+           "bytes / time, 1 GB = 1e9 B\n",
+           cfg->cuda ? (cfg->gpu_p == cfg->gpu_d ? "device-to-device copy" : "peer copy")
+                     : "memcpy");
+    printf("targets: staged or direct >= %.0f%% of bulk from %u tokens; >= %.0fx per-page at "
+           "page %u\n\n",
+           TARGET_BULK_PCT, TARGET_MIN_TOKENS, TARGET_PP_X, TARGET_PP_PAGE);
+    printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %s\n", "model", "tp", "page",
+           "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page", "%bulk",
+           "best/pp", "check");
+    fflush(stdout);
+}
+
+/* Every TP pair and page size of model m, rows printed as they come; 0 when a run failed. */
+static int bench_model(const cfg_t *cfg, const model_t *m, uint32_t max_tokens, const xfer_t *x,
+                       run_t *run, kvs_rng_t *rng)
+{
+    const uint64_t need = (uint64_t) max_tokens * m->layers * 2 * m->kv_heads * m->head_dim * 2;
+    void *src = NULL, *dst = NULL;
+    kvs_mem_kind_t kind = cfg->cuda ? KVS_MEM_DEVICE : KVS_MEM_HOST;
+    int ok = kvs_mem_alloc(kind, cfg->gpu_p, need, &src) == KVS_OK &&
+             kvs_mem_alloc(kind, cfg->gpu_d, need, &dst) == KVS_OK &&
+             fill_random(cfg->cuda, src, need, rng);
+    run->bulk_src = src;
+    run->bulk_dst = dst;
+    for (int ti = 0; ti < cfg->ntp && ok; ti++) {
+        for (int pi = 0; pi < cfg->npages && ok; pi++) {
+            uint32_t first = run->nrows;
+            ok = bench_dep(cfg, m, (uint32_t) ti, cfg->pages[pi], max_tokens, x, run, rng);
+            for (uint32_t i = first; ok && !cfg->json && i < run->nrows; i++)
+                print_row(&run->rows[i]);
+        }
+    }
+    kvs_mem_free(kind, cfg->gpu_p, src);
+    kvs_mem_free(kind, cfg->gpu_d, dst);
+    return ok;
+}
+
+/* The rows against the targets. */
+typedef struct {
+    int rows_bulk, met_bulk, rows_pp, met_pp, failed_checks;
+    double worst_bulk, worst_pp;
+} summary_t;
+
+static void summarize(const run_t *run, summary_t *s)
+{
+    *s = (summary_t){.worst_bulk = 1e9, .worst_pp = 1e9};
+    for (uint32_t i = 0; i < run->nrows; i++) {
+        const row_t *r = &run->rows[i];
+        s->failed_checks += r->bad != 0;
+        if (r->tokens >= TARGET_MIN_TOKENS) {
+            double pct = 100.0 * best_of(r) / r->gbs[M_BULK];
+            s->rows_bulk++;
+            s->met_bulk += pct >= TARGET_BULK_PCT;
+            if (pct < s->worst_bulk) s->worst_bulk = pct;
+        }
+        if (r->page == TARGET_PP_PAGE && r->gbs[M_PAGE] > 0) {
+            double xr = best_of(r) / r->gbs[M_PAGE];
+            s->rows_pp++;
+            s->met_pp += xr >= TARGET_PP_X;
+            if (xr < s->worst_pp) s->worst_pp = xr;
+        }
+    }
+}
+
+static void print_summary(const cfg_t *cfg, int ok, const summary_t *s)
+{
+    printf("\n");
+    if (!ok) printf("summary: FAILED to run (see the error above)\n");
+    if (s->rows_bulk)
+        printf("summary: %d/%d rows from %u tokens reach %.0f%% of bulk with staged or direct "
+               "(worst %.1f%%)\n",
+               s->met_bulk, s->rows_bulk, TARGET_MIN_TOKENS, TARGET_BULK_PCT, s->worst_bulk);
+    if (s->rows_pp)
+        printf("summary: %d/%d rows at page %u are >= %.0fx per-page (worst %.1fx)\n", s->met_pp,
+               s->rows_pp, TARGET_PP_PAGE, TARGET_PP_X, s->worst_pp);
+    printf("check: %s (%u sampled heads per method and row)\n",
+           s->failed_checks ? "FAILED" : "all sampled heads byte-exact", cfg->samples);
+}
+
+/* Every rank in this process, on GPUs or host memory; the exit code. */
+static int run_inproc(cfg_t *cfg, int seen_gpus)
+{
     char hw[512];
-    if (!prepare_devices(&cfg, seen_gpus, hw, sizeof(hw))) return EXIT_RUN_FAILED;
+    if (!prepare_devices(cfg, seen_gpus, hw, sizeof(hw))) return EXIT_RUN_FAILED;
     uint32_t max_tokens = 0;
-    for (int i = 0; i < cfg.ntokens; i++)
-        if (cfg.tokens[i] > max_tokens) max_tokens = cfg.tokens[i];
-
-    if (!cfg.json) {
-        printf("kvstage bench transfer: one request's KV cache, prefill pools -> decode pools\n");
-        printf("hardware: %s\n", hw);
-        printf("shapes: bf16, 8 KV heads, head dim 128, %s pools on both sides, pages in random "
-               "order; chunk %u tokens, window %u, %u staging buffers, ring %u slots\n",
-               cfg.layout ? "NHD" : "HND", cfg.chunk, cfg.window, cfg.buffers, cfg.ring_slots);
-        printf("staged: the protocol over the in-process link: gather kernel -> staging buffer "
-               "-> one %s per chunk and writer -> ring -> scatter kernel\n",
-               cfg.cuda ? "CUDA peer copy" : "memcpy");
-        printf("direct: the same, but the gather kernel stores into the granted decode slot "
-               "(no staging buffer, no copy)\n");
-        printf("  both timed from add_room to Success on every rank (wall clock, control "
-               "included), median of %u after %u warm-up\n",
-               cfg.reps, cfg.warmup);
-        printf("per-page: one %s per page x layer x K/V x head slice, pool to pool, one stream; "
-               "timed over up to %llu copies (whole pages)\n",
-               cfg.cuda ? "cudaMemcpyAsync" : "memcpy", (unsigned long long) cfg.per_page_max);
-        printf("bulk: one %s of the same bytes between flat buffers (the limit); GB/s = payload "
-               "bytes / time, 1 GB = 1e9 B\n",
-               cfg.cuda ? (cfg.gpu_p == cfg.gpu_d ? "device-to-device copy" : "peer copy")
-                        : "memcpy");
-        printf("targets: staged or direct >= %.0f%% of bulk from %u tokens; >= %.0fx per-page at "
-               "page %u\n\n",
-               TARGET_BULK_PCT, TARGET_MIN_TOKENS, TARGET_PP_X, TARGET_PP_PAGE);
-        printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %s\n", "model", "tp", "page",
-               "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page", "%bulk",
-               "best/pp", "check");
-        fflush(stdout);
-    }
+    for (int i = 0; i < cfg->ntokens; i++)
+        if (cfg->tokens[i] > max_tokens) max_tokens = cfg->tokens[i];
+    if (!cfg->json) print_header(cfg, hw);
 
     xfer_t x;
     run_t run;
     memset(&run, 0, sizeof(run));
-    int ok = xfer_init(&cfg, &x);
+    int ok = xfer_init(cfg, &x);
     kvs_rng_t rng;
     kvs_rng_seed(&rng, 0x7472616e73666572ull);
-    run.cap = (uint32_t) (2 * cfg.ntp * cfg.npages * cfg.ntokens);
+    run.cap = (uint32_t) (2 * cfg->ntp * cfg->npages * cfg->ntokens);
     run.rows = kvs_calloc(run.cap, sizeof(row_t));
     if (run.rows == NULL) ok = 0;
     for (size_t mi = 0; mi < sizeof(models) / sizeof(models[0]) && ok; mi++) {
-        if (cfg.model != 0 && (size_t) cfg.model != mi + 1) continue;
-        const model_t *m = &models[mi];
-        const uint64_t need = (uint64_t) max_tokens * m->layers * 2 * m->kv_heads * m->head_dim * 2;
-        void *src = NULL, *dst = NULL;
-        kvs_mem_kind_t kind = cfg.cuda ? KVS_MEM_DEVICE : KVS_MEM_HOST;
-        ok = kvs_mem_alloc(kind, cfg.gpu_p, need, &src) == KVS_OK &&
-             kvs_mem_alloc(kind, cfg.gpu_d, need, &dst) == KVS_OK &&
-             fill_random(cfg.cuda, src, need, &rng);
-        run.bulk_src = src;
-        run.bulk_dst = dst;
-        for (int ti = 0; ti < cfg.ntp && ok; ti++) {
-            for (int pi = 0; pi < cfg.npages && ok; pi++) {
-                uint32_t first = run.nrows;
-                ok = bench_dep(&cfg, m, (uint32_t) ti, cfg.pages[pi], max_tokens, &x, &run, &rng);
-                for (uint32_t i = first; ok && !cfg.json && i < run.nrows; i++)
-                    print_row(&run.rows[i]);
-            }
-        }
-        kvs_mem_free(kind, cfg.gpu_p, src);
-        kvs_mem_free(kind, cfg.gpu_d, dst);
+        if (cfg->model != 0 && (size_t) cfg->model != mi + 1) continue;
+        ok = bench_model(cfg, &models[mi], max_tokens, &x, &run, &rng);
     }
     xfer_fini(&x);
 
-    int rows_bulk = 0, met_bulk = 0, rows_pp = 0, met_pp = 0, failed_checks = 0;
-    double worst_bulk = 1e9, worst_pp = 1e9;
-    for (uint32_t i = 0; i < run.nrows; i++) {
-        const row_t *r = &run.rows[i];
-        failed_checks += r->bad != 0;
-        if (r->tokens >= TARGET_MIN_TOKENS) {
-            double pct = 100.0 * best_of(r) / r->gbs[M_BULK];
-            rows_bulk++;
-            met_bulk += pct >= TARGET_BULK_PCT;
-            if (pct < worst_bulk) worst_bulk = pct;
-        }
-        if (r->page == TARGET_PP_PAGE && r->gbs[M_PAGE] > 0) {
-            double xr = best_of(r) / r->gbs[M_PAGE];
-            rows_pp++;
-            met_pp += xr >= TARGET_PP_X;
-            if (xr < worst_pp) worst_pp = xr;
-        }
-    }
-    if (cfg.json) {
-        print_json(&cfg, &run, hw, met_bulk, rows_bulk, met_pp, rows_pp);
-    } else {
-        printf("\n");
-        if (!ok) printf("summary: FAILED to run (see the error above)\n");
-        if (rows_bulk)
-            printf("summary: %d/%d rows from %u tokens reach %.0f%% of bulk with staged or direct "
-                   "(worst %.1f%%)\n",
-                   met_bulk, rows_bulk, TARGET_MIN_TOKENS, TARGET_BULK_PCT, worst_bulk);
-        if (rows_pp)
-            printf("summary: %d/%d rows at page %u are >= %.0fx per-page (worst %.1fx)\n", met_pp,
-                   rows_pp, TARGET_PP_PAGE, TARGET_PP_X, worst_pp);
-        printf("check: %s (%u sampled heads per method and row)\n",
-               failed_checks ? "FAILED" : "all sampled heads byte-exact", cfg.samples);
-    }
+    summary_t s;
+    summarize(&run, &s);
+    if (cfg->json)
+        print_json(cfg, &run, hw, s.met_bulk, s.rows_bulk, s.met_pp, s.rows_pp);
+    else
+        print_summary(cfg, ok, &s);
     kvs_free(run.rows);
-    return !ok || failed_checks ? EXIT_RUN_FAILED : 0;
+    return !ok || s.failed_checks ? EXIT_RUN_FAILED : 0;
+}
+
+int kvs_bench_transfer(int argc, char **argv)
+{
+    opts_t o;
+    opts_default(&o);
+    kvs_arg_table_t t = {.count = 0};
+    add_transport_flags(&t, &o);
+    add_shape_flags(&t, &o);
+    add_protocol_flags(&t, &o);
+    add_run_flags(&t, &o);
+    int prc = kvs_arg_table_parse(&t, USAGE, argc, argv, 1);
+    if (prc == KVS_ARGS_HELP) return 0;
+    if (prc != KVS_ARGS_OK) return EXIT_USAGE;
+    if (build_cfg(&o, &t) != 0) return EXIT_USAGE;
+    if (o.transport == 1) return run_ucx(&o);
+    return run_inproc(&o.cfg, o.seen_gpus);
 }

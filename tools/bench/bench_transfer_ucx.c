@@ -764,54 +764,51 @@ static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, co
     kvs_json_end(&j);
 }
 
-int kvs_bench_transfer_ucx(const kvs_bench_ucx_cfg_t *cfg)
+static void print_header(const kvs_bench_ucx_cfg_t *cfg, const char *hw, uint64_t bpt)
 {
-    char model[128], hw[256];
-    long cores = 0;
-    kvs_bench_cpu_info(model, sizeof(model), &cores);
-    snprintf(hw, sizeof(hw), "%s, %ld cores, host memory", model, cores);
-    const uint64_t bpt = bytes_per_token(cfg);
-    if (!cfg->json) {
-        printf("kvstage bench transfer --transport ucx: one request's KV cache, prefill process "
-               "-> decode process on this host\n");
-        printf("hardware: %s\n", hw);
-        printf("link: ZeroMQ control + UCX data over %s (loopback); CPU copy backend\n",
-               cfg->tcp ? "tcp" : "shared memory (cma puts; decode rings in UCX shared memory)");
-        printf("shape: 8B-class scaled down: %u layers, %u KV heads, head dim %u, bf16 (%llu "
-               "KiB/token); %s pools, page %u, pages in random order; TP %u -> %u; chunk %u "
-               "tokens, window %u, %u staging buffers, ring %u slots\n",
-               LAYERS, KV_HEADS, cfg->head_dim, (unsigned long long) (bpt >> 10),
-               cfg->nhd ? "NHD" : "HND", cfg->page_size, cfg->prefill_tp, cfg->decode_tp,
-               cfg->chunk, cfg->window, cfg->buffers, cfg->ring_slots);
-        printf("staged: the protocol, sender and receiver in two processes, timed from add_room "
-               "to Success on both; gather into a staging buffer, one put per chunk and writer\n");
-        printf("direct: the same in the default write mode (auto): where the link maps the decode "
-               "ring (shared memory), the gather stores straight into the granted slot\n");
-        printf("bulk: one link write of the same bytes, flat buffer to flat exposed buffer "
-               "(4 MiB puts + flush): the limit\n");
-        printf("per-page: one link write per page x layer x K/V x head slice into a flat buffer, "
-               "%d in flight, timed over up to %llu writes (whole pages), rate extrapolated\n",
-               PP_WINDOW, (unsigned long long) cfg->per_page_max);
-        printf("each: median of %u after %u warm-up; GB/s = payload bytes / time, 1 GB = 1e9 B; "
-               "check: every byte of the last staged run, on decode\n",
-               cfg->reps, cfg->warmup);
-        printf("target: the default path (direct) >= %.0f%% of bulk for requests >= %u tokens\n\n",
-               TARGET_BULK_PCT, TARGET_MIN_TOKENS);
-        printf("%6s %8s %6s %6s %7s %6s %7s %8s %7s %6s %6s %5s %8s %7s %s\n", "tokens", "MiB",
-               "bulk", "staged", "%bulk", "direct", "%bulk", "per-page", "dir/pp", "st-wr",
-               "dir-wr", "puts", "pp-wr", "pp-time", "check");
-    }
-    fflush(stdout);
-    fflush(stderr);
+    printf("kvstage bench transfer --transport ucx: one request's KV cache, prefill process "
+           "-> decode process on this host\n");
+    printf("hardware: %s\n", hw);
+    printf("link: ZeroMQ control + UCX data over %s (loopback); CPU copy backend\n",
+           cfg->tcp ? "tcp" : "shared memory (cma puts; decode rings in UCX shared memory)");
+    printf("shape: 8B-class scaled down: %u layers, %u KV heads, head dim %u, bf16 (%llu "
+           "KiB/token); %s pools, page %u, pages in random order; TP %u -> %u; chunk %u "
+           "tokens, window %u, %u staging buffers, ring %u slots\n",
+           LAYERS, KV_HEADS, cfg->head_dim, (unsigned long long) (bpt >> 10),
+           cfg->nhd ? "NHD" : "HND", cfg->page_size, cfg->prefill_tp, cfg->decode_tp, cfg->chunk,
+           cfg->window, cfg->buffers, cfg->ring_slots);
+    printf("staged: the protocol, sender and receiver in two processes, timed from add_room "
+           "to Success on both; gather into a staging buffer, one put per chunk and writer\n");
+    printf("direct: the same in the default write mode (auto): where the link maps the decode "
+           "ring (shared memory), the gather stores straight into the granted slot\n");
+    printf("bulk: one link write of the same bytes, flat buffer to flat exposed buffer "
+           "(4 MiB puts + flush): the limit\n");
+    printf("per-page: one link write per page x layer x K/V x head slice into a flat buffer, "
+           "%d in flight, timed over up to %llu writes (whole pages), rate extrapolated\n",
+           PP_WINDOW, (unsigned long long) cfg->per_page_max);
+    printf("each: median of %u after %u warm-up; GB/s = payload bytes / time, 1 GB = 1e9 B; "
+           "check: every byte of the last staged run, on decode\n",
+           cfg->reps, cfg->warmup);
+    printf("target: the default path (direct) >= %.0f%% of bulk for requests >= %u tokens\n\n",
+           TARGET_BULK_PCT, TARGET_MIN_TOKENS);
+    printf("%6s %8s %6s %6s %7s %6s %7s %8s %7s %6s %6s %5s %8s %7s %s\n", "tokens", "MiB", "bulk",
+           "staged", "%bulk", "direct", "%bulk", "per-page", "dir/pp", "st-wr", "dir-wr", "puts",
+           "pp-wr", "pp-time", "check");
+}
+
+/* Forks the prefill process, commands on one pipe and answers on another, into u; 0, or -1
+ * after saying why. */
+static int start_prefill(const kvs_bench_ucx_cfg_t *cfg, run_t *u)
+{
     int cmd[2], rsp[2];
     if (pipe(cmd) != 0 || pipe(rsp) != 0) {
         fprintf(stderr, "error: pipe: %s\n", strerror(errno));
-        return 1;
+        return -1;
     }
     pid_t pid = fork();
     if (pid < 0) {
         fprintf(stderr, "error: fork: %s\n", strerror(errno));
-        return 1;
+        return -1;
     }
     if (pid == 0) {
         close(cmd[1]);
@@ -821,13 +818,85 @@ int kvs_bench_transfer_ucx(const kvs_bench_ucx_cfg_t *cfg)
     }
     close(cmd[0]);
     close(rsp[1]);
-    void (*old_pipe)(int) = signal(SIGPIPE, SIG_IGN);
+    memset(u, 0, sizeof(*u));
+    u->cfg = cfg;
+    u->child = pid;
+    u->cmd_fd = cmd[1];
+    u->rsp_fd = rsp[0];
+    return 0;
+}
+
+/* Lets the prefill process go (after ok, with a quit command), serving our links until it has
+ * exited; kills it after a failure or 30 s. Returns ok, cleared when it did not exit cleanly. */
+static int stop_prefill(run_t *u, int ok, int have_side)
+{
+    if (ok) ok = command(u, OP_QUIT, 0, 0, 0);
+    close(u->cmd_fd);
+    int status = 0;
+    const uint64_t end = kvs_now_ns() + 30 * SEC;
+    pid_t got;
+    while ((got = waitpid(u->child, &status, WNOHANG)) == 0) {
+        if (have_side) decode_idle(u);
+        if (!ok || kvs_now_ns() > end) {
+            kill(u->child, SIGKILL);
+            (void) waitpid(u->child, &status, 0);
+            break;
+        }
+        nap_us(100);
+    }
+    if (ok && (got != u->child || !WIFEXITED(status) || WEXITSTATUS(status) != 0)) {
+        fprintf(stderr, "error: the prefill process did not exit cleanly\n");
+        ok = 0;
+    }
+    close(u->rsp_fd);
+    return ok;
+}
+
+/* Rows against the target, printed as the summary or the JSON object; the rows that failed
+ * their check. */
+static int report(const kvs_bench_ucx_cfg_t *cfg, int ok, uint32_t chunk_tokens, const row_t *rows,
+                  int nrows, const char *hw)
+{
+    int rows_t = 0, met = 0, failed = 0;
+    double worst = 1e9;
+    for (int i = 0; i < nrows; i++) {
+        const row_t *r = &rows[i];
+        failed += r->bad != 0;
+        if (r->tokens >= TARGET_MIN_TOKENS) {
+            double pct = 100.0 * r->direct_gbs / r->bulk_gbs;
+            rows_t++;
+            met += pct >= TARGET_BULK_PCT;
+            if (pct < worst) worst = pct;
+        }
+    }
+    if (cfg->json) {
+        print_json(cfg, chunk_tokens, rows, nrows, hw, rows_t, met);
+        return failed;
+    }
+    printf("\n");
+    if (!ok) printf("summary: FAILED to run (see the error above)\n");
+    if (rows_t)
+        printf("summary: %d/%d rows from %u tokens reach %.0f%% of bulk with direct (worst "
+               "%.1f%%)\n",
+               met, rows_t, TARGET_MIN_TOKENS, TARGET_BULK_PCT, worst);
+    printf("check: %s\n",
+           failed ? "FAILED" : "every byte of every staged and direct row exact on decode");
+    return failed;
+}
+
+int kvs_bench_transfer_ucx(const kvs_bench_ucx_cfg_t *cfg)
+{
+    char model[128], hw[256];
+    long cores = 0;
+    kvs_bench_cpu_info(model, sizeof(model), &cores);
+    snprintf(hw, sizeof(hw), "%s, %ld cores, host memory", model, cores);
+    const uint64_t bpt = bytes_per_token(cfg);
+    if (!cfg->json) print_header(cfg, hw, bpt);
+    fflush(stdout);
+    fflush(stderr);
     run_t u;
-    memset(&u, 0, sizeof(u));
-    u.cfg = cfg;
-    u.child = pid;
-    u.cmd_fd = cmd[1];
-    u.rsp_fd = rsp[0];
+    if (start_prefill(cfg, &u) != 0) return 1;
+    void (*old_pipe)(int) = signal(SIGPIPE, SIG_IGN);
     row_t *rows = kvs_calloc((size_t) cfg->ntokens, sizeof(row_t));
     int ok = rows != NULL && side_create(cfg, KVS_SIDE_DECODE, &u.s);
     int have_side = ok;
@@ -843,54 +912,11 @@ int kvs_bench_transfer_ucx(const kvs_bench_ucx_cfg_t *cfg)
             if (!cfg->json) print_row(r);
         }
     }
-    /* let the prefill process go, serving our links until it has exited */
-    if (ok) ok = command(&u, OP_QUIT, 0, 0, 0);
-    close(u.cmd_fd);
-    int status = 0;
-    const uint64_t end = kvs_now_ns() + 30 * SEC;
-    pid_t got;
-    while ((got = waitpid(pid, &status, WNOHANG)) == 0) {
-        if (have_side) decode_idle(&u);
-        if (!ok || kvs_now_ns() > end) {
-            kill(pid, SIGKILL);
-            (void) waitpid(pid, &status, 0);
-            break;
-        }
-        nap_us(100);
-    }
-    if (ok && (got != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0)) {
-        fprintf(stderr, "error: the prefill process did not exit cleanly\n");
-        ok = 0;
-    }
-    close(u.rsp_fd);
+    ok = stop_prefill(&u, ok, have_side);
     const uint32_t chunk_tokens = u.s.geo.chunk_tokens;
     if (have_side) side_destroy(&u.s);
     signal(SIGPIPE, old_pipe);
-
-    int rows_t = 0, met = 0, failed = 0;
-    double worst = 1e9;
-    for (int i = 0; i < nrows; i++) {
-        const row_t *r = &rows[i];
-        failed += r->bad != 0;
-        if (r->tokens >= TARGET_MIN_TOKENS) {
-            double pct = 100.0 * r->direct_gbs / r->bulk_gbs;
-            rows_t++;
-            met += pct >= TARGET_BULK_PCT;
-            if (pct < worst) worst = pct;
-        }
-    }
-    if (cfg->json) {
-        print_json(cfg, chunk_tokens, rows, nrows, hw, rows_t, met);
-    } else {
-        printf("\n");
-        if (!ok) printf("summary: FAILED to run (see the error above)\n");
-        if (rows_t)
-            printf("summary: %d/%d rows from %u tokens reach %.0f%% of bulk with direct (worst "
-                   "%.1f%%)\n",
-                   met, rows_t, TARGET_MIN_TOKENS, TARGET_BULK_PCT, worst);
-        printf("check: %s\n",
-               failed ? "FAILED" : "every byte of every staged and direct row exact on decode");
-    }
+    int failed = report(cfg, ok, chunk_tokens, rows, nrows, hw);
     kvs_free(rows);
     return !ok || failed ? 1 : 0;
 }

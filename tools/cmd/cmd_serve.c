@@ -205,197 +205,269 @@ static int serve_loop(kvs_instance_t *inst, kvs_rank_backend_t *backend, const c
     }
 }
 
+static void serve_flags_default(serve_flags_t *f)
+{
+    memset(f, 0, sizeof(*f));
+    f->host = "127.0.0.1";
+    f->tp = f->peer_tp = 1;
+    f->page_size = 16;
+    f->chunk = 64;
+    f->max_running = 4;
+    f->max_prompt = 1024;
+    f->max_new = 256;
+    f->radix = 1;
+    f->threads = 4;
+    f->startup_s = 300;
+}
+
+/* The instance's role, model and endpoints. */
+static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
+{
+    const kvs_arg_t g[] = {
+        {"role", KVS_ARG_CHOICE, &f->role, "what this instance does", "colocated|prefill|decode",
+         NULL},
+        {"model", KVS_ARG_STR, &f->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &f->seeded,
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)", NULL,
+         NULL},
+        {"model-seed", KVS_ARG_U64, &f->model_seed, "seed of --seeded weights", NULL, NULL},
+        {"tp", KVS_ARG_U32, &f->tp, "ranks of this instance (1)", NULL, NULL},
+        {"peer-tp", KVS_ARG_U32, &f->peer_tp,
+         "prefill: the decode instance's TP (1); decode: the prefill instance's (default: from "
+         "its registry)",
+         NULL, &f->peer_tp_seen},
+        {"port", KVS_ARG_U32, &f->port, "HTTP port (0: a free one, printed)", NULL, NULL},
+        {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
+        {"bootstrap", KVS_ARG_STR, &f->bootstrap,
+         "decode: the prefill instance's registry endpoint (its server prints it)", NULL, NULL},
+        {"registry", KVS_ARG_STR, &f->registry,
+         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)", NULL,
+         NULL},
+        {"name", KVS_ARG_STR, &f->name, "model name served (default: the GGUF's file name)", NULL,
+         NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* The engine's geometry and limits, and the server's threads. */
+static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
+{
+    const kvs_arg_t g[] = {
+        {"page-size", KVS_ARG_U32, &f->page_size,
+         "tokens per KV page (16; decode: the prefill instance's)", NULL, &f->page_seen},
+        {"chunk", KVS_ARG_U32, &f->chunk,
+         "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", NULL,
+         &f->chunk_seen},
+        {"radix", KVS_ARG_ONOFF, &f->radix, "radix prefix cache (on)", NULL, NULL},
+        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", NULL, NULL},
+        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)", NULL,
+         NULL},
+        {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,
+         "give up when the ranks are not ready after this long (300)", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* What one serve run has started, so that serve_teardown ends it whatever step failed. */
+typedef struct {
+    const serve_flags_t *f;
+    const char *role; /* role_str, for messages */
+    const char *path; /* the GGUF ("" when seeded) */
+    const kvs_model_config_t *mc;
+    kvs_tokenizer_t *tok; /* NULL: the byte tokenizer */
+    const char *ep;       /* the prefill instance's registry: served here, or --bootstrap */
+    kvs_registry_t *registry;
+    reg_thread_t rt;
+    pthread_t reg_thread;
+    int reg_started;
+    kvs_instance_t inst;
+    int inst_started;
+    kvs_rank_backend_t *backend;
+    kvs_server_t *srv;
+} serve_run_t;
+
+/* Prefill: the bootstrap registry, served from a thread of its own. 0, or 1 after saying why. */
+static int start_registry(serve_run_t *s)
+{
+    const char *bind = s->f->registry ? s->f->registry : "tcp://127.0.0.1:*";
+    if (kvs_registry_create(bind, &s->registry) != KVS_OK) {
+        fprintf(stderr, "error: cannot serve the bootstrap registry at %s\n", bind);
+        return 1;
+    }
+    s->ep = kvs_registry_endpoint(s->registry);
+    s->rt.registry = s->registry;
+    if (pthread_create(&s->reg_thread, NULL, registry_main, &s->rt) != 0) {
+        fprintf(stderr, "error: cannot start the registry thread\n");
+        return 1;
+    }
+    s->reg_started = 1;
+    return 0;
+}
+
+static kvs_server_role_t server_role(int role)
+{
+    return role == KVS_LLM_PREFILL  ? KVS_SERVER_ROLE_PREFILL
+           : role == KVS_LLM_DECODE ? KVS_SERVER_ROLE_DECODE
+                                    : KVS_SERVER_ROLE_NONE;
+}
+
+/* The rank processes and the backend over rank 0. 0, or 1 after saying why. */
+static int start_instance(serve_run_t *s)
+{
+    const serve_flags_t *f = s->f;
+    const kvs_model_config_t *mc = s->mc;
+    kvs_instance_config_t ic = {.role = (kvs_llm_role_t) f->role,
+                                .tp = f->tp,
+                                .peer_tp = f->peer_tp,
+                                .model_path = f->seeded ? NULL : s->path,
+                                .seeded = f->seeded,
+                                .model_seed = f->model_seed,
+                                .page_size = f->page_size,
+                                .chunk = f->chunk,
+                                .max_running = f->max_running,
+                                .max_prompt = f->max_prompt,
+                                .max_new = f->max_new,
+                                .radix = f->radix,
+                                .registry = s->ep,
+                                .data = f->data};
+    if (kvs_instance_start(&ic, &s->inst) != 0) return 1;
+    s->inst_started = 1;
+    kvs_rank_backend_config_t bc = {.in_fd = s->inst.in_fd,
+                                    .out_fd = s->inst.out_fd,
+                                    .role = server_role(f->role),
+                                    .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
+                                    .page_size = f->page_size,
+                                    .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads *
+                                                          mc->head_dim * 2 * sizeof(float),
+                                    .vocab = mc->vocab,
+                                    .text_vocab = s->tok ? 0 : 257,
+                                    .max_prompt = f->max_prompt,
+                                    .max_new = f->max_new};
+    s->inst.in_fd = s->inst.out_fd = -1; /* the backend's now */
+    if (kvs_rank_backend_create(&bc, &s->backend) != KVS_OK) {
+        fprintf(stderr, "error: cannot start the backend over rank 0\n");
+        return 1;
+    }
+    return 0;
+}
+
+/* Until rank 0 is ready: 0; 1 when the instance failed or took too long (said why); -1 when a
+ * signal came first. */
+static int wait_ready(serve_run_t *s)
+{
+    kvs_instance_t *inst = &s->inst;
+    const uint64_t deadline = kvs_now_ns() + (uint64_t) s->f->startup_s * 1000000000ull;
+    for (;;) {
+        kvs_status_t st = kvs_rank_backend_wait_ready(s->backend, 200);
+        if (st == KVS_OK) return 0;
+        char why[128] = "rank 0 ended";
+        if (st == KVS_ERR_IO || kvs_instance_poll(inst) < inst->n) {
+            kvs_instance_poll(inst);
+            if (kvs_instance_poll(inst) < inst->n)
+                kvs_instance_describe_exit(inst, why, sizeof(why));
+            fprintf(stderr, "error: the %s instance did not start (%s)\n", s->role, why);
+            return 1;
+        }
+        if (kvs_serve_signal_wait(0)) return -1;
+        if (kvs_now_ns() >= deadline) {
+            fprintf(stderr, "error: the %s instance was not ready after %u s\n", s->role,
+                    s->f->startup_s);
+            return 1;
+        }
+    }
+}
+
+/* The HTTP server over the backend; prints where it serves. 0, or 1 after saying why. */
+static int start_server(serve_run_t *s)
+{
+    const serve_flags_t *f = s->f;
+    kvs_server_tokenizer_t stok;
+    if (s->tok != NULL) {
+        if (kvs_server_tokenizer_from(s->tok, &stok) != KVS_OK) return 1;
+    } else {
+        stok = kvs_server_byte_tokenizer();
+    }
+    char name[256]; /* the server keeps a copy */
+    model_name(f, s->path, name, sizeof(name));
+    kvs_server_config_t sc = {.host = f->host,
+                              .port = (uint16_t) f->port,
+                              .threads = f->threads,
+                              .model = name,
+                              .max_context = f->max_prompt + f->max_new,
+                              .default_max_tokens = f->max_new,
+                              .role = server_role(f->role),
+                              .bootstrap = s->ep,
+                              .strict_role = 1,
+                              .backend = kvs_rank_backend_ops(s->backend),
+                              .tokenizer = stok};
+    if (kvs_server_create(&sc, &s->srv) != KVS_OK) {
+        fprintf(stderr, "error: cannot serve HTTP on %s:%u\n", f->host, f->port);
+        return 1;
+    }
+    printf("serving on http://%s:%u (role %s, TP %u, bootstrap %s)\n", f->host,
+           (unsigned) kvs_server_port(s->srv), s->role, f->tp, s->ep ? s->ep : "none");
+    fflush(stdout);
+    return 0;
+}
+
+/* Starts everything and serves until a signal or a failure; the exit code. */
+static int serve_instance(serve_run_t *s)
+{
+    kvs_serve_signal_install();
+    s->ep = s->f->bootstrap;
+    if (s->f->role == KVS_LLM_PREFILL && start_registry(s) != 0) return 1;
+    if (start_instance(s) != 0) return 1;
+    int rc = wait_ready(s);
+    if (rc != 0) return rc < 0 ? 0 : 1;
+    if (start_server(s) != 0) return 1;
+    return serve_loop(&s->inst, s->backend, s->role);
+}
+
+/* Ends what s started, in order: the server (live requests end first, through the backend),
+ * rank 0 through quit, every rank, the registry. Returns rc, or 1 when rc was 0 and a rank did
+ * not end cleanly. */
+static int serve_teardown(serve_run_t *s, int rc)
+{
+    kvs_server_destroy(s->srv);
+    if (s->backend != NULL) kvs_rank_backend_quit(s->backend);
+    if (s->inst_started && kvs_instance_wait(&s->inst, EXIT_WAIT_MS) != 0 && rc == 0) {
+        char why[128];
+        kvs_instance_describe_exit(&s->inst, why, sizeof(why));
+        fprintf(stderr, "error: the %s instance did not end cleanly (%s)\n", s->role, why);
+        rc = 1;
+    }
+    kvs_rank_backend_destroy(s->backend);
+    if (s->inst.in_fd >= 0) close(s->inst.in_fd);
+    if (s->inst.out_fd >= 0) close(s->inst.out_fd);
+    if (s->reg_started) {
+        __atomic_store_n(&s->rt.stop, 1, __ATOMIC_RELAXED);
+        pthread_join(s->reg_thread, NULL);
+    }
+    kvs_registry_destroy(s->registry);
+    kvs_tokenizer_destroy(s->tok);
+    return rc;
+}
+
 int kvs_cmd_serve(int argc, char **argv)
 {
     serve_flags_t f;
-    memset(&f, 0, sizeof(f));
-    f.host = "127.0.0.1";
-    f.tp = f.peer_tp = 1;
-    f.page_size = 16;
-    f.chunk = 64;
-    f.max_running = 4;
-    f.max_prompt = 1024;
-    f.max_new = 256;
-    f.radix = 1;
-    f.threads = 4;
-    f.startup_s = 300;
-    const kvs_arg_t args[] = {
-        {"role", KVS_ARG_CHOICE, &f.role, "what this instance does", "colocated|prefill|decode",
-         NULL},
-        {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
-        {"seeded", KVS_ARG_STR, &f.seeded,
-         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)", NULL,
-         NULL},
-        {"model-seed", KVS_ARG_U64, &f.model_seed, "seed of --seeded weights", NULL, NULL},
-        {"tp", KVS_ARG_U32, &f.tp, "ranks of this instance (1)", NULL, NULL},
-        {"peer-tp", KVS_ARG_U32, &f.peer_tp,
-         "prefill: the decode instance's TP (1); decode: the prefill instance's (default: from "
-         "its registry)",
-         NULL, &f.peer_tp_seen},
-        {"port", KVS_ARG_U32, &f.port, "HTTP port (0: a free one, printed)", NULL, NULL},
-        {"host", KVS_ARG_STR, &f.host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
-        {"bootstrap", KVS_ARG_STR, &f.bootstrap,
-         "decode: the prefill instance's registry endpoint (its server prints it)", NULL, NULL},
-        {"registry", KVS_ARG_STR, &f.registry,
-         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)", NULL,
-         NULL},
-        {"name", KVS_ARG_STR, &f.name, "model name served (default: the GGUF's file name)", NULL,
-         NULL},
-        {"page-size", KVS_ARG_U32, &f.page_size,
-         "tokens per KV page (16; decode: the prefill instance's)", NULL, &f.page_seen},
-        {"chunk", KVS_ARG_U32, &f.chunk,
-         "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", NULL,
-         &f.chunk_seen},
-        {"radix", KVS_ARG_ONOFF, &f.radix, "radix prefix cache (on)", NULL, NULL},
-        {"max-running", KVS_ARG_U32, &f.max_running, "requests admitted at once (4)", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &f.max_prompt, "longest prompt, tokens (1024)", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &f.max_new, "most tokens generated per request (256)", NULL, NULL},
-        {"threads", KVS_ARG_U32, &f.threads, "HTTP worker threads (4)", NULL, NULL},
-        {"data", KVS_ARG_CHOICE, &f.data, "UCX data transports", "auto|shm|tcp", NULL},
-        {"startup-timeout-s", KVS_ARG_U32, &f.startup_s,
-         "give up when the ranks are not ready after this long (300)", NULL, NULL},
-    };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
+    serve_flags_default(&f);
+    kvs_arg_table_t t = {.count = 0};
+    add_instance_flags(&t, &f);
+    add_engine_flags(&t, &f);
+    int rc = kvs_arg_table_parse(&t, usage, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
 
     char path[4096] = "";
     kvs_model_config_t mc;
-    kvs_tokenizer_t *tok = NULL;
-    if ((rc = open_model(&f, path, sizeof(path), &mc, &tok)) != 0) return rc;
-    kvs_registry_t *registry = NULL;
-    reg_thread_t rt = {0};
-    pthread_t reg_thread;
-    int reg_started = 0;
-    kvs_instance_t inst;
-    memset(&inst, 0, sizeof(inst));
-    int inst_started = 0;
-    kvs_rank_backend_t *backend = NULL;
-    kvs_server_t *srv = NULL;
-    const char *role = role_str(f.role);
-    if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f)) != 0) goto out;
-    if ((rc = check_flags(&f, &mc)) != 0) goto out;
-    rc = 1;
-    kvs_serve_signal_install();
-
-    const char *ep = f.bootstrap;
-    if (f.role == KVS_LLM_PREFILL) {
-        const char *bind = f.registry ? f.registry : "tcp://127.0.0.1:*";
-        if (kvs_registry_create(bind, &registry) != KVS_OK) {
-            fprintf(stderr, "error: cannot serve the bootstrap registry at %s\n", bind);
-            goto out;
-        }
-        ep = kvs_registry_endpoint(registry);
-        rt.registry = registry;
-        if (pthread_create(&reg_thread, NULL, registry_main, &rt) != 0) {
-            fprintf(stderr, "error: cannot start the registry thread\n");
-            goto out;
-        }
-        reg_started = 1;
-    }
-    kvs_instance_config_t ic = {.role = (kvs_llm_role_t) f.role,
-                                .tp = f.tp,
-                                .peer_tp = f.peer_tp,
-                                .model_path = f.seeded ? NULL : path,
-                                .seeded = f.seeded,
-                                .model_seed = f.model_seed,
-                                .page_size = f.page_size,
-                                .chunk = f.chunk,
-                                .max_running = f.max_running,
-                                .max_prompt = f.max_prompt,
-                                .max_new = f.max_new,
-                                .radix = f.radix,
-                                .registry = ep,
-                                .data = f.data};
-    if (kvs_instance_start(&ic, &inst) != 0) goto out;
-    inst_started = 1;
-
-    const kvs_server_role_t srole = f.role == KVS_LLM_PREFILL  ? KVS_SERVER_ROLE_PREFILL
-                                    : f.role == KVS_LLM_DECODE ? KVS_SERVER_ROLE_DECODE
-                                                               : KVS_SERVER_ROLE_NONE;
-    kvs_rank_backend_config_t bc = {.in_fd = inst.in_fd,
-                                    .out_fd = inst.out_fd,
-                                    .role = srole,
-                                    .bootstrap = f.role == KVS_LLM_DECODE ? ep : NULL,
-                                    .page_size = f.page_size,
-                                    .kv_bytes_per_token = (uint64_t) mc.layers * mc.kv_heads *
-                                                          mc.head_dim * 2 * sizeof(float),
-                                    .vocab = mc.vocab,
-                                    .text_vocab = tok ? 0 : 257,
-                                    .max_prompt = f.max_prompt,
-                                    .max_new = f.max_new};
-    inst.in_fd = inst.out_fd = -1; /* the backend's now */
-    if (kvs_rank_backend_create(&bc, &backend) != KVS_OK) {
-        fprintf(stderr, "error: cannot start the backend over rank 0\n");
-        goto out;
-    }
-    const uint64_t deadline = kvs_now_ns() + (uint64_t) f.startup_s * 1000000000ull;
-    for (;;) {
-        kvs_status_t st = kvs_rank_backend_wait_ready(backend, 200);
-        if (st == KVS_OK) break;
-        char why[128] = "rank 0 ended";
-        if (st == KVS_ERR_IO || kvs_instance_poll(&inst) < inst.n) {
-            kvs_instance_poll(&inst);
-            if (kvs_instance_poll(&inst) < inst.n)
-                kvs_instance_describe_exit(&inst, why, sizeof(why));
-            fprintf(stderr, "error: the %s instance did not start (%s)\n", role, why);
-            goto out;
-        }
-        if (kvs_serve_signal_wait(0)) {
-            rc = 0;
-            goto out;
-        }
-        if (kvs_now_ns() >= deadline) {
-            fprintf(stderr, "error: the %s instance was not ready after %u s\n", role, f.startup_s);
-            goto out;
-        }
-    }
-
-    kvs_server_tokenizer_t stok;
-    if (tok != NULL) {
-        if (kvs_server_tokenizer_from(tok, &stok) != KVS_OK) goto out;
-    } else {
-        stok = kvs_server_byte_tokenizer();
-    }
-    char name[256];
-    model_name(&f, path, name, sizeof(name));
-    kvs_server_config_t sc = {.host = f.host,
-                              .port = (uint16_t) f.port,
-                              .threads = f.threads,
-                              .model = name,
-                              .max_context = f.max_prompt + f.max_new,
-                              .default_max_tokens = f.max_new,
-                              .role = srole,
-                              .bootstrap = ep,
-                              .strict_role = 1,
-                              .backend = kvs_rank_backend_ops(backend),
-                              .tokenizer = stok};
-    if (kvs_server_create(&sc, &srv) != KVS_OK) {
-        fprintf(stderr, "error: cannot serve HTTP on %s:%u\n", f.host, f.port);
-        goto out;
-    }
-    printf("serving on http://%s:%u (role %s, TP %u, bootstrap %s)\n", f.host,
-           (unsigned) kvs_server_port(srv), role, f.tp, ep ? ep : "none");
-    fflush(stdout);
-    rc = serve_loop(&inst, backend, role);
-
-out:
-    kvs_server_destroy(srv); /* live requests end first, through the backend */
-    if (backend != NULL) kvs_rank_backend_quit(backend);
-    if (inst_started && kvs_instance_wait(&inst, EXIT_WAIT_MS) != 0 && rc == 0) {
-        char why[128];
-        kvs_instance_describe_exit(&inst, why, sizeof(why));
-        fprintf(stderr, "error: the %s instance did not end cleanly (%s)\n", role, why);
-        rc = 1;
-    }
-    kvs_rank_backend_destroy(backend);
-    if (inst.in_fd >= 0) close(inst.in_fd);
-    if (inst.out_fd >= 0) close(inst.out_fd);
-    if (reg_started) {
-        __atomic_store_n(&rt.stop, 1, __ATOMIC_RELAXED);
-        pthread_join(reg_thread, NULL);
-    }
-    kvs_registry_destroy(registry);
-    kvs_tokenizer_destroy(tok);
-    return rc;
+    serve_run_t s = {.f = &f, .role = role_str(f.role), .path = path, .mc = &mc};
+    s.inst.in_fd = s.inst.out_fd = -1; /* not started: nothing to close */
+    if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
+    if (f.role == KVS_LLM_DECODE) rc = learn_from_prefill(&f);
+    if (rc == 0) rc = check_flags(&f, &mc);
+    if (rc == 0) rc = serve_instance(&s);
+    return serve_teardown(&s, rc);
 }

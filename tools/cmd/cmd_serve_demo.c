@@ -57,110 +57,144 @@ static const char usage[] =
     "  a real deployment on this host: router -> prefill server (TP3) -> decode server (TP1),\n"
     "  SmolLM2 on the CPU, every rank a process; two chat requests sharing a system prompt";
 
+typedef struct {
+    uint32_t prefill_tp, decode_tp, timeout_s;
+    const char *model;
+} demo_flags_t;
+
+/* One run's processes and what its two answers measured. */
+typedef struct {
+    const demo_flags_t *f;
+    char *path; /* the GGUF */
+    uint64_t t0;
+    kvs_child_t ps[NPROC]; /* prefill server, decode server, router: started in that order */
+    kvs_stream_t res[2];
+    double cached_p[2], handoff_ms[2]; /* from the prefill server's metrics */
+    int answers;
+} demo_t;
+
+/* Starts c with argv and waits for the line it prints when it serves; 0, or -1 (reported). */
+static int start_child(demo_t *d, kvs_child_t *c, char **argv, const char *ready)
+{
+    printf("starting the %s ... ", c->name);
+    fflush(stdout);
+    if (kvs_child_start(c, argv) != 0 || kvs_child_wait_line(c, ready, d->f->timeout_s) != 0)
+        return -1;
+    printf("%s\n", c->line);
+    return 0;
+}
+
+/* The prefill server, the decode server bound to it and the router in front; 0, or -1. */
+static int start_deployment(demo_t *d)
+{
+    kvs_child_t *pre = &d->ps[0], *dec = &d->ps[1], *rt = &d->ps[2];
+    char *path = d->path;
+    char ptp[16], dtp[16];
+    snprintf(ptp, sizeof(ptp), "%u", d->f->prefill_tp);
+    snprintf(dtp, sizeof(dtp), "%u", d->f->decode_tp);
+    char *pargs[] = {"kvstage",      "serve", "--role",    "prefill", "--tp",   ptp,
+                     "--peer-tp",    dtp,     "--model",   path,      "--port", "0",
+                     "--max-prompt", "512",   "--max-new", "64",      NULL};
+    if (start_child(d, pre, pargs, "serving on") != 0) return -1;
+    char *dargs[] = {"kvstage",      "serve", "--role",    "decode", "--tp",        dtp,
+                     "--model",      path,    "--port",    "0",      "--bootstrap", pre->bootstrap,
+                     "--max-prompt", "512",   "--max-new", "64",     NULL};
+    if (start_child(d, dec, dargs, "serving on") != 0) return -1;
+    char *rargs[] = {"kvstage", "router", "--prefill", pre->url, "--decode", dec->url,
+                     "--port",  "0",      "--policy",  "prefix", NULL};
+    if (start_child(d, rt, rargs, "routing on") != 0) return -1;
+    printf("up in %.1f s\n\n", (double) (kvs_now_ns() - d->t0) / 1e9);
+    return 0;
+}
+
+/* Question i through the router, with what the prefill server's metrics say it cost; 0 when
+ * the answer came back. */
+static int ask_and_report(demo_t *d, int i)
+{
+    const char *pre = d->ps[0].url;
+    double c0 = kvs_metric_get(pre, "kvstage_cached_prompt_tokens_total");
+    double h0 = kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum");
+    printf("[%d] user: %s\n    assistant: ", i + 1, k_questions[i]);
+    fflush(stdout);
+    if (ask(d->ps[2].url, k_questions[i], &d->res[i]) != 0) return -1;
+    /* The prefill answer ends at the handoff, which the decode answer may precede. */
+    for (int k = 0; k < 50 && kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum") == h0; k++)
+        kvs_serve_signal_wait(20);
+    double c1 = kvs_metric_get(pre, "kvstage_cached_prompt_tokens_total");
+    double h1 = kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum");
+    d->cached_p[i] = c0 >= 0 && c1 >= c0 ? c1 - c0 : 0;
+    d->handoff_ms[i] = h0 >= 0 && h1 >= h0 ? (h1 - h0) * 1e3 : 0;
+    const kvs_stream_t *s = &d->res[i];
+    printf("\n    -> %ld tokens (%s); TTFT %.0f ms at the client, %.0f ms in the decode "
+           "server;\n       prompt %ld tokens, cached %.0f on the prefill side, %ld on the "
+           "decode side;\n       KV moved %.2f MiB (%.0f KiB), handoff %.1f ms after the "
+           "prompt was computed\n\n",
+           s->completion_tokens, s->finish, (double) (s->first_ns - s->t0) / 1e6,
+           (double) s->ttft_ns / 1e6, s->prompt_tokens, d->cached_p[i], s->cached,
+           (double) s->kv_bytes / 1048576.0, (double) s->kv_bytes / 1024.0, d->handoff_ms[i]);
+    d->answers++;
+    return 0;
+}
+
+/* Starts the deployment, asks both questions, stops every process; the exit code. */
+static int run_demo(demo_t *d)
+{
+    d->t0 = kvs_now_ns();
+    printf("kvstage serve-demo: an OpenAI-compatible deployment on this host, every process its "
+           "own:\n  router (prefix-aware) -> prefill server, TP%u (%u rank processes) -> decode "
+           "server, TP%u;\n  the KV of each request moves from prefill to decode through kvstage "
+           "(ZeroMQ control, UCX data)\n  model %s, CPU\n\n",
+           d->f->prefill_tp, d->f->prefill_tp, d->f->decode_tp, d->path);
+    int ok = 0;
+    if (start_deployment(d) == 0) {
+        printf("system: %s\n\n", k_system);
+        for (int i = 0; i < 2; i++)
+            if (ask_and_report(d, i) != 0) break;
+        ok = d->answers == 2;
+        if (ok && (d->cached_p[1] <= 0 || d->res[1].cached <= 0))
+            printf("note: the second request found no cached prefix on the %s side\n",
+                   d->cached_p[1] <= 0 ? "prefill" : "decode");
+    }
+    printf("stopping the router, the decode server and the prefill server (SIGTERM)\n");
+    fflush(stdout);
+    int clean = 1;
+    for (int i = NPROC - 1; i >= 0; i--) clean &= kvs_child_stop(&d->ps[i], 30);
+    printf("%s\n", clean ? "every process exited cleanly" : "not every process exited cleanly");
+    if (d->answers < 2) fprintf(stderr, "FAILED: %d of 2 answers came back\n", d->answers);
+    printf("%s in %.1f s\n", ok && clean ? "done" : "FAILED",
+           (double) (kvs_now_ns() - d->t0) / 1e9);
+    return ok && clean ? 0 : 1;
+}
+
 int kvs_cmd_serve_demo(int argc, char **argv)
 {
-    uint32_t prefill_tp = 3, decode_tp = 1, timeout_s = 300;
-    const char *model = NULL;
+    demo_flags_t f = {.prefill_tp = 3, .decode_tp = 1, .timeout_s = 300, .model = NULL};
     const kvs_arg_t args[] = {
-        {"prefill-tp", KVS_ARG_U32, &prefill_tp, "prefill server ranks (3)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &decode_tp, "decode server ranks (1)", NULL, NULL},
-        {"model", KVS_ARG_STR, &model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
-        {"timeout-s", KVS_ARG_U32, &timeout_s, "give up on a server after this long (300)", NULL,
+        {"prefill-tp", KVS_ARG_U32, &f.prefill_tp, "prefill server ranks (3)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &f.decode_tp, "decode server ranks (1)", NULL, NULL},
+        {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
+        {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)", NULL,
          NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     char path[4096];
-    if (model != NULL)
-        snprintf(path, sizeof(path), "%s", model);
+    if (f.model != NULL)
+        snprintf(path, sizeof(path), "%s", f.model);
     else if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
         return 1;
-    char ptp[16], dtp[16];
-    snprintf(ptp, sizeof(ptp), "%u", prefill_tp);
-    snprintf(dtp, sizeof(dtp), "%u", decode_tp);
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "error: libcurl did not initialise\n");
         return 1;
     }
     kvs_serve_signal_install();
-    const uint64_t t0 = kvs_now_ns();
-    printf("kvstage serve-demo: an OpenAI-compatible deployment on this host, every process its "
-           "own:\n  router (prefix-aware) -> prefill server, TP%u (%u rank processes) -> decode "
-           "server, TP%u;\n  the KV of each request moves from prefill to decode through kvstage "
-           "(ZeroMQ control, UCX data)\n  model %s, CPU\n\n",
-           prefill_tp, prefill_tp, decode_tp, path);
-
-    kvs_child_t ps[NPROC] = {{.name = "prefill server", .out_fd = -1},
-                             {.name = "decode server", .out_fd = -1},
-                             {.name = "router", .out_fd = -1}};
-    kvs_child_t *pre = &ps[0], *dec = &ps[1], *rt = &ps[2];
-    static kvs_stream_t res[2];
-    int ok = 0, answers = 0;
-    double cached_p[2] = {0, 0}, handoff_ms[2] = {0, 0};
-
-    char *pargs[] = {"kvstage",      "serve", "--role",    "prefill", "--tp",   ptp,
-                     "--peer-tp",    dtp,     "--model",   path,      "--port", "0",
-                     "--max-prompt", "512",   "--max-new", "64",      NULL};
-    printf("starting the prefill server ... ");
-    fflush(stdout);
-    if (kvs_child_start(pre, pargs) != 0 || kvs_child_wait_line(pre, "serving on", timeout_s) != 0)
-        goto out;
-    printf("%s\n", pre->line);
-    char *dargs[] = {"kvstage",      "serve", "--role",    "decode", "--tp",        dtp,
-                     "--model",      path,    "--port",    "0",      "--bootstrap", pre->bootstrap,
-                     "--max-prompt", "512",   "--max-new", "64",     NULL};
-    printf("starting the decode server ... ");
-    fflush(stdout);
-    if (kvs_child_start(dec, dargs) != 0 || kvs_child_wait_line(dec, "serving on", timeout_s) != 0)
-        goto out;
-    printf("%s\n", dec->line);
-    char *rargs[] = {"kvstage", "router", "--prefill", pre->url, "--decode", dec->url,
-                     "--port",  "0",      "--policy",  "prefix", NULL};
-    printf("starting the router ... ");
-    fflush(stdout);
-    if (kvs_child_start(rt, rargs) != 0 || kvs_child_wait_line(rt, "routing on", timeout_s) != 0)
-        goto out;
-    printf("%s\nup in %.1f s\n\n", rt->line, (double) (kvs_now_ns() - t0) / 1e9);
-    printf("system: %s\n\n", k_system);
-
-    for (int i = 0; i < 2; i++) {
-        double c0 = kvs_metric_get(pre->url, "kvstage_cached_prompt_tokens_total");
-        double h0 = kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum");
-        printf("[%d] user: %s\n    assistant: ", i + 1, k_questions[i]);
-        fflush(stdout);
-        if (ask(rt->url, k_questions[i], &res[i]) != 0) goto out;
-        /* The prefill answer ends at the handoff, which the decode answer may precede. */
-        for (int k = 0; k < 50 && kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum") == h0;
-             k++)
-            kvs_serve_signal_wait(20);
-        double c1 = kvs_metric_get(pre->url, "kvstage_cached_prompt_tokens_total");
-        double h1 = kvs_metric_get(pre->url, "kvstage_kv_transfer_seconds_sum");
-        cached_p[i] = c0 >= 0 && c1 >= c0 ? c1 - c0 : 0;
-        handoff_ms[i] = h0 >= 0 && h1 >= h0 ? (h1 - h0) * 1e3 : 0;
-        const kvs_stream_t *s = &res[i];
-        printf("\n    -> %ld tokens (%s); TTFT %.0f ms at the client, %.0f ms in the decode "
-               "server;\n       prompt %ld tokens, cached %.0f on the prefill side, %ld on the "
-               "decode side;\n       KV moved %.2f MiB (%.0f KiB), handoff %.1f ms after the "
-               "prompt was computed\n\n",
-               s->completion_tokens, s->finish, (double) (s->first_ns - s->t0) / 1e6,
-               (double) s->ttft_ns / 1e6, s->prompt_tokens, cached_p[i], s->cached,
-               (double) s->kv_bytes / 1048576.0, (double) s->kv_bytes / 1024.0, handoff_ms[i]);
-        answers++;
-    }
-    ok = answers == 2;
-    if (ok && (cached_p[1] <= 0 || res[1].cached <= 0))
-        printf("note: the second request found no cached prefix on the %s side\n",
-               cached_p[1] <= 0 ? "prefill" : "decode");
-
-out:
-    printf("stopping the router, the decode server and the prefill server (SIGTERM)\n");
-    fflush(stdout);
-    int clean = 1;
-    for (int i = NPROC - 1; i >= 0; i--) clean &= kvs_child_stop(&ps[i], 30);
-    printf("%s\n", clean ? "every process exited cleanly" : "not every process exited cleanly");
-    if (answers < 2) fprintf(stderr, "FAILED: %d of 2 answers came back\n", answers);
-    printf("%s in %.1f s\n", ok && clean ? "done" : "FAILED", (double) (kvs_now_ns() - t0) / 1e9);
+    static demo_t d; /* two 8 KiB answers: off the stack */
+    d.f = &f;
+    d.path = path;
+    const char *names[NPROC] = {"prefill server", "decode server", "router"};
+    for (int i = 0; i < NPROC; i++) d.ps[i] = (kvs_child_t){.name = names[i], .out_fd = -1};
+    rc = run_demo(&d);
     curl_global_cleanup();
-    return ok && clean ? 0 : 1;
+    return rc;
 }

@@ -169,207 +169,297 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
               : "FAIL");
 }
 
-int kvs_cmd_sim(int argc, char **argv)
-{
+/* Flag values that do not map one-to-one onto kvs_sim_config_t: they are checked against each
+ * other (seen_*: given on the command line) before the config is built from them. */
+typedef struct {
     kvs_sim_config_t c;
-    kvs_sim_config_default(&c);
-    const int demo = strcmp(argv[0], "demo") == 0;
-    const char *usage =
-        demo ? "kvstage demo [flags]\n"
-               "Runs the default simulation: prefill TP4 -> decode TP2, 8 KV heads, page 16, "
-               "chunk 256,\n200 shared-prefix requests with radix caches on both sides, every "
-               "byte verified.\nAccepts every `kvstage sim` flag."
-             : "kvstage sim [flags]\n"
-               "Simulates one prefill and one decode instance over the in-process transport "
-               "on a\nvirtual clock; verifies every transferred byte and checks for leaks. "
-               "Exit 0 = pass.";
-    uint32_t kv_heads = c.shape.kv_heads, layers = c.shape.layers, dtype = c.shape.elem_bytes;
-    uint32_t head_dim = 0, head_dim_k = 0, head_dim_v = 0;
-    int mla = 0, json = 0, seen_ring_bytes = 0, seen_ring_slots = 0, seen_hd = 0, seen_hdk = 0,
-        seen_hdv = 0, seen_layout = 0, seen_pl = 0, seen_dl = 0;
-    int layout = 0, prefill_layout = c.prefill_layout, decode_layout = c.decode_layout;
-    int workload = c.workload.kind;
-    const char *faults = "none";
-    uint32_t pool_pages = 0;
-    uint64_t misaligned = UINT64_MAX;
-    int seen_pool = 0, seen_mis = 0;
-    uint64_t to_us[6] = {0}; /* retry, bootstrap, transfer, waiting, completion, release */
-    uint64_t write_delay_us = 0;
-    int device = 0, write_mode = 0, seen_gpus = 0;
-    const char *gpus = "0";
-    const kvs_arg_t args[] = {
-        {"device", KVS_ARG_CHOICE, &device,
+    uint32_t kv_heads, layers, dtype, head_dim, head_dim_k, head_dim_v, pool_pages;
+    int mla, json, layout, prefill_layout, decode_layout, workload, device, write_mode;
+    int seen_ring_bytes, seen_ring_slots, seen_hd, seen_hdk, seen_hdv, seen_layout, seen_pl,
+        seen_dl, seen_pool, seen_mis, seen_gpus;
+    const char *faults, *gpus;
+    uint64_t misaligned;
+    uint64_t to_us[6]; /* retry, bootstrap, transfer, waiting, completion, release */
+    uint64_t write_delay_us;
+} sim_opts_t;
+
+static void sim_opts_default(sim_opts_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    kvs_sim_config_default(&o->c);
+    o->kv_heads = o->c.shape.kv_heads;
+    o->layers = o->c.shape.layers;
+    o->dtype = o->c.shape.elem_bytes;
+    o->prefill_layout = o->c.prefill_layout;
+    o->decode_layout = o->c.decode_layout;
+    o->workload = o->c.workload.kind;
+    o->faults = "none";
+    o->gpus = "0";
+    o->misaligned = UINT64_MAX;
+}
+
+static void add_device_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"device", KVS_ARG_CHOICE, &o->device,
          "where pools, rings and staging buffers live: host memory with CPU copies, or CUDA "
          "devices with the copy kernels (cpu)",
          "cpu|cuda", NULL},
-        {"gpus", KVS_ARG_STR, &gpus,
+        {"gpus", KVS_ARG_STR, &o->gpus,
          "with --device cuda: GPU of the prefill ranks, then of the decode ranks (0 = both on "
          "GPU 0; 0,1 = prefill on 0, decode on 1)",
-         NULL, &seen_gpus},
-        {"write-mode", KVS_ARG_CHOICE, &write_mode,
+         NULL, &o->seen_gpus},
+        {"write-mode", KVS_ARG_CHOICE, &o->write_mode,
          "auto: gather straight into the decode ring where the link maps it (device rings); "
          "staged: always through a staging buffer; direct: always straight (auto)",
          "auto|staged|direct", NULL},
-        {"prefill-tp", KVS_ARG_U32, &c.prefill_tp, "prefill TP size (4)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c.decode_tp, "decode TP size (2)", NULL, NULL},
-        {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", NULL, NULL},
-        {"layers", KVS_ARG_U32, &layers, "layers (4)", NULL, NULL},
-        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for K and V, or the MLA latent (32)", NULL,
-         &seen_hd},
-        {"head-dim-k", KVS_ARG_U32, &head_dim_k, "K head dim", NULL, &seen_hdk},
-        {"head-dim-v", KVS_ARG_U32, &head_dim_v, "V head dim", NULL, &seen_hdv},
-        {"dtype-bytes", KVS_ARG_U32, &dtype, "element size in bytes: 1, 2 or 4 (2)", NULL, NULL},
-        {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token and layer, on every rank", NULL,
-         NULL},
-        {"page-size", KVS_ARG_U32, &c.page_size, "tokens per page (16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c.chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
-        {"ring-bytes", KVS_ARG_U64, &c.ring_bytes, "staging ring bytes per decode rank", NULL,
-         &seen_ring_bytes},
-        {"ring-slots", KVS_ARG_U32, &c.ring_slots, "staging ring size in full slots (8)", NULL,
-         &seen_ring_slots},
-        {"layout", KVS_ARG_CHOICE, &layout, "pool layout of both sides", "nhd|hnd", &seen_layout},
-        {"prefill-layout", KVS_ARG_CHOICE, &prefill_layout, "prefill pool layout (nhd)", "nhd|hnd",
-         &seen_pl},
-        {"decode-layout", KVS_ARG_CHOICE, &decode_layout, "decode pool layout (hnd)", "nhd|hnd",
-         &seen_dl},
-        {"pool-pages", KVS_ARG_U32, &pool_pages, "pages per rank on both sides (auto)", NULL,
-         &seen_pool},
-        {"prefill-pool-pages", KVS_ARG_U32, &c.prefill_pool_pages,
-         "pages per prefill rank (0 = auto)", NULL, NULL},
-        {"decode-pool-pages", KVS_ARG_U32, &c.decode_pool_pages, "pages per decode rank (0 = auto)",
-         NULL, NULL},
-        {"window", KVS_ARG_U32, &c.window_chunks, "chunks per room with a slot request out (2)",
-         NULL, NULL},
-        {"staging-buffers", KVS_ARG_U32, &c.staging_buffers, "gather buffers per prefill rank (2)",
-         NULL, NULL},
-        {"prefill-batch", KVS_ARG_U32, &c.prefill_batch, "rooms per prefill forward pass (16)",
-         NULL, NULL},
-        {"requests", KVS_ARG_U32, &c.workload.requests, "requests (200)", NULL, NULL},
-        {"concurrency", KVS_ARG_U32, &c.concurrency, "requests in flight (128)", NULL, NULL},
-        {"workload", KVS_ARG_CHOICE, &workload, "workload (shared-prefix)",
-         "shared-prefix|multi-turn|random|needle", NULL},
-        {"prompt-len", KVS_ARG_U32, &c.workload.prompt_len, "longest prompt in tokens (2000)", NULL,
-         NULL},
-        {"prefix-len", KVS_ARG_U32, &c.workload.prefix_len, "shared prefix tokens (900)", NULL,
-         NULL},
-        {"groups", KVS_ARG_U32, &c.workload.groups, "prefix groups / documents / clients (auto)",
-         NULL, NULL},
-        {"repeat-permille", KVS_ARG_U32, &c.workload.repeat_permille,
-         "chance (per mille) a request repeats an earlier prompt (0)", NULL, NULL},
-        {"decode-radix", KVS_ARG_ONOFF, &c.decode_radix, "decode radix cache (on)", NULL, NULL},
-        {"prefill-radix", KVS_ARG_ONOFF, &c.prefill_radix, "prefill radix cache (on)", NULL, NULL},
-        {"faults", KVS_ARG_STR, &faults, "comma list of none|reorder|dup|drop|abort|timeout (none)",
-         NULL, NULL},
-        {"fault-rooms", KVS_ARG_U32, &c.fault_rooms, "rooms hit per abort/timeout fault (auto)",
-         NULL, NULL},
-        {"misaligned-request", KVS_ARG_U64, &misaligned,
-         "give this request a misaligned decode prefix (test hook)", NULL, &seen_mis},
-        {"retry-us", KVS_ARG_U64, &to_us[0], "control message retry period, virtual us (200)", NULL,
-         NULL},
-        {"bootstrap-timeout-us", KVS_ARG_U64, &to_us[1], "virtual us (2000000)", NULL, NULL},
-        {"transfer-timeout-us", KVS_ARG_U64, &to_us[2], "virtual us (2000000)", NULL, NULL},
-        {"waiting-timeout-us", KVS_ARG_U64, &to_us[3], "virtual us (1000000)", NULL, NULL},
-        {"completion-timeout-us", KVS_ARG_U64, &to_us[4], "virtual us (200000)", NULL, NULL},
-        {"release-timeout-us", KVS_ARG_U64, &to_us[5], "virtual us (100000)", NULL, NULL},
-        {"write-delay-us", KVS_ARG_U64, &write_delay_us,
-         "data writes land up to this late, virtual us (20 under reorder, else 0)", NULL, NULL},
-        {"max-iterations", KVS_ARG_U64, &c.max_iterations,
-         "give up after this many loop iterations (20000000)", NULL, NULL},
-        {"seed", KVS_ARG_U64, &c.seed, "seed of the workload, faults and schedule (1)", NULL, NULL},
-        {"json", KVS_ARG_FLAG, &json, "print one JSON object instead of the table", NULL, NULL},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
-    if (rc == KVS_ARGS_HELP) return 0;
-    if (rc != KVS_ARGS_OK) return 2;
-    if (seen_ring_bytes && seen_ring_slots) {
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", NULL, NULL},
+        {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", NULL, NULL},
+        {"layers", KVS_ARG_U32, &o->layers, "layers (4)", NULL, NULL},
+        {"head-dim", KVS_ARG_U32, &o->head_dim, "head dim for K and V, or the MLA latent (32)",
+         NULL, &o->seen_hd},
+        {"head-dim-k", KVS_ARG_U32, &o->head_dim_k, "K head dim", NULL, &o->seen_hdk},
+        {"head-dim-v", KVS_ARG_U32, &o->head_dim_v, "V head dim", NULL, &o->seen_hdv},
+        {"dtype-bytes", KVS_ARG_U32, &o->dtype, "element size in bytes: 1, 2 or 4 (2)", NULL, NULL},
+        {"mla", KVS_ARG_FLAG, &o->mla, "MLA: one latent per token and layer, on every rank", NULL,
+         NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_layout_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page (16)", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
+        {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank", NULL,
+         &o->seen_ring_bytes},
+        {"ring-slots", KVS_ARG_U32, &c->ring_slots, "staging ring size in full slots (8)", NULL,
+         &o->seen_ring_slots},
+        {"layout", KVS_ARG_CHOICE, &o->layout, "pool layout of both sides", "nhd|hnd",
+         &o->seen_layout},
+        {"prefill-layout", KVS_ARG_CHOICE, &o->prefill_layout, "prefill pool layout (nhd)",
+         "nhd|hnd", &o->seen_pl},
+        {"decode-layout", KVS_ARG_CHOICE, &o->decode_layout, "decode pool layout (hnd)", "nhd|hnd",
+         &o->seen_dl},
+        {"pool-pages", KVS_ARG_U32, &o->pool_pages, "pages per rank on both sides (auto)", NULL,
+         &o->seen_pool},
+        {"prefill-pool-pages", KVS_ARG_U32, &c->prefill_pool_pages,
+         "pages per prefill rank (0 = auto)", NULL, NULL},
+        {"decode-pool-pages", KVS_ARG_U32, &c->decode_pool_pages,
+         "pages per decode rank (0 = auto)", NULL, NULL},
+        {"window", KVS_ARG_U32, &c->window_chunks, "chunks per room with a slot request out (2)",
+         NULL, NULL},
+        {"staging-buffers", KVS_ARG_U32, &c->staging_buffers, "gather buffers per prefill rank (2)",
+         NULL, NULL},
+        {"prefill-batch", KVS_ARG_U32, &c->prefill_batch, "rooms per prefill forward pass (16)",
+         NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_workload_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"requests", KVS_ARG_U32, &c->workload.requests, "requests (200)", NULL, NULL},
+        {"concurrency", KVS_ARG_U32, &c->concurrency, "requests in flight (128)", NULL, NULL},
+        {"workload", KVS_ARG_CHOICE, &o->workload, "workload (shared-prefix)",
+         "shared-prefix|multi-turn|random|needle", NULL},
+        {"prompt-len", KVS_ARG_U32, &c->workload.prompt_len, "longest prompt in tokens (2000)",
+         NULL, NULL},
+        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (900)", NULL,
+         NULL},
+        {"groups", KVS_ARG_U32, &c->workload.groups, "prefix groups / documents / clients (auto)",
+         NULL, NULL},
+        {"repeat-permille", KVS_ARG_U32, &c->workload.repeat_permille,
+         "chance (per mille) a request repeats an earlier prompt (0)", NULL, NULL},
+        {"decode-radix", KVS_ARG_ONOFF, &c->decode_radix, "decode radix cache (on)", NULL, NULL},
+        {"prefill-radix", KVS_ARG_ONOFF, &c->prefill_radix, "prefill radix cache (on)", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"faults", KVS_ARG_STR, &o->faults,
+         "comma list of none|reorder|dup|drop|abort|timeout (none)", NULL, NULL},
+        {"fault-rooms", KVS_ARG_U32, &o->c.fault_rooms, "rooms hit per abort/timeout fault (auto)",
+         NULL, NULL},
+        {"misaligned-request", KVS_ARG_U64, &o->misaligned,
+         "give this request a misaligned decode prefix (test hook)", NULL, &o->seen_mis},
+        {"retry-us", KVS_ARG_U64, &o->to_us[0], "control message retry period, virtual us (200)",
+         NULL, NULL},
+        {"bootstrap-timeout-us", KVS_ARG_U64, &o->to_us[1], "virtual us (2000000)", NULL, NULL},
+        {"transfer-timeout-us", KVS_ARG_U64, &o->to_us[2], "virtual us (2000000)", NULL, NULL},
+        {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)", NULL, NULL},
+        {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)", NULL, NULL},
+        {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)", NULL, NULL},
+        {"write-delay-us", KVS_ARG_U64, &o->write_delay_us,
+         "data writes land up to this late, virtual us (20 under reorder, else 0)", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_run_flags(kvs_arg_table_t *t, sim_opts_t *o)
+{
+    const kvs_arg_t g[] = {
+        {"max-iterations", KVS_ARG_U64, &o->c.max_iterations,
+         "give up after this many loop iterations (20000000)", NULL, NULL},
+        {"seed", KVS_ARG_U64, &o->c.seed, "seed of the workload, faults and schedule (1)", NULL,
+         NULL},
+        {"json", KVS_ARG_FLAG, &o->json, "print one JSON object instead of the table", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static const char *sim_usage(int demo)
+{
+    return demo ? "kvstage demo [flags]\n"
+                  "Runs the default simulation: prefill TP4 -> decode TP2, 8 KV heads, page 16, "
+                  "chunk 256,\n200 shared-prefix requests with radix caches on both sides, every "
+                  "byte verified.\nAccepts every `kvstage sim` flag."
+                : "kvstage sim [flags]\n"
+                  "Simulates one prefill and one decode instance over the in-process transport "
+                  "on a\nvirtual clock; verifies every transferred byte and checks for leaks. "
+                  "Exit 0 = pass.";
+}
+
+/* Ring, layout and pool flags into the config; 0, or 2 after saying why. */
+static int build_layout(sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    if (o->seen_ring_bytes && o->seen_ring_slots) {
         fprintf(stderr, "error: --ring-bytes and --ring-slots are exclusive; give one\n");
         return 2;
     }
-    if (seen_ring_bytes && c.ring_bytes == 0) {
+    if (o->seen_ring_bytes && c->ring_bytes == 0) {
         fprintf(stderr, "error: --ring-bytes must be > 0\n");
         return 2;
     }
-    if (seen_ring_slots) c.ring_bytes = 0;
-    if (seen_layout && (seen_pl || seen_dl)) {
+    if (o->seen_ring_slots) c->ring_bytes = 0;
+    if (o->seen_layout && (o->seen_pl || o->seen_dl)) {
         fprintf(stderr, "error: --layout sets both sides; do not combine it with "
                         "--prefill-layout/--decode-layout\n");
         return 2;
     }
-    if (seen_layout) prefill_layout = decode_layout = layout;
-    c.prefill_layout = (kvs_pool_layout_t) prefill_layout;
-    c.decode_layout = (kvs_pool_layout_t) decode_layout;
-    if (seen_pool) c.prefill_pool_pages = c.decode_pool_pages = pool_pages;
-    if (seen_mis) c.misaligned_request = misaligned > INT64_MAX ? -1 : (int64_t) misaligned;
-    c.workload.kind = (kvs_workload_kind_t) workload;
-    c.write_delay_ns = write_delay_us * 1000;
+    if (o->seen_layout) o->prefill_layout = o->decode_layout = o->layout;
+    c->prefill_layout = (kvs_pool_layout_t) o->prefill_layout;
+    c->decode_layout = (kvs_pool_layout_t) o->decode_layout;
+    if (o->seen_pool) c->prefill_pool_pages = c->decode_pool_pages = o->pool_pages;
+    return 0;
+}
+
+/* Timeouts (us on the command line, ns in the config) and faults; 0, or 2 after saying why. */
+static int build_faults(sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    if (o->seen_mis)
+        c->misaligned_request = o->misaligned > INT64_MAX ? -1 : (int64_t) o->misaligned;
+    c->workload.kind = (kvs_workload_kind_t) o->workload;
+    c->write_delay_ns = o->write_delay_us * 1000;
     for (int i = 0; i < 6; i++) {
-        if (to_us[i] > UINT64_MAX / 1000 || write_delay_us > UINT64_MAX / 1000) {
+        if (o->to_us[i] > UINT64_MAX / 1000 || o->write_delay_us > UINT64_MAX / 1000) {
             fprintf(stderr, "error: timeout of %llu us is too large\n",
-                    (unsigned long long) to_us[i]);
+                    (unsigned long long) o->to_us[i]);
             return 2;
         }
     }
-    c.timeouts = (kvs_pd_timeouts_t){.retry_ns = to_us[0] * 1000,
-                                     .bootstrap_timeout_ns = to_us[1] * 1000,
-                                     .transfer_timeout_ns = to_us[2] * 1000,
-                                     .waiting_timeout_ns = to_us[3] * 1000,
-                                     .completion_timeout_ns = to_us[4] * 1000,
-                                     .release_timeout_ns = to_us[5] * 1000};
-    if (kvs_sim_faults_parse(faults, &c.faults) != KVS_OK) return 2; /* it said why */
-    c.mem = device ? KVS_MEM_DEVICE : KVS_MEM_HOST;
-    c.write_mode = (kvs_write_mode_t) write_mode;
-    if (seen_gpus && !device) {
+    const uint64_t *us = o->to_us;
+    c->timeouts = (kvs_pd_timeouts_t){.retry_ns = us[0] * 1000,
+                                      .bootstrap_timeout_ns = us[1] * 1000,
+                                      .transfer_timeout_ns = us[2] * 1000,
+                                      .waiting_timeout_ns = us[3] * 1000,
+                                      .completion_timeout_ns = us[4] * 1000,
+                                      .release_timeout_ns = us[5] * 1000};
+    if (kvs_sim_faults_parse(o->faults, &c->faults) != KVS_OK) return 2; /* it said why */
+    return 0;
+}
+
+/* Memory, GPUs and the KV shape; 0, or 2 after saying why. */
+static int build_device_shape(sim_opts_t *o)
+{
+    kvs_sim_config_t *c = &o->c;
+    c->mem = o->device ? KVS_MEM_DEVICE : KVS_MEM_HOST;
+    c->write_mode = (kvs_write_mode_t) o->write_mode;
+    if (o->seen_gpus && !o->device) {
         fprintf(stderr, "error: --gpus needs --device cuda\n");
         return 2;
     }
-    if (kvs_args_parse_gpus(gpus, &c.prefill_device, &c.decode_device) != 0) {
+    if (kvs_args_parse_gpus(o->gpus, &c->prefill_device, &c->decode_device) != 0) {
         fprintf(stderr, "error: --gpus takes one or two GPU ordinals, e.g. 0 or 0,1 (got '%s')\n",
-                gpus);
+                o->gpus);
         return 2;
     }
-    c.shape.layers = layers;
-    c.shape.elem_bytes = dtype;
-    if (mla) {
-        if (seen_hdv || (seen_hdk && seen_hd)) {
+    c->shape.layers = o->layers;
+    c->shape.elem_bytes = o->dtype;
+    if (o->mla) {
+        if (o->seen_hdv || (o->seen_hdk && o->seen_hd)) {
             fprintf(stderr, "error: --mla takes the latent width from --head-dim (or "
                             "--head-dim-k) and has no V dim\n");
             return 2;
         }
-        c.shape.attn = KVS_ATTN_MLA;
-        c.shape.kv_heads = 1;
-        c.shape.head_dim_k = seen_hd ? head_dim : seen_hdk ? head_dim_k : 64;
-        c.shape.head_dim_v = 0;
+        c->shape.attn = KVS_ATTN_MLA;
+        c->shape.kv_heads = 1;
+        c->shape.head_dim_k = o->seen_hd ? o->head_dim : o->seen_hdk ? o->head_dim_k : 64;
+        c->shape.head_dim_v = 0;
     } else {
-        c.shape.kv_heads = kv_heads;
-        if (seen_hd) c.shape.head_dim_k = c.shape.head_dim_v = head_dim;
-        if (seen_hdk) c.shape.head_dim_k = head_dim_k;
-        if (seen_hdv) c.shape.head_dim_v = head_dim_v;
+        c->shape.kv_heads = o->kv_heads;
+        if (o->seen_hd) c->shape.head_dim_k = c->shape.head_dim_v = o->head_dim;
+        if (o->seen_hdk) c->shape.head_dim_k = o->head_dim_k;
+        if (o->seen_hdv) c->shape.head_dim_v = o->head_dim_v;
     }
-    if (c.workload.kind == KVS_WORKLOAD_SHARED_PREFIX &&
-        c.workload.prefix_len >= c.workload.prompt_len) {
-        fprintf(stderr, "error: --prefix-len (%u) must be below --prompt-len (%u)\n",
-                c.workload.prefix_len, c.workload.prompt_len);
+    return 0;
+}
+
+/* Checks the parsed flags and builds o->c from them; 0, or 2 (a usage error) after saying why. */
+static int sim_config_build(sim_opts_t *o)
+{
+    int rc;
+    if ((rc = build_layout(o)) != 0 || (rc = build_faults(o)) != 0 ||
+        (rc = build_device_shape(o)) != 0)
+        return rc;
+    const kvs_workload_config_t *w = &o->c.workload;
+    if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len) {
+        fprintf(stderr, "error: --prefix-len (%u) must be below --prompt-len (%u)\n", w->prefix_len,
+                w->prompt_len);
         return 2;
     }
-    if (c.workload.repeat_permille > 1000) {
+    if (w->repeat_permille > 1000) {
         fprintf(stderr, "error: --repeat-permille must be <= 1000\n");
         return 2;
     }
+    return 0;
+}
 
+/* Runs the simulation and prints its result; the exit code: 0 pass, 1 fail, 2 a configuration
+ * the library refused. name is the command, for the hint. */
+static int sim_run(kvs_sim_config_t *c, int json, const char *name)
+{
     progress_t pr = {.tty = isatty(fileno(stderr))};
     if (!json && pr.tty) {
-        c.progress = draw_progress;
-        c.progress_arg = &pr;
+        c->progress = draw_progress;
+        c->progress_arg = &pr;
     }
     kvs_sim_result_t r;
-    kvs_status_t st = kvs_sim_run(&c, &r);
+    kvs_status_t st = kvs_sim_run(c, &r);
     if (pr.drawn) fprintf(stderr, "\n");
     if (st == KVS_ERR_INVALID || st == KVS_ERR_INCOMPATIBLE || st == KVS_ERR_UNSUPPORTED) {
         fprintf(stderr,
                 "error: invalid configuration (%s); see the message above and "
                 "`kvstage %s --help`\n",
-                kvs_status_str(st), argv[0]);
+                kvs_status_str(st), name);
         return 2;
     }
     if (st != KVS_OK) {
@@ -378,13 +468,31 @@ int kvs_cmd_sim(int argc, char **argv)
     }
     int ok = kvs_sim_result_ok(&r);
     if (json)
-        print_json(&c, &r, ok);
+        print_json(c, &r, ok);
     else
-        print_table(&c, &r, ok);
+        print_table(c, &r, ok);
     if (!ok && !json) {
         char cmd[1024];
-        kvs_sim_config_cmdline(&c, cmd, sizeof(cmd));
+        kvs_sim_config_cmdline(c, cmd, sizeof(cmd));
         fprintf(stderr, "reproduce with: %s\n", cmd);
     }
     return ok ? 0 : 1;
+}
+
+int kvs_cmd_sim(int argc, char **argv)
+{
+    sim_opts_t o;
+    sim_opts_default(&o);
+    kvs_arg_table_t t = {.count = 0};
+    add_device_flags(&t, &o);
+    add_shape_flags(&t, &o);
+    add_layout_flags(&t, &o);
+    add_workload_flags(&t, &o);
+    add_fault_flags(&t, &o);
+    add_run_flags(&t, &o);
+    int rc = kvs_arg_table_parse(&t, sim_usage(strcmp(argv[0], "demo") == 0), argc, argv, 1);
+    if (rc == KVS_ARGS_HELP) return 0;
+    if (rc != KVS_ARGS_OK) return 2;
+    if (sim_config_build(&o) != 0) return 2;
+    return sim_run(&o.c, o.json, argv[0]);
 }

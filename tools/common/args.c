@@ -187,3 +187,19 @@ int kvs_args_parse_gpus(const char *s, int *prefill_p, int *decode_p)
     *decode_p = (int) v[n - 1];
     return 0;
 }
+
+void kvs_arg_table_add(kvs_arg_table_t *t, const kvs_arg_t *group, size_t count)
+{
+    if (count > KVS_ARG_TABLE_MAX - t->count) {
+        fprintf(stderr, "kvstage: flag table full (%zu + %zu flags)\n", t->count, count);
+        abort();
+    }
+    memcpy(&t->items[t->count], group, count * sizeof(*group));
+    t->count += count;
+}
+
+int kvs_arg_table_parse(const kvs_arg_table_t *t, const char *usage, int argc, char **argv,
+                        int first)
+{
+    return kvs_args_parse(usage, t->items, t->count, argc, argv, first);
+}

@@ -33,10 +33,28 @@ enum { KVS_ARGS_OK = 0, KVS_ARGS_HELP = 1, KVS_ARGS_USAGE = 2 };
 int kvs_args_parse(const char *usage, const kvs_arg_t *args, size_t count, int argc, char **argv,
                    int first);
 
-/* Prints "usage + one line per flag" to f. */
+/* A flag table assembled from groups (layout flags, workload flags, ...), so that no one
+ * function has to hold a command's whole table. Groups keep their order: it is the --help
+ * order. */
+enum { KVS_ARG_TABLE_MAX = 64 };
+typedef struct {
+    kvs_arg_t items[KVS_ARG_TABLE_MAX];
+    size_t count;
+} kvs_arg_table_t;
+
+/* Appends count flags; more than KVS_ARG_TABLE_MAX in all is a programming error and aborts. */
+void kvs_arg_table_add(kvs_arg_table_t *table, const kvs_arg_t *group, size_t count);
+#define KVS_ARG_TABLE_ADD(table, group)                                                            \
+    kvs_arg_table_add((table), (group), sizeof(group) / sizeof((group)[0]))
+
+/* kvs_args_parse over a table. */
+int kvs_arg_table_parse(const kvs_arg_table_t *table, const char *usage, int argc, char **argv,
+                        int first);
+
 /* "a" or "a,b" of GPU ordinals: prefill on a, decode on b (or a). 0 on success. */
 int kvs_args_parse_gpus(const char *s, int *prefill_p, int *decode_p);
 
+/* Prints "usage + one line per flag" to f. */
 void kvs_args_usage(void *file, const char *usage, const kvs_arg_t *args, size_t count);
 
 #endif

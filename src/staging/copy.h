@@ -28,6 +28,9 @@ typedef struct {
      * available there, at least kvs_copy_region_bytes() or the copy is refused. */
     uint8_t *region;
     uint64_t region_bytes;
+    /* Optional (NULL: none): receives the region's checksum (staging/checksum.h) of the bytes
+     * the copy moved, computed as it moves them; valid once the copy's ticket polls done. */
+    uint64_t *checksum;
 } kvs_copy_desc_t;
 
 typedef enum {

@@ -4,6 +4,8 @@
  * and checks every byte of both pools and the region against independent index arithmetic. */
 #include "copy_fixture.h"
 
+#include "staging/checksum.h"
+
 static kvs_pool_t *make_pool(kvs_kv_shape_t shape, uint32_t tp_size, uint32_t page_size,
                              uint32_t pages, kvs_pool_layout_t layout)
 {
@@ -295,7 +297,10 @@ static void test_gather_scatter_property(void **state)
 
         /* gather A -> region */
         kvs_copy_desc_t d = copy_desc(pa, ra, list_a, npages, head_a, heads, region, rbytes);
+        uint64_t gsum = 0;
+        d.checksum = &gsum; /* the fused checksum equals the one over the region it wrote */
         run_copy(&b, KVS_COPY_GATHER, &d);
+        CHECK(gsum == kvs_csum_of(region, rbytes), "gather checksum");
         for (uint64_t k = 0; k < guard; k++) {
             CHECK(buf[k] == fill_byte(salt_r, 0, k), "gather wrote before the region");
             uint64_t e = guard + rbytes + k;
@@ -335,7 +340,10 @@ static void test_gather_scatter_property(void **state)
         uint8_t *snapshot = malloc(rbytes);
         memcpy(snapshot, region, rbytes);
         d = copy_desc(pb, rb, list_b, npages, head_b, heads, region, rbytes);
+        uint64_t ssum = 0;
+        d.checksum = &ssum;
         run_copy(&b, KVS_COPY_SCATTER, &d);
+        CHECK(ssum == gsum, "scatter checksum differs from the gather's");
         CHECK(memcmp(snapshot, region, rbytes) == 0, "scatter wrote the region");
         for (uint32_t l = 0; l < s.layers; l++) {
             for (uint32_t c = 0; c < comps; c++) {

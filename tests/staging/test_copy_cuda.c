@@ -13,6 +13,7 @@
 #if KVS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "staging/checksum.h"
 #include "staging/cuda/copy_cuda.h"
 
 /* Fails the test on a CUDA error in the test's own calls. */
@@ -236,8 +237,20 @@ static kvs_cuda_plan_t run_case(const case_t *c, const kvs_copy_backend_t *cpu,
         copy_desc(a.dev, a.dreg, list_a, c->npages, c->head_a, c->heads, dregion, rbytes);
     kvs_cuda_plan_t plan;
     assert_int_equal(kvs__copy_cuda_plan(&dd, &plan), KVS_OK);
+    /* Every other case with the fused checksums: they must agree with the CPU's and with the
+     * reference over the region's bytes. */
+    uint64_t hsum = 0, dsum = 0;
+    if (iter % 2 == 0) {
+        hd.checksum = &hsum;
+        dd.checksum = &dsum;
+    }
     run_copy(cpu, KVS_COPY_GATHER, &hd);
     run_copy(gpu, KVS_COPY_GATHER, &dd);
+    if (iter % 2 == 0) {
+        CHECK(hsum == kvs_csum_of(hregion, rbytes), "CPU gather checksum");
+        CHECK(dsum == hsum, "GPU gather checksum %llx, CPU %llx (%u-byte vectors)",
+              (unsigned long long) dsum, (unsigned long long) hsum, plan.vec_bytes);
+    }
     uint64_t diff = rbuf_diff(&r);
     CHECK(diff == UINT64_MAX,
           "gather (%u-byte vectors, run %d): region buffer byte %lld differs (region starts at "
@@ -251,8 +264,18 @@ static kvs_cuda_plan_t run_case(const case_t *c, const kvs_copy_backend_t *cpu,
     dd = copy_desc(b.dev, b.dreg, list_b, c->npages, c->head_b, c->heads, dregion, rbytes);
     kvs_cuda_plan_t splan;
     assert_int_equal(kvs__copy_cuda_plan(&dd, &splan), KVS_OK);
+    uint64_t hsum2 = 0, dsum2 = 0;
+    if (iter % 2 == 0) {
+        hd.checksum = &hsum2;
+        dd.checksum = &dsum2;
+    }
     run_copy(cpu, KVS_COPY_SCATTER, &hd);
     run_copy(gpu, KVS_COPY_SCATTER, &dd);
+    if (iter % 2 == 0) {
+        CHECK(hsum2 == hsum, "CPU scatter checksum differs from its gather's");
+        CHECK(dsum2 == hsum, "GPU scatter checksum %llx, CPU %llx (%u-byte vectors)",
+              (unsigned long long) dsum2, (unsigned long long) hsum, splan.vec_bytes);
+    }
     diff = twin_diff(&b);
     CHECK(diff == UINT64_MAX, "scatter (%u-byte vectors, run %d): pool B byte %llu differs",
           splan.vec_bytes, (int) splan.run, (unsigned long long) diff);

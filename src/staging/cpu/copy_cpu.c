@@ -13,6 +13,7 @@
 
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
+#include "staging/checksum.h"
 #include "staging/copy.h"
 
 typedef struct {
@@ -40,18 +41,24 @@ static inline void copy_fence(void)
 #endif
 }
 
-/* Moves n bytes between a pool address and a region address in the direction asked. */
-static inline void move(kvs_copy_dir_t dir, uint8_t *pool, uint8_t *region, uint64_t n)
+/* Moves n bytes between a pool address and a region address in the direction asked, adding
+ * them to the region's checksum when one is wanted (from the source, which the copy just read,
+ * so the bytes come from the cache). */
+static inline void move(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs, uint8_t *pool,
+                        uint8_t *region, uint64_t n)
 {
     if (dir == KVS_COPY_GATHER)
         copy_bytes(region, pool, n);
     else
         copy_bytes(pool, region, n);
+    if (cs != NULL)
+        kvs_csum_add(cs, (uint64_t) (region - d->region), dir == KVS_COPY_GATHER ? pool : region,
+                     n);
 }
 
 /* One (layer, component): the region block is [tokens][heads][D]; pool pages are strided. */
-static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, const kvs_region_t *r,
-                       uint8_t *block)
+static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs,
+                       const kvs_region_t *r, uint8_t *block)
 {
     const uint64_t head_bytes = (uint64_t) r->dim * r->elem_bytes;
     const uint64_t row = d->heads * head_bytes; /* one token of the block */
@@ -63,18 +70,18 @@ static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, const kvs_r
         uint8_t *pool_page = kvs_region_addr(r, d->pages[i], 0, d->pool_head);
         uint8_t *reg_page = block + (uint64_t) i * P * row;
         if (page_contig) {
-            move(dir, pool_page, reg_page, P * row);
+            move(dir, d, cs, pool_page, reg_page, P * row);
             continue;
         }
         for (uint32_t t = 0; t < P; t++) {
             uint8_t *src = pool_page + t * r->token_stride;
             uint8_t *dst = reg_page + t * row;
             if (heads_contig) {
-                move(dir, src, dst, row);
+                move(dir, d, cs, src, dst, row);
                 continue;
             }
             for (uint32_t j = 0; j < d->heads; j++)
-                move(dir, src + j * r->head_stride, dst + j * head_bytes, head_bytes);
+                move(dir, d, cs, src + j * r->head_stride, dst + j * head_bytes, head_bytes);
         }
     }
 }
@@ -86,14 +93,18 @@ static kvs_status_t cpu_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_des
     kvs_status_t st = kvs_copy_desc_validate(dir, d);
     if (st != KVS_OK) return st;
     const uint64_t tokens = (uint64_t) d->npages * d->page_size;
+    kvs_csum_t cs = {0, 0};
     for (uint32_t l = 0; l < d->layers && d->npages > 0; l++) {
         for (uint32_t comp = 0; comp < d->components; comp++) {
             uint8_t *block =
                 d->region + kvs_region_block_offset(d->shape, d->heads, tokens, l, comp);
-            copy_block(dir, d, &d->regions[l * d->components + comp], block);
+            copy_block(dir, d, d->checksum ? &cs : NULL, &d->regions[l * d->components + comp],
+                       block);
         }
     }
     copy_fence();
+    if (d->checksum != NULL)
+        *d->checksum = kvs_csum_final(&cs, kvs_copy_region_bytes(d->shape, d->heads, tokens));
     *ticket_p = ++c->issued;
     return KVS_OK;
 }

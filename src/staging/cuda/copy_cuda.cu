@@ -32,6 +32,7 @@ extern "C" {
 #include "staging/copy.h"
 #include "staging/cuda/copy_cuda.h"
 }
+#include "staging/checksum.h"
 
 namespace
 {
@@ -86,10 +87,12 @@ struct entry_t {
 static_assert(sizeof(entry_t) == 64, "entry_t is one 64-byte record");
 
 struct launch_t {
-    const entry_t *entries; /* [layers * components], in the device scratch */
-    const uint32_t *pages;  /* [npages], in the device scratch after the entries */
-    fastdiv_t heads;        /* selected heads */
-    fastdiv_t page_size;    /* P */
+    const entry_t *entries;   /* [layers * components], in the device scratch */
+    const uint32_t *pages;    /* [npages], in the device scratch after the entries */
+    fastdiv_t heads;          /* selected heads */
+    fastdiv_t page_size;      /* P */
+    const uint8_t *region;    /* the writer region, for checksum offsets */
+    unsigned long long *csum; /* [2] the region's checksum lanes, summed atomically; NULL: none */
 };
 
 /* Small copies carry their table and page ids inside the launch's parameters (up to 32 KB
@@ -167,6 +170,29 @@ __device__ __forceinline__ void pool_split(const entry_t &e, const launch_t &p, 
         (uint64_t) tok * e.token_stride + (uint64_t) head * e.head_stride + (uint64_t) in_run * V;
 }
 
+/* Adds one vector, at region offset off, to the checksum lanes (staging/checksum.h). */
+__device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, uint4 v)
+{
+    kvs_csum_small(&c, off, (uint64_t) v.x | (uint64_t) v.y << 32, 8);
+    kvs_csum_small(&c, off + 8, (uint64_t) v.z | (uint64_t) v.w << 32, 8);
+}
+__device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, uint2 v)
+{
+    kvs_csum_small(&c, off, (uint64_t) v.x | (uint64_t) v.y << 32, 8);
+}
+__device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned int v)
+{
+    kvs_csum_small(&c, off, v, 4);
+}
+__device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned short v)
+{
+    kvs_csum_small(&c, off, v, 2);
+}
+__device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned char v)
+{
+    kvs_csum_small(&c, off, v, 1);
+}
+
 /* grid = (ceil(max units / CHUNK), layers * components); a thread moves vectors
  * base + tid, base + tid + THREADS, ... of its block's chunk. The phases are written out so
  * that all page-id loads are in flight together, then all data loads, then the stores: no
@@ -210,6 +236,26 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
         if (u < e.units) {
             vec_t *dst = GATHER ? (vec_t *) e.block + u : (vec_t *) (e.pool + off[k]);
             store_global(dst, v[k]);
+        }
+    }
+    /* The checksum of the bytes just moved, from the registers that moved them: summed per
+     * thread, then per warp, then once per warp into the copy's two lanes. */
+    if (p.csum != nullptr) {
+        kvs_csum_t c = {0, 0};
+        const uint64_t block_off = (uint64_t) (e.block - p.region);
+#pragma unroll
+        for (uint32_t k = 0; k < UNROLL; k++) {
+            const uint32_t u = base + k * THREADS;
+            if (u < e.units) csum_vec(c, block_off + (uint64_t) u * V, v[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            c.a += __shfl_down_sync(0xffffffffu, c.a, o);
+            c.b += __shfl_down_sync(0xffffffffu, c.b, o);
+        }
+        if ((threadIdx.x & 31) == 0) {
+            atomicAdd(&p.csum[0], (unsigned long long) c.a);
+            atomicAdd(&p.csum[1], (unsigned long long) c.b);
         }
     }
 }
@@ -388,6 +434,8 @@ struct slot_t {
     cudaEvent_t done; /* recorded after that copy */
     uint8_t *pinned;  /* [entries][pages] of that copy: the source of its upload */
     size_t cap;
+    uint64_t *csum_out;  /* the caller's checksum of that copy, written once it is done */
+    uint64_t csum_bytes; /* its region's size */
 };
 
 struct cuda_ctx_t {
@@ -400,7 +448,9 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    launch_inline_t params; /* built here, snapshotted by the launch */
+    unsigned long long *csum_dev;  /* [NSLOTS][2] checksum lanes, one pair per slot */
+    unsigned long long *csum_host; /* [NSLOTS][2] pinned: where they land after each copy */
+    launch_inline_t params;        /* built here, snapshotted by the launch */
 };
 
 const char *dir_name(kvs_copy_dir_t dir)
@@ -436,16 +486,30 @@ size_t grown(size_t need)
     return cap;
 }
 
+/* Hands every finished copy's checksum to its caller. */
+void deliver_checksums(cuda_ctx_t *c)
+{
+    for (uint32_t i = 0; i < NSLOTS; i++) {
+        slot_t *s = &c->slots[i];
+        if (s->csum_out == NULL || s->ticket > c->done) continue;
+        const kvs_csum_t sums = {c->csum_host[2 * i], c->csum_host[2 * i + 1]};
+        *s->csum_out = kvs_csum_final(&sums, s->csum_bytes);
+        s->csum_out = NULL;
+    }
+}
+
 /* Waits for the slot's previous copy if it is still running (more than NSLOTS in flight):
  * its pinned bytes may still be on their way to the device. */
 kvs_status_t slot_reclaim(cuda_ctx_t *c, slot_t *s)
 {
-    if (s->ticket == 0 || s->ticket <= c->done) return KVS_OK;
-    kvs_status_t st = KVS_CUDA_CHECK(cudaEventSynchronize(s->done),
-                                     "copy(cuda): waiting for copy %llu to free its slot",
-                                     (unsigned long long) s->ticket);
-    if (st != KVS_OK) return st;
-    c->done = s->ticket; /* one stream: everything before it is done too */
+    if (s->ticket != 0 && s->ticket > c->done) {
+        kvs_status_t st = KVS_CUDA_CHECK(cudaEventSynchronize(s->done),
+                                         "copy(cuda): waiting for copy %llu to free its slot",
+                                         (unsigned long long) s->ticket);
+        if (st != KVS_OK) return st;
+        c->done = s->ticket; /* one stream: everything before it is done too */
+    }
+    deliver_checksums(c); /* before the slot's lanes are reused */
     return KVS_OK;
 }
 
@@ -552,12 +616,25 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         p.pages = (const uint32_t *) (c->scratch + table_bytes);
         args[0] = &p;
     }
+    unsigned long long *lanes = c->csum_dev + 2 * (size_t) (s - c->slots);
+    if (d->checksum != NULL) {
+        launch_t *lp = inl ? &c->params.p : &p;
+        lp->region = d->region;
+        lp->csum = lanes;
+        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, 2 * sizeof(*lanes), c->stream),
+                            "copy(cuda): clearing a checksum");
+        if (st != KVS_OK) return st;
+    }
     const dim3 grid(plan->blocks_x, plan->entries), block(THREADS);
-    return KVS_CUDA_CHECK(
+    st = KVS_CUDA_CHECK(
         cudaLaunchKernel(pick_kernel(plan, dir, inl), grid, block, args, 0, c->stream),
         "copy(cuda): %s of %u pages x %u tokens x %u heads (%u-byte vectors, grid %u x %u%s)",
         dir_name(dir), d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
         plan->entries, inl ? ", inline table" : "");
+    if (st != KVS_OK || d->checksum == NULL) return st;
+    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + 2 * (size_t) (s - c->slots), lanes,
+                                          2 * sizeof(*lanes), cudaMemcpyDeviceToHost, c->stream),
+                          "copy(cuda): fetching a checksum");
 }
 
 kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
@@ -584,6 +661,18 @@ kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d
     if (st == KVS_OK) {
         s->ticket = ++c->issued;
         *ticket_p = s->ticket;
+        s->csum_out = NULL;
+        if (d->checksum != NULL) {
+            const uint64_t bytes =
+                kvs_copy_region_bytes(d->shape, d->heads, (uint64_t) d->npages * d->page_size);
+            if (d->npages == 0) {
+                const kvs_csum_t none = {0, 0};
+                *d->checksum = kvs_csum_final(&none, bytes);
+            } else {
+                s->csum_out = d->checksum;
+                s->csum_bytes = bytes;
+            }
+        }
     } else {
         /* Part of the copy may be queued: let it drain so the slot's pinned bytes are free
          * again before anyone reuses them. */
@@ -602,7 +691,10 @@ kvs_status_t cuda_poll(void *ctx, uint64_t ticket)
                   (unsigned long long) ticket, (unsigned long long) c->issued);
         return KVS_ERR_INVALID;
     }
-    if (ticket <= c->done) return KVS_OK;
+    if (ticket <= c->done) {
+        deliver_checksums(c);
+        return KVS_OK;
+    }
     /* A slot is reused only after its copy is known done, so a ticket not yet done still
      * owns its slot. Events can be queried from any current device. */
     const slot_t *s = &c->slots[ticket % NSLOTS];
@@ -611,6 +703,7 @@ kvs_status_t cuda_poll(void *ctx, uint64_t ticket)
     if (q == cudaErrorNotReady) return KVS_INPROGRESS;
     if (q == cudaSuccess) {
         c->done = ticket;
+        deliver_checksums(c);
         return KVS_OK;
     }
     return KVS_CUDA_CHECK(q, "copy(cuda): copy %llu on device %d failed",
@@ -631,6 +724,9 @@ void release(cuda_ctx_t *c)
         (void) KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "copy(cuda): freeing scratch");
         (void) KVS_CUDA_CHECK(cudaStreamDestroy(c->stream), "copy(cuda): stream");
     }
+    if (c->csum_dev != NULL) (void) KVS_CUDA_CHECK(cudaFree(c->csum_dev), "copy(cuda): checksums");
+    if (c->csum_host != NULL)
+        (void) KVS_CUDA_CHECK(cudaFreeHost(c->csum_host), "copy(cuda): pinned checksums");
     for (uint32_t i = 0; i < NSLOTS; i++) {
         slot_t *s = &c->slots[i];
         if (s->done != NULL) (void) KVS_CUDA_CHECK(cudaEventDestroy(s->done), "copy(cuda): event");
@@ -711,6 +807,13 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
+    const size_t lanes = 2 * NSLOTS * sizeof(unsigned long long);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
+                            "copy(cuda): checksum lanes on device %d", device);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMallocHost((void **) &c->csum_host, lanes),
+                            "copy(cuda): pinned checksum lanes");
     for (uint32_t i = 0; i < NSLOTS && st == KVS_OK; i++) {
         st = KVS_CUDA_CHECK(cudaEventCreateWithFlags(&c->slots[i].done, cudaEventDisableTiming),
                             "copy(cuda): event on device %d", device);

@@ -52,6 +52,7 @@ static void seed_register(kvs_msg_register_t *reg)
                                   .attn = KVS_ATTN_MHA};
     reg->page_size = 16;
     reg->chunk_tokens = 512;
+    reg->checksum = 1;
     reg->layout_hash = 0x5eed5eed12345678ull;
     reg->endpoint_len = (uint32_t) strlen("tcp://10.0.0.7:7000");
     memcpy(reg->endpoint, "tcp://10.0.0.7:7000", reg->endpoint_len + 1);

@@ -120,6 +120,9 @@ typedef struct {
     uint32_t decode_tp;
     uint32_t page_size;    /* P */
     uint32_t chunk_tokens; /* C: chunked-prefill size; G = max(1, C/P) * P */
+    /* 0 (the default): every CHUNK_READY carries its region's checksum and decode verifies it
+     * before the chunk counts (protocol.md §5.5); 1: off. Both sides must agree. */
+    uint32_t no_checksum;
 } kvs_pd_geometry_t;
 
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);

@@ -14,7 +14,7 @@
 #include "kvstage/status.h"
 
 #define KVS_MSG_MAGIC        0x3153564bu
-#define KVS_MSG_VERSION      1
+#define KVS_MSG_VERSION      2 /* 2: CHUNK_READY checksum, the registration's checksum setting */
 #define KVS_MSG_HEADER_SIZE  12
 #define KVS_MSG_MAX_SIZE     1024 /* no valid message is larger */
 #define KVS_MSG_FINAL_MAX    64   /* bytes of final metadata (e.g. the first generated token) */
@@ -89,7 +89,8 @@ typedef struct {
     uint32_t writer; /* index in decode rank's writer list */
     uint64_t suffix_page_start;
     uint32_t pages;
-    uint64_t bytes; /* bytes this writer wrote */
+    uint64_t bytes;    /* bytes this writer wrote */
+    uint64_t checksum; /* of the region as written (protocol.md §5.5); 0 with checksums off */
 } kvs_msg_chunk_ready_t;
 
 typedef struct {
@@ -124,6 +125,7 @@ typedef struct {
     kvs_kv_shape_t shape;
     uint32_t page_size;
     uint32_t chunk_tokens;
+    uint32_t checksum;    /* 1: chunk checksums on (the default), 0: off */
     uint64_t layout_hash; /* hash of pool layout details both sides must agree on */
     uint32_t endpoint_len;
     char endpoint[KVS_MSG_ENDPOINT_MAX + 1]; /* NUL-terminated after decode */

@@ -99,7 +99,10 @@ typedef struct {
     /* real time spent inside progress calls */                                                    \
     X(progress_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)                                       \
     /* of which: gather, scatter and transport write calls */                                      \
-    X(data_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)
+    X(data_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)                                           \
+    /* receiver: writer regions whose bytes in the ring failed their checksum */                   \
+    X(checksum_failures, COUNTER, "checksum_failures", "checksum_failures", NULL,                  \
+      "kvstage_kv_checksum_failures_total", 7, "KV regions that failed their checksum (backend).")
 
 typedef struct {
 #define KVS_PD_METRIC_MEMBER_(field, ...) uint64_t field;

@@ -16,6 +16,7 @@ typedef enum {
     KVS_ERR_ABORTED = -9,       /* the room was aborted */
     KVS_ERR_INCOMPATIBLE = -10, /* peers disagree on shape, page size or layout */
     KVS_ERR_STATE = -11,        /* call not valid in the object's current state */
+    KVS_ERR_CORRUPT = -12,      /* data failed its end-to-end checksum */
 } kvs_status_t;
 
 /* A short, static, human-readable description; never NULL. */

@@ -30,6 +30,8 @@ const char *kvs_status_str(kvs_status_t status)
         return "incompatible peer";
     case KVS_ERR_STATE:
         return "invalid state";
+    case KVS_ERR_CORRUPT:
+        return "checksum mismatch";
     }
     return "unknown status";
 }

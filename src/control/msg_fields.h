@@ -124,6 +124,7 @@ static const kvs_msg_field_t kvs_msg_fields_chunk_ready[] = {
     U64(chunk_ready, suffix_page_start, ANY),
     U32(chunk_ready, pages,             NONZERO),
     U64(chunk_ready, bytes,             ANY),
+    U64(chunk_ready, checksum,          ANY),
 };
 
 static const kvs_msg_field_t kvs_msg_fields_status[] = {
@@ -168,6 +169,7 @@ static const kvs_msg_field_t kvs_msg_fields_ack[] = {
     U32(S,   shape.attn,       SET(BIT(KVS_ATTN_MHA) | BIT(KVS_ATTN_MLA), "0 or 1")), \
     U32(S,   page_size,        ANY), \
     U32(S,   chunk_tokens,     ANY), \
+    U32(S,   checksum,         SET(BIT(0) | BIT(1), "0 or 1")), \
     U64(S,   layout_hash,      ANY), \
     U32(S,   endpoint_len,     LENGTH(KVS_MSG_ENDPOINT_MAX)), \
     BYTES(S, endpoint,         NO_NUL)

@@ -269,6 +269,7 @@ void kvs_registry_describe(const kvs_pd_geometry_t *geo, uint32_t rank, const ch
     reg_p->shape = geo->shape;
     reg_p->page_size = geo->page_size;
     reg_p->chunk_tokens = geo->chunk_tokens;
+    reg_p->checksum = geo->no_checksum ? 0 : 1;
     reg_p->layout_hash = kvs_registry_layout_hash(geo);
     size_t n = strlen(endpoint);
     if (n > KVS_MSG_ENDPOINT_MAX) n = KVS_MSG_ENDPOINT_MAX;
@@ -298,6 +299,9 @@ kvs_status_t kvs_registry_check(const kvs_msg_register_t *p, const kvs_pd_geomet
         snprintf(msg, sizeof(msg), "page size %u vs %u here", p->page_size, mine->page_size);
     else if (p->chunk_tokens != mine->chunk_tokens)
         snprintf(msg, sizeof(msg), "chunk size %u vs %u here", p->chunk_tokens, mine->chunk_tokens);
+    else if (p->checksum != (mine->no_checksum ? 0u : 1u))
+        snprintf(msg, sizeof(msg), "chunk checksums %s vs %s here", p->checksum ? "on" : "off",
+                 mine->no_checksum ? "off" : "on");
     else if (p->layout_hash != kvs_registry_layout_hash(mine))
         snprintf(msg, sizeof(msg),
                  "layout hash %016llx vs %016llx here (different kvstage "

@@ -2,6 +2,7 @@
  * staging ring grants, per-writer arrivals, scatter into the room's pages, status, timeouts,
  * abort with quarantine. One receiver per decode rank, driven by kvs_receiver_progress(). The
  * ring and the copy backend follow the pool's memory kind (host + CPU, or the pool's GPU). */
+#include <stdio.h>
 #include <string.h>
 
 #include "base/map.h"
@@ -49,7 +50,8 @@ typedef struct {
     uint64_t meta_acked, status_ok, status_seen, abort_acked; /* bit per peer index */
     rchunk_t *chunks;                                         /* [nchunks] */
     uint64_t chunks_done;
-    uint32_t scattering;       /* chunks in RCH_SCATTERING */
+    uint32_t scattering; /* chunks in RCH_SCATTERING */
+    uint64_t *sums; /* [nchunks][nwriters][2] checksums: from CHUNK_READY, then from the scatter */
     uint64_t unacked_grants;   /* granted chunks some writer rank has not confirmed */
     uint64_t next_grant_retry; /* earliest grant_retry_at among them */
     uint64_t meta_sent_at, all_success_at, failed_at;
@@ -169,6 +171,7 @@ err_free:
 
 static void room_free(rroom_t *r)
 {
+    kvs_free(r->sums);
     kvs_free(r->chunks);
     kvs_free(r);
 }
@@ -356,6 +359,8 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
             .pool_pages = kvs_pool_total_pages(rx->pool),
             .region = rx->ring_mem + c->offset + offsets[w],
             .region_bytes = c->size - offsets[w],
+            /* summed from the ring's bytes as the scatter reads them; compared once it is done */
+            .checksum = r->sums ? &r->sums[(chunk * r->nwriters + w) * 2 + 1] : NULL,
         };
         st = kvs_copy_submit(&rx->copy, KVS_COPY_SCATTER, &d, &c->ticket);
         if (st != KVS_OK) return st;
@@ -471,6 +476,10 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
     if (st == KVS_OK)
         st = kvs_plan_peers(&g->shape, g->prefill_tp, g->decode_tp, rx->cfg.rank, r->peers,
                             &r->npeers);
+    if (st == KVS_OK && !g->no_checksum && nchunks > 0) {
+        r->sums = kvs_calloc(nchunks * r->nwriters * 2, sizeof(uint64_t));
+        if (r->sums == NULL) st = KVS_ERR_NOMEM;
+    }
     if (st != KVS_OK) {
         room_free(r);
         return st;
@@ -649,6 +658,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
         return;
     }
     c->arrived |= KVS_BIT(cr->writer);
+    if (r->sums) r->sums[(cr->chunk * r->nwriters + cr->writer) * 2] = cr->checksum;
     grant_confirmed(r, c, writer_rank_index(r, cr->prefill_rank));
     if (c->arrived == kvs_all_bits(r->nwriters)) {
         kvs_status_t st = start_scatter(rx, r, cr->chunk);
@@ -813,6 +823,25 @@ static uint32_t grant_slots(kvs_receiver_t *rx)
     return n;
 }
 
+/* Compares each writer's checksum with the one the scatter computed over the ring's bytes; a
+ * mismatch fails the room (its pages are never handed on) and names the chunk and writer. */
+static void verify_chunk(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk)
+{
+    if (r->sums == NULL || r->status == KVS_ROOM_FAILED) return;
+    for (uint32_t w = 0; w < r->nwriters; w++) {
+        const uint64_t *s = &r->sums[(chunk * r->nwriters + w) * 2];
+        if (s[0] == s[1]) continue;
+        rx->m.checksum_failures++;
+        char why[160];
+        snprintf(why, sizeof(why),
+                 "chunk %llu from writer %u (prefill rank %u) failed its checksum (sent %016llx, "
+                 "found %016llx in the ring)",
+                 (unsigned long long) chunk, w, r->writers[w].prefill_rank,
+                 (unsigned long long) s[0], (unsigned long long) s[1]);
+        fail_room(rx, r, KVS_ERR_CORRUPT, why);
+    }
+}
+
 static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
 {
     uint32_t n = 0;
@@ -822,6 +851,7 @@ static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
         if (kvs_copy_poll(&rx->copy, c->ticket) != KVS_OK) continue;
         r->scattering--;
         n++;
+        verify_chunk(rx, r, k);
         if (r->status == KVS_ROOM_FAILED) {
             /* Keep the slot quarantined until the peers confirm; set_quiescent frees it. */
             c->state = RCH_GRANTED;

@@ -32,7 +32,8 @@ typedef struct {
     uint64_t ticket;       /* transport write, or the gather of a direct write */
     int buffer;            /* staging buffer held while SD_WRITING; -1: a direct write */
     uint64_t retry_at;
-    uint32_t tries; /* resends of the current message, for the backoff */
+    uint32_t tries;    /* resends of the current message, for the backoff */
+    uint64_t checksum; /* of the region as gathered (protocol.md §5.5), for CHUNK_READY */
 } sdest_t;
 
 /* Room metadata from one decode rank, possibly before the engine added the room. */
@@ -276,6 +277,7 @@ static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .suffix_page_start = chunk * (tx->grid / g->page_size),
         .pages = (uint32_t) pages,
         .bytes = pages * g->page_size * dest->w.bytes_per_token,
+        .checksum = r->cd[chunk * r->ndests + d].checksum,
     };
     kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
 }
@@ -789,6 +791,9 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         /* [K l0..L-1][V l0..L-1] x [tokens][heads][D]: the staging buffer or the remote slot */
         .region = direct != NULL ? direct : tx->buffers[b],
         .region_bytes = direct != NULL ? bytes : tx->buffer_bytes,
+        /* computed by the gather from the bytes it writes; ready when the write completes,
+         * which is when CHUNK_READY goes out */
+        .checksum = tx->cfg.geo.no_checksum ? NULL : &sd->checksum,
     };
     uint64_t copy_ticket;
     uint64_t t0 = kvs_now_ns();

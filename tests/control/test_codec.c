@@ -206,14 +206,14 @@ static const size_t fixed_payload[TYPE_LAST + 1] = {
     [KVS_MSG_ROOM_META] = 8 + 4 + 4 + 8 * 4,
     [KVS_MSG_STAGING_REQ] = 8 + 4 * 3 + 8,
     [KVS_MSG_STAGING_GRANT] = 8 + 4 * 2 + 8 * 2,
-    [KVS_MSG_CHUNK_READY] = 8 + 4 * 4 + 8 + 4 + 8,
+    [KVS_MSG_CHUNK_READY] = 8 + 4 * 4 + 8 + 4 + 8 + 8,
     [KVS_MSG_STATUS] = 8 + 4 * 5,
     [KVS_MSG_ABORT] = 8 + 4 * 3,
     [KVS_MSG_ABORT_ACK] = 8 + 4 * 3,
     [KVS_MSG_ACK] = 8 + 2 + 4 * 4,
-    [KVS_MSG_REGISTER] = 4 * 2 + 4 * 6 + 4 * 2 + 8 + 4,
+    [KVS_MSG_REGISTER] = 4 * 2 + 4 * 6 + 4 * 3 + 8 + 4,
     [KVS_MSG_QUERY] = 4,
-    [KVS_MSG_QUERY_REPLY] = 8 + 4 * 2 + 4 * 6 + 4 * 2 + 8 + 4,
+    [KVS_MSG_QUERY_REPLY] = 8 + 4 * 2 + 4 * 6 + 4 * 3 + 8 + 4,
     [KVS_MSG_HEARTBEAT] = 4 + 4 + 8,
     [KVS_MSG_STAGING_QUEUED] = 8 + 4 * 3,
 };
@@ -440,14 +440,14 @@ static void test_round_trip_every_type(void **state)
 
 /* Golden encodings written by hand from the format in msg.h. */
 static const uint8_t golden_heartbeat[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x0c, 0x00, 0x10, 0x00, 0x00, 0x00, /* header */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x0c, 0x00, 0x10, 0x00, 0x00, 0x00, /* header */
     0x01, 0x00, 0x00, 0x00,                                                 /* side 1 */
     0x04, 0x03, 0x02, 0x01,                                                 /* rank */
     0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,                         /* seq */
 };
 
 static const uint8_t golden_ack[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x08, 0x00, 0x1a, 0x00, 0x00, 0x00, /* header, 26 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x08, 0x00, 0x1a, 0x00, 0x00, 0x00, /* header, 26 */
     0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,                         /* room */
     0x04, 0x00,                                                             /* acked_type */
     0x0d, 0x0c, 0x0b, 0x0a,                                                 /* chunk */
@@ -457,7 +457,7 @@ static const uint8_t golden_ack[] = {
 };
 
 static const uint8_t golden_status[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x05, 0x00, 0x1f, 0x00, 0x00, 0x00, /* header, 31 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x05, 0x00, 0x1f, 0x00, 0x00, 0x00, /* header, 31 */
     0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x01, 0x00, 0x00, 0x00,                                                 /* prefill_rank */
     0x02, 0x00, 0x00, 0x00,                                                 /* decode_rank */
@@ -468,7 +468,7 @@ static const uint8_t golden_status[] = {
 };
 
 static const uint8_t golden_query_reply[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x0b, 0x00, 0x3f, 0x00, 0x00, 0x00, /* header, 63 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x0b, 0x00, 0x43, 0x00, 0x00, 0x00, /* header, 67 */
     0x01, 0x00, 0x00, 0x00,                                                 /* rank */
     0x01, 0x00, 0x00, 0x00,                                                 /* found */
     0x01, 0x00, 0x00, 0x00,                                                 /* reg.rank */
@@ -481,13 +481,14 @@ static const uint8_t golden_query_reply[] = {
     0x00, 0x00, 0x00, 0x00,                                                 /* attn MHA */
     0x10, 0x00, 0x00, 0x00,                                                 /* page_size */
     0x00, 0x02, 0x00, 0x00,                                                 /* chunk_tokens */
+    0x01, 0x00, 0x00, 0x00,                                                 /* checksum on */
     0x0d, 0xf0, 0xfe, 0xca, 0xef, 0xbe, 0xad, 0xde,                         /* layout_hash */
     0x03, 0x00, 0x00, 0x00,                                                 /* endpoint_len */
     'h',  ':',  '1',                                                        /* endpoint */
 };
 
 static const uint8_t golden_room_meta[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x01, 0x00, 0x30, 0x00, 0x00, 0x00, /* header, 48 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x01, 0x00, 0x30, 0x00, 0x00, 0x00, /* header, 48 */
     0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,                         /* room */
     0x03, 0x00, 0x00, 0x00,                                                 /* decode_rank */
     0x04, 0x00, 0x00, 0x00,                                                 /* decode_tp */
@@ -498,7 +499,7 @@ static const uint8_t golden_room_meta[] = {
 };
 
 static const uint8_t golden_staging_req[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x02, 0x00, 0x1c, 0x00, 0x00, 0x00, /* header, 28 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x02, 0x00, 0x1c, 0x00, 0x00, 0x00, /* header, 28 */
     0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x04, 0x03, 0x02, 0x01,                                                 /* chunk */
     0x05, 0x00, 0x00, 0x00,                                                 /* prefill_rank */
@@ -507,7 +508,7 @@ static const uint8_t golden_staging_req[] = {
 };
 
 static const uint8_t golden_staging_grant[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x03, 0x00, 0x20, 0x00, 0x00, 0x00, /* header, 32 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x03, 0x00, 0x20, 0x00, 0x00, 0x00, /* header, 32 */
     0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x04, 0x03, 0x02, 0x01,                                                 /* chunk */
     0x06, 0x00, 0x00, 0x00,                                                 /* decode_rank */
@@ -516,7 +517,7 @@ static const uint8_t golden_staging_grant[] = {
 };
 
 static const uint8_t golden_chunk_ready[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x04, 0x00, 0x2c, 0x00, 0x00, 0x00, /* header, 44 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x04, 0x00, 0x34, 0x00, 0x00, 0x00, /* header, 52 */
     0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x07, 0x00, 0x00, 0x00,                                                 /* chunk */
     0x01, 0x00, 0x00, 0x00,                                                 /* prefill_rank */
@@ -525,10 +526,11 @@ static const uint8_t golden_chunk_ready[] = {
     0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08,                         /* suffix_page_start */
     0x10, 0x00, 0x00, 0x00,                                                 /* pages */
     0x01, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0xff,                         /* bytes */
+    0xef, 0xcd, 0xab, 0x89, 0x67, 0x45, 0x23, 0x01,                         /* checksum */
 };
 
 static const uint8_t golden_abort[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x06, 0x00, 0x14, 0x00, 0x00, 0x00, /* header, 20 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x06, 0x00, 0x14, 0x00, 0x00, 0x00, /* header, 20 */
     0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x01, 0x00, 0x00, 0x00,                                                 /* from_rank */
     0x00, 0x00, 0x00, 0x00,                                                 /* to_rank */
@@ -536,7 +538,7 @@ static const uint8_t golden_abort[] = {
 };
 
 static const uint8_t golden_abort_ack[] = {
-    0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x07, 0x00, 0x14, 0x00, 0x00, 0x00, /* header, 20 */
+    0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x07, 0x00, 0x14, 0x00, 0x00, 0x00, /* header, 20 */
     0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,                         /* room */
     0x00, 0x00, 0x00, 0x00,                                                 /* from_rank */
     0x01, 0x00, 0x00, 0x00,                                                 /* to_rank */
@@ -603,6 +605,7 @@ static void test_golden_bytes(void **state)
                                   .attn = KVS_ATTN_MHA};
     reg->page_size = 16;
     reg->chunk_tokens = 512;
+    reg->checksum = 1;
     reg->layout_hash = 0xdeadbeefcafef00dull;
     reg->endpoint_len = 3;
     memcpy(reg->endpoint, "h:1", 4);
@@ -614,7 +617,7 @@ static void test_golden_bytes(void **state)
     m.type = KVS_MSG_REGISTER;
     m.u.reg = alone;
     static const uint8_t register_header[KVS_MSG_HEADER_SIZE] = {
-        0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x09, 0x00, 0x37, 0x00, 0x00, 0x00}; /* 55 */
+        0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x09, 0x00, 0x3b, 0x00, 0x00, 0x00}; /* 59 */
     uint8_t golden_register[sizeof(golden_query_reply) - 8];
     memcpy(golden_register, register_header, KVS_MSG_HEADER_SIZE);
     memcpy(golden_register + KVS_MSG_HEADER_SIZE, golden_query_reply + KVS_MSG_HEADER_SIZE + 8,
@@ -656,7 +659,8 @@ static void test_golden_bytes(void **state)
                                               .writer = 3,
                                               .suffix_page_start = 0x0807060504030201,
                                               .pages = 16,
-                                              .bytes = 0xffffffff00000001};
+                                              .bytes = 0xffffffff00000001,
+                                              .checksum = 0x0123456789abcdef};
     check_golden(&m, golden_chunk_ready, sizeof(golden_chunk_ready));
 
     memset(&m, 0, sizeof(m));
@@ -676,7 +680,7 @@ static void test_golden_bytes(void **state)
     m.u.query.found = 1;
     m.u.query.reg.endpoint_len = 500;
     uint8_t buf[KVS_MSG_MAX_SIZE];
-    static const uint8_t golden_query[] = {0x4b, 0x56, 0x53, 0x31, 0x01, 0x00, 0x0a, 0x00,
+    static const uint8_t golden_query[] = {0x4b, 0x56, 0x53, 0x31, 0x02, 0x00, 0x0a, 0x00,
                                            0x04, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00};
     size_t len = encode_ok(&m, buf);
     assert_int_equal(len, sizeof(golden_query));
@@ -850,8 +854,10 @@ static void test_bad_headers_rejected(void **state)
     put_le(bad, 0x3253564b, 4); /* "KVS2" */
     expect_reject(bad, len, "magic", "magic");
     memcpy(bad, buf, len);
-    put_le(bad + 4, 2, 2);
-    expect_reject(bad, len, "version", "version 2");
+    put_le(bad + 4, KVS_MSG_VERSION + 1, 2);
+    expect_reject(bad, len, "version", "the next version");
+    put_le(bad + 4, KVS_MSG_VERSION - 1, 2);
+    expect_reject(bad, len, "version", "the previous version");
     put_le(bad + 4, 0, 2);
     expect_reject(bad, len, "version", "version 0");
     static const uint16_t bad_types[] = {0, 14, 0x100, 0xffff};

@@ -384,7 +384,8 @@ static void test_events_round_trip(void **state)
              "\"decode_tokens\":6,\"requests_ok\":7,\"requests_failed\":8,\"radix_pages\":9,"
              "\"rooms_succeeded\":12,\"rooms_failed\":13,\"chunks\":14,\"bulk_writes\":15,"
              "\"direct_writes\":16,\"bytes_moved\":17,\"control_messages\":18,\"retries\":19,"
-             "\"rejected\":20,\"ring_used\":21,\"ring_capacity\":22,\"queued\":10,\"running\":11,"
+             "\"rejected\":20,\"ring_used\":21,\"ring_capacity\":22,\"checksum_failures\":0,"
+             "\"queued\":10,\"running\":11,"
              "\"load_s\":0.500,\"wall_s\":2.000,\"final\":true}\n");
     assert_int_equal(b.role, KVS_LLM_PREFILL);
     assert_int_equal(b.rank, 1);
@@ -532,8 +533,8 @@ static void test_metrics_table(void **state)
         in_line += f[i].line != NULL;
         prom += f[i].prom != NULL;
     }
-    assert_int_equal(in_line, 11);
-    assert_int_equal(prom, 6);
+    assert_int_equal(in_line, 12);
+    assert_int_equal(prom, 7);
 
     kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_STATS, .final = 1};
     for (uint32_t i = 0; i < nf; i++) kvs_pd_metrics_set(&ev.metrics, &f[i], 1000 + i);

@@ -944,7 +944,7 @@ static void test_metrics(void **state)
             exported++;
         }
     }
-    assert_int_equal(exported, 6);
+    assert_int_equal(exported, 7);
     kvs_free(text);
     stop(&f);
     kvs_assert_no_leaks();

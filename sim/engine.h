@@ -29,7 +29,7 @@ typedef struct {
 /* How a room ended on one side. */
 typedef struct {
     kvs_room_status_t status;  /* SUCCESS or FAILED (the MIN over the side's ranks) */
-    kvs_status_t reason;       /* the first failing rank's reason */
+    kvs_status_t reason;       /* the first failing rank's reason, a root cause over ABORTED */
     uint64_t hit_tokens;       /* radix hit: prefill snapshot or decode base */
     uint64_t total_pages;      /* decode: suffix pages transferred */
     uint64_t mismatched_bytes; /* decode, on Success: bytes that differ from the prefill KV */

@@ -17,7 +17,7 @@
 
 /* ---- configuration ---- */
 
-static const char *const fault_names[] = {"reorder", "dup", "drop", "abort", "timeout"};
+static const char *const fault_names[] = {"reorder", "dup", "drop", "abort", "timeout", "corrupt"};
 #define FAULT_KINDS (sizeof(fault_names) / sizeof(fault_names[0]))
 
 kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p)
@@ -36,7 +36,7 @@ kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p)
         }
         if (!found) {
             kvs_error("faults: unknown fault '%.*s' in '%s' (expected a comma list of none, "
-                      "reorder, dup, drop, abort, timeout)",
+                      "reorder, dup, drop, abort, timeout, corrupt)",
                       (int) len, p, list);
             return KVS_ERR_INVALID;
         }
@@ -156,6 +156,8 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
     if (c->write_mode != KVS_WRITE_AUTO && (unsigned) c->write_mode <= KVS_WRITE_DIRECT &&
         used < cap)
         snprintf(buf + used, cap - used, " --write-mode %s", modes[c->write_mode]);
+    used = strlen(buf);
+    if (c->no_checksum && used < cap) snprintf(buf + used, cap - used, " --checksum off");
 }
 
 /* Protocol timeouts in virtual time. Healthy rooms finish within a few thousand ticks, so the
@@ -370,7 +372,9 @@ static void on_done(sim_t *s, const kvs_request_t *req)
         kvs_status_t reason = q->dc.status == KVS_ROOM_FAILED ? q->dc.reason : q->pf.reason;
         uint32_t idx = reason < 0 && -reason < 16 ? (uint32_t) -reason : 0;
         res->fail_reasons[idx]++;
-        if (q->fault_room) {
+        /* A room failed by its checksum under the corruption fault is the fault working. */
+        if (q->fault_room ||
+            ((s->cfg->faults & KVS_SIM_FAULT_CORRUPT) && q->dc.reason == KVS_ERR_CORRUPT)) {
             res->expected_failures++;
         } else {
             res->unexpected_failures++;
@@ -476,6 +480,7 @@ static kvs_status_t sim_setup(sim_t *s)
     if (c->write_delay_ns) nf.write_delay_max_ns = c->write_delay_ns;
     if (c->faults & KVS_SIM_FAULT_DUP) nf.dup_permille = 50;
     if (c->faults & KVS_SIM_FAULT_DROP) nf.drop_permille = 30;
+    if (c->faults & KVS_SIM_FAULT_CORRUPT) nf.corrupt_permille = 20;
     if ((st = kvs_inproc_net_create(c->prefill_tp, c->decode_tp, &nf, &s->clock, &s->net)) !=
         KVS_OK)
         return st;
@@ -599,6 +604,8 @@ static void check_leaks(sim_t *s)
     kvs_inproc_net_stats(s->net, &ns);
     res->net_dropped = ns.dropped;
     res->net_duplicated = ns.duplicated;
+    res->corrupt_injected = ns.corrupted;
+    res->corrupt_detected += rx.checksum_failures;
 }
 
 /* Progress on every rank; returns the events processed. */
@@ -729,7 +736,8 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
                              .prefill_tp = config->prefill_tp,
                              .decode_tp = config->decode_tp,
                              .page_size = config->page_size,
-                             .chunk_tokens = config->chunk_tokens};
+                             .chunk_tokens = config->chunk_tokens,
+                             .no_checksum = config->no_checksum ? 1u : 0u};
     kvs_status_t st = sim_validate(config, &geo);
     if (st != KVS_OK) return st;
 

@@ -102,10 +102,11 @@ enum {
     KVS_SIM_FAULT_DROP = 1u << 2,
     KVS_SIM_FAULT_ABORT = 1u << 3,
     KVS_SIM_FAULT_TIMEOUT = 1u << 4,
+    KVS_SIM_FAULT_CORRUPT = 1u << 5, /* a bit flipped in some data writes after they land */
 };
 
-/* Parses a comma list of none|reorder|dup|drop|abort|timeout; KVS_ERR_INVALID (logged, naming
- * the bad item) otherwise. */
+/* Parses a comma list of none|reorder|dup|drop|abort|timeout|corrupt; KVS_ERR_INVALID (logged,
+ * naming the bad item) otherwise. */
 kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p);
 /* Writes the comma list for a mask ("none" for 0). */
 void kvs_sim_faults_str(uint32_t faults, char *buf, size_t cap);
@@ -140,6 +141,7 @@ typedef struct {
     uint32_t concurrency;           /* requests in flight at once (the router's limit) */
     uint32_t faults;                /* KVS_SIM_FAULT_* */
     uint32_t fault_rooms;           /* rooms per abort/timeout fault; 0 = about 1 in 16 */
+    int no_checksum;                /* chunk checksums off (protocol.md §5.5); on by default */
     int64_t misaligned_request;     /* test hook: this request index gets base + 1; -1 = none */
     uint64_t write_delay_ns;        /* data writes land up to this late; 0 = 20 ticks under
                                        the reorder fault, immediately otherwise */
@@ -194,6 +196,10 @@ typedef struct {
     uint64_t max_prefill_hit_tokens;
     uint32_t full_decode_hits; /* rooms with nothing to transfer (metadata-only send) */
     uint64_t net_dropped, net_duplicated;
+    /* The corruption fault: data writes with a flipped bit, and writer regions whose checksum
+     * failed at the scatter. Detected <= injected: a corrupted write into a chunk of a room
+     * that already failed is never scattered, so never checked (and never used). */
+    uint64_t corrupt_injected, corrupt_detected;
     int stalled;          /* gave up at the iteration / virtual time limit */
     uint32_t unconcluded; /* requests not concluded when it gave up */
     uint64_t iterations;

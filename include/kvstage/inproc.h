@@ -23,6 +23,11 @@ typedef struct {
      * were last set is lost, whatever the random mix says. */
     uint32_t drop_type;
     uint64_t drop_nth;
+    /* Corruption: after a host data write lands, one random bit of it is flipped, with this
+     * chance per write, and always for the corrupt_nth-th (1-based; 0: none) write since the
+     * faults were set. Writes into device memory are never corrupted. */
+    uint32_t corrupt_permille;
+    uint64_t corrupt_nth;
 } kvs_inproc_faults_t;
 
 /* Control message types counted per type in the stats (kvs_msg_type_t values below this). */
@@ -33,6 +38,8 @@ typedef struct kvs_inproc_net kvs_inproc_net_t;
 typedef struct {
     uint64_t sent, delivered, dropped, duplicated, in_flight;
     uint64_t writes, write_bytes, writes_in_flight;
+    uint64_t host_writes; /* landed in host memory since the faults were last set */
+    uint64_t corrupted;   /* of those, writes with a bit flipped */
     uint64_t sent_by_type[KVS_INPROC_MSG_TYPES]; /* since the faults were last set */
 } kvs_inproc_stats_t;
 

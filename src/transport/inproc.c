@@ -136,6 +136,7 @@ void kvs_inproc_net_set_faults(kvs_inproc_net_t *net, const kvs_inproc_faults_t 
     }
     kvs_rng_seed(&net->rng, net->faults.seed);
     memset(net->stats.sent_by_type, 0, sizeof(net->stats.sent_by_type));
+    net->stats.host_writes = 0;
 }
 
 void kvs_inproc_net_stats(const kvs_inproc_net_t *net, kvs_inproc_stats_t *stats_p)
@@ -157,11 +158,25 @@ uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net)
 
 /* Starts landing one write: memcpy between host buffers (done at once), otherwise an
  * asynchronous copy on the writer's queue, made on the source's device (or the ring's). */
+/* The corruption fault: flips one bit of a write that just landed in host memory, after the
+ * writer computed its checksum, as a bad link or a stray write would. */
+static void maybe_corrupt(kvs_inproc_net_t *net, inproc_write_t *w)
+{
+    const uint64_t nth = ++net->stats.host_writes;
+    const int hit = nth == net->faults.corrupt_nth ||
+                    kvs_rng_chance(&net->rng, net->faults.corrupt_permille, 1000);
+    if (!hit || w->len == 0) return;
+    const uint64_t bit = kvs_rng_below(&net->rng, w->len * 8);
+    ((uint8_t *) w->dst)[bit / 8] ^= (uint8_t) (1u << (bit % 8));
+    net->stats.corrupted++;
+}
+
 static void land_write(inproc_ep_t *ep, inproc_write_t *w)
 {
     const int src_device = kvs_mem_device_of(w->src), ring_device = w->ring_device;
     if (src_device < 0 && ring_device < 0) {
         memcpy(w->dst, w->src, w->len);
+        maybe_corrupt(ep->net, w);
         w->done = 1;
         return;
     }

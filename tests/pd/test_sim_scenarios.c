@@ -254,6 +254,39 @@ static void test_lost_grant_to_writer_that_has_not_asked(void **state)
     kvs_log_set_level(KVS_LOG_WARN);
 }
 
+/* The corruption fault alone: every room that fails, fails by its checksum, every other room
+ * succeeds byte-exact, the checksums catch corrupted writes (never more than were injected:
+ * a corrupted chunk of a room that already failed is never scattered), and with checksums off
+ * the same schedule delivers wrong bytes, so the checksum is what caught them. */
+static void test_corruption_caught_by_checksums(void **state)
+{
+    (void) state;
+    kvs_log_set_level(KVS_LOG_ERROR);
+    kvs_sim_config_t c = small_config();
+    c.faults = KVS_SIM_FAULT_CORRUPT;
+    c.seed = 11;
+    kvs_sim_result_t r;
+    assert_int_equal(kvs_sim_run(&c, &r), KVS_OK);
+    if (!kvs_sim_result_ok(&r)) {
+        dump(&c, &r);
+        fail_msg("corruption was not contained");
+    }
+    assert_true(r.corrupt_injected > 0);
+    assert_true(r.corrupt_detected > 0 && r.corrupt_detected <= r.corrupt_injected);
+    assert_true(r.failed > 0);
+    assert_int_equal(r.fail_reasons[-KVS_ERR_CORRUPT], r.failed);
+    assert_int_equal(r.expected_failures, r.failed);
+    kvs_assert_no_leaks();
+
+    c.no_checksum = 1;
+    assert_int_equal(kvs_sim_run(&c, &r), KVS_OK);
+    assert_true(r.corrupt_injected > 0);
+    assert_int_equal(r.corrupt_detected, 0);
+    assert_true(r.mismatched_bytes > 0 && !kvs_sim_result_ok(&r));
+    kvs_log_set_level(KVS_LOG_WARN);
+    kvs_assert_no_leaks();
+}
+
 /* Repeated prompts meet a decode cache that already holds them: with page 1 the whole prompt is
  * a hit and only the final metadata travels; with page 16 only the partial last page does. */
 static void test_full_decode_prefix_hit(void **state)
@@ -550,6 +583,7 @@ int main(void)
         cmocka_unit_test(test_one_slot_ring),
         cmocka_unit_test(test_unrequested_grant_beyond_window),
         cmocka_unit_test(test_lost_grant_to_writer_that_has_not_asked),
+        cmocka_unit_test(test_corruption_caught_by_checksums),
         cmocka_unit_test(test_full_decode_prefix_hit),
         cmocka_unit_test(test_prefill_hit_of_several_slots),
         cmocka_unit_test(test_misaligned_decode_prefix),

@@ -42,8 +42,22 @@ static uint64_t max_slot_bytes(const kvs_pd_geometry_t *g)
 /* Runs the fixed schedule once with `faults` (NULL: reliable); fills *stats_p. Returns the
  * number of rooms that did not succeed byte-exact (0 = pass), after checking that everything
  * is idle. */
+static uint32_t run_schedule_detect(const loss_pair_t *p, const kvs_inproc_faults_t *faults,
+                                    kvs_inproc_stats_t *stats_p, uint64_t *detected_p, char *why,
+                                    size_t why_cap);
+
 static uint32_t run_schedule(const loss_pair_t *p, const kvs_inproc_faults_t *faults,
                              kvs_inproc_stats_t *stats_p, char *why, size_t why_cap)
+{
+    uint64_t detected = 0;
+    return run_schedule_detect(p, faults, stats_p, &detected, why, why_cap);
+}
+
+/* The same, also counting the writer regions the receivers' checksums caught; a room that
+ * failed must have failed by its checksum (a corrupted write), nothing else. */
+static uint32_t run_schedule_detect(const loss_pair_t *p, const kvs_inproc_faults_t *faults,
+                                    kvs_inproc_stats_t *stats_p, uint64_t *detected_p, char *why,
+                                    size_t why_cap)
 {
     kvs_pd_geometry_t g;
     h_default_geo(&g, p->ptp, p->dtp, p->heads);
@@ -71,7 +85,17 @@ static uint32_t run_schedule(const loss_pair_t *p, const kvs_inproc_faults_t *fa
                      (unsigned long long) rr->room.id, rr->released,
                      kvs_room_status_str(rr->final_status), (unsigned long long) rr->mismatched);
     }
-    if (bad == 0) h_assert_idle(&h);
+    *detected_p = 0;
+    for (uint32_t r = 0; r < g.decode_tp; r++) {
+        kvs_pd_metrics_t m;
+        kvs_receiver_metrics(h.rx[r], &m);
+        *detected_p += m.checksum_failures;
+    }
+    /* Rooms failed by a caught corruption were released (and their pages freed) like any
+     * other concluded room, so the ranks must be idle whenever every room concluded. */
+    int all_released = 1;
+    for (size_t i = 0; i < nrooms; i++) all_released &= rooms[i].released;
+    if (all_released) h_assert_idle(&h);
     kvs_inproc_net_stats(h.net, stats_p);
     if (bad != 0) { /* free what the unreleased rooms still hold */
         for (size_t i = 0; i < nrooms; i++) {
@@ -124,10 +148,46 @@ static void test_every_single_loss(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Exactly one data write corrupted, for every write of the schedule: the checksum catches it
+ * (detected == injected == 1), only that write's room fails, with the checksum reason, and the
+ * others succeed byte-exact; nothing is left held. */
+static void test_every_single_corruption(void **state)
+{
+    (void) state;
+    kvs_log_set_level(KVS_LOG_ERROR);
+    uint64_t runs = 0;
+    for (size_t pi = 0; pi < 2; pi++) {
+        const loss_pair_t *p = &loss_pairs[pi];
+        char why[256];
+        kvs_inproc_stats_t clean;
+        if (run_schedule(p, NULL, &clean, why, sizeof(why)) != 0)
+            fail_msg("TP%u -> TP%u, reliable network: %s", p->ptp, p->dtp, why);
+        assert_true(clean.host_writes > 0);
+        for (uint64_t n = 1; n <= clean.host_writes; n++) {
+            kvs_inproc_faults_t f = {.corrupt_nth = n};
+            kvs_inproc_stats_t st;
+            uint64_t detected = 0;
+            uint32_t bad = run_schedule_detect(p, &f, &st, &detected, why, sizeof(why));
+            if (st.corrupted != 1 || detected != 1 || bad != 1)
+                fail_msg("TP%u -> TP%u: corrupting write %llu of %llu: %llu corrupted, %llu "
+                         "detected, %u rooms failed (%s)",
+                         p->ptp, p->dtp, (unsigned long long) n,
+                         (unsigned long long) clean.host_writes, (unsigned long long) st.corrupted,
+                         (unsigned long long) detected, bad, why);
+            runs++;
+        }
+    }
+    kvs_log_set_level(KVS_LOG_WARN);
+    print_message("single-corruption sweep: %llu runs, each corrupting one write\n",
+                  (unsigned long long) runs);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_single_loss),
+        cmocka_unit_test(test_every_single_corruption),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -85,6 +85,8 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "full_decode_hits", r->full_decode_hits);
     kvs_json_u64(&j, "net_dropped", r->net_dropped);
     kvs_json_u64(&j, "net_duplicated", r->net_duplicated);
+    kvs_json_u64(&j, "corrupt_injected", r->corrupt_injected);
+    kvs_json_u64(&j, "corrupt_detected", r->corrupt_detected);
     kvs_json_object_begin(&j, "fail_reasons");
     for (int i = 0; i < 16; i++) {
         if (r->fail_reasons[i] == 0) continue;
@@ -152,6 +154,9 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
            (unsigned long long) r->rejected_messages, (unsigned long long) r->ignored_messages);
     printf("  %-20s dropped %llu, duplicated %llu\n", "network faults",
            (unsigned long long) r->net_dropped, (unsigned long long) r->net_duplicated);
+    if (r->corrupt_injected || r->corrupt_detected)
+        printf("  %-20s %llu writes corrupted, %llu caught by their checksum\n", "corruption",
+               (unsigned long long) r->corrupt_injected, (unsigned long long) r->corrupt_detected);
     printf("  %-20s %.1f MiB\n", "bytes moved", (double) r->bytes_moved / (1024.0 * 1024.0));
     printf("  %-20s decode %llu tokens (%u full hits), prefill %llu tokens\n", "radix hits",
            (unsigned long long) r->decode_hit_tokens, r->full_decode_hits,
@@ -174,7 +179,7 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
 typedef struct {
     kvs_sim_config_t c;
     uint32_t kv_heads, layers, dtype, head_dim, head_dim_k, head_dim_v, pool_pages;
-    int mla, json, layout, prefill_layout, decode_layout, workload, device, write_mode;
+    int mla, json, layout, prefill_layout, decode_layout, workload, device, write_mode, checksum;
     int seen_ring_bytes, seen_ring_slots, seen_hd, seen_hdk, seen_hdv, seen_layout, seen_pl,
         seen_dl, seen_pool, seen_mis, seen_gpus;
     const char *faults, *gpus;
@@ -195,6 +200,7 @@ static void sim_opts_default(sim_opts_t *o)
     o->workload = o->c.workload.kind;
     o->faults = "none";
     o->gpus = "0";
+    o->checksum = 1;
     o->misaligned = UINT64_MAX;
 }
 
@@ -294,7 +300,12 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     const kvs_arg_t g[] = {
         {"faults", KVS_ARG_STR, &o->faults,
-         "comma list of none|reorder|dup|drop|abort|timeout (none)", NULL, NULL},
+         "comma list of none|reorder|dup|drop|abort|timeout|corrupt (none); corrupt flips a bit "
+         "in some data writes after they land",
+         NULL, NULL},
+        {"checksum", KVS_ARG_ONOFF, &o->checksum,
+         "end-to-end chunk checksums: each writer's region is checked before its scatter (on)",
+         NULL, NULL},
         {"fault-rooms", KVS_ARG_U32, &o->c.fault_rooms, "rooms hit per abort/timeout fault (auto)",
          NULL, NULL},
         {"misaligned-request", KVS_ARG_U64, &o->misaligned,
@@ -384,6 +395,7 @@ static int build_faults(sim_opts_t *o)
                                       .completion_timeout_ns = us[4] * 1000,
                                       .release_timeout_ns = us[5] * 1000};
     if (kvs_sim_faults_parse(o->faults, &c->faults) != KVS_OK) return 2; /* it said why */
+    c->no_checksum = !o->checksum;
     return 0;
 }
 

@@ -163,8 +163,10 @@ uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net)
 static void maybe_corrupt(kvs_inproc_net_t *net, inproc_write_t *w)
 {
     const uint64_t nth = ++net->stats.host_writes;
+    /* The random draw only when the fault is on: other faults' schedules stay as they were. */
     const int hit = nth == net->faults.corrupt_nth ||
-                    kvs_rng_chance(&net->rng, net->faults.corrupt_permille, 1000);
+                    (net->faults.corrupt_permille != 0 &&
+                     kvs_rng_chance(&net->rng, net->faults.corrupt_permille, 1000));
     if (!hit || w->len == 0) return;
     const uint64_t bit = kvs_rng_below(&net->rng, w->len * 8);
     ((uint8_t *) w->dst)[bit / 8] ^= (uint8_t) (1u << (bit % 8));

@@ -65,65 +65,112 @@ static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
 
 /* ---- `kvstage llm-rank` (launched by generate; not listed) ---- */
 
-int kvs_cmd_llm_rank(int argc, char **argv)
-{
+/* Flag values that are not kvs_llm_rank_config_t fields as they stand. */
+typedef struct {
     kvs_llm_rank_config_t c;
-    memset(&c, 0, sizeof(c));
-    c.prefill_tp = c.decode_tp = 1;
-    c.page_size = 16;
-    c.chunk_tokens = 64;
-    c.max_running = 4;
-    c.max_prompt = 1024;
-    c.max_new = 256;
-    c.radix = 1;
-    int role = 0, data = 0;
-    const char *seeded = NULL;
-    const kvs_arg_t args[] = {
-        {"role", KVS_ARG_CHOICE, &role, "this rank's instance", "colocated|prefill|decode", NULL},
-        {"rank", KVS_ARG_U32, &c.rank, "rank in the instance", NULL, NULL},
-        {"prefill-tp", KVS_ARG_U32, &c.prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c.decode_tp, "decode TP size", NULL, NULL},
-        {"model", KVS_ARG_STR, &c.model_path, "GGUF file (default: the embedded model)", NULL,
+    int role, data;
+    const char *seeded;
+    char path[4096]; /* the default model's, when neither --model nor --seeded is given */
+} llm_rank_opts_t;
+
+static void llm_rank_default(llm_rank_opts_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    kvs_llm_rank_config_t *c = &o->c;
+    c->prefill_tp = c->decode_tp = 1;
+    c->page_size = 16;
+    c->chunk_tokens = 64;
+    c->max_running = 4;
+    c->max_prompt = 1024;
+    c->max_new = 256;
+    c->radix = 1;
+}
+
+static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"role", KVS_ARG_CHOICE, &o->role, "this rank's instance", "colocated|prefill|decode",
          NULL},
-        {"seeded", KVS_ARG_STR, &seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
-        {"model-seed", KVS_ARG_U64, &c.model_seed, "seed of the seeded weights", NULL, NULL},
-        {"page-size", KVS_ARG_U32, &c.page_size, "tokens per page", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c.chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
-        {"batch-tokens", KVS_ARG_U32, &c.batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+        {"rank", KVS_ARG_U32, &c->rank, "rank in the instance", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size", NULL, NULL},
+        {"model", KVS_ARG_STR, &c->model_path, "GGUF file (default: the embedded model)", NULL,
          NULL},
-        {"max-running", KVS_ARG_U32, &c.max_running, "requests admitted at once", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &c.max_prompt, "longest prompt", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &c.max_new, "most tokens generated per request", NULL, NULL},
-        {"radix", KVS_ARG_ONOFF, &c.radix, "radix prefix cache", NULL, NULL},
-        {"group", KVS_ARG_STR, &c.group, "TP group shm name (TP > 1)", NULL, NULL},
-        {"registry", KVS_ARG_STR, &c.registry, "bootstrap registry endpoint", NULL, NULL},
-        {"serve-registry", KVS_ARG_FLAG, &c.serve_registry, "prefill rank 0 serves the registry",
-         NULL, NULL},
-        {"bind", KVS_ARG_STR, &c.bind, "control endpoint", NULL, NULL},
-        {"data", KVS_ARG_CHOICE, &data, "UCX data transports", "auto|shm|tcp", NULL},
-        {"net-device", KVS_ARG_STR, &c.net_device, "UCX_NET_DEVICES for TCP", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
+        {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
     };
-    int rc = kvs_args_parse("kvstage llm-rank --role R --rank N [flags]  (requests on stdin, "
-                            "events on stdout: see include/engine/llm_rank.h)",
-                            args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
-    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    c.role = (kvs_llm_role_t) role;
-    c.data = (kvs_net_data_t) data;
-    char path[4096];
-    if (seeded != NULL) {
-        if (kvs_parse_seeded(seeded, &c.seeded) != 0) {
-            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", seeded);
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
+        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+         NULL},
+        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", NULL, NULL},
+        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", NULL, NULL},
+        {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_llm_rank_link_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"group", KVS_ARG_STR, &c->group, "TP group shm name (TP > 1)", NULL, NULL},
+        {"registry", KVS_ARG_STR, &c->registry, "bootstrap registry endpoint", NULL, NULL},
+        {"serve-registry", KVS_ARG_FLAG, &c->serve_registry, "prefill rank 0 serves the registry",
+         NULL, NULL},
+        {"bind", KVS_ARG_STR, &c->bind, "control endpoint", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &o->data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"net-device", KVS_ARG_STR, &c->net_device, "UCX_NET_DEVICES for TCP", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* Role, data transports and the model into o->c; 0, or the exit code after saying why. */
+static int llm_rank_config_build(llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    c->role = (kvs_llm_role_t) o->role;
+    c->data = (kvs_net_data_t) o->data;
+    if (o->seeded != NULL) {
+        if (kvs_parse_seeded(o->seeded, &c->seeded) != 0) {
+            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", o->seeded);
             return 2;
         }
-        c.model_path = NULL;
-    } else if (c.model_path == NULL) {
-        if (kvs_model_default_path(path, sizeof(path)) != KVS_OK) return 1;
-        c.model_path = path;
+        c->model_path = NULL;
+    } else if (c->model_path == NULL) {
+        if (kvs_model_default_path(o->path, sizeof(o->path)) != KVS_OK) return 1;
+        c->model_path = o->path;
     }
-    c.in_fd = c.rank == 0 ? STDIN_FILENO : -1;
-    c.out_fd = STDOUT_FILENO;
+    c->in_fd = c->rank == 0 ? STDIN_FILENO : -1;
+    c->out_fd = STDOUT_FILENO;
+    return 0;
+}
+
+int kvs_cmd_llm_rank(int argc, char **argv)
+{
+    llm_rank_opts_t o;
+    llm_rank_default(&o);
+    kvs_arg_table_t t = {.count = 0};
+    add_llm_rank_model_flags(&t, &o);
+    add_llm_rank_engine_flags(&t, &o);
+    add_llm_rank_link_flags(&t, &o);
+    int rc = kvs_arg_table_parse(&t,
+                                 "kvstage llm-rank --role R --rank N [flags]  (requests on stdin, "
+                                 "events on stdout: see serve/engine/rank_line.h)",
+                                 argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if ((rc = llm_rank_config_build(&o)) != 0) return rc;
     signal(SIGPIPE, SIG_IGN); /* a vanished launcher shows up as EOF and write errors */
-    return kvs_llm_rank_run(&c, NULL) == KVS_OK ? 0 : 1;
+    return kvs_llm_rank_run(&o.c, NULL) == KVS_OK ? 0 : 1;
 }
 
 /* ---- the launcher ---- */

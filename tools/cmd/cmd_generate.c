@@ -490,71 +490,70 @@ static void read_child(gen_t *g, child_t *c)
     c->out_fd = -1;
 }
 
-/* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */
-static int spawn(gen_t *g, child_t *c, const char *registry)
+/* A rank's command line, and the numbers it holds as text. */
+typedef struct {
+    char *argv[64];
+    int argc;
+    char num[10][24];
+    int nnum;
+} rank_argv_t;
+
+static void add_arg(rank_argv_t *a, const char *flag, const char *value)
 {
-    char num[8][24];
-    char *args[64];
-    int n = 0;
-    args[n++] = "kvstage";
-    args[n++] = "llm-rank";
-    args[n++] = "--role";
-    args[n++] = (char *) role_name(c->role);
-    args[n++] = "--rank";
-    snprintf(num[0], sizeof(num[0]), "%u", c->rank);
-    args[n++] = num[0];
-    args[n++] = "--prefill-tp";
-    snprintf(num[1], sizeof(num[1]), "%u", g->colocated ? g->tp : g->prefill_tp);
-    args[n++] = num[1];
-    args[n++] = "--decode-tp";
-    snprintf(num[2], sizeof(num[2]), "%u", g->colocated ? g->tp : g->decode_tp);
-    args[n++] = num[2];
+    a->argv[a->argc++] = (char *) flag;
+    a->argv[a->argc++] = (char *) value;
+}
+
+static void add_num(rank_argv_t *a, const char *flag, unsigned long long value)
+{
+    char *s = a->num[a->nnum++];
+    snprintf(s, sizeof(a->num[0]), "%llu", value);
+    add_arg(a, flag, s);
+}
+
+/* `kvstage llm-rank ...` for rank c: every rank of the deployment gets the same model and
+ * engine flags. */
+static void rank_argv(const gen_t *g, const child_t *c, const char *registry, rank_argv_t *a)
+{
+    a->argc = a->nnum = 0;
+    a->argv[a->argc++] = "kvstage";
+    a->argv[a->argc++] = "llm-rank";
+    add_arg(a, "--role", role_name(c->role));
+    add_num(a, "--rank", c->rank);
+    add_num(a, "--prefill-tp", g->colocated ? g->tp : g->prefill_tp);
+    add_num(a, "--decode-tp", g->colocated ? g->tp : g->decode_tp);
     if (g->seeded != NULL) {
-        args[n++] = "--seeded";
-        args[n++] = (char *) g->seeded;
-        args[n++] = "--model-seed";
-        snprintf(num[3], sizeof(num[3]), "%llu", (unsigned long long) g->model_seed);
-        args[n++] = num[3];
+        add_arg(a, "--seeded", g->seeded);
+        add_num(a, "--model-seed", g->model_seed);
     } else {
-        args[n++] = "--model";
-        args[n++] = g->model_path;
+        add_arg(a, "--model", g->model_path);
     }
-    args[n++] = "--page-size";
-    snprintf(num[4], sizeof(num[4]), "%u", g->page_size);
-    args[n++] = num[4];
-    args[n++] = "--chunk";
-    snprintf(num[5], sizeof(num[5]), "%u", g->chunk);
-    args[n++] = num[5];
+    add_num(a, "--page-size", g->page_size);
+    add_num(a, "--chunk", g->chunk);
     uint32_t longest = 1;
     for (uint32_t i = 0; i < g->nreqs; i++)
         if (g->reqs[i].prompt_len > longest) longest = g->reqs[i].prompt_len;
-    args[n++] = "--max-prompt";
-    snprintf(num[6], sizeof(num[6]), "%u", longest);
-    args[n++] = num[6];
-    args[n++] = "--max-new";
-    snprintf(num[7], sizeof(num[7]), "%u", g->max_tokens);
-    args[n++] = num[7];
-    char running[16];
-    snprintf(running, sizeof(running), "%u", g->max_running);
-    args[n++] = "--max-running";
-    args[n++] = running;
-    args[n++] = "--radix";
-    args[n++] = (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off";
+    add_num(a, "--max-prompt", longest);
+    add_num(a, "--max-new", g->max_tokens);
+    add_num(a, "--max-running", g->max_running);
+    add_arg(a, "--radix",
+            (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
     const int gi = c->role == KVS_LLM_PREFILL ? 0 : c->role == KVS_LLM_DECODE ? 1 : 2;
-    args[n++] = "--group";
-    args[n++] = g->groups[gi];
-    if (registry != NULL) {
-        args[n++] = "--registry";
-        args[n++] = (char *) registry;
-    }
-    args[n++] = "--data";
-    args[n++] = g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto";
-    args[n] = NULL;
+    add_arg(a, "--group", g->groups[gi]);
+    if (registry != NULL) add_arg(a, "--registry", registry);
+    add_arg(a, "--data", g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto");
+    a->argv[a->argc] = NULL;
+}
 
+/* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */
+static int spawn(gen_t *g, child_t *c, const char *registry)
+{
+    rank_argv_t a;
+    rank_argv(g, c, registry, &a);
     /* Rank 0 reads its requests on stdin; the others get none. The launcher's ends of earlier
      * ranks' pipes are close-on-exec: a rank 0 must see EOF when the launcher goes. */
     kvs_spawned_t k;
-    if (kvs_spawn_self("generate", args, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
+    if (kvs_spawn_self("generate", a.argv, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
                        KVS_SPAWN_PIPE, &k) != 0)
         return -1;
     c->pid = k.pid;

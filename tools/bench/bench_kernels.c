@@ -14,6 +14,7 @@
 #if KVS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "bench/bench_transfer_common.h"
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
 #include "kvstage/pool.h"
@@ -49,30 +50,10 @@ typedef struct {
     const char *pages;
 } cfg_t;
 
-#define MAX_LIST 16
-
 typedef struct {
-    uint32_t tokens[MAX_LIST], pages[MAX_LIST];
+    uint32_t tokens[KVS_BT_MAX_LIST], pages[KVS_BT_MAX_LIST];
     int ntokens, npages;
 } lists_t;
-
-/* Parses "a,b,c" of positive integers; returns the count or -1. */
-static int parse_list(const char *s, uint32_t *out)
-{
-    int n = 0;
-    while (*s) {
-        char *end;
-        unsigned long v = strtoul(s, &end, 10);
-        if (end == s || v == 0 || v > (1ul << 24) || n == MAX_LIST) return -1;
-        out[n++] = (uint32_t) v;
-        if (*end == ',')
-            end++;
-        else if (*end != '\0')
-            return -1;
-        s = end;
-    }
-    return n;
-}
 
 static int cu_ok(cudaError_t err, const char *what)
 {
@@ -405,8 +386,8 @@ static void kernels_flags(kvs_arg_table_t *t, cfg_t *cfg)
 /* The token and page lists, into lists; 0, or EXIT_USAGE after the error and the usage. */
 static int parse_lists(const cfg_t *cfg, const kvs_arg_table_t *t, lists_t *lists)
 {
-    lists->ntokens = parse_list(cfg->tokens, lists->tokens);
-    lists->npages = parse_list(cfg->pages, lists->pages);
+    lists->ntokens = kvs_bt_parse_list(cfg->tokens, lists->tokens);
+    lists->npages = kvs_bt_parse_list(cfg->pages, lists->pages);
     const char *bad = NULL;
     if (lists->ntokens <= 0)
         bad = "--tokens takes up to 16 comma-separated counts in 1..16777216";

@@ -1,5 +1,6 @@
 /* Pieces shared by the transfer benchmarks (`kvstage bench transfer` on GPUs or in one process,
- * and its `--transport ucx` variant across two processes): list flags, medians, slot sizes. */
+ * and its `--transport ucx` variant across two processes): list flags, medians, slot sizes.
+ * `kvstage bench kernels` parses its list flags here too. */
 #ifndef KVSTAGE_TOOLS_BENCH_TRANSFER_COMMON_H
 #define KVSTAGE_TOOLS_BENCH_TRANSFER_COMMON_H
 

@@ -158,12 +158,13 @@ static unsigned long long per_page_writes(const kvs_rank_config_t *c)
     return n;
 }
 
-/* gpus: "P,D" or "P" from --gpus (prefill ranks' and decode ranks' GPU), or NULL. */
-static int run_processes(int argc, char **argv, int first, const char *gpus)
+enum { GO_ON = -1 };
+
+/* Parses what the ranks will get, to catch bad flags here and to know the deployment: into f,
+ * and *json_p for --json. GO_ON, or the exit code (0 after --help) after saying why. */
+static int parse_deployment(int argc, char **argv, int first, kvs_rank_flags_t *f, int *json_p)
 {
-    kvs_rank_flags_t f;
-    kvs_rank_flags_default(&f);
-    /* Parse what the ranks will get, to catch bad flags here and to know the deployment. */
+    kvs_rank_flags_default(f);
     char *pargv[160];
     int pargc = 0;
     pargv[pargc++] = "demo";
@@ -180,44 +181,53 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
         }
     }
     int rc = kvs_rank_flags_parse(
-        &f,
+        f,
         "kvstage demo [--transport ucx|inproc] [--gpus P,D] [deployment flags below; the demo "
         "sets --rank, --registry, --bind and --gpu for each rank: with --device cuda, prefill "
         "ranks on GPU P and decode ranks on GPU D (default 0,1, or 0 on a one-GPU host)]",
         pargc, pargv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    const kvs_rank_config_t *c = &f.cfg;
-    int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
-    /* Prefill on GPU 0, decode on GPU 1 (both on 0 when there is one). */
-    int gpu[2] = {0, c->mem == KVS_MEM_DEVICE && kvs_mem_device_count() > 1};
+    *json_p = json;
+    return GO_ON;
+}
+
+/* The prefill ranks' GPU into gpu[0], the decode ranks' into gpu[1]: from gpus ("P,D" or "P" of
+ * --gpus, or NULL), else 0 and 1 (both 0 when there is one). 0, or 2 after saying why. */
+static int pick_gpus(const kvs_rank_config_t *c, const char *gpus, int gpu[2])
+{
+    gpu[0] = 0;
+    gpu[1] = c->mem == KVS_MEM_DEVICE && kvs_mem_device_count() > 1;
     if (gpus != NULL && (c->mem != KVS_MEM_DEVICE || kvs_args_parse_gpus(gpus, &gpu[0], &gpu[1]))) {
         fprintf(stderr, "error: --gpus takes one or two GPU ordinals (e.g. 0,1) and needs "
                         "--device cuda\n");
         return 2;
     }
-    kvs_registry_t *registry;
-    if (kvs_registry_create("tcp://127.0.0.1:*", &registry) != KVS_OK) {
-        fprintf(stderr, "error: cannot start the bootstrap registry\n");
-        return 1;
-    }
-    if (!json) {
-        printf("%s", intro);
-        char data[96] = "UCX data (host pools)";
-        if (c->mem == KVS_MEM_DEVICE)
-            snprintf(data, sizeof(data),
-                     "CUDA IPC data (prefill pools on GPU %d, decode on GPU %d)", gpu[0], gpu[1]);
-        printf("kvstage demo: prefill TP%u -> decode TP%u, each rank a process; ZeroMQ control, "
-               "%s;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
-               "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
-               c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads,
-               c->geo.shape.layers, c->geo.shape.head_dim_k, c->geo.shape.elem_bytes,
-               c->geo.page_size, c->geo.chunk_tokens, c->workload.requests, c->workload.prompt_len,
-               c->concurrency, kvs_registry_endpoint(registry));
-        fflush(stdout);
-    }
-    child_t cs[MAX_CHILDREN];
-    memset(cs, 0, sizeof(cs));
-    const char *ep = kvs_registry_endpoint(registry);
+    return 0;
+}
+
+static void print_deployment(const kvs_rank_config_t *c, const int gpu[2],
+                             const kvs_registry_t *registry)
+{
+    printf("%s", intro);
+    char data[96] = "UCX data (host pools)";
+    if (c->mem == KVS_MEM_DEVICE)
+        snprintf(data, sizeof(data), "CUDA IPC data (prefill pools on GPU %d, decode on GPU %d)",
+                 gpu[0], gpu[1]);
+    printf("kvstage demo: prefill TP%u -> decode TP%u, each rank a process; ZeroMQ control, "
+           "%s;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
+           "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
+           c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads, c->geo.shape.layers,
+           c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, c->geo.page_size, c->geo.chunk_tokens,
+           c->workload.requests, c->workload.prompt_len, c->concurrency,
+           kvs_registry_endpoint(registry));
+    fflush(stdout);
+}
+
+/* Starts the n ranks, prefill ones first, into cs; returns how many started (all of them, or
+ * those before the one that could not, after saying why). */
+static int start_children(child_t *cs, int n, const kvs_rank_config_t *c, const int gpu[2],
+                          const char *ep, int argc, char **argv, int first)
+{
     int started = 0;
     for (int i = 0; i < n; i++) {
         cs[i].side_decode = (uint32_t) i >= c->geo.prefill_tp;
@@ -230,7 +240,14 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
         }
         started++;
     }
-    uint64_t t0 = kvs_now_ns();
+    return started;
+}
+
+/* Serves the registry and reads the ranks' lines until every rank exited; draws the progress
+ * (counted from t0) unless json. */
+static void wait_children(child_t *cs, int started, kvs_registry_t *registry, uint32_t requests,
+                          int json, uint64_t t0)
+{
     int live = started;
     while (live > 0) {
         struct pollfd pfd[MAX_CHILDREN];
@@ -251,25 +268,36 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
                 live--;
             }
         }
-        if (!json) draw(cs, started, c->workload.requests, (kvs_now_ns() - t0) / 1e9);
+        if (!json) draw(cs, started, requests, (kvs_now_ns() - t0) / 1e9);
     }
-    if (!json) fprintf(stderr, "\n\n");
-    kvs_registry_destroy(registry);
+}
 
-    int ok = started == n;
-    unsigned long long succeeded = ~0ull, failed = 0, mismatched = 0, lslots = 0, lpages = 0,
-                       lrooms = 0;
+/* Every rank's result folded into one. */
+typedef struct {
+    int ok;
+    unsigned long long succeeded, failed, mismatched, lslots, lpages, lrooms;
+    /* Chunks scattered are the receivers', writes and bytes the senders', messages both's. */
+    unsigned long long chunks, writes, direct, bytes, msgs, retries, rejected;
+} totals_t;
+
+/* Folds the started ranks' results into *t (ok only if all_started too); unless json, prints a
+ * line for each rank. */
+static void sum_children(const child_t *cs, int started, int all_started, int json, totals_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    t->ok = all_started;
+    t->succeeded = ~0ull;
     kvs_pd_metrics_t tx = {0}, rx = {0}; /* the prefill ranks' counters, the decode ranks' */
     for (int i = 0; i < started; i++) {
         const child_t *k = &cs[i];
         int exited_ok = WIFEXITED(k->status) && WEXITSTATUS(k->status) == 0;
-        ok &= exited_ok && k->have_result && k->ok;
-        if (k->side_decode && k->succeeded < succeeded) succeeded = k->succeeded;
-        if (k->failed > failed) failed = k->failed;
-        mismatched += k->mismatched;
-        lslots += k->leaked_slots;
-        lpages += k->leaked_pages;
-        lrooms += k->leaked_rooms;
+        t->ok &= exited_ok && k->have_result && k->ok;
+        if (k->side_decode && k->succeeded < t->succeeded) t->succeeded = k->succeeded;
+        if (k->failed > t->failed) t->failed = k->failed;
+        t->mismatched += k->mismatched;
+        t->lslots += k->leaked_slots;
+        t->lpages += k->leaked_pages;
+        t->lrooms += k->leaked_rooms;
         kvs_pd_metrics_add(k->side_decode ? &rx : &tx, &k->metrics);
         if (!json)
             printf("  %-7s rank %u: %s, %llu succeeded, %llu failed%s\n",
@@ -279,54 +307,94 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
                                    : "FAILED",
                    k->succeeded, k->failed, exited_ok ? "" : " (exited abnormally)");
     }
-    if (succeeded == ~0ull) succeeded = 0;
-    /* Chunks scattered are the receivers', writes and bytes the senders', messages both's. */
-    unsigned long long chunks = rx.chunks, writes = tx.bulk_writes, direct = tx.direct_writes,
-                       bytes = tx.bytes, msgs = tx.msgs_sent + rx.msgs_sent,
-                       retries = tx.retries + rx.retries, rejected = tx.rejected + rx.rejected;
-    if (json) {
-        kvs_json_t j;
-        kvs_json_begin(&j, stdout);
-        kvs_json_bool(&j, "ok", ok);
-        kvs_json_str(&j, "transport", "ucx");
-        kvs_json_u64(&j, "prefill_tp", c->geo.prefill_tp);
-        kvs_json_u64(&j, "decode_tp", c->geo.decode_tp);
-        kvs_json_u64(&j, "requests", c->workload.requests);
-        kvs_json_u64(&j, "succeeded", succeeded);
-        kvs_json_u64(&j, "failed", failed);
-        kvs_json_bool(&j, "exact", mismatched == 0);
-        kvs_json_u64(&j, "mismatched_bytes", mismatched);
-        kvs_json_u64(&j, "leaked_slots", lslots);
-        kvs_json_u64(&j, "leaked_pages", lpages);
-        kvs_json_u64(&j, "leaked_rooms", lrooms);
-        kvs_json_u64(&j, "chunks", chunks);
-        kvs_json_str(&j, "device", c->mem == KVS_MEM_DEVICE ? "cuda" : "cpu");
-        kvs_json_u64(&j, "bulk_writes", writes);
-        kvs_json_u64(&j, "direct_writes", direct);
-        kvs_json_u64(&j, "per_page_writes", ok ? per_page_writes(c) : 0);
-        kvs_json_u64(&j, "control_messages", msgs);
-        kvs_json_u64(&j, "retries", retries);
-        kvs_json_u64(&j, "rejected_messages", rejected);
-        kvs_json_u64(&j, "bytes_moved", bytes);
-        kvs_json_double(&j, "wall_s", (kvs_now_ns() - t0) / 1e9);
-        kvs_json_end(&j);
-    } else {
-        printf("\n  rooms      %llu/%u succeeded on every decode rank, %llu failed\n", succeeded,
-               c->workload.requests, failed);
-        printf("  exact      %s (%llu mismatched bytes)\n", mismatched ? "NO" : "yes", mismatched);
-        printf("  leaks      slots %llu, pages %llu, rooms %llu\n", lslots, lpages, lrooms);
-        unsigned long long pp = per_page_writes(c);
-        printf("  transfers  %llu chunks scattered, %llu bulk writes of which %llu direct (a "
-               "per-page path: %llu, %.0fx more), %.1f MiB\n",
-               chunks, writes, direct, pp, writes ? (double) pp / (double) writes : 0.0,
-               bytes / 1048576.0);
-        printf("  control    %llu messages (retries %llu, rejected %llu)\n", msgs, retries,
-               rejected);
-        printf("  time       %.2f s wall\n\n%s\n", (kvs_now_ns() - t0) / 1e9,
-               ok ? "PASS: every room succeeded byte-exact on every rank, nothing leaked"
-                  : "FAIL: see the rank lines above");
+    if (t->succeeded == ~0ull) t->succeeded = 0;
+    t->chunks = rx.chunks;
+    t->writes = tx.bulk_writes;
+    t->direct = tx.direct_writes;
+    t->bytes = tx.bytes;
+    t->msgs = tx.msgs_sent + rx.msgs_sent;
+    t->retries = tx.retries + rx.retries;
+    t->rejected = tx.rejected + rx.rejected;
+}
+
+static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t0)
+{
+    kvs_json_t j;
+    kvs_json_begin(&j, stdout);
+    kvs_json_bool(&j, "ok", t->ok);
+    kvs_json_str(&j, "transport", "ucx");
+    kvs_json_u64(&j, "prefill_tp", c->geo.prefill_tp);
+    kvs_json_u64(&j, "decode_tp", c->geo.decode_tp);
+    kvs_json_u64(&j, "requests", c->workload.requests);
+    kvs_json_u64(&j, "succeeded", t->succeeded);
+    kvs_json_u64(&j, "failed", t->failed);
+    kvs_json_bool(&j, "exact", t->mismatched == 0);
+    kvs_json_u64(&j, "mismatched_bytes", t->mismatched);
+    kvs_json_u64(&j, "leaked_slots", t->lslots);
+    kvs_json_u64(&j, "leaked_pages", t->lpages);
+    kvs_json_u64(&j, "leaked_rooms", t->lrooms);
+    kvs_json_u64(&j, "chunks", t->chunks);
+    kvs_json_str(&j, "device", c->mem == KVS_MEM_DEVICE ? "cuda" : "cpu");
+    kvs_json_u64(&j, "bulk_writes", t->writes);
+    kvs_json_u64(&j, "direct_writes", t->direct);
+    kvs_json_u64(&j, "per_page_writes", t->ok ? per_page_writes(c) : 0);
+    kvs_json_u64(&j, "control_messages", t->msgs);
+    kvs_json_u64(&j, "retries", t->retries);
+    kvs_json_u64(&j, "rejected_messages", t->rejected);
+    kvs_json_u64(&j, "bytes_moved", t->bytes);
+    kvs_json_double(&j, "wall_s", (kvs_now_ns() - t0) / 1e9);
+    kvs_json_end(&j);
+}
+
+static void print_summary(const kvs_rank_config_t *c, const totals_t *t, uint64_t t0)
+{
+    printf("\n  rooms      %llu/%u succeeded on every decode rank, %llu failed\n", t->succeeded,
+           c->workload.requests, t->failed);
+    printf("  exact      %s (%llu mismatched bytes)\n", t->mismatched ? "NO" : "yes",
+           t->mismatched);
+    printf("  leaks      slots %llu, pages %llu, rooms %llu\n", t->lslots, t->lpages, t->lrooms);
+    unsigned long long pp = per_page_writes(c);
+    printf("  transfers  %llu chunks scattered, %llu bulk writes of which %llu direct (a "
+           "per-page path: %llu, %.0fx more), %.1f MiB\n",
+           t->chunks, t->writes, t->direct, pp, t->writes ? (double) pp / (double) t->writes : 0.0,
+           t->bytes / 1048576.0);
+    printf("  control    %llu messages (retries %llu, rejected %llu)\n", t->msgs, t->retries,
+           t->rejected);
+    printf("  time       %.2f s wall\n\n%s\n", (kvs_now_ns() - t0) / 1e9,
+           t->ok ? "PASS: every room succeeded byte-exact on every rank, nothing leaked"
+                 : "FAIL: see the rank lines above");
+}
+
+/* gpus: "P,D" or "P" from --gpus (prefill ranks' and decode ranks' GPU), or NULL. */
+static int run_processes(int argc, char **argv, int first, const char *gpus)
+{
+    kvs_rank_flags_t f;
+    int json = 0, gpu[2];
+    int rc = parse_deployment(argc, argv, first, &f, &json);
+    if (rc != GO_ON) return rc;
+    const kvs_rank_config_t *c = &f.cfg;
+    int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
+    if (pick_gpus(c, gpus, gpu) != 0) return 2;
+    kvs_registry_t *registry;
+    if (kvs_registry_create("tcp://127.0.0.1:*", &registry) != KVS_OK) {
+        fprintf(stderr, "error: cannot start the bootstrap registry\n");
+        return 1;
     }
-    return ok ? 0 : 1;
+    if (!json) print_deployment(c, gpu, registry);
+    child_t cs[MAX_CHILDREN];
+    memset(cs, 0, sizeof(cs));
+    int started = start_children(cs, n, c, gpu, kvs_registry_endpoint(registry), argc, argv, first);
+    uint64_t t0 = kvs_now_ns();
+    wait_children(cs, started, registry, c->workload.requests, json, t0);
+    if (!json) fprintf(stderr, "\n\n");
+    kvs_registry_destroy(registry);
+    totals_t t;
+    sum_children(cs, started, started == n, json, &t);
+    if (json)
+        print_json(c, &t, t0);
+    else
+        print_summary(c, &t, t0);
+    return t.ok ? 0 : 1;
 }
 
 int kvs_cmd_demo(int argc, char **argv)

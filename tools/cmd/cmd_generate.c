@@ -65,65 +65,112 @@ static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
 
 /* ---- `kvstage llm-rank` (launched by generate; not listed) ---- */
 
-int kvs_cmd_llm_rank(int argc, char **argv)
-{
+/* Flag values that are not kvs_llm_rank_config_t fields as they stand. */
+typedef struct {
     kvs_llm_rank_config_t c;
-    memset(&c, 0, sizeof(c));
-    c.prefill_tp = c.decode_tp = 1;
-    c.page_size = 16;
-    c.chunk_tokens = 64;
-    c.max_running = 4;
-    c.max_prompt = 1024;
-    c.max_new = 256;
-    c.radix = 1;
-    int role = 0, data = 0;
-    const char *seeded = NULL;
-    const kvs_arg_t args[] = {
-        {"role", KVS_ARG_CHOICE, &role, "this rank's instance", "colocated|prefill|decode", NULL},
-        {"rank", KVS_ARG_U32, &c.rank, "rank in the instance", NULL, NULL},
-        {"prefill-tp", KVS_ARG_U32, &c.prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c.decode_tp, "decode TP size", NULL, NULL},
-        {"model", KVS_ARG_STR, &c.model_path, "GGUF file (default: the embedded model)", NULL,
+    int role, data;
+    const char *seeded;
+    char path[4096]; /* the default model's, when neither --model nor --seeded is given */
+} llm_rank_opts_t;
+
+static void llm_rank_default(llm_rank_opts_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    kvs_llm_rank_config_t *c = &o->c;
+    c->prefill_tp = c->decode_tp = 1;
+    c->page_size = 16;
+    c->chunk_tokens = 64;
+    c->max_running = 4;
+    c->max_prompt = 1024;
+    c->max_new = 256;
+    c->radix = 1;
+}
+
+static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"role", KVS_ARG_CHOICE, &o->role, "this rank's instance", "colocated|prefill|decode",
          NULL},
-        {"seeded", KVS_ARG_STR, &seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
-        {"model-seed", KVS_ARG_U64, &c.model_seed, "seed of the seeded weights", NULL, NULL},
-        {"page-size", KVS_ARG_U32, &c.page_size, "tokens per page", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c.chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
-        {"batch-tokens", KVS_ARG_U32, &c.batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+        {"rank", KVS_ARG_U32, &c->rank, "rank in the instance", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size", NULL, NULL},
+        {"model", KVS_ARG_STR, &c->model_path, "GGUF file (default: the embedded model)", NULL,
          NULL},
-        {"max-running", KVS_ARG_U32, &c.max_running, "requests admitted at once", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &c.max_prompt, "longest prompt", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &c.max_new, "most tokens generated per request", NULL, NULL},
-        {"radix", KVS_ARG_ONOFF, &c.radix, "radix prefix cache", NULL, NULL},
-        {"group", KVS_ARG_STR, &c.group, "TP group shm name (TP > 1)", NULL, NULL},
-        {"registry", KVS_ARG_STR, &c.registry, "bootstrap registry endpoint", NULL, NULL},
-        {"serve-registry", KVS_ARG_FLAG, &c.serve_registry, "prefill rank 0 serves the registry",
-         NULL, NULL},
-        {"bind", KVS_ARG_STR, &c.bind, "control endpoint", NULL, NULL},
-        {"data", KVS_ARG_CHOICE, &data, "UCX data transports", "auto|shm|tcp", NULL},
-        {"net-device", KVS_ARG_STR, &c.net_device, "UCX_NET_DEVICES for TCP", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
+        {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
     };
-    int rc = kvs_args_parse("kvstage llm-rank --role R --rank N [flags]  (requests on stdin, "
-                            "events on stdout: see include/engine/llm_rank.h)",
-                            args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
-    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    c.role = (kvs_llm_role_t) role;
-    c.data = (kvs_net_data_t) data;
-    char path[4096];
-    if (seeded != NULL) {
-        if (kvs_parse_seeded(seeded, &c.seeded) != 0) {
-            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", seeded);
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page", NULL, NULL},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
+        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+         NULL},
+        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", NULL, NULL},
+        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", NULL, NULL},
+        {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+static void add_llm_rank_link_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    const kvs_arg_t g[] = {
+        {"group", KVS_ARG_STR, &c->group, "TP group shm name (TP > 1)", NULL, NULL},
+        {"registry", KVS_ARG_STR, &c->registry, "bootstrap registry endpoint", NULL, NULL},
+        {"serve-registry", KVS_ARG_FLAG, &c->serve_registry, "prefill rank 0 serves the registry",
+         NULL, NULL},
+        {"bind", KVS_ARG_STR, &c->bind, "control endpoint", NULL, NULL},
+        {"data", KVS_ARG_CHOICE, &o->data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"net-device", KVS_ARG_STR, &c->net_device, "UCX_NET_DEVICES for TCP", NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, g);
+}
+
+/* Role, data transports and the model into o->c; 0, or the exit code after saying why. */
+static int llm_rank_config_build(llm_rank_opts_t *o)
+{
+    kvs_llm_rank_config_t *c = &o->c;
+    c->role = (kvs_llm_role_t) o->role;
+    c->data = (kvs_net_data_t) o->data;
+    if (o->seeded != NULL) {
+        if (kvs_parse_seeded(o->seeded, &c->seeded) != 0) {
+            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", o->seeded);
             return 2;
         }
-        c.model_path = NULL;
-    } else if (c.model_path == NULL) {
-        if (kvs_model_default_path(path, sizeof(path)) != KVS_OK) return 1;
-        c.model_path = path;
+        c->model_path = NULL;
+    } else if (c->model_path == NULL) {
+        if (kvs_model_default_path(o->path, sizeof(o->path)) != KVS_OK) return 1;
+        c->model_path = o->path;
     }
-    c.in_fd = c.rank == 0 ? STDIN_FILENO : -1;
-    c.out_fd = STDOUT_FILENO;
+    c->in_fd = c->rank == 0 ? STDIN_FILENO : -1;
+    c->out_fd = STDOUT_FILENO;
+    return 0;
+}
+
+int kvs_cmd_llm_rank(int argc, char **argv)
+{
+    llm_rank_opts_t o;
+    llm_rank_default(&o);
+    kvs_arg_table_t t = {.count = 0};
+    add_llm_rank_model_flags(&t, &o);
+    add_llm_rank_engine_flags(&t, &o);
+    add_llm_rank_link_flags(&t, &o);
+    int rc = kvs_arg_table_parse(&t,
+                                 "kvstage llm-rank --role R --rank N [flags]  (requests on stdin, "
+                                 "events on stdout: see serve/engine/rank_line.h)",
+                                 argc, argv, 1);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if ((rc = llm_rank_config_build(&o)) != 0) return rc;
     signal(SIGPIPE, SIG_IGN); /* a vanished launcher shows up as EOF and write errors */
-    return kvs_llm_rank_run(&c, NULL) == KVS_OK ? 0 : 1;
+    return kvs_llm_rank_run(&o.c, NULL) == KVS_OK ? 0 : 1;
 }
 
 /* ---- the launcher ---- */
@@ -443,71 +490,70 @@ static void read_child(gen_t *g, child_t *c)
     c->out_fd = -1;
 }
 
-/* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */
-static int spawn(gen_t *g, child_t *c, const char *registry)
+/* A rank's command line, and the numbers it holds as text. */
+typedef struct {
+    char *argv[64];
+    int argc;
+    char num[10][24];
+    int nnum;
+} rank_argv_t;
+
+static void add_arg(rank_argv_t *a, const char *flag, const char *value)
 {
-    char num[8][24];
-    char *args[64];
-    int n = 0;
-    args[n++] = "kvstage";
-    args[n++] = "llm-rank";
-    args[n++] = "--role";
-    args[n++] = (char *) role_name(c->role);
-    args[n++] = "--rank";
-    snprintf(num[0], sizeof(num[0]), "%u", c->rank);
-    args[n++] = num[0];
-    args[n++] = "--prefill-tp";
-    snprintf(num[1], sizeof(num[1]), "%u", g->colocated ? g->tp : g->prefill_tp);
-    args[n++] = num[1];
-    args[n++] = "--decode-tp";
-    snprintf(num[2], sizeof(num[2]), "%u", g->colocated ? g->tp : g->decode_tp);
-    args[n++] = num[2];
+    a->argv[a->argc++] = (char *) flag;
+    a->argv[a->argc++] = (char *) value;
+}
+
+static void add_num(rank_argv_t *a, const char *flag, unsigned long long value)
+{
+    char *s = a->num[a->nnum++];
+    snprintf(s, sizeof(a->num[0]), "%llu", value);
+    add_arg(a, flag, s);
+}
+
+/* `kvstage llm-rank ...` for rank c: every rank of the deployment gets the same model and
+ * engine flags. */
+static void rank_argv(const gen_t *g, const child_t *c, const char *registry, rank_argv_t *a)
+{
+    a->argc = a->nnum = 0;
+    a->argv[a->argc++] = "kvstage";
+    a->argv[a->argc++] = "llm-rank";
+    add_arg(a, "--role", role_name(c->role));
+    add_num(a, "--rank", c->rank);
+    add_num(a, "--prefill-tp", g->colocated ? g->tp : g->prefill_tp);
+    add_num(a, "--decode-tp", g->colocated ? g->tp : g->decode_tp);
     if (g->seeded != NULL) {
-        args[n++] = "--seeded";
-        args[n++] = (char *) g->seeded;
-        args[n++] = "--model-seed";
-        snprintf(num[3], sizeof(num[3]), "%llu", (unsigned long long) g->model_seed);
-        args[n++] = num[3];
+        add_arg(a, "--seeded", g->seeded);
+        add_num(a, "--model-seed", g->model_seed);
     } else {
-        args[n++] = "--model";
-        args[n++] = g->model_path;
+        add_arg(a, "--model", g->model_path);
     }
-    args[n++] = "--page-size";
-    snprintf(num[4], sizeof(num[4]), "%u", g->page_size);
-    args[n++] = num[4];
-    args[n++] = "--chunk";
-    snprintf(num[5], sizeof(num[5]), "%u", g->chunk);
-    args[n++] = num[5];
+    add_num(a, "--page-size", g->page_size);
+    add_num(a, "--chunk", g->chunk);
     uint32_t longest = 1;
     for (uint32_t i = 0; i < g->nreqs; i++)
         if (g->reqs[i].prompt_len > longest) longest = g->reqs[i].prompt_len;
-    args[n++] = "--max-prompt";
-    snprintf(num[6], sizeof(num[6]), "%u", longest);
-    args[n++] = num[6];
-    args[n++] = "--max-new";
-    snprintf(num[7], sizeof(num[7]), "%u", g->max_tokens);
-    args[n++] = num[7];
-    char running[16];
-    snprintf(running, sizeof(running), "%u", g->max_running);
-    args[n++] = "--max-running";
-    args[n++] = running;
-    args[n++] = "--radix";
-    args[n++] = (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off";
+    add_num(a, "--max-prompt", longest);
+    add_num(a, "--max-new", g->max_tokens);
+    add_num(a, "--max-running", g->max_running);
+    add_arg(a, "--radix",
+            (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
     const int gi = c->role == KVS_LLM_PREFILL ? 0 : c->role == KVS_LLM_DECODE ? 1 : 2;
-    args[n++] = "--group";
-    args[n++] = g->groups[gi];
-    if (registry != NULL) {
-        args[n++] = "--registry";
-        args[n++] = (char *) registry;
-    }
-    args[n++] = "--data";
-    args[n++] = g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto";
-    args[n] = NULL;
+    add_arg(a, "--group", g->groups[gi]);
+    if (registry != NULL) add_arg(a, "--registry", registry);
+    add_arg(a, "--data", g->data == 1 ? "shm" : g->data == 2 ? "tcp" : "auto");
+    a->argv[a->argc] = NULL;
+}
 
+/* Starts one rank: `kvstage llm-rank ...` with its stdout (and rank 0's stdin) on pipes. */
+static int spawn(gen_t *g, child_t *c, const char *registry)
+{
+    rank_argv_t a;
+    rank_argv(g, c, registry, &a);
     /* Rank 0 reads its requests on stdin; the others get none. The launcher's ends of earlier
      * ranks' pipes are close-on-exec: a rank 0 must see EOF when the launcher goes. */
     kvs_spawned_t k;
-    if (kvs_spawn_self("generate", args, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
+    if (kvs_spawn_self("generate", a.argv, c->rank == 0 ? KVS_SPAWN_PIPE : KVS_SPAWN_DEVNULL,
                        KVS_SPAWN_PIPE, &k) != 0)
         return -1;
     c->pid = k.pid;
@@ -534,8 +580,17 @@ static void reap(gen_t *g, int *live)
     }
 }
 
-/* Drives the deployment until every request finished, then quits it; 0 when it all went well. */
-static int run_deployment(gen_t *g)
+/* The launcher's state between polls of a running deployment. */
+typedef struct {
+    int live; /* ranks not reaped yet */
+    int quit_sent, ready_reported;
+    uint64_t quit_at, deadline;
+    uint32_t next; /* the next request to submit */
+} drive_t;
+
+/* Serves the registry and starts every rank; 0, or 1 when the registry could not start (a rank
+ * that did not start is reported and marks g failed). */
+static int start_ranks(gen_t *g)
 {
     const char *ep = NULL;
     if (!g->colocated) {
@@ -563,74 +618,89 @@ static int run_deployment(gen_t *g)
         g->nchildren++;
         if (c->rank == 0) g->head[c->role == KVS_LLM_PREFILL ? 0 : 1] = c;
     }
-    int live = g->nchildren;
-    int quit_sent = g->failed, ready_reported = 0;
-    uint64_t quit_at = 0;
-    const uint64_t deadline = g->t0 + (uint64_t) g->timeout_s * 1000000000ull;
-    uint32_t next = 0;
-    while (live > 0) {
-        struct pollfd pfd[MAX_RANKS];
-        int map[MAX_RANKS], n = 0;
-        for (int i = 0; i < g->nchildren; i++)
-            if (g->cs[i].out_fd >= 0) {
-                pfd[n] = (struct pollfd){g->cs[i].out_fd, POLLIN, 0};
-                map[n++] = i;
-            }
-        if (g->registry) kvs_registry_serve(g->registry, 0);
-        if (n > 0 && poll(pfd, (nfds_t) n, g->registry ? 5 : 20) > 0)
-            for (int k = 0; k < n; k++)
-                if (pfd[k].revents) read_child(g, &g->cs[map[k]]);
-        int before = live;
-        reap(g, &live);
-        if (live < before && !quit_sent) {
-            for (int i = 0; i < g->nchildren; i++) {
-                const child_t *c = &g->cs[i];
-                if (c->exited)
-                    fprintf(stderr, "error: %s rank %u exited before the end (%s %d)\n",
-                            role_name(c->role), c->rank, WIFEXITED(c->status) ? "status" : "signal",
-                            WIFEXITED(c->status) ? WEXITSTATUS(c->status) : WTERMSIG(c->status));
-            }
-            g->failed = 1;
-            kill_all(g);
-            quit_sent = 1;
-            quit_at = kvs_now_ns();
-            continue;
+    return 0;
+}
+
+/* Serves the registry and reads what the ranks wrote, waiting a little for it. */
+static void poll_ranks(gen_t *g)
+{
+    struct pollfd pfd[MAX_RANKS];
+    int map[MAX_RANKS], n = 0;
+    for (int i = 0; i < g->nchildren; i++)
+        if (g->cs[i].out_fd >= 0) {
+            pfd[n] = (struct pollfd){g->cs[i].out_fd, POLLIN, 0};
+            map[n++] = i;
         }
-        uint64_t now = kvs_now_ns();
-        int ready = g->head[1] != NULL && g->head[1]->ready &&
-                    (g->colocated || (g->head[0] != NULL && g->head[0]->ready));
-        if (ready && !ready_reported) {
-            ready_reported = 1;
-            if (!g->json) printf("ranks ready in %.1f s\n\n", (double) (now - g->t0) / 1e9);
-        }
-        while (ready && !quit_sent && next < g->nreqs &&
-               (!g->sequential || next == 0 || finished(&g->reqs[next - 1])))
-            submit(g, &g->reqs[next++]);
-        int all_done = next == g->nreqs;
-        for (uint32_t i = 0; i < g->nreqs && all_done; i++) all_done = finished(&g->reqs[i]);
-        if (!quit_sent && (all_done || now >= deadline)) {
-            if (!all_done) {
-                fprintf(stderr, "error: requests still running after %u s (--timeout-s)\n",
-                        g->timeout_s);
-                g->failed = 1;
-            }
-            for (int h = 0; h < 2; h++) {
-                if (g->head[h] == NULL || g->head[h]->in_fd < 0) continue;
-                send_request(g->head[h], KVS_RANK_LINE_QUIT, 0);
-                close(g->head[h]->in_fd);
-                g->head[h]->in_fd = -1;
-            }
-            quit_sent = 1;
-            quit_at = now;
-        }
-        if (quit_sent && now - quit_at > EXIT_NS) {
-            fprintf(stderr, "error: ranks did not exit within %llu s of quit; killing them\n",
-                    EXIT_NS / 1000000000ull);
-            g->failed = 1;
-            kill_all(g);
-            quit_at = now; /* reaped on the next rounds */
-        }
+    if (g->registry) kvs_registry_serve(g->registry, 0);
+    if (n > 0 && poll(pfd, (nfds_t) n, g->registry ? 5 : 20) > 0)
+        for (int k = 0; k < n; k++)
+            if (pfd[k].revents) read_child(g, &g->cs[map[k]]);
+}
+
+/* A rank exited before quit: the deployment cannot finish, so every rank goes. */
+static void on_early_exit(gen_t *g, drive_t *d)
+{
+    for (int i = 0; i < g->nchildren; i++) {
+        const child_t *c = &g->cs[i];
+        if (c->exited)
+            fprintf(stderr, "error: %s rank %u exited before the end (%s %d)\n", role_name(c->role),
+                    c->rank, WIFEXITED(c->status) ? "status" : "signal",
+                    WIFEXITED(c->status) ? WEXITSTATUS(c->status) : WTERMSIG(c->status));
     }
+    g->failed = 1;
+    kill_all(g);
+    d->quit_sent = 1;
+    d->quit_at = kvs_now_ns();
+}
+
+/* Once both heads are ready: submits what may go now (one at a time when sequential). */
+static void submit_ready(gen_t *g, drive_t *d, uint64_t now)
+{
+    int ready = g->head[1] != NULL && g->head[1]->ready &&
+                (g->colocated || (g->head[0] != NULL && g->head[0]->ready));
+    if (ready && !d->ready_reported) {
+        d->ready_reported = 1;
+        if (!g->json) printf("ranks ready in %.1f s\n\n", (double) (now - g->t0) / 1e9);
+    }
+    while (ready && !d->quit_sent && d->next < g->nreqs &&
+           (!g->sequential || d->next == 0 || finished(&g->reqs[d->next - 1])))
+        submit(g, &g->reqs[d->next++]);
+}
+
+/* Quits the heads when every request finished or the deadline passed; kills ranks that take
+ * longer than EXIT_NS to exit after that. */
+static void quit_when_done(gen_t *g, drive_t *d, uint64_t now)
+{
+    int all_done = d->next == g->nreqs;
+    for (uint32_t i = 0; i < g->nreqs && all_done; i++) all_done = finished(&g->reqs[i]);
+    if (!d->quit_sent && (all_done || now >= d->deadline)) {
+        if (!all_done) {
+            fprintf(stderr, "error: requests still running after %u s (--timeout-s)\n",
+                    g->timeout_s);
+            g->failed = 1;
+        }
+        for (int h = 0; h < 2; h++) {
+            if (g->head[h] == NULL || g->head[h]->in_fd < 0) continue;
+            send_request(g->head[h], KVS_RANK_LINE_QUIT, 0);
+            close(g->head[h]->in_fd);
+            g->head[h]->in_fd = -1;
+        }
+        d->quit_sent = 1;
+        d->quit_at = now;
+    }
+    if (d->quit_sent && now - d->quit_at > EXIT_NS) {
+        fprintf(stderr, "error: ranks did not exit within %llu s of quit; killing them\n",
+                EXIT_NS / 1000000000ull);
+        g->failed = 1;
+        kill_all(g);
+        d->quit_at = now; /* reaped on the next rounds */
+    }
+}
+
+/* After every rank exited: what is left in their pipes, their exit statuses, and what a killed
+ * rank left behind. */
+static void finish_ranks(gen_t *g)
+{
     for (int i = 0; i < g->nchildren; i++) {
         child_t *c = &g->cs[i];
         if (c->out_fd >= 0) {
@@ -643,6 +713,28 @@ static int run_deployment(gen_t *g)
     for (int i = 0; i < 3; i++) shm_unlink(g->groups[i]); /* left only by a killed rank 0 */
     kvs_registry_destroy(g->registry);
     g->registry = NULL;
+}
+
+/* Drives the deployment until every request finished, then quits it; 0 when it all went well. */
+static int run_deployment(gen_t *g)
+{
+    if (start_ranks(g) != 0) return 1;
+    drive_t d = {.live = g->nchildren,
+                 .quit_sent = g->failed,
+                 .deadline = g->t0 + (uint64_t) g->timeout_s * 1000000000ull};
+    while (d.live > 0) {
+        poll_ranks(g);
+        int before = d.live;
+        reap(g, &d.live);
+        if (d.live < before && !d.quit_sent) {
+            on_early_exit(g, &d);
+            continue;
+        }
+        uint64_t now = kvs_now_ns();
+        submit_ready(g, &d, now);
+        quit_when_done(g, &d, now);
+    }
+    finish_ranks(g);
     return g->failed;
 }
 
@@ -750,9 +842,15 @@ static const char usage[] =
     "  runs the model disaggregated (every prefill and decode rank a process, KV through "
     "kvstage)\n  or --colocated; --prompt and --prompt-ids repeat, one request each";
 
+/* The prompts as given, in order: each a text (--prompt) or a token id list (--prompt-ids). */
+typedef struct {
+    const char *text[MAX_PROMPTS], *ids[MAX_PROMPTS];
+    int is_ids[MAX_PROMPTS];
+    int n;
+} prompts_t;
+
 /* Takes the prompts (repeatable flags) out of argv; the rest goes to the table parser. */
-static int split_prompts(int argc, char **argv, const char **texts, const char **ids, int *kind,
-                         int *n_p, char **rest, int *nrest_p)
+static int split_prompts(int argc, char **argv, prompts_t *p, char **rest, int *nrest_p)
 {
     int n = 0, nrest = 0;
     rest[nrest++] = argv[0];
@@ -781,12 +879,12 @@ static int split_prompts(int argc, char **argv, const char **texts, const char *
             fprintf(stderr, "error: at most %d prompts\n", MAX_PROMPTS);
             return -1;
         }
-        texts[n] = is_text ? v : NULL;
-        ids[n] = is_ids ? v : NULL;
-        kind[n++] = is_ids;
+        p->text[n] = is_text ? v : NULL;
+        p->ids[n] = is_ids ? v : NULL;
+        p->is_ids[n++] = is_ids;
     }
     rest[nrest] = NULL;
-    *n_p = n;
+    p->n = n;
     *nrest_p = nrest;
     return 0;
 }
@@ -880,10 +978,8 @@ static int tp_ok(const gen_t *g, uint32_t tp, const char *flag)
     return 1;
 }
 
-int kvs_cmd_generate(int argc, char **argv)
+static void gen_default(gen_t *g)
 {
-    static gen_t gen;
-    gen_t *g = &gen;
     memset(g, 0, sizeof(*g));
     g->t0 = kvs_now_ns();
     g->max_tokens = 32;
@@ -895,15 +991,11 @@ int kvs_cmd_generate(int argc, char **argv)
     g->sequential = 1;
     g->seed = 1;
     g->timeout_s = 300;
-    const char *texts[MAX_PROMPTS], *idstr[MAX_PROMPTS];
-    int kind[MAX_PROMPTS], nprompts = 0, nrest = 0;
-    char **rest = kvs_calloc((size_t) argc + 1, sizeof(char *));
-    if (rest == NULL) return 1;
-    if (split_prompts(argc, argv, texts, idstr, kind, &nprompts, rest, &nrest) != 0) {
-        kvs_free(rest);
-        return 2;
-    }
-    const kvs_arg_t args[] = {
+}
+
+static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
+{
+    const kvs_arg_t a[] = {
         {"chat", KVS_ARG_FLAG, &g->chat, "render each prompt with the model's chat template", NULL,
          NULL},
         {"system", KVS_ARG_STR, &g->system, "system message (with --chat)", NULL, NULL},
@@ -913,12 +1005,26 @@ int kvs_cmd_generate(int argc, char **argv)
         {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", NULL, NULL},
         {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
          NULL, NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, a);
+}
+
+static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
+{
+    const kvs_arg_t a[] = {
         {"prefill-tp", KVS_ARG_U32, &g->prefill_tp, "prefill ranks (1)", NULL, NULL},
         {"decode-tp", KVS_ARG_U32, &g->decode_tp, "decode ranks (1)", NULL, NULL},
         {"colocated", KVS_ARG_FLAG, &g->colocated,
          "one instance does prefill and decode: no transfer", NULL, NULL},
         {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)", NULL,
          &g->tp_seen},
+    };
+    KVS_ARG_TABLE_ADD(t, a);
+}
+
+static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
+{
+    const kvs_arg_t a[] = {
         {"model", KVS_ARG_STR, &g->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
         {"seeded", KVS_ARG_STR, &g->seeded,
          "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (needs --prompt-ids)",
@@ -930,6 +1036,13 @@ int kvs_cmd_generate(int argc, char **argv)
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
          NULL},
+    };
+    KVS_ARG_TABLE_ADD(t, a);
+}
+
+static void add_run_flags(kvs_arg_table_t *t, gen_t *g)
+{
+    const kvs_arg_t a[] = {
         {"sequential", KVS_ARG_ONOFF, &g->sequential,
          "submit each request once the previous one finished (on)", NULL, NULL},
         {"max-running", KVS_ARG_U32, &g->max_running,
@@ -938,15 +1051,36 @@ int kvs_cmd_generate(int argc, char **argv)
         {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", NULL, NULL},
         {"json", KVS_ARG_FLAG, &g->json, "one JSON object with every request", NULL, NULL},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);
-    kvs_free(rest);
-    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    if (nprompts == 0) {
-        fprintf(stderr, "error: give at least one --prompt or --prompt-ids\n");
-        kvs_args_usage(stderr, usage, args, nargs);
+    KVS_ARG_TABLE_ADD(t, a);
+}
+
+enum { GO_ON = -1 };
+
+/* The prompts into p and the other flags through t. GO_ON, or the exit code (0 after --help)
+ * after saying why. */
+static int parse_flags(const kvs_arg_table_t *t, int argc, char **argv, prompts_t *p)
+{
+    char **rest = kvs_calloc((size_t) argc + 1, sizeof(char *));
+    if (rest == NULL) return 1;
+    int nrest = 0;
+    if (split_prompts(argc, argv, p, rest, &nrest) != 0) {
+        kvs_free(rest);
         return 2;
     }
+    int rc = kvs_arg_table_parse(t, usage, nrest, rest, 1);
+    kvs_free(rest);
+    if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (p->n == 0) {
+        fprintf(stderr, "error: give at least one --prompt or --prompt-ids\n");
+        kvs_args_usage(stderr, usage, t->items, t->count);
+        return 2;
+    }
+    return GO_ON;
+}
+
+/* The checks that need no model; 0, or 2 after saying why. */
+static int check_flags(gen_t *g)
+{
     if (g->max_tokens == 0 || g->page_size == 0 || g->chunk == 0 || g->timeout_s == 0 ||
         !(g->top_p > 0 && g->top_p <= 1) || !(g->temperature >= 0)) {
         fprintf(stderr, "error: --max-tokens, --page-size, --chunk and --timeout-s must be "
@@ -958,89 +1092,108 @@ int kvs_cmd_generate(int argc, char **argv)
         return 2;
     }
     if (!g->tp_seen) g->tp = g->prefill_tp;
-    if ((rc = open_model(g)) != 0) {
-        gen_free(g);
-        return rc;
-    }
-    rc = 2;
+    return 0;
+}
+
+/* The checks against the opened model, and its stop tokens; 0, or 2 after saying why. */
+static int check_model(gen_t *g)
+{
     if (g->tok == NULL && g->chat) {
         fprintf(stderr, "error: --chat needs a GGUF model with a tokenizer\n");
-        goto out;
+        return 2;
     }
     if (g->colocated
             ? !tp_ok(g, g->tp, "--tp")
             : !tp_ok(g, g->prefill_tp, "--prefill-tp") || !tp_ok(g, g->decode_tp, "--decode-tp"))
-        goto out;
+        return 2;
     g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
     g->stop_id = g->eos;
     if (g->chat) {
         uint32_t id;
         if (kvs_tokenizer_token_id(g->tok, "<|im_end|>", 10, &id) == KVS_OK) g->stop_id = id;
     }
-    for (int i = 0; i < nprompts; i++) {
+    return 0;
+}
+
+/* Prompt i (of the command line) into r: its token ids, checked against the model, and room for
+ * its output. 0, or the exit code after saying why. */
+static int load_prompt(gen_t *g, req_t *r, const prompts_t *p, int i)
+{
+    if (p->is_ids[i]) {
+        r->label = p->ids[i];
+        if (parse_ids(p->ids[i], &r->prompt, &r->prompt_len) != 0) {
+            fprintf(stderr, "error: bad value '%s' for '--prompt-ids'\n", p->ids[i]);
+            return 2;
+        }
+    } else {
+        r->label = p->text[i];
+        if (g->tok == NULL) {
+            fprintf(stderr, "error: a seeded model has no tokenizer: use --prompt-ids\n");
+            return 2;
+        }
+        if (tokenize(g, r, p->text[i]) != 0) return 1;
+    }
+    if (r->prompt_len == 0) {
+        fprintf(stderr, "error: prompt %d has no tokens\n", i + 1);
+        return 2;
+    }
+    for (uint32_t k = 0; k < r->prompt_len; k++)
+        if (r->prompt[k] >= g->mc.vocab) {
+            fprintf(stderr, "error: token id %u of prompt %d is outside the vocabulary (%u)\n",
+                    r->prompt[k], i + 1, g->mc.vocab);
+            return 2;
+        }
+    if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx) {
+        fprintf(stderr,
+                "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the "
+                "model's context of %u\n",
+                i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
+        return 2;
+    }
+    r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));
+    return r->out == NULL ? 1 : 0;
+}
+
+/* Checks the flags, opens the model and turns every prompt into a request; 0, or the exit code
+ * after saying why. */
+static int gen_config_build(gen_t *g, const prompts_t *p)
+{
+    int rc;
+    if ((rc = check_flags(g)) != 0 || (rc = open_model(g)) != 0 || (rc = check_model(g)) != 0)
+        return rc;
+    for (int i = 0; i < p->n; i++) {
         req_t *r = &g->reqs[g->nreqs++];
         r->room = g->nreqs;
-        if (kind[i]) {
-            r->label = idstr[i];
-            if (parse_ids(idstr[i], &r->prompt, &r->prompt_len) != 0) {
-                fprintf(stderr, "error: bad value '%s' for '--prompt-ids'\n", idstr[i]);
-                goto out;
-            }
-        } else {
-            r->label = texts[i];
-            if (g->tok == NULL) {
-                fprintf(stderr, "error: a seeded model has no tokenizer: use --prompt-ids\n");
-                goto out;
-            }
-            if (tokenize(g, r, texts[i]) != 0) {
-                rc = 1;
-                goto out;
-            }
-        }
-        if (r->prompt_len == 0) {
-            fprintf(stderr, "error: prompt %d has no tokens\n", i + 1);
-            goto out;
-        }
-        for (uint32_t k = 0; k < r->prompt_len; k++)
-            if (r->prompt[k] >= g->mc.vocab) {
-                fprintf(stderr, "error: token id %u of prompt %d is outside the vocabulary (%u)\n",
-                        r->prompt[k], i + 1, g->mc.vocab);
-                goto out;
-            }
-        if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx) {
-            fprintf(stderr,
-                    "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the "
-                    "model's context of %u\n",
-                    i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
-            goto out;
-        }
-        r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));
-        if (r->out == NULL) {
-            rc = 1;
-            goto out;
-        }
+        if ((rc = load_prompt(g, r, p, i)) != 0) return rc;
     }
     if (g->max_running == 0) g->max_running = g->nreqs < 16 ? g->nreqs : 16;
-    if (!g->json) {
-        const char *name = g->seeded ? "seeded model" : strrchr(g->model_path, '/');
-        name = name && name[0] == '/' ? name + 1 : name ? name : g->model_path;
-        if (g->colocated)
-            printf("kvstage generate: %s, colocated TP%u (no transfer), page %u, chunk %u, radix "
-                   "%s\n",
-                   name, g->tp, g->page_size, g->chunk, g->prefill_radix ? "on" : "off");
-        else
-            printf("kvstage generate: %s, prefill TP%u -> decode TP%u, every rank a process "
-                   "(ZeroMQ control, UCX data);\npage %u, chunk %u, radix prefill %s / decode "
-                   "%s, %u request%s%s\n",
-                   name, g->prefill_tp, g->decode_tp, g->page_size, g->chunk,
-                   g->prefill_radix ? "on" : "off", g->decode_radix ? "on" : "off", g->nreqs,
-                   g->nreqs == 1 ? "" : "s",
-                   g->sequential && g->nreqs > 1 ? " one after another" : "");
-        fflush(stdout);
-    }
+    return 0;
+}
+
+static void print_banner(const gen_t *g)
+{
+    const char *name = g->seeded ? "seeded model" : strrchr(g->model_path, '/');
+    name = name && name[0] == '/' ? name + 1 : name ? name : g->model_path;
+    if (g->colocated)
+        printf("kvstage generate: %s, colocated TP%u (no transfer), page %u, chunk %u, radix "
+               "%s\n",
+               name, g->tp, g->page_size, g->chunk, g->prefill_radix ? "on" : "off");
+    else
+        printf("kvstage generate: %s, prefill TP%u -> decode TP%u, every rank a process "
+               "(ZeroMQ control, UCX data);\npage %u, chunk %u, radix prefill %s / decode "
+               "%s, %u request%s%s\n",
+               name, g->prefill_tp, g->decode_tp, g->page_size, g->chunk,
+               g->prefill_radix ? "on" : "off", g->decode_radix ? "on" : "off", g->nreqs,
+               g->nreqs == 1 ? "" : "s", g->sequential && g->nreqs > 1 ? " one after another" : "");
+    fflush(stdout);
+}
+
+/* Runs the deployment over every request and prints the result; 0 when each one succeeded. */
+static int gen_run(gen_t *g)
+{
+    if (!g->json) print_banner(g);
     signal(SIGPIPE, SIG_IGN);
-    rc = run_deployment(g);
-    int ok = rc == 0;
+    int ok = run_deployment(g) == 0;
     for (uint32_t i = 0; i < g->nreqs; i++)
         ok &= finished(&g->reqs[i]) && !g->reqs[i].rejected &&
               strcmp(g->reqs[i].side[1].status, "ok") == 0 &&
@@ -1049,8 +1202,23 @@ int kvs_cmd_generate(int argc, char **argv)
         print_json(g, ok);
     else
         print_totals(g, ok);
-    rc = ok ? 0 : 1;
-out:
+    return ok ? 0 : 1;
+}
+
+int kvs_cmd_generate(int argc, char **argv)
+{
+    static gen_t gen; /* too large for the stack: every request's and rank's buffers */
+    gen_t *g = &gen;
+    gen_default(g);
+    kvs_arg_table_t t = {.count = 0};
+    add_sampling_flags(&t, g);
+    add_instance_flags(&t, g);
+    add_model_flags(&t, g);
+    add_run_flags(&t, g);
+    prompts_t p;
+    int rc = parse_flags(&t, argc, argv, &p);
+    if (rc != GO_ON) return rc;
+    if ((rc = gen_config_build(g, &p)) == 0) rc = gen_run(g);
     gen_free(g);
     return rc;
 }

@@ -81,6 +81,39 @@ static void print_metrics(void *arg, const kvs_pd_metrics_t *m, const kvs_net_st
     fputs(line, stderr);
 }
 
+static const char *side_name(kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL ? "prefill" : "decode";
+}
+
+static void print_text(const kvs_rank_config_t *c, const kvs_rank_result_t *r)
+{
+    printf("%s rank %u: %u/%u rooms succeeded, %u failed, %s, leaks: pages %llu slots %llu "
+           "rooms %llu, %.2f s\n",
+           side_name(c->side), c->rank, r->succeeded, r->requests, r->failed,
+           r->mismatched_bytes || r->meta_mismatches ? "NOT exact" : "exact",
+           (unsigned long long) r->leaked_pages, (unsigned long long) r->leaked_slots,
+           (unsigned long long) r->leaked_rooms, r->wall_s);
+}
+
+/* Runs the rank and prints its result; the exit code: 0 when kvs_rank_result_ok. */
+static int rank_run(const kvs_rank_config_t *c, int json)
+{
+    kvs_rank_result_t r;
+    kvs_status_t st = kvs_rank_run(c, &r);
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: %s rank %u could not run: %s\n", side_name(c->side), c->rank,
+                kvs_status_str(st));
+        return 1;
+    }
+    int ok = kvs_rank_result_ok(&r);
+    if (json)
+        print_json(c, &r, ok);
+    else
+        print_text(c, &r);
+    return ok ? 0 : 1;
+}
+
 static int run_side(kvs_side_t side, int argc, char **argv)
 {
     kvs_rank_flags_t f;
@@ -94,25 +127,7 @@ static int run_side(kvs_side_t side, int argc, char **argv)
     signal(SIGUSR1, on_sigusr1);
     f.cfg.metrics_request = &metrics_wanted;
     f.cfg.metrics = print_metrics;
-    kvs_rank_result_t r;
-    kvs_status_t st = kvs_rank_run(&f.cfg, &r);
-    if (st != KVS_OK) {
-        fprintf(stderr, "error: %s rank %u could not run: %s\n",
-                side == KVS_SIDE_PREFILL ? "prefill" : "decode", f.cfg.rank, kvs_status_str(st));
-        return 1;
-    }
-    int ok = kvs_rank_result_ok(&r);
-    if (f.json) {
-        print_json(&f.cfg, &r, ok);
-    } else {
-        printf("%s rank %u: %u/%u rooms succeeded, %u failed, %s, leaks: pages %llu slots %llu "
-               "rooms %llu, %.2f s\n",
-               side == KVS_SIDE_PREFILL ? "prefill" : "decode", f.cfg.rank, r.succeeded, r.requests,
-               r.failed, r.mismatched_bytes || r.meta_mismatches ? "NOT exact" : "exact",
-               (unsigned long long) r.leaked_pages, (unsigned long long) r.leaked_slots,
-               (unsigned long long) r.leaked_rooms, r.wall_s);
-    }
-    return ok ? 0 : 1;
+    return rank_run(&f.cfg, f.json);
 }
 
 int kvs_cmd_prefill(int argc, char **argv)

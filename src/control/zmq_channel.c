@@ -27,6 +27,10 @@
 #define HELLO_RETRY_NS   20000000ull /* heartbeat retry while a peer is not connected yet */
 #define HEARTBEAT_FIXED  10          /* seq u64 + endpoint length u16 */
 #define RECV_BATCH       1024        /* frames one recv call may drop before returning */
+/* A connection takes a few ms to come up, and until it does ZMQ_IMMEDIATE fails every send.
+ * Protocol frames sent that early are held (kvs_zch_send) and go out as soon as it is up,
+ * instead of being lost and resent a retry period later. */
+#define OUTBOX_MAX KVS_ZCH_OUTBOX_MAX
 
 typedef struct {
     void *push;      /* ZMQ_PUSH connected to endpoint, or NULL */
@@ -38,7 +42,9 @@ typedef struct {
     uint64_t since;  /* start of the connect timeout (creation or endpoint change) */
     uint64_t next_hb;
     uint64_t hb_seq;
-    int dead; /* reported dead; cleared when heard again */
+    int dead;          /* reported dead; cleared when heard again */
+    zmq_msg_t *outbox; /* [OUTBOX_MAX] frames waiting for the connection, FIFO */
+    uint32_t out_head, out_count;
 } zpeer_t;
 
 struct kvs_zch {
@@ -184,8 +190,18 @@ err_peers:
     return st;
 }
 
+static void drop_outbox(zpeer_t *p)
+{
+    for (uint32_t i = 0; i < p->out_count; i++)
+        zmq_msg_close(&p->outbox[(p->out_head + i) % OUTBOX_MAX]);
+    p->out_head = p->out_count = 0;
+}
+
 static void close_peer(zpeer_t *p)
 {
+    drop_outbox(p);
+    kvs_free(p->outbox);
+    p->outbox = NULL;
     if (p->push != NULL) zmq_close(p->push);
     p->push = NULL;
     kvs_free(p->endpoint);
@@ -275,6 +291,40 @@ int kvs_zch_peer_disputed(const kvs_zch_t *ch, uint32_t peer)
     return peer < ch->cfg.peer_tp && ch->peers[peer].disputed;
 }
 
+/* Sends what waits in the outbox, oldest first, until the connection refuses one; frames
+ * still waiting when the connect window has passed are dropped (the protocol resends). */
+static void flush_outbox(kvs_zch_t *ch, zpeer_t *p, uint64_t now)
+{
+    while (p->out_count > 0) {
+        zmq_msg_t *m = &p->outbox[p->out_head];
+        const size_t len = zmq_msg_size(m);
+        if (zmq_msg_send(m, p->push, ZMQ_DONTWAIT) < 0) break;
+        ch->st.sent++;
+        ch->st.bytes_sent += len - KVS_ZCH_HEADER_SIZE;
+        p->out_head = (p->out_head + 1) % OUTBOX_MAX;
+        p->out_count--;
+    }
+    if (p->out_count > 0 && (p->dead || now - p->since >= ch->cfg.connect_timeout_ns)) {
+        ch->st.send_failures += p->out_count;
+        drop_outbox(p);
+    }
+}
+
+/* Holds a protocol frame while the peer's connection comes up; 0 if it cannot be held. */
+static int hold_frame(const kvs_zch_t *ch, zpeer_t *p, zmq_msg_t *m, uint64_t now)
+{
+    if (p->dead || now - p->since >= ch->cfg.connect_timeout_ns || p->out_count == OUTBOX_MAX)
+        return 0;
+    if (p->outbox == NULL && (p->outbox = kvs_calloc(OUTBOX_MAX, sizeof(zmq_msg_t))) == NULL)
+        return 0;
+    zmq_msg_t *slot = &p->outbox[(p->out_head + p->out_count) % OUTBOX_MAX];
+    zmq_msg_init(slot);
+    zmq_msg_move(slot, m);
+    zmq_msg_close(m);
+    p->out_count++;
+    return 1;
+}
+
 static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind,
                                const void *payload, size_t len)
 {
@@ -283,6 +333,8 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
         kvs_debug("zmq channel: no endpoint for peer %u yet", peer);
         return KVS_ERR_IO;
     }
+    const uint64_t now = kvs_now_ns();
+    if (p->out_count > 0) flush_outbox(ch, p, now);
     zmq_msg_t m;
     if (zmq_msg_init_size(&m, KVS_ZCH_HEADER_SIZE + len) != 0) return KVS_ERR_NOMEM;
     uint8_t *b = zmq_msg_data(&m);
@@ -293,8 +345,13 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
     kvs_put_u32(b + 4, ch->cfg.rank);
     kvs_put_u64(b + 8, ch->incarnation);
     if (len) memcpy(b + KVS_ZCH_HEADER_SIZE, payload, len);
+    /* Behind held frames, or refused while the connection may still be coming up: hold it. */
+    if (kind == KVS_ZCH_MSG && p->out_count > 0 && hold_frame(ch, p, &m, now))
+        return KVS_INPROGRESS;
     if (zmq_msg_send(&m, p->push, ZMQ_DONTWAIT) < 0) {
         int err = errno;
+        if (kind == KVS_ZCH_MSG && err == EAGAIN && hold_frame(ch, p, &m, now))
+            return KVS_INPROGRESS;
         zmq_msg_close(&m);
         /* EAGAIN: not connected (ZMQ_IMMEDIATE) or the queue is full; either way not sent. */
         kvs_debug("zmq channel: send to peer %u failed: %s", peer, zmq_strerror(err));
@@ -313,6 +370,7 @@ kvs_status_t kvs_zch_send(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind, con
         return KVS_ERR_INVALID;
     }
     kvs_status_t st = send_frame(ch, peer, kind, payload, len);
+    if (st == KVS_INPROGRESS) return KVS_OK; /* held; counted as sent when it goes out */
     if (st != KVS_OK) {
         if (kind == KVS_ZCH_MSG) ch->st.send_failures++;
         return st;
@@ -368,6 +426,7 @@ uint32_t kvs_zch_tick(kvs_zch_t *ch)
     for (uint32_t i = 0; i < ch->cfg.peer_tp; i++) {
         zpeer_t *p = &ch->peers[i];
         peer_alive(ch, i, now);
+        if (p->out_count > 0) flush_outbox(ch, p, now);
         if (p->push == NULL || now < p->next_hb) continue;
         if (send_heartbeat(ch, i)) {
             sent++;

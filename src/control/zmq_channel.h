@@ -66,9 +66,16 @@ uint64_t kvs_zch_incarnation(const kvs_zch_t *ch);
 /* Connects (or reconnects) the PUSH socket of peer to endpoint; same endpoint: nothing to do. */
 kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint);
 
+/* Protocol frames (KVS_ZCH_MSG) held per peer while its connection comes up. */
+#define KVS_ZCH_OUTBOX_MAX 1024
+
 /* Queues one frame without blocking: KVS_ERR_IO when the peer has no endpoint, is not connected
  * or its queue is full (the caller retries what matters), KVS_ERR_INVALID for a bad peer or an
- * oversized payload. */
+ * oversized payload. A protocol frame refused by a connection that may still be coming up
+ * (within the connect timeout of setting the endpoint, the peer not reported dead) is held
+ * instead, up to KVS_ZCH_OUTBOX_MAX, and sent by later sends and ticks as soon as it can go:
+ * KVS_OK. Frames still held when the peer is reported dead are dropped and count as failed
+ * sends. */
 kvs_status_t kvs_zch_send(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind, const void *payload,
                           size_t len);
 

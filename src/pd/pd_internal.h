@@ -20,6 +20,22 @@ static inline uint64_t kvs_all_bits(uint32_t n)
  * decode lost the request itself. */
 #define KVS_PD_QUEUED_RETRY_FACTOR 64
 
+/* The retry period adapts to the round trip (protocol.md §5.2): a message is resent after
+ * max(retry_ns, 4 x the smoothed round-trip time), capped at 32 x retry_ns, so answers that
+ * come late from a loaded host are not taken for losses. Samples come only from messages that
+ * were sent once, so a retry's answer is never mistaken for the first one's. */
+static inline void kvs_pd_rtt_sample(uint64_t *srtt_ns, uint64_t sample_ns)
+{
+    *srtt_ns = *srtt_ns == 0 ? sample_ns : (*srtt_ns * 7 + sample_ns) / 8;
+}
+
+static inline uint64_t kvs_pd_rto(uint64_t srtt_ns, uint64_t retry_ns)
+{
+    const uint64_t rto = 4 * srtt_ns;
+    if (rto <= retry_ns) return retry_ns;
+    return rto < 32 * retry_ns ? rto : 32 * retry_ns;
+}
+
 /* Encodes and sends one control message to rank `peer` of the other side; counts it. A send
  * failure is logged and otherwise ignored: every message that matters is retried on a timer. */
 void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg);

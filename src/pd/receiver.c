@@ -29,6 +29,7 @@ typedef struct {
     uint64_t arrived;      /* bit per writer */
     uint64_t grant_acked;  /* bit per writer rank index: it holds the grant (ACK or arrival) */
     uint64_t grant_retry_at;
+    uint64_t grant_sent_at; /* first send of the grant, for the round-trip time */
     uint32_t grant_tries;
     uint64_t ticket; /* last scatter copy */
 } rchunk_t;
@@ -56,6 +57,7 @@ typedef struct {
     uint64_t next_grant_retry; /* earliest grant_retry_at among them */
     uint64_t meta_sent_at, all_success_at, failed_at;
     uint64_t next_retry; /* metadata or abort resend */
+    int meta_resent;     /* the metadata went out more than once: no round-trip sample */
     uint32_t final_len;
     uint8_t final[KVS_MSG_FINAL_MAX];
 } rroom_t;
@@ -75,6 +77,7 @@ struct kvs_receiver {
     uint64_t next_serial;
     uint64_t grid; /* G */
     kvs_pd_metrics_t m;
+    uint64_t srtt_ns; /* smoothed round trip to the prefill ranks (kvs_pd_rto) */
 };
 
 /* A STATUS Failed that arrived before the engine added its room: without it the room would
@@ -274,7 +277,7 @@ static int writer_rank_index(const rroom_t *r, uint32_t prefill_rank)
 static void arm_grant_retry(kvs_receiver_t *rx, rroom_t *r, rchunk_t *c, uint64_t now)
 {
     uint32_t t = c->grant_tries < 5 ? c->grant_tries : 5;
-    c->grant_retry_at = now + (rx->cfg.timeouts.retry_ns << t);
+    c->grant_retry_at = now + (kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns) << t);
     if (r->unacked_grants == 0 || c->grant_retry_at < r->next_grant_retry)
         r->next_grant_retry = c->grant_retry_at;
 }
@@ -304,7 +307,7 @@ static void retry_grants(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
             }
             c->grant_tries++;
             uint32_t t = c->grant_tries < 5 ? c->grant_tries : 5;
-            c->grant_retry_at = now + (rx->cfg.timeouts.retry_ns << t);
+            c->grant_retry_at = now + (kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns) << t);
         }
         if (c->grant_retry_at < next) next = c->grant_retry_at;
     }
@@ -408,7 +411,7 @@ static void fail_room(kvs_receiver_t *rx, rroom_t *r, kvs_status_t reason, const
     r->abort_acked = r->status_seen;
     for (uint32_t i = 0; i < r->npeers; i++)
         if (!(r->abort_acked & KVS_BIT(i))) send_abort(rx, r, r->peers[i]);
-    r->next_retry = now_ns(rx) + rx->cfg.timeouts.retry_ns;
+    r->next_retry = now_ns(rx) + kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns);
 }
 
 static void check_room(kvs_receiver_t *rx, rroom_t *r)
@@ -515,7 +518,7 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
         return KVS_OK;
     }
     for (uint32_t i = 0; i < r->npeers; i++) send_meta(rx, r, r->peers[i]);
-    r->next_retry = r->meta_sent_at + rx->cfg.timeouts.retry_ns;
+    r->next_retry = r->meta_sent_at + kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns);
     return KVS_OK;
 }
 
@@ -719,6 +722,8 @@ static void on_ack(kvs_receiver_t *rx, const kvs_msg_ack_t *a)
             return;
         }
         rchunk_t *c = &r->chunks[a->chunk];
+        if (c->state == RCH_GRANTED && c->grant_tries == 0 && !(c->grant_acked & KVS_BIT(w)))
+            kvs_pd_rtt_sample(&rx->srtt_ns, now_ns(rx) - c->grant_sent_at);
         if (c->state == RCH_GRANTED)
             grant_confirmed(r, c, w);
         else
@@ -730,6 +735,8 @@ static void on_ack(kvs_receiver_t *rx, const kvs_msg_ack_t *a)
         rx->m.rejected++;
         return;
     }
+    if (!r->meta_resent && !(r->meta_acked & KVS_BIT(i)))
+        kvs_pd_rtt_sample(&rx->srtt_ns, now_ns(rx) - r->meta_sent_at);
     r->meta_acked |= KVS_BIT(i);
 }
 
@@ -817,6 +824,7 @@ static uint32_t grant_slots(kvs_receiver_t *rx)
             send_grant(rx, r, chunk, r->writer_ranks[i]);
         c->grant_acked = 0;
         c->grant_tries = 0;
+        c->grant_sent_at = now_ns(rx);
         arm_grant_retry(rx, r, c, now_ns(rx));
         r->unacked_grants++;
     }
@@ -882,7 +890,7 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
                 send_abort(rx, r, r->peers[i]);
                 rx->m.retries++;
             }
-            r->next_retry = now + t->retry_ns;
+            r->next_retry = now + kvs_pd_rto(rx->srtt_ns, t->retry_ns);
         }
         return;
     }
@@ -907,7 +915,8 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
             send_meta(rx, r, r->peers[i]);
             rx->m.retries++;
         }
-        r->next_retry = now + t->retry_ns;
+        r->meta_resent = 1;
+        r->next_retry = now + kvs_pd_rto(rx->srtt_ns, t->retry_ns);
     }
 }
 

@@ -34,6 +34,7 @@ typedef struct {
     uint64_t retry_at;
     uint32_t tries;    /* resends of the current message, for the backoff */
     uint64_t checksum; /* of the region as gathered (protocol.md §5.5), for CHUNK_READY */
+    uint64_t sent_at;  /* first send of the current message, for the round-trip time */
 } sdest_t;
 
 /* Room metadata from one decode rank, possibly before the engine added the room. */
@@ -94,6 +95,7 @@ struct kvs_sender {
     kvs_map_t rooms;               /* id -> sroom_t* */
     kvs_map_t stash;               /* id -> sstash_t* */
     kvs_pd_metrics_t m;
+    uint64_t srtt_ns; /* smoothed round trip to the decode ranks (kvs_pd_rto) */
 };
 
 static uint64_t now_ns(const kvs_sender_t *tx)
@@ -581,6 +583,8 @@ static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
         tx->m.ignored++; /* a repeat of a grant we already hold */
         return;
     }
+    if (sd->state == SD_REQUESTED && sd->tries == 0)
+        kvs_pd_rtt_sample(&tx->srtt_ns, now_ns(tx) - sd->sent_at);
     sd->state = SD_GRANTED;
     sd->offset = gr->offset;
     sd->size = gr->size;
@@ -603,6 +607,8 @@ static void on_queued(kvs_sender_t *tx, const kvs_msg_staging_queued_t *q)
         tx->m.ignored++; /* late: the grant overtook it */
         return;
     }
+    if (sd->state == SD_REQUESTED && sd->tries == 0)
+        kvs_pd_rtt_sample(&tx->srtt_ns, now_ns(tx) - sd->sent_at);
     sd->state = SD_QUEUED;
     sd->tries = 0;
     sd->retry_at = now_ns(tx) + KVS_PD_QUEUED_RETRY_FACTOR * tx->cfg.timeouts.retry_ns;
@@ -635,6 +641,7 @@ static void on_ack(kvs_sender_t *tx, const kvs_msg_ack_t *a)
         tx->m.ignored++;
         return;
     }
+    if (sd->tries == 0) kvs_pd_rtt_sample(&tx->srtt_ns, now_ns(tx) - sd->sent_at);
     sd->state = SD_DONE;
     tx->m.chunks++;
     r->last_activity = now_ns(tx);
@@ -824,10 +831,11 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
 
 /* Sets the next resend: the interval doubles with every resend, up to 32x, so a request
  * queued behind a full ring is not resent at full rate while a lost one is still resent. */
-static void arm_retry(sdest_t *sd, uint64_t now, uint64_t retry_ns, uint32_t tries)
+static void arm_retry(sdest_t *sd, uint64_t now, uint64_t rto_ns, uint32_t tries)
 {
     sd->tries = tries;
-    sd->retry_at = now + (retry_ns << (tries < 5 ? tries : 5));
+    sd->retry_at = now + (rto_ns << (tries < 5 ? tries : 5));
+    if (tries == 0) sd->sent_at = now;
 }
 
 /* 1 if the room waits for an answer from decode (a grant, an ACK). */
@@ -862,7 +870,7 @@ static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t
     sd->state = SD_READY_SENT;
     if (r->status != KVS_ROOM_FAILED) {
         send_chunk_ready(tx, r, k, d);
-        arm_retry(sd, now, tx->cfg.timeouts.retry_ns, 0);
+        arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, tx->cfg.timeouts.retry_ns), 0);
     }
     return 1;
 }
@@ -899,7 +907,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
             if (r->status_sent) tx->m.retries++;
         }
         r->status_sent = 1;
-        r->retry_at = now + t->retry_ns;
+        r->retry_at = now + kvs_pd_rto(tx->srtt_ns, t->retry_ns);
         return events + 1;
     }
     if (r->status == KVS_ROOM_SUCCESS) return events;
@@ -951,14 +959,14 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (!may_request) break;
                 send_staging_req(tx, r, k, d);
                 sd->state = SD_REQUESTED;
-                arm_retry(sd, now, t->retry_ns, 0);
+                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), 0);
                 events++;
                 break;
             case SD_REQUESTED:
                 if (now < sd->retry_at) break;
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
-                arm_retry(sd, now, t->retry_ns, sd->tries + 1);
+                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), sd->tries + 1);
                 break;
             case SD_QUEUED:
                 /* Only if decode lost the request (a restart the liveness check missed). */
@@ -966,7 +974,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
                 sd->state = SD_REQUESTED;
-                arm_retry(sd, now, t->retry_ns, 0);
+                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), 0);
                 break;
             case SD_GRANTED:
                 if (k < r->chunks_issued) {
@@ -981,7 +989,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (now < sd->retry_at) break;
                 send_chunk_ready(tx, r, k, d);
                 tx->m.retries++;
-                arm_retry(sd, now, t->retry_ns, sd->tries + 1);
+                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), sd->tries + 1);
                 break;
             default:
                 break;
@@ -1004,7 +1012,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (r->status_sent) tx->m.retries++;
             }
             r->status_sent = 1;
-            r->retry_at = now + t->retry_ns;
+            r->retry_at = now + kvs_pd_rto(tx->srtt_ns, t->retry_ns);
             events++;
         }
     }

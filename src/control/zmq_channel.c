@@ -197,11 +197,10 @@ static void drop_outbox(zpeer_t *p)
     p->out_head = p->out_count = 0;
 }
 
+/* Closes the peer's socket; frames it holds stay for the next connection (they are protocol
+ * messages for that rank, whichever endpoint it now has). */
 static void close_peer(zpeer_t *p)
 {
-    drop_outbox(p);
-    kvs_free(p->outbox);
-    p->outbox = NULL;
     if (p->push != NULL) zmq_close(p->push);
     p->push = NULL;
     kvs_free(p->endpoint);
@@ -212,7 +211,11 @@ void kvs_zch_destroy(kvs_zch_t *ch)
 {
     if (ch == NULL) return;
     if (ch->msg_live) zmq_msg_close(&ch->msg);
-    for (uint32_t i = 0; i < ch->cfg.peer_tp; i++) close_peer(&ch->peers[i]);
+    for (uint32_t i = 0; i < ch->cfg.peer_tp; i++) {
+        close_peer(&ch->peers[i]);
+        drop_outbox(&ch->peers[i]);
+        kvs_free(ch->peers[i].outbox);
+    }
     zmq_close(ch->pull);
     zmq_ctx_term(ch->zctx);
     kvs_free(ch->peers);
@@ -295,7 +298,7 @@ int kvs_zch_peer_disputed(const kvs_zch_t *ch, uint32_t peer)
  * still waiting when the connect window has passed are dropped (the protocol resends). */
 static void flush_outbox(kvs_zch_t *ch, zpeer_t *p, uint64_t now)
 {
-    while (p->out_count > 0) {
+    while (p->out_count > 0 && p->push != NULL) {
         zmq_msg_t *m = &p->outbox[p->out_head];
         const size_t len = zmq_msg_size(m);
         if (zmq_msg_send(m, p->push, ZMQ_DONTWAIT) < 0) break;
@@ -329,10 +332,6 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
                                const void *payload, size_t len)
 {
     zpeer_t *p = &ch->peers[peer];
-    if (p->push == NULL) {
-        kvs_debug("zmq channel: no endpoint for peer %u yet", peer);
-        return KVS_ERR_IO;
-    }
     const uint64_t now = kvs_now_ns();
     if (p->out_count > 0) flush_outbox(ch, p, now);
     zmq_msg_t m;
@@ -345,9 +344,15 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
     kvs_put_u32(b + 4, ch->cfg.rank);
     kvs_put_u64(b + 8, ch->incarnation);
     if (len) memcpy(b + KVS_ZCH_HEADER_SIZE, payload, len);
-    /* Behind held frames, or refused while the connection may still be coming up: hold it. */
-    if (kind == KVS_ZCH_MSG && p->out_count > 0 && hold_frame(ch, p, &m, now))
+    /* Behind held frames, before the peer's endpoint is known, or refused while its connection
+     * may still be coming up: held. */
+    if (kind == KVS_ZCH_MSG && (p->out_count > 0 || p->push == NULL) && hold_frame(ch, p, &m, now))
         return KVS_INPROGRESS;
+    if (p->push == NULL) {
+        zmq_msg_close(&m);
+        kvs_debug("zmq channel: no endpoint for peer %u yet", peer);
+        return KVS_ERR_IO;
+    }
     if (zmq_msg_send(&m, p->push, ZMQ_DONTWAIT) < 0) {
         int err = errno;
         if (kind == KVS_ZCH_MSG && err == EAGAIN && hold_frame(ch, p, &m, now))

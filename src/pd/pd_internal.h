@@ -51,6 +51,10 @@ int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n, uint64
 /* Index of rank in ranks[0, n), or -1. */
 int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank);
 
+/* Resends of one message back off exponentially up to this shift (x8): more would leave too
+ * few tries within the room timeouts on a lossy network. */
+#define KVS_PD_BACKOFF_MAX_SHIFT 3
+
 /* Sets a timer: *timer = min(*timer, t). */
 static inline void kvs_pd_arm(uint64_t *timer, uint64_t t)
 {

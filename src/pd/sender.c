@@ -834,7 +834,8 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
 static void arm_retry(sdest_t *sd, uint64_t now, uint64_t rto_ns, uint32_t tries)
 {
     sd->tries = tries;
-    sd->retry_at = now + (rto_ns << (tries < 5 ? tries : 5));
+    sd->retry_at =
+        now + (rto_ns << (tries < KVS_PD_BACKOFF_MAX_SHIFT ? tries : KVS_PD_BACKOFF_MAX_SHIFT));
     if (tries == 0) sd->sent_at = now;
 }
 

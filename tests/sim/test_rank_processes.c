@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -47,6 +48,14 @@ static void demo_ok(const char *flags)
     expect(out, "\"failed\":0");
     expect(out, "\"exact\":true");
     expect(out, "\"leaked_slots\":0,\"leaked_pages\":0,\"leaked_rooms\":0");
+    /* A reliable network: resends are for real losses only, at most 2% of the messages. */
+    const char *m = strstr(out, "\"control_messages\":"), *r = strstr(out, "\"retries\":");
+    if (m == NULL || r == NULL) fail_msg("no control_messages or retries in:\n%s", out);
+    unsigned long long msgs = strtoull(m + strlen("\"control_messages\":"), NULL, 10);
+    unsigned long long retries = strtoull(r + strlen("\"retries\":"), NULL, 10);
+    if (msgs == 0 || retries * 50 > msgs)
+        fail_msg("'kvstage %s': %llu retries among %llu control messages (over 2%%)", args, retries,
+                 msgs);
 }
 
 /* GPU pools in every rank process: the net link's data plane is CUDA IPC (peer copies, or the

@@ -358,8 +358,8 @@ static void print_summary(const kvs_rank_config_t *c, const totals_t *t, uint64_
            "per-page path: %llu, %.0fx more), %.1f MiB\n",
            t->chunks, t->writes, t->direct, pp, t->writes ? (double) pp / (double) t->writes : 0.0,
            t->bytes / 1048576.0);
-    printf("  control    %llu messages (retries %llu, rejected %llu)\n", t->msgs, t->retries,
-           t->rejected);
+    printf("  control    %llu messages (retries %llu = %.1f%%, rejected %llu)\n", t->msgs,
+           t->retries, t->msgs ? 100.0 * (double) t->retries / (double) t->msgs : 0.0, t->rejected);
     printf("  time       %.2f s wall\n\n%s\n", (kvs_now_ns() - t0) / 1e9,
            t->ok ? "PASS: every room succeeded byte-exact on every rank, nothing leaked"
                  : "FAIL: see the rank lines above");

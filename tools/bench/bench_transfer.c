@@ -11,7 +11,10 @@
  * Prefill ranks live on one GPU and decode ranks on another (or both on one GPU when only one
  * is present). Staged and direct are timed from add_room to Success on every rank, so control
  * messages, gathers, copies and scatters all count. Every protocol and per-page result is
- * checked on sampled heads against the prefill pools. --device cpu runs the same code on host
+ * checked on sampled heads against the prefill pools. Staged and direct run with chunk
+ * checksums on (the protocol's default) and, with --checksum both (the default), also off, the
+ * two alternating request by request: the difference is the checksum's cost, printed beside
+ * each row. --device cpu runs the same code on host
  * memory (a functional check of the benchmark, not a measurement to report). --transport ucx
  * hands over to bench_transfer_ucx.c: two processes over the net link, host memory. */
 #include "bench/bench_transfer.h"

@@ -1,8 +1,11 @@
 /* `kvstage bench kernels`: throughput of the CUDA gather and scatter kernels (staging/cuda) on
  * real model KV shapes and page sizes, next to a device-to-device cudaMemcpy of the same bytes
- * timed in the same run on the same stream: the ceiling a copy kernel can approach. Each row
- * is also checked: sampled heads of the region must equal their pool pages after the gather,
- * and the pool pages after a scatter to other pages. */
+ * timed in the same run on the same stream: the ceiling a copy kernel can approach. The same
+ * gather and scatter are timed again with the region's checksum fused in (desc.checksum, as
+ * the protocol runs them by default): its cost beside each row. Each row is also checked:
+ * sampled heads of the region must equal their pool pages after the gather, and the pool
+ * pages after a scatter to other pages; and where the region is small enough to fetch, both
+ * checksums must equal kvs_csum_of() over its bytes on the host. */
 #include "bench/bench_kernels.h"
 
 #include <stdio.h>
@@ -19,14 +22,18 @@
 #include "kvstage/log.h"
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
+#include "staging/checksum.h"
 #include "staging/copy.h"
 #include "staging/cuda/copy_cuda.h"
 #endif
 
 enum { EXIT_RUN_FAILED = 1, EXIT_USAGE = 2 };
 
-#define USAGE      "kvstage bench kernels [flags]"
-#define TARGET_PCT 80.0 /* of the same-size device-to-device cudaMemcpy */
+#define USAGE         "kvstage bench kernels [flags]"
+#define TARGET_PCT    80.0 /* of the same-size device-to-device cudaMemcpy */
+#define SUM_PCT       5.0  /* the checksum's cost, % of the plain gather's or scatter's time ... */
+#define SUM_TOKENS    4096 /* ... from this many tokens */
+#define SUM_CHECK_MAX (1ull << 30) /* largest region whose checksums are compared on the host */
 
 #if KVS_HAVE_CUDA
 
@@ -165,7 +172,16 @@ static int fill_random(uint8_t *dev, uint64_t n, kvs_rng_t *rng)
 typedef struct {
     int rows, rows_met, checks_failed;
     double worst_pct;
+    int sum_rows, sum_met, sum_checked, sum_failed;
+    double sum_worst;
 } totals_t;
+
+/* One row's median times (seconds) and what its checks found. */
+typedef struct {
+    double mem, g, s, gs, ss; /* memcpy, gather, scatter, gather+sum, scatter+sum */
+    uint64_t bad;             /* sampled heads that differ */
+    int sum_state; /* the checksums against the host's: 0 not compared, 1 equal, -1 not */
+} row_times_t;
 
 /* One (model, layout, page size): the device pool and region, and the host tables every row of
  * it shares. */
@@ -289,48 +305,102 @@ static const char *checked_scatter(pool_bench_t *b, const kvs_copy_desc_t *d,
     return NULL;
 }
 
+/* Compares the checksums the gather and the scatter computed with kvs_csum_of() over the
+ * region's bytes fetched to the host (the scatter reads the region the gather wrote, so both
+ * sum the same bytes): 1 equal, -1 not, 0 not compared (too large to fetch, or no memory). */
+static int check_checksums(const kvs_copy_desc_t *d, uint64_t sum_g, uint64_t sum_s)
+{
+    if (d->region_bytes > SUM_CHECK_MAX) return 0;
+    uint8_t *host = kvs_malloc(d->region_bytes);
+    if (host == NULL) return 0;
+    int state = 0;
+    if (cu_ok(cudaMemcpy(host, d->region, d->region_bytes, cudaMemcpyDeviceToHost),
+              "fetching the region")) {
+        const uint64_t want = kvs_csum_of(host, d->region_bytes);
+        state = sum_g == want && sum_s == want ? 1 : -1;
+        if (state < 0)
+            fprintf(
+                stderr, "error: checksum mismatch: gather %016llx, scatter %016llx, host %016llx\n",
+                (unsigned long long) sum_g, (unsigned long long) sum_s, (unsigned long long) want);
+    }
+    kvs_free(host);
+    return state;
+}
+
+/* Times the memcpy, the gather and the scatter of d, plain and with the checksum, into t, and
+ * checks them; NULL, or what failed. */
+static const char *time_row(pool_bench_t *b, const kvs_copy_desc_t *d,
+                            const kvs_copy_backend_t *gpu, kvs_rng_t *rng, row_times_t *t)
+{
+    const cfg_t *cfg = b->cfg;
+    uint64_t sum_g = 0, sum_s = 0;
+    kvs_copy_desc_t dg = *d, ds = *d;
+    dg.checksum = &sum_g;
+    ds.checksum = &sum_s;
+    op_t mem = {NULL, KVS_COPY_GATHER, NULL, b->region, b->regions[0].base, d->region_bytes};
+    op_t gat = {gpu, KVS_COPY_GATHER, d, NULL, NULL, d->region_bytes};
+    op_t sca = {gpu, KVS_COPY_SCATTER, d, NULL, NULL, d->region_bytes};
+    op_t gat_sum = {gpu, KVS_COPY_GATHER, &dg, NULL, NULL, d->region_bytes};
+    op_t sca_sum = {gpu, KVS_COPY_SCATTER, &ds, NULL, NULL, d->region_bytes};
+    if (!op_time(&mem, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t->mem) ||
+        !op_time(&gat, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t->g))
+        return "timing the memcpy or the gather";
+    /* the region now holds the gather of the list: check it */
+    t->bad = check_samples(d, rng, cfg->samples);
+    if (!op_time(&gat_sum, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t->gs))
+        return "timing the gather with its checksum";
+    if (!op_time(&sca, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t->s) ||
+        !op_time(&sca_sum, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t->ss))
+        return "timing the scatter";
+    t->sum_state = check_checksums(d, sum_g, sum_s);
+    return checked_scatter(b, d, gpu, rng, &t->bad);
+}
+
 /* One row: memcpy, gather and scatter of `tokens` tokens timed and checked, printed and added
  * to tot; NULL, or what failed. */
 static const char *bench_row(pool_bench_t *b, uint32_t tokens, const kvs_copy_backend_t *gpu,
                              kvs_rng_t *rng, totals_t *tot)
 {
-    const cfg_t *cfg = b->cfg;
     const uint32_t P = b->pc.page_size;
     kvs_copy_desc_t d;
     row_desc(b, (tokens + P - 1) / P, &d);
     const uint64_t bytes = d.region_bytes;
     kvs_cuda_plan_t plan;
     if (kvs__copy_cuda_plan(&d, &plan) != KVS_OK) return "planning the copy";
-
-    double t_mem = 0, t_g = 0, t_s = 0;
-    op_t mem = {NULL, KVS_COPY_GATHER, NULL, b->region, b->regions[0].base, bytes};
-    op_t gat = {gpu, KVS_COPY_GATHER, &d, NULL, NULL, bytes};
-    op_t sca = {gpu, KVS_COPY_SCATTER, &d, NULL, NULL, bytes};
-    if (!op_time(&mem, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_mem) ||
-        !op_time(&gat, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_g))
-        return "timing the memcpy or the gather";
-    /* the region now holds the gather of the list: check it */
-    uint64_t bad = check_samples(&d, rng, cfg->samples);
-    if (!op_time(&sca, b->stream, cfg->warmup, cfg->reps, b->ev, b->ms, &t_s))
-        return "timing the scatter";
-    const char *failed = checked_scatter(b, &d, gpu, rng, &bad);
+    row_times_t t;
+    const char *failed = time_row(b, &d, gpu, rng, &t);
     if (failed) return failed;
 
     const double gb = (double) bytes / 1e9;
-    const double g_mem = gb / t_mem, g_g = gb / t_g, g_s = gb / t_s;
+    const double g_mem = gb / t.mem, g_g = gb / t.g, g_s = gb / t.s;
     const double pg = 100.0 * g_g / g_mem, ps = 100.0 * g_s / g_mem;
+    const double cg = 100.0 * (t.gs / t.g - 1.0), cs = 100.0 * (t.ss / t.s - 1.0);
     const int met = pg >= TARGET_PCT && ps >= TARGET_PCT;
+    const int sum_row = tokens >= SUM_TOKENS, sum_met = cg <= SUM_PCT && cs <= SUM_PCT;
     static const char *runs[] = {"head", "token", "page"};
-    printf("%-10s %-3s %4u %6u %9.1f %7.0f (%5.0f) %7.0f %5.1f%% %7.0f %5.1f%% %3u %-5s %s%s\n",
+    static const char *sum_checks[] = {"BAD", "-", "ok"};
+    printf("%-10s %-3s %4u %6u %9.1f %7.0f (%5.0f) %7.0f %5.1f%% %7.0f %5.1f%% %3u %-5s %-3s "
+           "%8.0f %5.1f%% %8.0f %5.1f%% %-6s %-4s%s\n",
            b->m->name, b->pc.layout == KVS_POOL_HND ? "HND" : "NHD", P, tokens,
            (double) bytes / (1 << 20), g_mem, 2 * g_mem, g_g, pg, g_s, ps, plan.vec_bytes,
-           runs[plan.run], met ? "yes" : "NO", bad ? "  CHECK FAILED" : "");
+           runs[plan.run], met ? "yes" : "NO", gb / t.gs, cg, gb / t.ss, cs,
+           !sum_row  ? "-"
+           : sum_met ? "yes"
+                     : "NO",
+           sum_checks[t.sum_state + 1], t.bad ? "  CHECK FAILED" : "");
     fflush(stdout);
     tot->rows++;
     tot->rows_met += met;
-    tot->checks_failed += bad != 0;
+    tot->checks_failed += t.bad != 0;
     if (pg < tot->worst_pct) tot->worst_pct = pg;
     if (ps < tot->worst_pct) tot->worst_pct = ps;
+    tot->sum_checked += t.sum_state != 0;
+    tot->sum_failed += t.sum_state < 0;
+    if (!sum_row) return NULL;
+    tot->sum_rows++;
+    tot->sum_met += sum_met;
+    if (cg > tot->sum_worst) tot->sum_worst = cg;
+    if (cs > tot->sum_worst) tot->sum_worst = cs;
     return NULL;
 }
 
@@ -452,9 +522,15 @@ static void print_header(const cfg_t *cfg, const char *gpu_desc)
            "--inline-max), else uploaded first\n");
     printf("GB/s counts payload bytes once (1 GB = 1e9 B); DRAM traffic is read + write = 2x, "
            "shown for the memcpy in ()\n");
-    printf("target: gather and scatter >= %.0f%% of the memcpy (column ok)\n\n", TARGET_PCT);
-    printf("%-10s %-3s %4s %6s %9s %15s %14s %14s %3s %-5s %s\n", "model", "lay", "page", "tokens",
-           "MiB", "memcpy (r+w)", "gather %", "scatter %", "vec", "run", "ok");
+    printf("target: gather and scatter >= %.0f%% of the memcpy (column ok)\n", TARGET_PCT);
+    printf("+sum: the same gather and scatter computing the region's checksum (as the protocol "
+           "does by default), GB/s and cost = (time with - time without) / time without; "
+           "target cost <= %.0f%% from %u tokens (column sum-ok); csum: both sums equal "
+           "kvs_csum_of() over the region on the host (- not compared: over %llu MiB)\n\n",
+           SUM_PCT, SUM_TOKENS, (unsigned long long) (SUM_CHECK_MAX >> 20));
+    printf("%-10s %-3s %4s %6s %9s %15s %14s %14s %3s %-5s %-3s %15s %15s %-6s %s\n", "model",
+           "lay", "page", "tokens", "MiB", "memcpy (r+w)", "gather %", "scatter %", "vec", "run",
+           "ok", "gather+sum cost", "scatter+sum cost", "sum-ok", "csum");
     fflush(stdout);
 }
 
@@ -494,7 +570,7 @@ int kvs_bench_kernels(int argc, char **argv)
     if ((rc = open_gpu(&cfg, &gpu, desc, sizeof(desc))) != 0) return rc;
     print_header(&cfg, desc);
 
-    totals_t tot = {0, 0, 0, 1e9};
+    totals_t tot = {.worst_pct = 1e9, .sum_worst = -1e9};
     int ok = bench_all(&cfg, &lists, &gpu, &tot);
     kvs_copy_backend_destroy(&gpu);
     printf("\n");
@@ -505,9 +581,19 @@ int kvs_bench_kernels(int argc, char **argv)
     printf("summary: %d/%d rows meet the target (>= %.0f%% of cudaMemcpy for gather and scatter); "
            "worst %.1f%%\n",
            tot.rows_met, tot.rows, TARGET_PCT, tot.worst_pct);
+    if (tot.sum_rows)
+        printf("summary: %d/%d rows from %u tokens keep the checksum's cost <= %.0f%% of the "
+               "gather and the scatter; worst %.1f%%\n",
+               tot.sum_met, tot.sum_rows, SUM_TOKENS, SUM_PCT, tot.sum_worst);
     printf("check: %s (%u sampled heads per gather and per scatter of each row)\n",
            tot.checks_failed ? "FAILED" : "all sampled heads byte-exact", cfg.samples);
-    return tot.checks_failed ? EXIT_RUN_FAILED : 0;
+    printf("check: checksums %s (gather and scatter sums against kvs_csum_of() over the region "
+           "on the host: %d/%d rows compared, regions up to %llu MiB)\n",
+           tot.sum_failed         ? "FAILED"
+           : tot.sum_checked == 0 ? "NOT COMPARED"
+                                  : "equal the host's",
+           tot.sum_checked, tot.rows, (unsigned long long) (SUM_CHECK_MAX >> 20));
+    return tot.checks_failed || tot.sum_failed ? EXIT_RUN_FAILED : 0;
 }
 
 #else /* built without CUDA */

@@ -11,7 +11,10 @@
  * Prefill ranks live on one GPU and decode ranks on another (or both on one GPU when only one
  * is present). Staged and direct are timed from add_room to Success on every rank, so control
  * messages, gathers, copies and scatters all count. Every protocol and per-page result is
- * checked on sampled heads against the prefill pools. --device cpu runs the same code on host
+ * checked on sampled heads against the prefill pools. Staged and direct run with chunk
+ * checksums on (the protocol's default) and, with --checksum both (the default), also off, the
+ * two alternating request by request: the difference is the checksum's cost, printed beside
+ * each row. --device cpu runs the same code on host
  * memory (a functional check of the benchmark, not a measurement to report). --transport ucx
  * hands over to bench_transfer_ucx.c: two processes over the net link, host memory. */
 #include "bench/bench_transfer.h"
@@ -46,6 +49,8 @@ enum { EXIT_RUN_FAILED = 1, EXIT_USAGE = 2 };
 #define TARGET_MIN_TOKENS 4096 /* ... for prompts of at least this many tokens */
 #define TARGET_PP_X       20.0 /* staged or direct over per-page ... */
 #define TARGET_PP_PAGE    16   /* ... at this page size */
+#define TARGET_SUM_GPU    5.0  /* the checksum's cost, % of the transfer time: on GPUs ... */
+#define TARGET_SUM_HOST   10.0 /* ... and in host memory (every row) */
 #define MAX_LIST          KVS_BT_MAX_LIST
 #define ROOM_TIMEOUT_NS   (60ull * 1000000000ull)
 
@@ -71,6 +76,7 @@ typedef struct {
     int ntokens, npages, ntp;
     uint32_t chunk, reps, warmup, samples, window, buffers, ring_slots;
     uint64_t per_page_max;
+    int checksum; /* KVS_BT_CSUM_* */
     int json;
 } cfg_t;
 
@@ -78,11 +84,13 @@ typedef struct {
     const char *model;
     uint32_t ptp, dtp, page, tokens;
     uint64_t bytes;
-    double gbs[M_COUNT];    /* 0: not run, or not available */
-    uint64_t pp_copies;     /* copies of the whole per-page schedule */
-    uint64_t pp_timed;      /* of which timed */
-    uint64_t bad;           /* sampled heads that differ, all methods */
-    int direct_unsupported; /* the link could not map the ring for this GPU */
+    double gbs[M_COUNT];     /* 0: not run, or not available */
+    double gbs_off[M_COUNT]; /* staged and direct with checksums off, beside gbs (--checksum
+                                both); 0: not measured */
+    uint64_t pp_copies;      /* copies of the whole per-page schedule */
+    uint64_t pp_timed;       /* of which timed */
+    uint64_t bad;            /* sampled heads that differ, all methods */
+    int direct_unsupported;  /* the link could not map the ring for this GPU */
 } row_t;
 
 /* ---- small helpers ---- */
@@ -318,9 +326,11 @@ static void proto_destroy(proto_t *p)
     memset(p, 0, sizeof(*p));
 }
 
-static int proto_create(const dep_t *d, kvs_write_mode_t mode, proto_t *p)
+static int proto_create(const dep_t *d, kvs_write_mode_t mode, uint32_t no_checksum, proto_t *p)
 {
     const cfg_t *cfg = d->cfg;
+    kvs_pd_geometry_t geo = d->geo;
+    geo.no_checksum = no_checksum;
     memset(p, 0, sizeof(*p));
     p->clock = kvs_clock_monotonic();
     p->ptp = d->geo.prefill_tp;
@@ -329,7 +339,7 @@ static int proto_create(const dep_t *d, kvs_write_mode_t mode, proto_t *p)
     kvs_pd_timeouts_default(&to);
     if (kvs_inproc_net_create(p->ptp, p->dtp, NULL, &p->clock, &p->net) != KVS_OK) return 0;
     for (uint32_t r = 0; r < p->dtp; r++) {
-        kvs_receiver_config_t rc = {.geo = d->geo,
+        kvs_receiver_config_t rc = {.geo = geo,
                                     .rank = r,
                                     .timeouts = to,
                                     .ring_bytes =
@@ -341,7 +351,7 @@ static int proto_create(const dep_t *d, kvs_write_mode_t mode, proto_t *p)
         }
     }
     for (uint32_t r = 0; r < p->ptp; r++) {
-        kvs_sender_config_t sc = {.geo = d->geo,
+        kvs_sender_config_t sc = {.geo = geo,
                                   .rank = r,
                                   .timeouts = to,
                                   .window_chunks = cfg->window,
@@ -553,38 +563,54 @@ typedef struct {
     uint64_t bulk_cap;
 } run_t;
 
-/* Times the protocol in one write mode for every token count of the deployment, then checks a
- * poisoned-then-transferred run. gbs[i] stays 0 when the mode is unavailable. */
+/* One row of measure_protocol: n protocols (checksums on, then off) take turns request by
+ * request, so drift on a shared machine lands on both alike; then each checks a
+ * poisoned-then-transferred run. */
+static int protocol_row(const dep_t *d, proto_t *p, int n, int method, row_t *row, kvs_rng_t *rng)
+{
+    const cfg_t *cfg = d->cfg;
+    double t[2][1000], sec = 0;
+    kvs_status_t st = KVS_OK;
+    for (uint32_t i = 0; i < cfg->warmup + cfg->reps && st == KVS_OK; i++) {
+        for (int k = 0; k < n && st == KVS_OK; k++) {
+            st = proto_room(&p[k], d, row->tokens, &sec);
+            if (i >= cfg->warmup) t[k][i - cfg->warmup] = sec;
+        }
+    }
+    if (st == KVS_ERR_UNSUPPORTED && method == M_DIRECT) {
+        row->direct_unsupported = 1;
+        return 1;
+    }
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: %s transfer failed: %s\n", method_names[method],
+                kvs_status_str(st));
+        return 0;
+    }
+    for (int k = 0; k < n; k++) {
+        double *gbs = k == 0 ? &row->gbs[method] : &row->gbs_off[method];
+        *gbs = (double) row->bytes / 1e9 / kvs_bt_median(t[k], cfg->reps);
+        if (!poison_decode(d) || proto_room(&p[k], d, row->tokens, &sec) != KVS_OK) return 0;
+        row->bad += check_samples(d, row->tokens, rng, cfg->samples);
+    }
+    return 1;
+}
+
+/* Times the protocol in one write mode for every token count of the deployment, in the
+ * checksum settings --checksum names (both: on into gbs, off into gbs_off). gbs[i] stays 0
+ * when the mode is unavailable. */
 static int measure_protocol(const dep_t *d, kvs_write_mode_t mode, int method, row_t *rows,
                             kvs_rng_t *rng)
 {
     const cfg_t *cfg = d->cfg;
-    proto_t p;
-    if (!proto_create(d, mode, &p)) return 0;
+    const int n = cfg->checksum == KVS_BT_CSUM_BOTH ? 2 : 1;
+    proto_t p[2];
+    memset(p, 0, sizeof(p));
     int ok = 1;
-    for (int ti = 0; ti < cfg->ntokens && ok; ti++) {
-        row_t *row = &rows[ti];
-        double t[1000], sec = 0;
-        kvs_status_t st = KVS_OK;
-        for (uint32_t i = 0; i < cfg->warmup + cfg->reps && st == KVS_OK; i++) {
-            st = proto_room(&p, d, cfg->tokens[ti], &sec);
-            if (i >= cfg->warmup) t[i - cfg->warmup] = sec;
-        }
-        if (st == KVS_ERR_UNSUPPORTED && mode == KVS_WRITE_DIRECT) {
-            row->direct_unsupported = 1;
-            continue;
-        }
-        if (st != KVS_OK) {
-            fprintf(stderr, "error: %s transfer failed: %s\n", method_names[method],
-                    kvs_status_str(st));
-            ok = 0;
-            break;
-        }
-        row->gbs[method] = (double) row->bytes / 1e9 / kvs_bt_median(t, cfg->reps);
-        ok = poison_decode(d) && proto_room(&p, d, cfg->tokens[ti], &sec) == KVS_OK;
-        if (ok) row->bad += check_samples(d, cfg->tokens[ti], rng, cfg->samples);
-    }
-    proto_destroy(&p);
+    for (int k = 0; k < n && ok; k++)
+        ok = proto_create(d, mode, k == 1 || cfg->checksum == KVS_BT_CSUM_OFF, &p[k]);
+    for (int ti = 0; ti < cfg->ntokens && ok; ti++)
+        ok = protocol_row(d, p, n, method, &rows[ti], rng);
+    for (int k = 0; k < n; k++) proto_destroy(&p[k]);
     return ok;
 }
 
@@ -666,7 +692,7 @@ static double best_of(const row_t *r)
 
 static void print_row(const row_t *r)
 {
-    char tp[16], direct[32];
+    char tp[16], direct[32], sum_st[16], sum_dir[16];
     snprintf(tp, sizeof(tp), "%u->%u", r->ptp, r->dtp);
     const double bulk = r->gbs[M_BULK];
     if (r->gbs[M_DIRECT] > 0)
@@ -674,15 +700,41 @@ static void print_row(const row_t *r)
                  100.0 * r->gbs[M_DIRECT] / bulk);
     else
         snprintf(direct, sizeof(direct), "%14s", "n/a");
-    printf("%-10s %-5s %4u %6u %9.1f %8.1f %8.1f %5.1f%% %s %8.2f %5.2f%% %7.0fx %s\n", r->model,
-           tp, r->page, r->tokens, (double) r->bytes / (1 << 20), bulk, r->gbs[M_STAGED],
+    kvs_bt_csum_cell(sum_st, sizeof(sum_st), 7, r->gbs[M_STAGED], r->gbs_off[M_STAGED], "-");
+    kvs_bt_csum_cell(sum_dir, sizeof(sum_dir), 7, r->gbs[M_DIRECT], r->gbs_off[M_DIRECT],
+                     r->gbs[M_DIRECT] > 0 ? "-" : "n/a");
+    printf("%-10s %-5s %4u %6u %9.1f %8.1f %8.1f %5.1f%% %s %8.2f %5.2f%% %7.0fx %-6s %s %s\n",
+           r->model, tp, r->page, r->tokens, (double) r->bytes / (1 << 20), bulk, r->gbs[M_STAGED],
            100.0 * r->gbs[M_STAGED] / bulk, direct, r->gbs[M_PAGE], 100.0 * r->gbs[M_PAGE] / bulk,
-           r->gbs[M_PAGE] > 0 ? best_of(r) / r->gbs[M_PAGE] : 0.0, r->bad ? "FAILED" : "ok");
+           r->gbs[M_PAGE] > 0 ? best_of(r) / r->gbs[M_PAGE] : 0.0, r->bad ? "FAILED" : "ok", sum_st,
+           sum_dir);
     fflush(stdout);
 }
 
-static void print_json(const cfg_t *cfg, const run_t *run, const char *hw, int met_bulk,
-                       int rows_bulk, int met_pp, int rows_pp)
+/* The rows against the targets. */
+typedef struct {
+    int rows_bulk, met_bulk, rows_pp, met_pp, rows_sum, met_sum, failed_checks;
+    double worst_bulk, worst_pp, worst_sum;
+} summary_t;
+
+static const char *const csum_names[] = {"both", "on", "off"};
+
+/* The checksum's cost in row r's staged and direct runs, where measured (JSON keys
+ * <method>_gbs_no_checksum and <method>_checksum_cost_pct). */
+static void json_csum(kvs_json_t *j, const row_t *r)
+{
+    for (int m = M_STAGED; m <= M_DIRECT; m++) {
+        char key[48];
+        double pct = 0;
+        if (!kvs_bt_csum_cost(r->gbs[m], r->gbs_off[m], &pct)) continue;
+        snprintf(key, sizeof(key), "%s_gbs_no_checksum", method_names[m]);
+        kvs_json_double(j, key, r->gbs_off[m]);
+        snprintf(key, sizeof(key), "%s_checksum_cost_pct", method_names[m]);
+        kvs_json_double(j, key, pct);
+    }
+}
+
+static void print_json(const cfg_t *cfg, const run_t *run, const char *hw, const summary_t *s)
 {
     kvs_json_t j;
     kvs_json_begin(&j, stdout);
@@ -693,6 +745,7 @@ static void print_json(const cfg_t *cfg, const run_t *run, const char *hw, int m
     kvs_json_str(&j, "layout", cfg->layout ? "nhd" : "hnd");
     kvs_json_u64(&j, "chunk_tokens", cfg->chunk);
     kvs_json_u64(&j, "reps", cfg->reps);
+    kvs_json_str(&j, "checksum", csum_names[cfg->checksum]);
     kvs_json_array_begin(&j, "rows");
     for (uint32_t i = 0; i < run->nrows; i++) {
         const row_t *r = &run->rows[i];
@@ -710,15 +763,20 @@ static void print_json(const cfg_t *cfg, const run_t *run, const char *hw, int m
         }
         kvs_json_u64(&j, "per_page_copies", r->pp_copies);
         kvs_json_u64(&j, "per_page_copies_timed", r->pp_timed);
+        json_csum(&j, r);
         kvs_json_bool(&j, "check_ok", r->bad == 0);
         kvs_json_object_end(&j);
     }
     kvs_json_array_end(&j);
     kvs_json_object_begin(&j, "targets");
-    kvs_json_u64(&j, "bulk_rows", (uint64_t) rows_bulk);
-    kvs_json_u64(&j, "bulk_rows_met", (uint64_t) met_bulk);
-    kvs_json_u64(&j, "per_page_rows", (uint64_t) rows_pp);
-    kvs_json_u64(&j, "per_page_rows_met", (uint64_t) met_pp);
+    kvs_json_u64(&j, "bulk_rows", (uint64_t) s->rows_bulk);
+    kvs_json_u64(&j, "bulk_rows_met", (uint64_t) s->met_bulk);
+    kvs_json_u64(&j, "per_page_rows", (uint64_t) s->rows_pp);
+    kvs_json_u64(&j, "per_page_rows_met", (uint64_t) s->met_pp);
+    kvs_json_double(&j, "checksum_cost_max_pct", cfg->cuda ? TARGET_SUM_GPU : TARGET_SUM_HOST);
+    kvs_json_u64(&j, "checksum_min_tokens", cfg->cuda ? TARGET_MIN_TOKENS : 0);
+    kvs_json_u64(&j, "checksum_rows", (uint64_t) s->rows_sum);
+    kvs_json_u64(&j, "checksum_rows_met", (uint64_t) s->met_sum);
     kvs_json_object_end(&j);
     kvs_json_end(&j);
 }
@@ -890,6 +948,7 @@ static void add_protocol_flags(kvs_arg_table_t *t, opts_t *o)
          NULL, NULL},
         {"ring-slots", KVS_ARG_U32, &cfg->ring_slots, "decode ring size in full slots (8)", NULL,
          NULL},
+        {"checksum", KVS_ARG_CHOICE, &cfg->checksum, KVS_BT_CSUM_HELP, KVS_BT_CSUM_CHOICES, NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -1004,6 +1063,7 @@ static int run_ucx(const opts_t *o)
     u.tcp = o->data == 1;
     u.nhd = cfg->layout == 1;
     u.json = cfg->json;
+    u.checksum = cfg->checksum;
     return kvs_bench_transfer_ucx(&u) ? EXIT_RUN_FAILED : 0;
 }
 
@@ -1030,12 +1090,23 @@ static void print_header(const cfg_t *cfg, const char *hw)
            "bytes / time, 1 GB = 1e9 B\n",
            cfg->cuda ? (cfg->gpu_p == cfg->gpu_d ? "device-to-device copy" : "peer copy")
                      : "memcpy");
+    printf("checksums %s: staged and direct %s\n", csum_names[cfg->checksum],
+           cfg->checksum == KVS_BT_CSUM_BOTH
+               ? "with chunk checksums on (the default); sum-st, sum-dir: their cost, (time on - "
+                 "time off) / time off, each run alternating with one of checksums off"
+           : cfg->checksum == KVS_BT_CSUM_ON ? "with chunk checksums on (the default)"
+                                             : "with chunk checksums OFF");
     printf("targets: staged or direct >= %.0f%% of bulk from %u tokens; >= %.0fx per-page at "
-           "page %u\n\n",
+           "page %u\n",
            TARGET_BULK_PCT, TARGET_MIN_TOKENS, TARGET_PP_X, TARGET_PP_PAGE);
-    printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %s\n", "model", "tp", "page",
-           "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page", "%bulk",
-           "best/pp", "check");
+    if (cfg->cuda)
+        printf("  checksum cost <= %.0f%% of the transfer time from %u tokens\n\n", TARGET_SUM_GPU,
+               TARGET_MIN_TOKENS);
+    else
+        printf("  checksum cost <= %.0f%% of the transfer time (host memory)\n\n", TARGET_SUM_HOST);
+    printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %-6s %7s %7s\n", "model", "tp",
+           "page", "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page",
+           "%bulk", "best/pp", "check", "sum-st", "sum-dir");
     fflush(stdout);
 }
 
@@ -1064,15 +1135,22 @@ static int bench_model(const cfg_t *cfg, const model_t *m, uint32_t max_tokens, 
     return ok;
 }
 
-/* The rows against the targets. */
-typedef struct {
-    int rows_bulk, met_bulk, rows_pp, met_pp, failed_checks;
-    double worst_bulk, worst_pp;
-} summary_t;
-
-static void summarize(const run_t *run, summary_t *s)
+/* Row r against the checksum target: its worst cost over staged and direct into *s. */
+static void summarize_csum(const cfg_t *cfg, const row_t *r, summary_t *s)
 {
-    *s = (summary_t){.worst_bulk = 1e9, .worst_pp = 1e9};
+    if (cfg->cuda && r->tokens < TARGET_MIN_TOKENS) return;
+    double worst = -1e9, pct = 0;
+    for (int m = M_STAGED; m <= M_DIRECT; m++)
+        if (kvs_bt_csum_cost(r->gbs[m], r->gbs_off[m], &pct) && pct > worst) worst = pct;
+    if (worst == -1e9) return;
+    s->rows_sum++;
+    s->met_sum += worst <= (cfg->cuda ? TARGET_SUM_GPU : TARGET_SUM_HOST);
+    if (worst > s->worst_sum) s->worst_sum = worst;
+}
+
+static void summarize(const cfg_t *cfg, const run_t *run, summary_t *s)
+{
+    *s = (summary_t){.worst_bulk = 1e9, .worst_pp = 1e9, .worst_sum = -1e9};
     for (uint32_t i = 0; i < run->nrows; i++) {
         const row_t *r = &run->rows[i];
         s->failed_checks += r->bad != 0;
@@ -1088,6 +1166,7 @@ static void summarize(const run_t *run, summary_t *s)
             s->met_pp += xr >= TARGET_PP_X;
             if (xr < s->worst_pp) s->worst_pp = xr;
         }
+        summarize_csum(cfg, r, s);
     }
 }
 
@@ -1102,6 +1181,14 @@ static void print_summary(const cfg_t *cfg, int ok, const summary_t *s)
     if (s->rows_pp)
         printf("summary: %d/%d rows at page %u are >= %.0fx per-page (worst %.1fx)\n", s->met_pp,
                s->rows_pp, TARGET_PP_PAGE, TARGET_PP_X, s->worst_pp);
+    if (s->rows_sum && cfg->cuda)
+        printf("summary: %d/%d rows from %u tokens keep the checksum's cost <= %.0f%% of the "
+               "transfer time with staged and direct (worst %.1f%%)\n",
+               s->met_sum, s->rows_sum, TARGET_MIN_TOKENS, TARGET_SUM_GPU, s->worst_sum);
+    else if (s->rows_sum)
+        printf("summary: %d/%d rows keep the checksum's cost <= %.0f%% of the transfer time "
+               "with staged (worst %.1f%%)\n",
+               s->met_sum, s->rows_sum, TARGET_SUM_HOST, s->worst_sum);
     printf("check: %s (%u sampled heads per method and row)\n",
            s->failed_checks ? "FAILED" : "all sampled heads byte-exact", cfg->samples);
 }
@@ -1132,9 +1219,9 @@ static int run_inproc(cfg_t *cfg, int seen_gpus)
     xfer_fini(&x);
 
     summary_t s;
-    summarize(&run, &s);
+    summarize(cfg, &run, &s);
     if (cfg->json)
-        print_json(cfg, &run, hw, s.met_bulk, s.rows_bulk, s.met_pp, s.rows_pp);
+        print_json(cfg, &run, hw, &s);
     else
         print_summary(cfg, ok, &s);
     kvs_free(run.rows);

@@ -1,6 +1,7 @@
-/* Pieces shared by the transfer benchmarks: list flags, medians, slot sizes. */
+/* Pieces shared by the transfer benchmarks: list flags, medians, checksum costs, slot sizes. */
 #include "bench/bench_transfer_common.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "kvstage/grid.h"
@@ -53,6 +54,23 @@ double kvs_bt_median(double *v, uint32_t n)
 {
     qsort(v, n, sizeof(double), cmp_double);
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
+}
+
+int kvs_bt_csum_cost(double gbs_on, double gbs_off, double *pct_p)
+{
+    if (gbs_on <= 0 || gbs_off <= 0) return 0;
+    *pct_p = 100.0 * (gbs_off / gbs_on - 1.0); /* time = bytes / rate */
+    return 1;
+}
+
+void kvs_bt_csum_cell(char *buf, size_t cap, int width, double gbs_on, double gbs_off,
+                      const char *absent)
+{
+    double pct = 0;
+    if (kvs_bt_csum_cost(gbs_on, gbs_off, &pct))
+        snprintf(buf, cap, "%*.1f%%", width - 1, pct);
+    else
+        snprintf(buf, cap, "%*s", width, absent);
 }
 
 uint64_t kvs_bt_full_slot_bytes(const kvs_pd_geometry_t *g)

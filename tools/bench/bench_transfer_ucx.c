@@ -12,7 +12,9 @@
  * alone. The prefill process is forked before any ZeroMQ or UCX object exists and takes
  * commands over a pipe; both processes time on CLOCK_MONOTONIC, which they share. The staged
  * result of every row is checked on the decode side, every byte, against the position-keyed
- * content the prefill process wrote. */
+ * content the prefill process wrote. With --checksum both (the default) staged and direct are
+ * timed with chunk checksums on and off, both processes switching between rows, and their
+ * cost is printed beside each row. */
 #include "bench/bench_transfer_ucx.h"
 
 #include <errno.h>
@@ -41,17 +43,19 @@
 #define OP_TIMEOUT_NS     (120ull * SEC)
 #define TARGET_BULK_PCT   80.0 /* staged, of the raw bulk write ... */
 #define TARGET_MIN_TOKENS 1024 /* ... for requests of at least this many tokens */
+#define TARGET_SUM_PCT    10.0 /* the checksum's cost, % of the transfer time (every row) */
 #define PP_WINDOW         64   /* per-page writes in flight */
 #define PUT_BYTES         (4ull << 20)
 #define LAYERS            32
 #define KV_HEADS          8
 
-enum { OP_ROOM = 1, OP_BULK, OP_PAGES, OP_MODE, OP_QUIT };
+enum { OP_ROOM = 1, OP_BULK, OP_PAGES, OP_MODE, OP_CHECKSUM, OP_QUIT };
 
 /* One command to the prefill process and its answer (each well under PIPE_BUF: atomic). */
 typedef struct {
     uint32_t op, tokens;
-    uint64_t room, count; /* OP_BULK: bytes; OP_PAGES: writes; OP_MODE: kvs_write_mode_t */
+    uint64_t room, count; /* OP_BULK: bytes; OP_PAGES: writes; OP_MODE: kvs_write_mode_t;
+                             OP_CHECKSUM: 1 for checksums off */
 } cmd_t;
 
 typedef struct {
@@ -68,6 +72,7 @@ typedef struct {
     uint32_t tokens;
     uint64_t bytes;
     double staged_gbs, direct_gbs, bulk_gbs, pp_gbs;
+    double staged_off_gbs, direct_off_gbs; /* with checksums off (--checksum both), else 0 */
     uint64_t staged_writes, direct_writes, bulk_puts, pp_writes, pp_timed;
     uint64_t bad; /* decode bytes that differ after the checked staged and direct runs */
 } row_t;
@@ -205,6 +210,7 @@ static int side_create(const kvs_bench_ucx_cfg_t *cfg, kvs_side_t side, side_t *
     s->geo.page_size = cfg->page_size;
     s->geo.chunk_tokens =
         cfg->chunk < cfg->page_size ? cfg->page_size : cfg->chunk / cfg->page_size * cfg->page_size;
+    s->geo.no_checksum = cfg->checksum == KVS_BT_CSUM_OFF;
     if (kvs_pd_geometry_validate(&s->geo) != KVS_OK) return 0;
     s->tp = side == KVS_SIDE_PREFILL ? cfg->prefill_tp : cfg->decode_tp;
     uint32_t max_tokens = 0;
@@ -331,6 +337,19 @@ static kvs_status_t senders_mode(side_t *s, kvs_write_mode_t mode)
     }
     s->mode = mode;
     return KVS_OK;
+}
+
+/* Recreates the senders with chunk checksums on or off (no_checksum 1), under the same rule as
+ * senders_mode; the decode process recreates its receivers to match right after. */
+static kvs_status_t senders_checksum(side_t *s, uint32_t no_checksum)
+{
+    if (s->geo.no_checksum == no_checksum) return KVS_OK;
+    s->geo.no_checksum = no_checksum;
+    for (uint32_t r = 0; r < s->tp; r++) {
+        kvs_sender_destroy(s->tx[r]);
+        s->tx[r] = NULL;
+    }
+    return senders_mode(s, s->mode);
 }
 
 static kvs_status_t prefill_room(side_t *s, const cmd_t *c, rsp_t *out)
@@ -469,11 +488,12 @@ static int prefill_main(const kvs_bench_ucx_cfg_t *cfg, int cmd_fd, int rsp_fd)
         }
         rsp_t out;
         memset(&out, 0, sizeof(out));
-        kvs_status_t st = c.op == OP_ROOM    ? prefill_room(&s, &c, &out)
-                          : c.op == OP_BULK  ? prefill_bulk(&s, &c, &out)
-                          : c.op == OP_PAGES ? prefill_pages(&s, &c, &out)
-                          : c.op == OP_MODE  ? senders_mode(&s, (kvs_write_mode_t) c.count)
-                                             : KVS_ERR_INVALID;
+        kvs_status_t st = c.op == OP_ROOM       ? prefill_room(&s, &c, &out)
+                          : c.op == OP_BULK     ? prefill_bulk(&s, &c, &out)
+                          : c.op == OP_PAGES    ? prefill_pages(&s, &c, &out)
+                          : c.op == OP_MODE     ? senders_mode(&s, (kvs_write_mode_t) c.count)
+                          : c.op == OP_CHECKSUM ? senders_checksum(&s, (uint32_t) c.count)
+                                                : KVS_ERR_INVALID;
         out.status = (int32_t) st;
         if (!write_full(rsp_fd, &out, sizeof(out))) code = 4;
         if (st != KVS_OK || code != 0) break;
@@ -601,7 +621,8 @@ static int protocol_rows(run_t *u, row_t *row, kvs_write_mode_t mode, double *gb
     return 1;
 }
 
-static int measure_row(run_t *u, row_t *row)
+/* The raw link writes of one row: the bulk write and the per-page writes. */
+static int measure_raw(run_t *u, row_t *row)
 {
     const kvs_bench_ucx_cfg_t *cfg = u->cfg;
     const uint32_t n = cfg->warmup + cfg->reps;
@@ -638,12 +659,70 @@ static int measure_row(run_t *u, row_t *row)
     }
     row->pp_timed = count;
     row->pp_gbs = (double) out.bytes / 1e9 / kvs_bt_median(t, cfg->reps);
-    /* the protocol: staged puts, then direct writes where the link maps the ring (auto) */
-    if (!protocol_rows(u, row, KVS_WRITE_STAGED, &row->staged_gbs, &out)) return 0;
-    row->staged_writes = out.writes;
-    if (!protocol_rows(u, row, KVS_WRITE_AUTO, &row->direct_gbs, &out)) return 0;
-    row->direct_writes = out.direct;
     return 1;
+}
+
+/* The decode ranks' receivers on their links, in this side's geometry. */
+static int receivers_create(run_t *u)
+{
+    side_t *s = &u->s;
+    kvs_pd_timeouts_t to;
+    kvs_pd_timeouts_default(&to);
+    for (uint32_t r = 0; r < s->tp; r++) {
+        kvs_receiver_config_t rc = {.geo = s->geo,
+                                    .rank = r,
+                                    .timeouts = to,
+                                    .ring_bytes =
+                                        u->cfg->ring_slots * kvs_bt_full_slot_bytes(&s->geo)};
+        if (kvs_receiver_create(&rc, s->pool[r], s->link[r], &s->clock, &s->rx[r]) != KVS_OK)
+            return 0;
+    }
+    return 1;
+}
+
+/* Turns chunk checksums on or off on both sides, between rooms: the prefill process recreates
+ * its senders first, then this one its receivers (a new ring, exposed anew). */
+static int receivers_checksum(run_t *u, uint32_t no_checksum)
+{
+    side_t *s = &u->s;
+    if (s->geo.no_checksum == no_checksum) return 1;
+    rsp_t ack;
+    if (!command(u, OP_CHECKSUM, 0, 0, no_checksum) || !await(u, &ack, "the checksum switch"))
+        return 0;
+    for (uint32_t r = 0; r < s->tp; r++) {
+        kvs_receiver_destroy(s->rx[r]);
+        s->rx[r] = NULL;
+    }
+    s->geo.no_checksum = no_checksum;
+    return receivers_create(u);
+}
+
+/* The protocol rows of one row, staged puts then direct writes where the link maps the ring
+ * (auto), in each checksum setting --checksum names. With both, the setting left from the row
+ * before goes first, so the order alternates row by row and only one switch is needed. */
+static int measure_protocol(run_t *u, row_t *row)
+{
+    const int both = u->cfg->checksum == KVS_BT_CSUM_BOTH;
+    uint32_t no_checksum = u->s.geo.no_checksum;
+    rsp_t out;
+    for (int k = 0; k < (both ? 2 : 1); k++, no_checksum ^= 1) {
+        if (!receivers_checksum(u, no_checksum)) return 0;
+        const int off = both && no_checksum;
+        if (!protocol_rows(u, row, KVS_WRITE_STAGED, off ? &row->staged_off_gbs : &row->staged_gbs,
+                           &out))
+            return 0;
+        row->staged_writes = out.writes;
+        if (!protocol_rows(u, row, KVS_WRITE_AUTO, off ? &row->direct_off_gbs : &row->direct_gbs,
+                           &out))
+            return 0;
+        row->direct_writes = out.direct;
+    }
+    return 1;
+}
+
+static int measure_row(run_t *u, row_t *row)
+{
+    return measure_raw(u, row) && measure_protocol(u, row);
 }
 
 static int decode_setup(run_t *u)
@@ -681,38 +760,51 @@ static int decode_setup(run_t *u)
     if (kvs_net_link_set_peer(s->raw, 0, ep[cfg->prefill_tp]) != KVS_OK ||
         s->raw->ops->expose(s->raw->ctx, s->flat, s->flat_bytes) != KVS_OK)
         return 0;
-    kvs_pd_timeouts_t to;
-    kvs_pd_timeouts_default(&to);
-    for (uint32_t r = 0; r < s->tp; r++) {
-        kvs_receiver_config_t rc = {.geo = s->geo,
-                                    .rank = r,
-                                    .timeouts = to,
-                                    .ring_bytes =
-                                        cfg->ring_slots * kvs_bt_full_slot_bytes(&s->geo)};
-        if (kvs_receiver_create(&rc, s->pool[r], s->link[r], &s->clock, &s->rx[r]) != KVS_OK)
-            return 0;
-    }
-    return 1;
+    return receivers_create(u);
 }
 
 /* ---- output ---- */
 
 static void print_row(const row_t *r)
 {
+    char sum_st[16], sum_dir[16];
+    kvs_bt_csum_cell(sum_st, sizeof(sum_st), 7, r->staged_gbs, r->staged_off_gbs, "-");
+    kvs_bt_csum_cell(sum_dir, sizeof(sum_dir), 7, r->direct_gbs, r->direct_off_gbs, "-");
     printf("%6u %8.1f %6.2f %6.2f %6.1f%% %6.2f %6.1f%% %8.3f %6.1fx %6llu %6llu %5llu %8llu "
-           "%7llu %s\n",
+           "%7llu %-6s %s %s\n",
            r->tokens, (double) r->bytes / (1 << 20), r->bulk_gbs, r->staged_gbs,
            100.0 * r->staged_gbs / r->bulk_gbs, r->direct_gbs, 100.0 * r->direct_gbs / r->bulk_gbs,
            r->pp_gbs, r->direct_gbs / r->pp_gbs, (unsigned long long) r->staged_writes,
            (unsigned long long) r->direct_writes, (unsigned long long) r->bulk_puts,
            (unsigned long long) r->pp_writes, (unsigned long long) r->pp_timed,
-           r->bad ? "FAILED" : "ok");
+           r->bad ? "FAILED" : "ok", sum_st, sum_dir);
     fflush(stdout);
 }
 
-static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, const row_t *rows,
-                       int nrows, const char *hw, int rows_t, int met)
+/* The rows against the targets: the direct one and the checksum's cost. */
+typedef struct {
+    int rows, met, rows_sum, met_sum, failed;
+    double worst, worst_sum;
+} summary_t;
+
+/* The checksum's cost in row r's staged and direct runs, where measured. */
+static void json_csum(kvs_json_t *j, const row_t *r)
 {
+    double pct = 0;
+    if (kvs_bt_csum_cost(r->staged_gbs, r->staged_off_gbs, &pct)) {
+        kvs_json_double(j, "staged_gbs_no_checksum", r->staged_off_gbs);
+        kvs_json_double(j, "staged_checksum_cost_pct", pct);
+    }
+    if (kvs_bt_csum_cost(r->direct_gbs, r->direct_off_gbs, &pct)) {
+        kvs_json_double(j, "direct_gbs_no_checksum", r->direct_off_gbs);
+        kvs_json_double(j, "direct_checksum_cost_pct", pct);
+    }
+}
+
+static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, const row_t *rows,
+                       int nrows, const char *hw, const summary_t *sm)
+{
+    static const char *const csum_names[] = {"both", "on", "off"};
     kvs_json_t j;
     kvs_json_begin(&j, stdout);
     kvs_json_str(&j, "transport", "ucx");
@@ -731,6 +823,7 @@ static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, co
     kvs_json_u64(&j, "page_size", cfg->page_size);
     kvs_json_u64(&j, "chunk_tokens", chunk_tokens);
     kvs_json_u64(&j, "reps", cfg->reps);
+    kvs_json_str(&j, "checksum", csum_names[cfg->checksum]);
     kvs_json_array_begin(&j, "rows");
     for (int i = 0; i < nrows; i++) {
         const row_t *r = &rows[i];
@@ -750,6 +843,7 @@ static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, co
         kvs_json_u64(&j, "bulk_puts", r->bulk_puts);
         kvs_json_u64(&j, "per_page_writes", r->pp_writes);
         kvs_json_u64(&j, "per_page_writes_timed", r->pp_timed);
+        json_csum(&j, r);
         kvs_json_u64(&j, "bytes_wrong", r->bad);
         kvs_json_bool(&j, "check_ok", r->bad == 0);
         kvs_json_object_end(&j);
@@ -758,8 +852,11 @@ static void print_json(const kvs_bench_ucx_cfg_t *cfg, uint32_t chunk_tokens, co
     kvs_json_object_begin(&j, "targets");
     kvs_json_double(&j, "direct_over_bulk_min", TARGET_BULK_PCT / 100.0);
     kvs_json_u64(&j, "min_tokens", TARGET_MIN_TOKENS);
-    kvs_json_u64(&j, "rows", (uint64_t) rows_t);
-    kvs_json_u64(&j, "rows_met", (uint64_t) met);
+    kvs_json_u64(&j, "rows", (uint64_t) sm->rows);
+    kvs_json_u64(&j, "rows_met", (uint64_t) sm->met);
+    kvs_json_double(&j, "checksum_cost_max_pct", TARGET_SUM_PCT);
+    kvs_json_u64(&j, "checksum_rows", (uint64_t) sm->rows_sum);
+    kvs_json_u64(&j, "checksum_rows_met", (uint64_t) sm->met_sum);
     kvs_json_object_end(&j);
     kvs_json_end(&j);
 }
@@ -789,11 +886,22 @@ static void print_header(const kvs_bench_ucx_cfg_t *cfg, const char *hw, uint64_
     printf("each: median of %u after %u warm-up; GB/s = payload bytes / time, 1 GB = 1e9 B; "
            "check: every byte of the last staged run, on decode\n",
            cfg->reps, cfg->warmup);
-    printf("target: the default path (direct) >= %.0f%% of bulk for requests >= %u tokens\n\n",
+    printf("checksums %s: staged and direct %s\n",
+           cfg->checksum == KVS_BT_CSUM_BOTH ? "both"
+           : cfg->checksum == KVS_BT_CSUM_ON ? "on"
+                                             : "off",
+           cfg->checksum == KVS_BT_CSUM_BOTH
+               ? "with chunk checksums on (the default); sum-st, sum-dir: their cost, (time on - "
+                 "time off) / time off, the same runs repeated with checksums off"
+           : cfg->checksum == KVS_BT_CSUM_ON ? "with chunk checksums on (the default)"
+                                             : "with chunk checksums OFF");
+    printf("target: the default path (direct) >= %.0f%% of bulk for requests >= %u tokens\n",
            TARGET_BULK_PCT, TARGET_MIN_TOKENS);
-    printf("%6s %8s %6s %6s %7s %6s %7s %8s %7s %6s %6s %5s %8s %7s %s\n", "tokens", "MiB", "bulk",
-           "staged", "%bulk", "direct", "%bulk", "per-page", "dir/pp", "st-wr", "dir-wr", "puts",
-           "pp-wr", "pp-time", "check");
+    printf("  checksum cost <= %.0f%% of the transfer time with staged and direct\n\n",
+           TARGET_SUM_PCT);
+    printf("%6s %8s %6s %6s %7s %6s %7s %8s %7s %6s %6s %5s %8s %7s %-6s %7s %7s\n", "tokens",
+           "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page", "dir/pp", "st-wr",
+           "dir-wr", "puts", "pp-wr", "pp-time", "check", "sum-st", "sum-dir");
 }
 
 /* Forks the prefill process, commands on one pipe and answers on another, into u; 0, or -1
@@ -852,36 +960,53 @@ static int stop_prefill(run_t *u, int ok, int have_side)
     return ok;
 }
 
-/* Rows against the target, printed as the summary or the JSON object; the rows that failed
+static void summarize(const row_t *rows, int nrows, summary_t *sm)
+{
+    *sm = (summary_t){.worst = 1e9, .worst_sum = -1e9};
+    for (int i = 0; i < nrows; i++) {
+        const row_t *r = &rows[i];
+        sm->failed += r->bad != 0;
+        if (r->tokens >= TARGET_MIN_TOKENS) {
+            double pct = 100.0 * r->direct_gbs / r->bulk_gbs;
+            sm->rows++;
+            sm->met += pct >= TARGET_BULK_PCT;
+            if (pct < sm->worst) sm->worst = pct;
+        }
+        double st = 0, dir = 0;
+        if (kvs_bt_csum_cost(r->staged_gbs, r->staged_off_gbs, &st) &&
+            kvs_bt_csum_cost(r->direct_gbs, r->direct_off_gbs, &dir)) {
+            const double worst = st > dir ? st : dir;
+            sm->rows_sum++;
+            sm->met_sum += worst <= TARGET_SUM_PCT;
+            if (worst > sm->worst_sum) sm->worst_sum = worst;
+        }
+    }
+}
+
+/* Rows against the targets, printed as the summary or the JSON object; the rows that failed
  * their check. */
 static int report(const kvs_bench_ucx_cfg_t *cfg, int ok, uint32_t chunk_tokens, const row_t *rows,
                   int nrows, const char *hw)
 {
-    int rows_t = 0, met = 0, failed = 0;
-    double worst = 1e9;
-    for (int i = 0; i < nrows; i++) {
-        const row_t *r = &rows[i];
-        failed += r->bad != 0;
-        if (r->tokens >= TARGET_MIN_TOKENS) {
-            double pct = 100.0 * r->direct_gbs / r->bulk_gbs;
-            rows_t++;
-            met += pct >= TARGET_BULK_PCT;
-            if (pct < worst) worst = pct;
-        }
-    }
+    summary_t sm;
+    summarize(rows, nrows, &sm);
     if (cfg->json) {
-        print_json(cfg, chunk_tokens, rows, nrows, hw, rows_t, met);
-        return failed;
+        print_json(cfg, chunk_tokens, rows, nrows, hw, &sm);
+        return sm.failed;
     }
     printf("\n");
     if (!ok) printf("summary: FAILED to run (see the error above)\n");
-    if (rows_t)
+    if (sm.rows)
         printf("summary: %d/%d rows from %u tokens reach %.0f%% of bulk with direct (worst "
                "%.1f%%)\n",
-               met, rows_t, TARGET_MIN_TOKENS, TARGET_BULK_PCT, worst);
+               sm.met, sm.rows, TARGET_MIN_TOKENS, TARGET_BULK_PCT, sm.worst);
+    if (sm.rows_sum)
+        printf("summary: %d/%d rows keep the checksum's cost <= %.0f%% of the transfer time with "
+               "staged and direct (worst %.1f%%)\n",
+               sm.met_sum, sm.rows_sum, TARGET_SUM_PCT, sm.worst_sum);
     printf("check: %s\n",
-           failed ? "FAILED" : "every byte of every staged and direct row exact on decode");
-    return failed;
+           sm.failed ? "FAILED" : "every byte of every staged and direct row exact on decode");
+    return sm.failed;
 }
 
 int kvs_bench_transfer_ucx(const kvs_bench_ucx_cfg_t *cfg)

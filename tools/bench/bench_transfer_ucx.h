@@ -18,6 +18,7 @@ typedef struct {
     uint64_t per_page_max; /* per-page writes timed per row */
     int tcp;               /* UCX data over tcp on loopback instead of shared memory */
     int nhd;               /* NHD pools (TP 1:1 only) instead of HND */
+    int checksum;          /* KVS_BT_CSUM_*: protocol runs with chunk checksums on, off or both */
     int json;
 } kvs_bench_ucx_cfg_t;
 

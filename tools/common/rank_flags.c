@@ -39,6 +39,7 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     int device = c->mem == KVS_MEM_DEVICE;
     uint32_t gpu = (uint32_t) c->device;
     int write_mode = (int) c->write_mode;
+    int checksum = !c->geo.no_checksum;
     uint64_t liveness_ms = 0, deadline_s = 0;
     const kvs_arg_t args[] = {
         {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", NULL, NULL},
@@ -69,6 +70,8 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token and layer", NULL, NULL},
         {"page-size", KVS_ARG_U32, &c->geo.page_size, "tokens per page (16)", NULL, NULL},
         {"chunk", KVS_ARG_U32, &c->geo.chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
+        {"checksum", KVS_ARG_ONOFF, &checksum,
+         "end-to-end chunk checksums, verified on decode; every rank must agree (on)", NULL, NULL},
         {"layout", KVS_ARG_CHOICE, &layout, "this rank's pool layout (nhd)", "nhd|hnd", NULL},
         {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "decode staging ring bytes (4 slots)", NULL,
          NULL},
@@ -90,6 +93,7 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     };
     int rc = kvs_args_parse(usage, args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc;
+    c->geo.no_checksum = !checksum;
     c->geo.shape.kv_heads = mla ? 1 : kv_heads;
     c->geo.shape.layers = layers;
     c->geo.shape.elem_bytes = dtype;

@@ -38,9 +38,9 @@ static void test_any_split_any_order(void **state)
                 cuts[j] = cuts[j - 1];
                 cuts[j - 1] = t;
             }
-        kvs_csum_t total = {0, 0};
+        kvs_csum_t total = {0};
         for (uint32_t k = ncuts - 1; k > 0; k--) { /* last piece first */
-            kvs_csum_t part = {0, 0};
+            kvs_csum_t part = {0};
             const uint64_t from = cuts[k - 1], len = cuts[k] - from;
             if (len <= 8 && kvs_rng_chance(&rng, 1, 2)) {
                 uint64_t v = 0;
@@ -59,7 +59,7 @@ static void test_any_split_any_order(void **state)
 }
 
 /* Every single-bit flip of small regions, and flips of the top bit of two words (the pattern
- * a plain multilinear sum can miss), change the checksum. */
+ * a multilinear sum without widening products would miss), change the checksum. */
 static void test_changes_detected(void **state)
 {
     (void) state;

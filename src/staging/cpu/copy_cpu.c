@@ -93,7 +93,7 @@ static kvs_status_t cpu_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_des
     kvs_status_t st = kvs_copy_desc_validate(dir, d);
     if (st != KVS_OK) return st;
     const uint64_t tokens = (uint64_t) d->npages * d->page_size;
-    kvs_csum_t cs = {0, 0};
+    kvs_csum_t cs = {0};
     for (uint32_t l = 0; l < d->layers && d->npages > 0; l++) {
         for (uint32_t comp = 0; comp < d->components; comp++) {
             uint8_t *block =

@@ -92,7 +92,7 @@ struct launch_t {
     fastdiv_t heads;          /* selected heads */
     fastdiv_t page_size;      /* P */
     const uint8_t *region;    /* the writer region, for checksum offsets */
-    unsigned long long *csum; /* [2] the region's checksum lanes, summed atomically; NULL: none */
+    unsigned long long *csum; /* the region's checksum sum, added to atomically; NULL: none */
 };
 
 /* Small copies carry their table and page ids inside the launch's parameters (up to 32 KB
@@ -170,19 +170,26 @@ __device__ __forceinline__ void pool_split(const entry_t &e, const launch_t &p, 
         (uint64_t) tok * e.token_stride + (uint64_t) head * e.head_stride + (uint64_t) in_run * V;
 }
 
-/* Adds one vector, at region offset off, to the checksum lanes (staging/checksum.h). */
+/* Adds one vector, at region offset off, to the checksum (staging/checksum.h). Vectors of 4
+ * bytes and more sit on word boundaries (the plan aligns them, and regions start aligned), so
+ * they are whole words: one widening multiply-add each. */
 __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, uint4 v)
 {
-    kvs_csum_small(&c, off, (uint64_t) v.x | (uint64_t) v.y << 32, 8);
-    kvs_csum_small(&c, off + 8, (uint64_t) v.z | (uint64_t) v.w << 32, 8);
+    const uint32_t k = kvs_csum_key(off >> 2);
+    c.a += (uint64_t) v.x * k + (uint64_t) v.y * (k + KVS_CSUM_D) +
+           (uint64_t) v.z * (k + 2 * KVS_CSUM_D) + (uint64_t) v.w * (k + 3 * KVS_CSUM_D);
 }
 __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, uint2 v)
 {
-    kvs_csum_small(&c, off, (uint64_t) v.x | (uint64_t) v.y << 32, 8);
+    const uint32_t k = kvs_csum_key(off >> 2);
+    c.a += (uint64_t) v.x * k + (uint64_t) v.y * (k + KVS_CSUM_D);
 }
 __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned int v)
 {
-    kvs_csum_small(&c, off, v, 4);
+    if ((off & 3) == 0)
+        c.a += (uint64_t) v * kvs_csum_key(off >> 2);
+    else
+        kvs_csum_small(&c, off, v, 4);
 }
 __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned short v)
 {
@@ -241,7 +248,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
     /* The checksum of the bytes just moved, from the registers that moved them: summed per
      * thread, then per warp, then once per warp into the copy's two lanes. */
     if (p.csum != nullptr) {
-        kvs_csum_t c = {0, 0};
+        kvs_csum_t c = {0};
         const uint64_t block_off = (uint64_t) (e.block - p.region);
 #pragma unroll
         for (uint32_t k = 0; k < UNROLL; k++) {
@@ -249,14 +256,8 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
             if (u < e.units) csum_vec(c, block_off + (uint64_t) u * V, v[k]);
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            c.a += __shfl_down_sync(0xffffffffu, c.a, o);
-            c.b += __shfl_down_sync(0xffffffffu, c.b, o);
-        }
-        if ((threadIdx.x & 31) == 0) {
-            atomicAdd(&p.csum[0], (unsigned long long) c.a);
-            atomicAdd(&p.csum[1], (unsigned long long) c.b);
-        }
+        for (int o = 16; o > 0; o >>= 1) c.a += __shfl_down_sync(0xffffffffu, c.a, o);
+        if ((threadIdx.x & 31) == 0) atomicAdd(p.csum, (unsigned long long) c.a);
     }
 }
 
@@ -448,8 +449,8 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;  /* [NSLOTS][2] checksum lanes, one pair per slot */
-    unsigned long long *csum_host; /* [NSLOTS][2] pinned: where they land after each copy */
+    unsigned long long *csum_dev;  /* [NSLOTS] checksum sums, one per slot */
+    unsigned long long *csum_host; /* [NSLOTS] pinned: where they land after each copy */
     launch_inline_t params;        /* built here, snapshotted by the launch */
 };
 
@@ -492,7 +493,7 @@ void deliver_checksums(cuda_ctx_t *c)
     for (uint32_t i = 0; i < NSLOTS; i++) {
         slot_t *s = &c->slots[i];
         if (s->csum_out == NULL || s->ticket > c->done) continue;
-        const kvs_csum_t sums = {c->csum_host[2 * i], c->csum_host[2 * i + 1]};
+        const kvs_csum_t sums = {c->csum_host[i]};
         *s->csum_out = kvs_csum_final(&sums, s->csum_bytes);
         s->csum_out = NULL;
     }
@@ -616,12 +617,12 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         p.pages = (const uint32_t *) (c->scratch + table_bytes);
         args[0] = &p;
     }
-    unsigned long long *lanes = c->csum_dev + 2 * (size_t) (s - c->slots);
+    unsigned long long *lanes = c->csum_dev + (size_t) (s - c->slots);
     if (d->checksum != NULL) {
         launch_t *lp = inl ? &c->params.p : &p;
         lp->region = d->region;
         lp->csum = lanes;
-        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, 2 * sizeof(*lanes), c->stream),
+        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, sizeof(*lanes), c->stream),
                             "copy(cuda): clearing a checksum");
         if (st != KVS_OK) return st;
     }
@@ -632,8 +633,8 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         dir_name(dir), d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
         plan->entries, inl ? ", inline table" : "");
     if (st != KVS_OK || d->checksum == NULL) return st;
-    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + 2 * (size_t) (s - c->slots), lanes,
-                                          2 * sizeof(*lanes), cudaMemcpyDeviceToHost, c->stream),
+    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + (size_t) (s - c->slots), lanes,
+                                          sizeof(*lanes), cudaMemcpyDeviceToHost, c->stream),
                           "copy(cuda): fetching a checksum");
 }
 
@@ -666,7 +667,7 @@ kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d
             const uint64_t bytes =
                 kvs_copy_region_bytes(d->shape, d->heads, (uint64_t) d->npages * d->page_size);
             if (d->npages == 0) {
-                const kvs_csum_t none = {0, 0};
+                const kvs_csum_t none = {0};
                 *d->checksum = kvs_csum_final(&none, bytes);
             } else {
                 s->csum_out = d->checksum;
@@ -807,7 +808,7 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
-    const size_t lanes = 2 * NSLOTS * sizeof(unsigned long long);
+    const size_t lanes = NSLOTS * sizeof(unsigned long long);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);

@@ -44,6 +44,9 @@ constexpr uint32_t NSLOTS = 16;                     /* copies in flight before s
 constexpr size_t SLOT_MIN_BYTES = 64 * 1024;        /* first pinned size of a slot */
 constexpr uint32_t MAX_UNITS = 0x7fffffffu - CHUNK; /* per block, so 32-bit indices never wrap */
 constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel parameters */
+/* Checksum partial sums per copy: block b adds into sum b % CSUM_SPREAD, so a large copy's
+ * atomics do not all queue on one address; the host adds them up. */
+constexpr uint32_t CSUM_SPREAD = 64;
 
 /* ---- division by an invariant 32-bit divisor ----
  * q = (t + ((n - t) >> s1)) >> s2 with t = mulhi(m, n), exact for every n, d < 2^32
@@ -92,7 +95,7 @@ struct launch_t {
     fastdiv_t heads;          /* selected heads */
     fastdiv_t page_size;      /* P */
     const uint8_t *region;    /* the writer region, for checksum offsets */
-    unsigned long long *csum; /* the region's checksum sum, added to atomically; NULL: none */
+    unsigned long long *csum; /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
 };
 
 /* Small copies carry their table and page ids inside the launch's parameters (up to 32 KB
@@ -257,7 +260,15 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) c.a += __shfl_down_sync(0xffffffffu, c.a, o);
-        if ((threadIdx.x & 31) == 0) atomicAdd(p.csum, (unsigned long long) c.a);
+        __shared__ unsigned long long warp_sums[THREADS / 32];
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = c.a;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long total = 0;
+#pragma unroll
+            for (uint32_t w = 0; w < THREADS / 32; w++) total += warp_sums[w];
+            atomicAdd(&p.csum[(blockIdx.x + blockIdx.y) % CSUM_SPREAD], total);
+        }
     }
 }
 
@@ -449,8 +460,8 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;  /* [NSLOTS] checksum sums, one per slot */
-    unsigned long long *csum_host; /* [NSLOTS] pinned: where they land after each copy */
+    unsigned long long *csum_dev;  /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
+    unsigned long long *csum_host; /* [NSLOTS][CSUM_SPREAD] pinned: where they land */
     launch_inline_t params;        /* built here, snapshotted by the launch */
 };
 
@@ -493,7 +504,8 @@ void deliver_checksums(cuda_ctx_t *c)
     for (uint32_t i = 0; i < NSLOTS; i++) {
         slot_t *s = &c->slots[i];
         if (s->csum_out == NULL || s->ticket > c->done) continue;
-        const kvs_csum_t sums = {c->csum_host[i]};
+        kvs_csum_t sums = {0};
+        for (uint32_t k = 0; k < CSUM_SPREAD; k++) sums.a += c->csum_host[i * CSUM_SPREAD + k];
         *s->csum_out = kvs_csum_final(&sums, s->csum_bytes);
         s->csum_out = NULL;
     }
@@ -617,12 +629,12 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         p.pages = (const uint32_t *) (c->scratch + table_bytes);
         args[0] = &p;
     }
-    unsigned long long *lanes = c->csum_dev + (size_t) (s - c->slots);
+    unsigned long long *lanes = c->csum_dev + (size_t) (s - c->slots) * CSUM_SPREAD;
     if (d->checksum != NULL) {
         launch_t *lp = inl ? &c->params.p : &p;
         lp->region = d->region;
         lp->csum = lanes;
-        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, sizeof(*lanes), c->stream),
+        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, CSUM_SPREAD * sizeof(*lanes), c->stream),
                             "copy(cuda): clearing a checksum");
         if (st != KVS_OK) return st;
     }
@@ -633,8 +645,9 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         dir_name(dir), d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
         plan->entries, inl ? ", inline table" : "");
     if (st != KVS_OK || d->checksum == NULL) return st;
-    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + (size_t) (s - c->slots), lanes,
-                                          sizeof(*lanes), cudaMemcpyDeviceToHost, c->stream),
+    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + (size_t) (s - c->slots) * CSUM_SPREAD,
+                                          lanes, CSUM_SPREAD * sizeof(*lanes),
+                                          cudaMemcpyDeviceToHost, c->stream),
                           "copy(cuda): fetching a checksum");
 }
 
@@ -808,7 +821,7 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
-    const size_t lanes = NSLOTS * sizeof(unsigned long long);
+    const size_t lanes = (size_t) NSLOTS * CSUM_SPREAD * sizeof(unsigned long long);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);

@@ -187,6 +187,12 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
         pargc, pargv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     const kvs_rank_config_t *c = &f.cfg;
+    /* Every rank would refuse it at startup; say so once, before starting any. */
+    if (kvs_rank_check(c, "demo") != KVS_OK) {
+        fprintf(stderr, "error: invalid deployment; see the message above and `kvstage demo "
+                        "--help`\n");
+        return 2;
+    }
     int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
     /* Prefill on GPU 0, decode on GPU 1 (both on 0 when there is one). */
     int gpu[2] = {0, c->mem == KVS_MEM_DEVICE && kvs_mem_device_count() > 1};

@@ -99,7 +99,8 @@ static int run_side(kvs_side_t side, int argc, char **argv)
     if (st != KVS_OK) {
         fprintf(stderr, "error: %s rank %u could not run: %s\n",
                 side == KVS_SIDE_PREFILL ? "prefill" : "decode", f.cfg.rank, kvs_status_str(st));
-        return 1;
+        /* A configuration that can never run is a usage error, as in `kvstage sim`. */
+        return st == KVS_ERR_INVALID ? 2 : 1;
     }
     int ok = kvs_rank_result_ok(&r);
     if (f.json) {

@@ -139,6 +139,7 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
         {"completion-timeout-us", c->timeouts.completion_timeout_ns / 1000, 0},
         {"release-timeout-us", c->timeouts.release_timeout_ns / 1000, 0},
         {"write-delay-us", c->write_delay_ns / 1000, 0},
+        {"step-us", c->step_ns / 1000, d.step_ns / 1000},
         {"max-iterations", c->max_iterations, d.max_iterations},
     };
     for (size_t i = 0; i < sizeof(extra) / sizeof(extra[0]); i++) {

@@ -194,7 +194,7 @@ int kvs_cmd_sim(int argc, char **argv)
     uint64_t misaligned = UINT64_MAX;
     int seen_pool = 0, seen_mis = 0;
     uint64_t to_us[6] = {0}; /* retry, bootstrap, transfer, waiting, completion, release */
-    uint64_t write_delay_us = 0;
+    uint64_t write_delay_us = 0, step_us = c.step_ns / 1000;
     int device = 0, write_mode = 0, seen_gpus = 0;
     const char *gpus = "0";
     const kvs_arg_t args[] = {
@@ -273,6 +273,8 @@ int kvs_cmd_sim(int argc, char **argv)
         {"release-timeout-us", KVS_ARG_U64, &to_us[5], "virtual us (100000)", NULL, NULL},
         {"write-delay-us", KVS_ARG_U64, &write_delay_us,
          "data writes land up to this late, virtual us (20 under reorder, else 0)", NULL, NULL},
+        {"step-us", KVS_ARG_U64, &step_us, "virtual us of one prefill forward pass (50)", NULL,
+         NULL},
         {"max-iterations", KVS_ARG_U64, &c.max_iterations,
          "give up after this many loop iterations (20000000)", NULL, NULL},
         {"seed", KVS_ARG_U64, &c.seed, "seed of the workload, faults and schedule (1)", NULL, NULL},
@@ -303,8 +305,10 @@ int kvs_cmd_sim(int argc, char **argv)
     if (seen_mis) c.misaligned_request = misaligned > INT64_MAX ? -1 : (int64_t) misaligned;
     c.workload.kind = (kvs_workload_kind_t) workload;
     c.write_delay_ns = write_delay_us * 1000;
+    c.step_ns = step_us * 1000;
     for (int i = 0; i < 6; i++) {
-        if (to_us[i] > UINT64_MAX / 1000 || write_delay_us > UINT64_MAX / 1000) {
+        if (to_us[i] > UINT64_MAX / 1000 || write_delay_us > UINT64_MAX / 1000 ||
+            step_us > UINT64_MAX / 1000) {
             fprintf(stderr, "error: timeout of %llu us is too large\n",
                     (unsigned long long) to_us[i]);
             return 2;

@@ -84,6 +84,9 @@ uint64_t kvs_engine_slot_bytes(const kvs_pd_geometry_t *geo, uint32_t decode_ran
 kvs_status_t kvs_engine_check_pool(const char *who, const char *side, const char *flag,
                                    uint32_t pool_pages, uint32_t page_size,
                                    uint32_t max_prompt_len);
+/* kvs_engine_check_pool over an engine's tp pools (no flag: its caller sized them). */
+kvs_status_t kvs_engine_check_pools(const char *who, const char *side, kvs_pool_t *const *pools,
+                                    uint32_t tp, uint32_t page_size, uint32_t max_prompt_len);
 /* KVS_ERR_INVALID (logged, with the bytes needed and given) when a ring of ring_bytes on every
  * decode rank cannot hold the largest slot of some decode rank. */
 kvs_status_t kvs_engine_check_ring(const char *who, const kvs_pd_geometry_t *geo,

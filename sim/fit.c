@@ -49,6 +49,17 @@ kvs_status_t kvs_engine_check_pool(const char *who, const char *side, const char
     return KVS_ERR_INVALID;
 }
 
+kvs_status_t kvs_engine_check_pools(const char *who, const char *side, kvs_pool_t *const *pools,
+                                    uint32_t tp, uint32_t page_size, uint32_t max_prompt_len)
+{
+    for (uint32_t k = 0; k < tp; k++) {
+        kvs_status_t st = kvs_engine_check_pool(who, side, NULL, kvs_pool_total_pages(pools[k]),
+                                                page_size, max_prompt_len);
+        if (st != KVS_OK) return st;
+    }
+    return KVS_OK;
+}
+
 kvs_status_t kvs_engine_check_ring(const char *who, const kvs_pd_geometry_t *geo,
                                    uint32_t max_prompt_len, uint64_t ring_bytes)
 {

@@ -64,12 +64,9 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
                                        kvs_prefill_engine_t **engine_p)
 {
     uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
-    for (uint32_t k = 0; k < tp; k++) {
-        kvs_status_t st =
-            kvs_engine_check_pool("prefill engine", "prefill", NULL, kvs_pool_total_pages(pools[k]),
-                                  config->geo.page_size, config->max_prompt_len);
-        if (st != KVS_OK) return st;
-    }
+    kvs_status_t st = kvs_engine_check_pools("prefill engine", "prefill", pools, tp,
+                                             config->geo.page_size, config->max_prompt_len);
+    if (st != KVS_OK) return st;
     kvs_prefill_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;

@@ -20,11 +20,39 @@ static uint32_t pick(kvs_rng_t *rng, const uint32_t *v, size_t n)
     return v[kvs_rng_below(rng, n)];
 }
 
-/* Abort, timeout and network faults, each with a chance of 3 in 10. */
-static void random_faults(kvs_rng_t *rng, kvs_sim_config_t *c)
+/* A ring of 1..max_slots full slots (a third of the time plus part of one), each fault kind
+ * with a chance of 3 in 10 over 1..max_fault_rooms rooms, a quarter of the time late writes of
+ * up to max_delay ticks (abort quarantine must hold), and now and then a misaligned decode base.
+ */
+static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t max_slots,
+                                   uint32_t max_fault_rooms, uint64_t max_delay)
 {
+    uint64_t slot = kvs_sim_full_slot_bytes(c);
+    assert_true(slot > 0);
+    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, max_slots);
+    if (kvs_rng_chance(rng, 1, 3))
+        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
+    else
+        c->ring_slots = slots;
     for (uint32_t bit = 0; bit < 5; bit++)
         if (kvs_rng_chance(rng, 3, 10)) c->faults |= 1u << bit;
+    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, max_fault_rooms);
+    if (kvs_rng_chance(rng, 1, 4))
+        c->write_delay_ns = kvs_rng_range(rng, 1, max_delay) * c->tick_ns;
+    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
+        c->misaligned_request = (int64_t) kvs_rng_below(rng, c->workload.requests);
+}
+
+/* Room-level timeouts from the waiting timeout (in ticks): completion half of it, release a
+ * quarter, bootstrap and transfer twice; and the iteration limit. */
+static void set_timeouts(kvs_sim_config_t *c, uint64_t waiting, uint64_t max_iterations)
+{
+    c->timeouts.waiting_timeout_ns = waiting * c->tick_ns;
+    c->timeouts.completion_timeout_ns = waiting / 2 * c->tick_ns;
+    c->timeouts.release_timeout_ns = waiting / 4 * c->tick_ns;
+    c->timeouts.bootstrap_timeout_ns = 2 * waiting * c->tick_ns;
+    c->timeouts.transfer_timeout_ns = 2 * waiting * c->tick_ns;
+    c->max_iterations = max_iterations;
 }
 
 static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
@@ -77,30 +105,10 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     w->repeat_permille = kvs_rng_chance(rng, 1, 3) ? 250 : 0;
     c->concurrency = (uint32_t) kvs_rng_range(rng, 1, 12);
 
-    uint64_t slot = kvs_sim_full_slot_bytes(c);
-    assert_true(slot > 0);
-    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, 5);
-    if (kvs_rng_chance(rng, 1, 3)) {
-        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
-    } else {
-        c->ring_slots = slots;
-    }
-
-    random_faults(rng, c);
-    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, 3);
-    if (kvs_rng_chance(rng, 1, 4)) /* late writes: abort quarantine must hold */
-        c->write_delay_ns = kvs_rng_range(rng, 1, 400) * c->tick_ns;
-    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
-        c->misaligned_request = (int64_t) kvs_rng_below(rng, w->requests);
-
+    random_ring_and_faults(rng, c, 5, 3, 400);
     /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
      * stalled rooms end quickly. */
-    c->timeouts.waiting_timeout_ns = 200000 * c->tick_ns;
-    c->timeouts.completion_timeout_ns = 100000 * c->tick_ns;
-    c->timeouts.release_timeout_ns = 50000 * c->tick_ns;
-    c->timeouts.bootstrap_timeout_ns = 400000 * c->tick_ns;
-    c->timeouts.transfer_timeout_ns = 400000 * c->tick_ns;
-    c->max_iterations = 3000000;
+    set_timeouts(c, 200000, 3000000);
 }
 
 /* Long prompts and crowded rings: hundreds of chunks per prompt (pages of 1-4 tokens, chunks of
@@ -165,31 +173,13 @@ static void draw_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
      * bottleneck. */
     c->step_ns = (uint64_t) kvs_rng_range(rng, 2, 20) * c->tick_ns;
 
-    uint64_t slot = kvs_sim_full_slot_bytes(c);
-    assert_true(slot > 0);
-    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, 4);
-    if (kvs_rng_chance(rng, 1, 3))
-        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
-    else
-        c->ring_slots = slots;
-
-    random_faults(rng, c);
-    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, 4);
-    /* Late writes (abort quarantine must hold), but not so late that one slot at a time over
-     * tens of thousands of chunks takes minutes. */
-    if (kvs_rng_chance(rng, 1, 4)) c->write_delay_ns = kvs_rng_range(rng, 1, 40) * c->tick_ns;
-    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
-        c->misaligned_request = (int64_t) kvs_rng_below(rng, w->requests);
-
+    /* Late writes of at most 40 ticks: longer ones, one slot at a time over tens of thousands
+     * of chunks, take minutes. */
+    random_ring_and_faults(rng, c, 4, 4, 40);
     /* A healthy room here may wait behind dozens of others for each of hundreds of chunks: the
      * room-level timeouts sit far above a whole scenario's virtual time, so only the faults
      * fail rooms (a stalled room then waits this long, which costs idle jumps, not work). */
-    c->timeouts.waiting_timeout_ns = 20000000 * c->tick_ns;
-    c->timeouts.completion_timeout_ns = 2000000 * c->tick_ns;
-    c->timeouts.release_timeout_ns = 1000000 * c->tick_ns;
-    c->timeouts.bootstrap_timeout_ns = 40000000 * c->tick_ns;
-    c->timeouts.transfer_timeout_ns = 40000000 * c->tick_ns;
-    c->max_iterations = 30000000;
+    set_timeouts(c, 20000000, 30000000);
 }
 
 /* Rough cost of a large scenario in sender chunk visits: every progress call scans the open

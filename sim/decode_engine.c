@@ -53,10 +53,14 @@ kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,
                                       kvs_engine_done_fn done, void *done_arg,
                                       kvs_decode_engine_t **engine_p)
 {
+    uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.decode_tp;
+    kvs_status_t st = kvs_engine_check_pools("decode engine", "decode", pools, tp,
+                                             config->geo.page_size, config->max_prompt_len);
+    if (st != KVS_OK) return st;
     kvs_decode_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
-    e->tp = config->local_ranks ? config->local_ranks : config->geo.decode_tp;
+    e->tp = tp;
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;
@@ -238,14 +242,40 @@ static void conclude(kvs_decode_engine_t *e, dc_room_t *r, kvs_room_status_t sta
     if (e->done != NULL) e->done(e->done_arg, req, &o);
 }
 
+/* A room that can never be admitted concludes Failed at once: it was never added on any rank
+ * and holds no pages. */
+static void refuse(kvs_decode_engine_t *e, uint32_t i)
+{
+    dc_room_t *r = e->rooms[i];
+    kvs_error("decode engine: room %llx: a prompt of %u tokens is longer than the %u the pools "
+              "are sized for; it fails at admission",
+              (unsigned long long) r->req->room, r->req->len, e->config.max_prompt_len);
+    e->queued--;
+    memmove(&e->rooms[i], &e->rooms[i + 1], (e->nrooms - i - 1) * sizeof(*e->rooms));
+    e->nrooms--;
+    kvs_engine_outcome_t o = {.status = KVS_ROOM_FAILED, .reason = KVS_ERR_NOSPACE};
+    if (e->done != NULL) e->done(e->done_arg, r->req, &o);
+    room_free(r);
+}
+
 static uint32_t admit(kvs_decode_engine_t *e)
 {
     uint32_t changed = 0;
-    for (uint32_t i = 0; i < e->nrooms && e->queued > 0; i++) {
+    for (uint32_t i = 0; i < e->nrooms && e->queued > 0;) {
         dc_room_t *r = e->rooms[i];
-        if (r->added) continue;
+        if (r->added) {
+            i++;
+            continue;
+        }
+        /* Waiting for pages it can never get would block every later room (FIFO). */
+        if (r->req->len > e->config.max_prompt_len) {
+            refuse(e, i);
+            changed++;
+            continue;
+        }
         if (!try_admit(e, r)) break; /* FIFO: later rooms wait behind the head */
         changed++;
+        i++;
     }
     return changed;
 }

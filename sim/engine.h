@@ -66,6 +66,32 @@ void kvs_lockstep_free(kvs_lockstep_t *ls, const uint32_t *pages, uint32_t n);
 /* The radix cache's eviction callback (arg: the kvs_lockstep_t). */
 void kvs_lockstep_radix_free(void *arg, const uint32_t *pages, size_t count);
 
+/* ---- what one request needs ----
+ * A pool or staging ring smaller than one request can never serve it: these let the simulation
+ * and the rank processes refuse such a configuration up front. */
+
+/* Pages a prompt of len tokens occupies on one rank: prefill holds all of them; decode, with no
+ * radix hit (the worst case), as many delta pages. */
+uint32_t kvs_engine_prompt_pages(uint32_t len, uint32_t page_size);
+/* Bytes of the largest staging slot decode rank `decode_rank` grants for prompts of up to
+ * max_prompt_len tokens: one grid chunk, or the whole prompt when that is shorter. 0 for an
+ * invalid geometry. */
+uint64_t kvs_engine_slot_bytes(const kvs_pd_geometry_t *geo, uint32_t decode_rank,
+                               uint32_t max_prompt_len);
+/* KVS_ERR_INVALID (logged as "who: ...", with the pages needed and given, and `flag` to fix it
+ * when not NULL) when a pool of pool_pages cannot hold one prompt of max_prompt_len tokens.
+ * side: "prefill" or "decode". */
+kvs_status_t kvs_engine_check_pool(const char *who, const char *side, const char *flag,
+                                   uint32_t pool_pages, uint32_t page_size,
+                                   uint32_t max_prompt_len);
+/* kvs_engine_check_pool over an engine's tp pools (no flag: its caller sized them). */
+kvs_status_t kvs_engine_check_pools(const char *who, const char *side, kvs_pool_t *const *pools,
+                                    uint32_t tp, uint32_t page_size, uint32_t max_prompt_len);
+/* KVS_ERR_INVALID (logged, with the bytes needed and given) when a ring of ring_bytes on every
+ * decode rank cannot hold the largest slot of some decode rank. */
+kvs_status_t kvs_engine_check_ring(const char *who, const kvs_pd_geometry_t *geo,
+                                   uint32_t max_prompt_len, uint64_t ring_bytes);
+
 /* ---- prefill ---- */
 
 typedef struct kvs_prefill_engine kvs_prefill_engine_t;
@@ -80,7 +106,9 @@ typedef struct {
     uint32_t local_ranks;
 } kvs_prefill_engine_config_t;
 
-/* pools and senders: [local_ranks or geo.prefill_tp], owned by the caller, outliving the engine. */
+/* pools and senders: [local_ranks or geo.prefill_tp], owned by the caller, outliving the engine.
+ * KVS_ERR_INVALID (logged) when a pool cannot hold one prompt of max_prompt_len tokens. A
+ * submitted request longer than max_prompt_len fails alone at admission (KVS_ERR_NOSPACE). */
 kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config,
                                        kvs_pool_t *const *pools, kvs_sender_t *const *senders,
                                        kvs_engine_done_fn done, void *done_arg,
@@ -114,12 +142,14 @@ typedef struct {
     uint32_t local_ranks; /* as for prefill: 0 = all decode_tp ranks */
 } kvs_decode_engine_config_t;
 
+/* As for prefill: KVS_ERR_INVALID (logged) when a pool cannot hold one prompt's delta pages. */
 kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,
                                       kvs_pool_t *const *pools, kvs_receiver_t *const *receivers,
                                       kvs_engine_done_fn done, void *done_arg,
                                       kvs_decode_engine_t **engine_p);
 void kvs_decode_engine_destroy(kvs_decode_engine_t *engine);
-/* Queues a request; it is admitted (FIFO) when its delta pages can be allocated. */
+/* Queues a request; it is admitted (FIFO) when its delta pages can be allocated. One longer than
+ * max_prompt_len can never be: it fails alone at admission (KVS_ERR_NOSPACE). */
 kvs_status_t kvs_decode_engine_submit(kvs_decode_engine_t *engine, const kvs_request_t *request,
                                       const kvs_engine_fault_t *fault);
 /* Admits queued rooms, polls live ones, verifies and concludes finished ones. Returns how many

@@ -31,6 +31,7 @@ typedef struct {
     pf_state_t state;
     int admitted;     /* holds pages (and maybe a radix lock) */
     int aborted;      /* kvs_sender_abort was called on the ranks */
+    kvs_status_t why; /* the engine failed it (not a rank): the reason it reports */
     uint64_t *hashes; /* [len] rolling token hashes for the synthetic KV */
     uint32_t *pages;  /* [npages] page table, same ids on every rank */
     uint32_t npages;
@@ -62,10 +63,14 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
                                        kvs_engine_done_fn done, void *done_arg,
                                        kvs_prefill_engine_t **engine_p)
 {
+    uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
+    kvs_status_t st = kvs_engine_check_pools("prefill engine", "prefill", pools, tp,
+                                             config->geo.page_size, config->max_prompt_len);
+    if (st != KVS_OK) return st;
     kvs_prefill_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
-    e->tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
+    e->tp = tp;
     e->page = config->geo.page_size;
     e->done = done;
     e->done_arg = done_arg;
@@ -257,6 +262,17 @@ static uint32_t admit(kvs_prefill_engine_t *e)
     for (uint32_t i = 0; i < e->nrooms && e->running < e->config.batch; i++) {
         pf_room_t *r = e->rooms[i];
         if (r->state != PF_QUEUED) continue;
+        if (r->req->len > e->config.max_prompt_len) {
+            /* The pools are sized for max_prompt_len: waiting for pages could block every later
+             * room forever, so this one fails alone (poll concludes it once the ranks let go). */
+            kvs_error("prefill engine: room %llx: a prompt of %u tokens is longer than the %u "
+                      "the pools are sized for; it fails at admission",
+                      (unsigned long long) r->req->room, r->req->len, e->config.max_prompt_len);
+            r->why = KVS_ERR_NOSPACE;
+            abort_all(e, r);
+            changed++;
+            continue;
+        }
         if (!try_admit(e, r)) break; /* FIFO: later rooms wait behind the head */
         changed++;
     }
@@ -352,6 +368,10 @@ uint32_t kvs_prefill_engine_poll(kvs_prefill_engine_t *e)
             continue;
         }
         if (r->state == PF_RUNNING) e->running--;
+        if (r->why != KVS_OK) {
+            min = KVS_ROOM_FAILED;
+            reason = r->why;
+        }
         conclude(e, r, min, reason);
         room_free(r);
         memmove(&e->rooms[i], &e->rooms[i + 1], (e->nrooms - i - 1) * sizeof(*e->rooms));

@@ -6,6 +6,7 @@
  * scheduling on one rank and broadcasting; that coordination is not built yet. */
 #include "sim/rank.h"
 
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -65,6 +66,16 @@ static uint32_t submit_more(const kvs_rank_config_t *c, const kvs_workload_t *wl
     return n;
 }
 
+kvs_status_t kvs_rank_check(const kvs_rank_config_t *c, const char *who)
+{
+    kvs_status_t st = kvs_pd_geometry_validate(&c->geo);
+    if (st != KVS_OK) return st;
+    /* Without --ring-bytes the ring is four full slots: it always fits. The pool is sized from
+     * the workload (and the engine checks it). */
+    if (c->ring_bytes == 0) return KVS_OK;
+    return kvs_engine_check_ring(who, &c->geo, c->workload.prompt_len, c->ring_bytes);
+}
+
 kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *result_p)
 {
     kvs_rank_config_t c = *config;
@@ -73,7 +84,9 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     rank_t rk = {&c, &res, 0};
     const int prefill = c.side == KVS_SIDE_PREFILL;
     const uint32_t tp = prefill ? c.geo.prefill_tp : c.geo.decode_tp;
-    kvs_status_t st = kvs_pd_geometry_validate(&c.geo);
+    char who[32];
+    snprintf(who, sizeof(who), "%s rank %u", prefill ? "prefill" : "decode", c.rank);
+    kvs_status_t st = kvs_rank_check(&c, who);
     if (st != KVS_OK) return st;
     if (c.rank >= tp || c.registry == NULL || c.concurrency == 0) {
         kvs_error("rank: rank %u of TP %u, registry %s, concurrency %u: invalid", c.rank, tp,

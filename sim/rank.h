@@ -58,9 +58,17 @@ typedef struct {
     double wall_s;
 } kvs_rank_result_t;
 
+/* KVS_ERR_INVALID (logged as "who: ...", with what is needed and what was given) for a
+ * deployment that can never serve its workload: an invalid geometry, or a decode staging ring
+ * (ring_bytes, when set) smaller than one slot of the longest prompt. Every rank checks it at
+ * startup, prefill ranks included (they share the flags), so a whole deployment refuses at once
+ * instead of some ranks waiting on peers that refused; `kvstage demo` checks it before starting
+ * any process. */
+kvs_status_t kvs_rank_check(const kvs_rank_config_t *config, const char *who);
+
 /* Runs the rank until every request of the workload concluded on it (then drains). KVS_OK when
  * it ran (the verdict is in the result); an error when it could not start (bad configuration,
- * bootstrap failure, incompatible peer). */
+ * see kvs_rank_check; bootstrap failure, incompatible peer). */
 kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *result_p);
 
 #endif

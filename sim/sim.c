@@ -139,6 +139,7 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
         {"completion-timeout-us", c->timeouts.completion_timeout_ns / 1000, 0},
         {"release-timeout-us", c->timeouts.release_timeout_ns / 1000, 0},
         {"write-delay-us", c->write_delay_ns / 1000, 0},
+        {"step-us", c->step_ns / 1000, d.step_ns / 1000},
         {"max-iterations", c->max_iterations, d.max_iterations},
     };
     for (size_t i = 0; i < sizeof(extra) / sizeof(extra[0]); i++) {
@@ -253,20 +254,18 @@ static uint64_t sim_now(void *arg)
 
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *c)
 {
-    kvs_writer_t writers[KVS_MAX_WRITERS];
-    uint32_t n = 0;
+    kvs_pd_geometry_t geo = {.shape = c->shape,
+                             .prefill_tp = c->prefill_tp,
+                             .decode_tp = c->decode_tp,
+                             .page_size = c->page_size,
+                             .chunk_tokens = c->chunk_tokens};
     uint64_t max = 0;
-    uint64_t tokens = kvs_grid_tokens(c->chunk_tokens, c->page_size);
-    /* Writer counts (hence region alignment) differ between decode ranks; the room id only picks
-     * which replica writes, but check two rooms anyway. */
-    for (uint64_t room = 0; room < 2; room++) {
-        for (uint32_t d = 0; d < c->decode_tp; d++) {
-            if (kvs_plan_writers(&c->shape, c->prefill_tp, c->decode_tp, d, room, writers, &n) !=
-                KVS_OK)
-                return 0;
-            uint64_t bytes = kvs_slot_layout(writers, n, tokens, NULL);
-            if (bytes > max) max = bytes;
-        }
+    /* Writer counts (hence region alignment) differ between decode ranks. No prompt is too long
+     * for a full slot. */
+    for (uint32_t d = 0; d < c->decode_tp; d++) {
+        uint64_t bytes = kvs_engine_slot_bytes(&geo, d, UINT32_MAX);
+        if (bytes == 0) return 0;
+        if (bytes > max) max = bytes;
     }
     return max;
 }
@@ -292,6 +291,24 @@ static void pool_pages(const kvs_sim_config_t *c, uint32_t *prefill_p, uint32_t 
     *prefill_p =
         c->prefill_pool_pages ? c->prefill_pool_pages : max_pages * (c->prefill_batch + 2 + stalls);
     *decode_p = c->decode_pool_pages ? c->decode_pool_pages : max_pages * (dc_prompts + stalls);
+}
+
+/* A pool or ring that cannot hold one request of the longest prompt the workload makes can
+ * never succeed: it would stall admission until rooms time out, or fail every room. Refused
+ * before anything runs. The automatic sizes always fit. */
+static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geometry_t *geo)
+{
+    uint32_t pf_pages, dc_pages;
+    pool_pages(c, &pf_pages, &dc_pages);
+    uint32_t longest = c->workload.prompt_len;
+    kvs_status_t st = kvs_engine_check_pool("sim", "prefill", "--prefill-pool-pages", pf_pages,
+                                            c->page_size, longest);
+    if (st == KVS_OK)
+        st = kvs_engine_check_pool("sim", "decode", "--decode-pool-pages", dc_pages, c->page_size,
+                                   longest);
+    if (st == KVS_OK && c->ring_bytes != 0)
+        st = kvs_engine_check_ring("sim", geo, longest, c->ring_bytes);
+    return st;
 }
 
 static kvs_status_t make_pool(const kvs_sim_config_t *c, uint32_t tp, uint32_t rank, uint32_t pages,
@@ -739,6 +756,7 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
                              .chunk_tokens = config->chunk_tokens,
                              .no_checksum = config->no_checksum ? 1u : 0u};
     kvs_status_t st = sim_validate(config, &geo);
+    if (st == KVS_OK) st = sim_check_fit(config, &geo);
     if (st != KVS_OK) return st;
 
     kvs_alloc_stats_t before, after;

@@ -213,6 +213,15 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
                   mc->max_ctx);
         return KVS_ERR_INVALID;
     }
+    /* A longest prompt (with one new token: no position fed back) that the whole pool cannot
+     * hold could never be admitted, and would block every request queued behind it. */
+    uint32_t need = pages_for(c->max_prompt, pc->page_size);
+    if (kvs_pool_total_pages(c->pool) < need) {
+        kvs_error("llm: a pool of %u pages can never hold one request of max_prompt %u tokens: "
+                  "it needs %u pages of %u tokens",
+                  kvs_pool_total_pages(c->pool), c->max_prompt, need, pc->page_size);
+        return KVS_ERR_INVALID;
+    }
     kvs_llm_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) return KVS_ERR_NOMEM;
     e->cfg = *c;
@@ -291,6 +300,16 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
                   q ? (unsigned long long) q->room : 0ull, q ? q->prompt_len : 0, e->cfg.max_prompt,
                   q ? q->max_new_tokens : 0, e->mc.max_ctx);
         return KVS_ERR_INVALID;
+    }
+    /* Admission is FIFO and waits for pages: a request the whole pool cannot hold would wait
+     * forever and block every later one. */
+    uint32_t need = capacity_pages(e, q), have = kvs_pool_total_pages(e->cfg.pool);
+    if (need > have) {
+        kvs_error("llm: room %llu: a prompt of %u tokens with %u new tokens needs %u pages of %u "
+                  "tokens, more than the whole pool of %u: it can never be admitted",
+                  (unsigned long long) q->room, q->prompt_len, generates ? q->max_new_tokens : 0,
+                  need, e->page, have);
+        return KVS_ERR_NOSPACE;
     }
     for (uint32_t i = 0; i < q->prompt_len; i++) {
         if (q->prompt[i] >= e->mc.vocab) {

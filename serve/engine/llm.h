@@ -106,7 +106,7 @@ typedef struct {
 typedef struct kvs_llm kvs_llm_t;
 
 /* Checks the configuration against the model (pool shape and TP, group size = tp_size, role
- * objects present) and sizes the scratch. */
+ * objects present; a pool that holds at least one max_prompt request) and sizes the scratch. */
 kvs_status_t kvs_llm_create(const kvs_llm_config_t *config, kvs_llm_t **llm_p);
 /* Frees the engine's requests (without telling the sender or receiver: drain first), pages
  * and radix cache. */
@@ -114,7 +114,8 @@ void kvs_llm_destroy(kvs_llm_t *llm);
 
 /* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty or too long prompt,
  * token id outside the vocabulary, max_new_tokens 0 where tokens are generated, a room id
- * already live). Every rank admits it at the same later step. */
+ * already live; KVS_ERR_NOSPACE: its prompt and new tokens need more pages than the whole pool
+ * holds, so it could never be admitted). Every rank admits it at the same later step. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
 /* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */

@@ -486,6 +486,64 @@ static void test_submit_refusals(void **state)
     kvs_assert_no_leaks();
 }
 
+/* A request whose prompt and new tokens need more pages than the whole pool holds is refused at
+ * submit (it could never be admitted, and admission is FIFO: it would block every later
+ * request); the next request runs as if it had never been asked. A pool smaller than one
+ * max_prompt request is refused when the engine is created. */
+static void test_request_larger_than_pool(void **state)
+{
+    (void) state;
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    /* max_prompt 128 needs 8 pages of 16. */
+    kvs_pool_t *tiny = make_pool(m, 7);
+    kvs_llm_config_t c = {.role = KVS_LLM_COLOCATED,
+                          .model = m,
+                          .pool = tiny,
+                          .chunk_tokens = CHUNK,
+                          .batch_tokens = 2 * CHUNK,
+                          .max_running = 3,
+                          .max_prompt = 128};
+    kvs_llm_t *e = NULL;
+    assert_int_equal(kvs_llm_create(&c, &e), KVS_ERR_INVALID);
+    assert_null(e);
+    assert_int_equal(cap.calls, 1);
+    assert_non_null(strstr(cap.msg, "a pool of 7 pages can never hold one request of max_prompt "
+                                    "128 tokens: it needs 8 pages of 16 tokens"));
+    kvs_pool_destroy(tiny);
+
+    /* 16 pages (256 positions) for prompt 0 (70 tokens): 187 new tokens fit, 188 do not. */
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, m, make_pool(m, 16));
+    kvs_llm_request_t q = request(0);
+    q.max_new_tokens = 188;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_NOSPACE);
+    assert_int_equal(cap.calls, 2);
+    assert_non_null(strstr(cap.msg, "room 1: a prompt of 70 tokens with 188 new tokens needs 17 "
+                                    "pages of 16 tokens, more than the whole pool of 16"));
+    q.max_new_tokens = 187;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
+    kvs_log_set_sink(NULL, NULL);
+    q = request(1); /* queued behind it, it must not wait forever */
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    outcome_t o;
+    memset(&o, 0, sizeof(o));
+    for (int steps = 0; steps < 1000 && !o.done[1]; steps++) {
+        int quit;
+        uint32_t work;
+        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+        drain(s.llm, &o);
+    }
+    assert_true(o.done[0]);
+    assert_int_equal(o.last[0].finish, KVS_LLM_FINISH_STOP);
+    expect_reference(&o, 1);
+    single_close(&s, 1);
+    kvs_assert_no_leaks();
+}
+
 /* kvs_llm_cached answers what the next admission finds, and asking changes nothing: the cache
  * hit a later request gets is the same whether or not the question was asked before. */
 static void test_cached_query(void **state)
@@ -546,6 +604,7 @@ int main(void)
         cmocka_unit_test(test_disaggregated_hostile_network),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
+        cmocka_unit_test(test_request_larger_than_pool),
         cmocka_unit_test(test_cached_query),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -1,8 +1,9 @@
 /* Seeded property test: random small deployments (TP pairs with non-integer ratios and
  * replication, MLA, page and chunk sizes, ring sizes, workloads, radix on/off, pool layouts) under
- * random fault mixes, each checked against every protocol.md §7 invariant the simulation can
- * observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a soak); a failure prints the
- * `kvstage sim` command line that replays it. */
+ * random fault mixes, and random large ones (prompts of hundreds of chunks, dozens of rooms
+ * sharing rings of a few slots, uneven TP pairs), each checked against every protocol.md §7
+ * invariant the simulation can observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a
+ * soak); a failure prints the `kvstage sim` command line that replays it. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -11,9 +12,47 @@
 #include "kvstage/rng.h"
 #include "sim/sim.h"
 
+/* Scenarios of the long-prompt generator in a default run. */
+#define LARGE_ITERS 20
+
 static uint32_t pick(kvs_rng_t *rng, const uint32_t *v, size_t n)
 {
     return v[kvs_rng_below(rng, n)];
+}
+
+/* A ring of 1..max_slots full slots (a third of the time plus part of one), each fault kind
+ * with a chance of 3 in 10 over 1..max_fault_rooms rooms, a quarter of the time late writes of
+ * up to max_delay ticks (abort quarantine must hold), and now and then a misaligned decode base.
+ */
+static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t max_slots,
+                                   uint32_t max_fault_rooms, uint64_t max_delay)
+{
+    uint64_t slot = kvs_sim_full_slot_bytes(c);
+    assert_true(slot > 0);
+    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, max_slots);
+    if (kvs_rng_chance(rng, 1, 3))
+        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
+    else
+        c->ring_slots = slots;
+    for (uint32_t bit = 0; bit < 5; bit++)
+        if (kvs_rng_chance(rng, 3, 10)) c->faults |= 1u << bit;
+    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, max_fault_rooms);
+    if (kvs_rng_chance(rng, 1, 4))
+        c->write_delay_ns = kvs_rng_range(rng, 1, max_delay) * c->tick_ns;
+    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
+        c->misaligned_request = (int64_t) kvs_rng_below(rng, c->workload.requests);
+}
+
+/* Room-level timeouts from the waiting timeout (in ticks): completion half of it, release a
+ * quarter, bootstrap and transfer twice; and the iteration limit. */
+static void set_timeouts(kvs_sim_config_t *c, uint64_t waiting, uint64_t max_iterations)
+{
+    c->timeouts.waiting_timeout_ns = waiting * c->tick_ns;
+    c->timeouts.completion_timeout_ns = waiting / 2 * c->tick_ns;
+    c->timeouts.release_timeout_ns = waiting / 4 * c->tick_ns;
+    c->timeouts.bootstrap_timeout_ns = 2 * waiting * c->tick_ns;
+    c->timeouts.transfer_timeout_ns = 2 * waiting * c->tick_ns;
+    c->max_iterations = max_iterations;
 }
 
 static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
@@ -66,31 +105,112 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     w->repeat_permille = kvs_rng_chance(rng, 1, 3) ? 250 : 0;
     c->concurrency = (uint32_t) kvs_rng_range(rng, 1, 12);
 
-    uint64_t slot = kvs_sim_full_slot_bytes(c);
-    assert_true(slot > 0);
-    uint32_t slots = (uint32_t) kvs_rng_range(rng, 1, 5);
-    if (kvs_rng_chance(rng, 1, 3)) {
-        c->ring_bytes = slots * slot + kvs_rng_below(rng, slot); /* not a slot multiple */
-    } else {
-        c->ring_slots = slots;
-    }
-
-    for (uint32_t bit = 0; bit < 5; bit++)
-        if (kvs_rng_chance(rng, 3, 10)) c->faults |= 1u << bit;
-    c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, 3);
-    if (kvs_rng_chance(rng, 1, 4)) /* late writes: abort quarantine must hold */
-        c->write_delay_ns = kvs_rng_range(rng, 1, 400) * c->tick_ns;
-    if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
-        c->misaligned_request = (int64_t) kvs_rng_below(rng, w->requests);
-
+    random_ring_and_faults(rng, c, 5, 3, 400);
     /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
      * stalled rooms end quickly. */
-    c->timeouts.waiting_timeout_ns = 200000 * c->tick_ns;
-    c->timeouts.completion_timeout_ns = 100000 * c->tick_ns;
-    c->timeouts.release_timeout_ns = 50000 * c->tick_ns;
-    c->timeouts.bootstrap_timeout_ns = 400000 * c->tick_ns;
-    c->timeouts.transfer_timeout_ns = 400000 * c->tick_ns;
-    c->max_iterations = 3000000;
+    set_timeouts(c, 200000, 3000000);
+}
+
+/* Long prompts and crowded rings: hundreds of chunks per prompt (pages of 1-4 tokens, chunks of
+ * one or two pages, prompts of 200-1000 tokens), 16-64 rooms in flight whose transfers share
+ * rings of 1-4 slots, over uneven TP pairs, under random fault mixes. Tiny heads keep the bytes
+ * cheap; the work is in the protocol: tens of thousands of chunks per scenario. */
+static void draw_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
+{
+    static const struct {
+        uint32_t prefill_tp, decode_tp, heads; /* heads 0: MLA */
+    } pairs[] = {
+        {3, 2, 6}, {2, 3, 6},  {6, 4, 12}, {4, 6, 12}, {6, 4, 2}, {8, 2, 8}, {8, 2, 2},
+        {2, 8, 8}, {3, 4, 12}, {4, 3, 12}, {1, 4, 4},  {6, 1, 6}, {3, 2, 0}, {2, 3, 0},
+    };
+    kvs_sim_config_default(c);
+    c->seed = kvs_rng_next(rng);
+    size_t k = kvs_rng_below(rng, sizeof(pairs) / sizeof(pairs[0]));
+    c->prefill_tp = pairs[k].prefill_tp;
+    c->decode_tp = pairs[k].decode_tp;
+    c->shape.layers = (uint32_t) kvs_rng_range(rng, 1, 2);
+    c->shape.elem_bytes = (uint32_t) kvs_rng_range(rng, 1, 2);
+    if (pairs[k].heads == 0) {
+        c->shape.attn = KVS_ATTN_MLA;
+        c->shape.kv_heads = 1;
+        c->shape.head_dim_k = (uint32_t) kvs_rng_range(rng, 1, 8);
+        c->shape.head_dim_v = 0;
+    } else {
+        c->shape.attn = KVS_ATTN_MHA;
+        c->shape.kv_heads = pairs[k].heads;
+        c->shape.head_dim_k = (uint32_t) kvs_rng_range(rng, 1, 4);
+        c->shape.head_dim_v = (uint32_t) kvs_rng_range(rng, 1, 4);
+    }
+    c->page_size = (uint32_t) kvs_rng_range(rng, 1, 4);
+    c->chunk_tokens = c->page_size * (uint32_t) kvs_rng_range(rng, 1, 2);
+    c->prefill_layout = (kvs_pool_layout_t) kvs_rng_below(rng, 2);
+    c->decode_layout = (kvs_pool_layout_t) kvs_rng_below(rng, 2);
+    c->prefill_radix = (int) kvs_rng_below(rng, 2);
+    c->decode_radix = (int) kvs_rng_below(rng, 2);
+    c->window_chunks = (uint32_t) kvs_rng_range(rng, 1, 3);
+    c->staging_buffers = (uint32_t) kvs_rng_range(rng, 1, 3);
+
+    kvs_workload_config_t *w = &c->workload;
+    w->kind = (kvs_workload_kind_t) kvs_rng_below(rng, 4);
+    w->requests = (uint32_t) kvs_rng_range(rng, 30, 80);
+    /* 100-400 chunks of the longest prompt, 200-1000 tokens. The sender scans a room's open
+     * chunks on every progress call, so a scenario costs about rooms x chunks^2: a thousand
+     * chunks per prompt would take minutes. */
+    uint32_t chunks = (uint32_t) kvs_rng_range(rng, 100, 400);
+    w->prompt_len = c->chunk_tokens * chunks;
+    if (w->prompt_len < 200) w->prompt_len = 200;
+    if (w->prompt_len > 1000) w->prompt_len = 1000;
+    w->prefix_len = (uint32_t) kvs_rng_below(rng, w->prompt_len);
+    w->groups = (uint32_t) kvs_rng_range(rng, 0, 4);
+    w->repeat_permille = kvs_rng_chance(rng, 1, 3) ? 250 : 0;
+    c->concurrency = (uint32_t) kvs_rng_range(rng, 16, 64);
+    /* Many rooms transfer at once: a prefill batch of up to all of them, and (half the time) a
+     * decode pool for every room in flight rather than the quarter the default sizes it for. */
+    c->prefill_batch = (uint32_t) kvs_rng_range(rng, 4, c->concurrency);
+    if (kvs_rng_chance(rng, 1, 2))
+        c->decode_pool_pages = (w->prompt_len / c->page_size + 2) * (c->concurrency + 4);
+    /* A forward pass of a few ticks: compute never hides the transfer, the rings are the
+     * bottleneck. */
+    c->step_ns = (uint64_t) kvs_rng_range(rng, 2, 20) * c->tick_ns;
+
+    /* Late writes of at most 40 ticks: longer ones, one slot at a time over tens of thousands
+     * of chunks, take minutes. */
+    random_ring_and_faults(rng, c, 4, 4, 40);
+    /* A healthy room here may wait behind dozens of others for each of hundreds of chunks: the
+     * room-level timeouts sit far above a whole scenario's virtual time, so only the faults
+     * fail rooms (a stalled room then waits this long, which costs idle jumps, not work). */
+    set_timeouts(c, 20000000, 30000000);
+}
+
+/* Rough cost of a large scenario in sender chunk visits: every progress call scans the open
+ * chunks of each room decode admitted, per writer, and the run lasts about a chunk latency per
+ * chunk of every request, over the ring's slots. */
+static double large_cost(const kvs_sim_config_t *c)
+{
+    const kvs_workload_config_t *w = &c->workload;
+    double chunks = (double) ((w->prompt_len + c->chunk_tokens - 1) / c->chunk_tokens);
+    uint32_t prompt_pages = (w->prompt_len + c->page_size - 1) / c->page_size + 1;
+    uint32_t inflight = c->concurrency < w->requests ? c->concurrency : w->requests;
+    double admitted = inflight / 4 > 4 ? inflight / 4 : 4;
+    if (c->decode_pool_pages != 0) admitted = c->decode_pool_pages / prompt_pages;
+    if (admitted > inflight) admitted = inflight;
+    double writers = c->prefill_tp + c->decode_tp - 1;
+    double latency = 6 + (c->faults & KVS_SIM_FAULT_REORDER ? 20 : 0) +
+                     (double) (c->write_delay_ns / c->tick_ns) / 2;
+    uint64_t slot = kvs_sim_full_slot_bytes(c);
+    double slots = c->ring_bytes ? (double) (c->ring_bytes / slot) : c->ring_slots;
+    double iterations = w->requests * chunks * latency / slots;
+    return admitted * chunks / 2 * writers * iterations;
+}
+
+/* About 2 s of this machine's time (2 ns a visit); the generator redraws what costs more. */
+#define LARGE_BUDGET 1e9
+
+static void random_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
+{
+    /* Redrawing keeps every shape in play, only not all at their largest at once. */
+    do draw_large_config(rng, c);
+    while (large_cost(c) > LARGE_BUDGET);
 }
 
 /* Every invariant of protocol.md §7 that is visible from outside the protocol; returns the
@@ -122,53 +242,72 @@ static void drop_log(void *arg, kvs_log_level_t level, const char *file, int lin
     (void) arg, (void) level, (void) file, (void) line, (void) msg;
 }
 
-static void test_random_scenarios(void **state)
+typedef void (*generator_fn)(kvs_rng_t *rng, kvs_sim_config_t *c);
+
+/* Runs `iters` scenarios of `gen` from one property seed; the first violation fails with the
+ * command that replays its scenario. */
+static void run_scenarios(const char *name, generator_fn gen, uint64_t seed, uint64_t iters)
 {
-    (void) state;
-    const uint64_t seed = kvs_test_seed(0x5eed5151);
-    const uint64_t iters = kvs_test_iters(1000);
     if (getenv("KVS_LOG") == NULL) kvs_log_set_sink(drop_log, NULL);
     kvs_rng_t rng;
     kvs_rng_seed(&rng, seed);
-    uint64_t faulted = 0, failed_rooms = 0, rooms = 0;
+    uint64_t faulted = 0, failed_rooms = 0, rooms = 0, chunks = 0;
     for (uint64_t i = 0; i < iters; i++) {
         kvs_sim_config_t c;
-        random_config(&rng, &c);
+        gen(&rng, &c);
         kvs_sim_result_t r;
+        memset(&r, 0, sizeof(r));
         kvs_status_t st = kvs_sim_run(&c, &r);
         const char *why = st != KVS_OK ? "kvs_sim_run failed" : violated(&c, &r);
         if (why != NULL) {
             char cmd[1200];
             kvs_sim_config_cmdline(&c, cmd, sizeof(cmd));
             kvs_log_set_sink(NULL, NULL);
-            fail_msg("scenario %llu of property seed 0x%llx (KVS_SEED=0x%llx): %s\n"
+            fail_msg("%s: scenario %llu of property seed 0x%llx (KVS_SEED=0x%llx): %s\n"
                      "  result: %u/%u succeeded, %u failed (%u unexpected), chunks %llu (need "
                      "%llu), leaks slots %llu pages %llu rooms %llu allocs %llu\n"
                      "  replay: %s",
-                     (unsigned long long) i, (unsigned long long) seed, (unsigned long long) seed,
-                     why, r.succeeded, r.requests, r.failed, r.unexpected_failures,
-                     (unsigned long long) r.chunks, (unsigned long long) r.expected_chunks,
-                     (unsigned long long) r.leaked_slots, (unsigned long long) r.leaked_pages,
-                     (unsigned long long) r.leaked_rooms, (unsigned long long) r.leaked_allocs,
-                     cmd);
+                     name, (unsigned long long) i, (unsigned long long) seed,
+                     (unsigned long long) seed, why, r.succeeded, r.requests, r.failed,
+                     r.unexpected_failures, (unsigned long long) r.chunks,
+                     (unsigned long long) r.expected_chunks, (unsigned long long) r.leaked_slots,
+                     (unsigned long long) r.leaked_pages, (unsigned long long) r.leaked_rooms,
+                     (unsigned long long) r.leaked_allocs, cmd);
         }
         faulted += c.faults != 0;
         failed_rooms += r.failed;
         rooms += r.requests;
+        chunks += r.chunks;
     }
     kvs_log_set_sink(NULL, NULL);
-    print_message("%llu scenarios (seed 0x%llx), %llu with faults; %llu of %llu rooms failed "
-                  "under abort/timeout/misalignment faults\n",
-                  (unsigned long long) iters, (unsigned long long) seed,
+    print_message("%s: %llu scenarios (seed 0x%llx), %llu with faults; %llu of %llu rooms failed "
+                  "under abort/timeout/misalignment faults; %llu chunks scattered\n",
+                  name, (unsigned long long) iters, (unsigned long long) seed,
                   (unsigned long long) faulted, (unsigned long long) failed_rooms,
-                  (unsigned long long) rooms);
+                  (unsigned long long) rooms, (unsigned long long) chunks);
     kvs_assert_no_leaks();
+}
+
+static void test_random_scenarios(void **state)
+{
+    (void) state;
+    run_scenarios("small", random_config, kvs_test_seed(0x5eed5151), kvs_test_iters(1000));
+}
+
+/* KVS_ITERS scales both tests: this one runs a fiftieth as many (its scenarios are about a
+ * hundred times the work). */
+static void test_long_prompts_crowded_rings(void **state)
+{
+    (void) state;
+    uint64_t iters = getenv("KVS_ITERS") ? (kvs_test_iters(0) + 49) / 50 : LARGE_ITERS;
+    run_scenarios("large", random_large_config, kvs_test_seed(0x1a76e5eed), iters);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_random_scenarios),
+        cmocka_unit_test(test_long_prompts_crowded_rings),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

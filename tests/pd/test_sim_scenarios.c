@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kvstage/log.h"
+#include "sim/engine.h"
 #include "sim/sim.h"
 
 /* A small model shape so that many scenarios fit in a few seconds, even under ASan. */
@@ -340,22 +341,69 @@ static void test_misaligned_decode_prefix(void **state)
     assert_int_equal(r.succeeded, r.requests - 1);
 }
 
-/* A ring smaller than one slot: every room fails fast with a clear reason (no waiting for a
- * timeout), and nothing leaks. */
+static void drop_log(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg);
+
+/* A configuration that can never succeed is refused before it runs: KVS_ERR_INVALID, the result
+ * untouched, and one error that says what it needs and what it was given. */
+static void expect_refused(const kvs_sim_config_t *c, const char *given, const char *needed)
+{
+    kvs_sim_result_t r;
+    memset(&r, 0x5a, sizeof(r));
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    kvs_status_t st = kvs_sim_run(c, &r);
+    kvs_log_set_sink(getenv("KVS_LOG") ? NULL : drop_log, NULL);
+    if (st != KVS_ERR_INVALID) {
+        if (st == KVS_OK) dump(c, &r);
+        fail_msg("expected the configuration to be refused, got %s", kvs_status_str(st));
+    }
+    assert_int_equal(r.requests, 0x5a5a5a5a);
+    assert_int_equal(cap.calls, 1);
+    if (strstr(cap.msg, given) == NULL || strstr(cap.msg, needed) == NULL)
+        fail_msg("the refusal '%s' should name '%s' and '%s'", cap.msg, given, needed);
+    kvs_assert_no_leaks();
+}
+
+/* A ring smaller than one slot can never move a chunk: refused up front rather than failing
+ * every room. Prompts shorter than a chunk only ever ask for their own pages, so a ring of that
+ * smaller slot runs, and one byte less is refused. */
 static void test_slot_larger_than_ring(void **state)
 {
     (void) state;
     kvs_sim_config_t c = small_config();
-    c.ring_bytes = kvs_sim_full_slot_bytes(&c) - 256;
-    kvs_sim_result_t r;
-    assert_int_equal(kvs_sim_run(&c, &r), KVS_OK);
-    if (r.failed != r.requests) dump(&c, &r);
-    assert_int_equal(r.failed, r.requests);
-    assert_int_equal(r.fail_reasons[-KVS_ERR_NOSPACE], r.requests);
-    assert_false(r.stalled);
-    assert_true(r.virtual_ns - r.drain_ns < 100000000ull); /* far below any timeout */
-    assert_int_equal(r.leaked_slots + r.leaked_pages + r.leaked_rooms + r.leaked_allocs, 0);
-    kvs_assert_no_leaks();
+    uint64_t full = kvs_sim_full_slot_bytes(&c);
+    char needed[64];
+    snprintf(needed, sizeof(needed), "--ring-bytes >= %llu", (unsigned long long) full);
+    c.ring_bytes = full - 256;
+    char given[64];
+    snprintf(given, sizeof(given), "ring of %llu bytes", (unsigned long long) c.ring_bytes);
+    expect_refused(&c, given, needed);
+    c.ring_bytes = 100;
+    expect_refused(&c, "ring of 100 bytes", needed);
+    c.ring_bytes = full;
+    c.workload.requests = 10;
+    run_all_succeed(&c);
+
+    /* 40-token prompts on a 256-token grid only ever ask for three pages of 16 per slot. */
+    c = small_config();
+    c.workload =
+        (kvs_workload_config_t){.kind = KVS_WORKLOAD_RANDOM, .requests = 10, .prompt_len = 40};
+    kvs_pd_geometry_t geo = {.shape = c.shape,
+                             .prefill_tp = c.prefill_tp,
+                             .decode_tp = c.decode_tp,
+                             .page_size = c.page_size,
+                             .chunk_tokens = c.chunk_tokens};
+    uint64_t small = 0;
+    for (uint32_t d = 0; d < c.decode_tp; d++) {
+        uint64_t bytes = kvs_engine_slot_bytes(&geo, d, 40);
+        if (bytes > small) small = bytes;
+    }
+    assert_true(small > 0 && small < full);
+    c.ring_bytes = small;
+    run_all_succeed(&c);
+    c.ring_bytes = small - 1;
+    snprintf(needed, sizeof(needed), "--ring-bytes >= %llu", (unsigned long long) small);
+    expect_refused(&c, "ring of", needed);
 }
 
 /* The completion timeout counts from "every writer reported Success", not from the room's
@@ -519,6 +567,20 @@ static void test_invalid_configurations(void **state)
     c.workload.prefix_len = c.workload.prompt_len;
     assert_int_equal(kvs_sim_run(&c, &r), KVS_ERR_INVALID);
     assert_int_equal(r.requests, 0x5a5a5a5a); /* untouched on error */
+    /* Pools smaller than one request (700 tokens: 44 pages of 16) can never admit it: refused
+     * rather than stalling admission until every later room times out. One request's worth
+     * runs. */
+    c = small_config();
+    c.decode_pool_pages = 3;
+    expect_refused(&c, "decode pool of 3 pages", "needs 44 pages");
+    c.decode_pool_pages = 43;
+    expect_refused(&c, "decode pool of 43 pages", "--decode-pool-pages >= 44");
+    c = small_config();
+    c.prefill_pool_pages = 3;
+    expect_refused(&c, "prefill pool of 3 pages", "--prefill-pool-pages >= 44");
+    c.prefill_pool_pages = c.decode_pool_pages = 44;
+    c.workload.requests = 8;
+    run_all_succeed(&c);
     uint32_t f;
     assert_int_equal(kvs_sim_faults_parse("drop,dup", &f), KVS_OK);
     assert_int_equal(f, KVS_SIM_FAULT_DROP | KVS_SIM_FAULT_DUP);

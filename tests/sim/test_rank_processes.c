@@ -162,6 +162,37 @@ static void test_bad_flags(void **state)
     expect(out, "unknown flag '--bogus'");
 }
 
+/* A staging ring smaller than one slot can never move a chunk: every rank refuses it at startup
+ * (usage error, exit 2) with the bytes it was given and the bytes one slot needs, the demo
+ * before starting any process, and nothing waits for peers that are gone. The defaults: TP4 ->
+ * TP2, 8 heads of 32, 4 layers, 2 bytes, a 256-token chunk: 2 heads * 4 layers * (32 + 32) * 2
+ * bytes * 256 tokens = 262144 bytes per writer region and two writers per decode rank. */
+static void test_ring_smaller_than_slot_refused(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    static char out[1 << 14];
+    const char *need = "(--ring-bytes >= 524288)";
+    assert_int_equal(run("demo --ring-bytes 100 --deadline-s 20", out, sizeof(out), 1), 2);
+    expect(out, "demo: a staging ring of 100 bytes per decode rank can never hold one slot");
+    expect(out, need);
+    /* Each side on its own, with a registry nobody serves: refused before bootstrap. */
+    assert_int_equal(run("decode --rank 1 --registry tcp://127.0.0.1:9 --ring-bytes 524287 "
+                         "--deadline-s 20",
+                         out, sizeof(out), 1),
+                     2);
+    expect(out, "decode rank 1: a staging ring of 524287 bytes");
+    expect(out, need);
+    assert_int_equal(run("prefill --rank 0 --registry tcp://127.0.0.1:9 --ring-bytes 4096 "
+                         "--deadline-s 20",
+                         out, sizeof(out), 1),
+                     2);
+    expect(out, "prefill rank 0: a staging ring of 4096 bytes");
+    expect(out, need);
+    /* One slot is enough (rooms wait for it in turn). */
+    demo_ok("--ring-bytes 524288 --requests 8 --concurrency 4");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -171,6 +202,7 @@ int main(void)
         cmocka_unit_test(test_replicated_and_mla),
         cmocka_unit_test(test_incompatible_decode_refused),
         cmocka_unit_test(test_bad_flags),
+        cmocka_unit_test(test_ring_smaller_than_slot_refused),
         cmocka_unit_test(test_gpu_cuda_ipc),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

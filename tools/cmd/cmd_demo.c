@@ -373,6 +373,12 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
     int rc = parse_deployment(argc, argv, first, &f, &json);
     if (rc != GO_ON) return rc;
     const kvs_rank_config_t *c = &f.cfg;
+    /* Every rank would refuse it at startup; say so once, before starting any. */
+    if (kvs_rank_check(c, "demo") != KVS_OK) {
+        fprintf(stderr, "error: invalid deployment; see the message above and `kvstage demo "
+                        "--help`\n");
+        return 2;
+    }
     int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
     if (pick_gpus(c, gpus, gpu) != 0) return 2;
     kvs_registry_t *registry;

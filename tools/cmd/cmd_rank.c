@@ -104,7 +104,8 @@ static int rank_run(const kvs_rank_config_t *c, int json)
     if (st != KVS_OK) {
         fprintf(stderr, "error: %s rank %u could not run: %s\n", side_name(c->side), c->rank,
                 kvs_status_str(st));
-        return 1;
+        /* A configuration that can never run is a usage error, as in `kvstage sim`. */
+        return st == KVS_ERR_INVALID ? 2 : 1;
     }
     int ok = kvs_rank_result_ok(&r);
     if (json)

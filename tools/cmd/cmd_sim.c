@@ -185,7 +185,7 @@ typedef struct {
     const char *faults, *gpus;
     uint64_t misaligned;
     uint64_t to_us[6]; /* retry, bootstrap, transfer, waiting, completion, release */
-    uint64_t write_delay_us;
+    uint64_t write_delay_us, step_us;
 } sim_opts_t;
 
 static void sim_opts_default(sim_opts_t *o)
@@ -200,6 +200,7 @@ static void sim_opts_default(sim_opts_t *o)
     o->workload = o->c.workload.kind;
     o->faults = "none";
     o->gpus = "0";
+    o->step_us = o->c.step_ns / 1000;
     o->checksum = 1;
     o->misaligned = UINT64_MAX;
 }
@@ -317,6 +318,8 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
         {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)", NULL, NULL},
         {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)", NULL, NULL},
         {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)", NULL, NULL},
+        {"step-us", KVS_ARG_U64, &o->step_us, "virtual us of one prefill forward pass (50)", NULL,
+         NULL},
         {"write-delay-us", KVS_ARG_U64, &o->write_delay_us,
          "data writes land up to this late, virtual us (20 under reorder, else 0)", NULL, NULL},
     };
@@ -380,8 +383,10 @@ static int build_faults(sim_opts_t *o)
         c->misaligned_request = o->misaligned > INT64_MAX ? -1 : (int64_t) o->misaligned;
     c->workload.kind = (kvs_workload_kind_t) o->workload;
     c->write_delay_ns = o->write_delay_us * 1000;
+    c->step_ns = o->step_us * 1000;
     for (int i = 0; i < 6; i++) {
-        if (o->to_us[i] > UINT64_MAX / 1000 || o->write_delay_us > UINT64_MAX / 1000) {
+        if (o->to_us[i] > UINT64_MAX / 1000 || o->write_delay_us > UINT64_MAX / 1000 ||
+            o->step_us > UINT64_MAX / 1000) {
             fprintf(stderr, "error: timeout of %llu us is too large\n",
                     (unsigned long long) o->to_us[i]);
             return 2;

@@ -36,6 +36,9 @@ static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t
         c->ring_slots = slots;
     for (uint32_t bit = 0; bit < 5; bit++)
         if (kvs_rng_chance(rng, 3, 10)) c->faults |= 1u << bit;
+    /* corruption too, combined with every other fault (a separate draw keeps the rest of
+     * each scenario as it was) */
+    if (kvs_rng_chance(rng, 1, 4)) c->faults |= KVS_SIM_FAULT_CORRUPT;
     c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, max_fault_rooms);
     if (kvs_rng_chance(rng, 1, 4))
         c->write_delay_ns = kvs_rng_range(rng, 1, max_delay) * c->tick_ns;
@@ -233,7 +236,10 @@ static const char *violated(const kvs_sim_config_t *c, const kvs_sim_result_t *r
     uint32_t reasons = 0;
     for (int i = 0; i < 16; i++) reasons += r->fail_reasons[i];
     if (reasons != r->failed || r->fail_reasons[0] != 0) return "7.5: a failed room has no reason";
-    (void) c;
+    /* Checksums catch corruption or the bytes would differ above; never more than injected. */
+    if (r->corrupt_detected > r->corrupt_injected) return "more checksum failures than corruptions";
+    if (!(c->faults & KVS_SIM_FAULT_CORRUPT) && (r->corrupt_injected || r->corrupt_detected))
+        return "corruption without the fault";
     return NULL;
 }
 

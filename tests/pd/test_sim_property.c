@@ -287,7 +287,7 @@ static void run_scenarios(const char *name, generator_fn gen, uint64_t seed, uin
     }
     kvs_log_set_sink(NULL, NULL);
     print_message("%s: %llu scenarios (seed 0x%llx), %llu with faults; %llu of %llu rooms failed "
-                  "under abort/timeout/misalignment faults; %llu chunks scattered\n",
+                  "under abort/timeout/misalignment/corruption faults; %llu chunks scattered\n",
                   name, (unsigned long long) iters, (unsigned long long) seed,
                   (unsigned long long) faulted, (unsigned long long) failed_rooms,
                   (unsigned long long) rooms, (unsigned long long) chunks);

@@ -181,6 +181,23 @@ static void test_one_slot_ring(void **state)
     run_all_succeed(&c);
 }
 
+/* Prefill TP3 -> decode TP2 over 6 small heads: decode 0 takes heads from prefill 0 and 1, so
+ * prefill 1 writes to both decode ranks and its window can wait on either ring. */
+static kvs_sim_config_t three_to_two(uint32_t layers)
+{
+    kvs_sim_config_t c;
+    kvs_sim_config_default(&c);
+    c.shape = (kvs_kv_shape_t){.layers = layers,
+                               .kv_heads = 6,
+                               .head_dim_k = 8,
+                               .head_dim_v = 8,
+                               .elem_bytes = 2,
+                               .attn = KVS_ATTN_MHA};
+    c.prefill_tp = 3;
+    c.decode_tp = 2;
+    return c;
+}
+
 /* Prefill TP3 -> decode TP2 with 6 heads: prefill rank 1 writes to both decode ranks, rank 0
  * only to decode 0 and rank 2 only to decode 1, so ranks 0 and 2 run ahead of rank 1. A grant
  * goes to every writer of a chunk, requested or not, so rank 1 receives grants for chunks
@@ -192,16 +209,7 @@ static void test_unrequested_grant_beyond_window(void **state)
     (void) state;
     static const uint64_t seeds[] = {6, 17, 29};
     for (size_t i = 0; i < sizeof(seeds) / sizeof(seeds[0]); i++) {
-        kvs_sim_config_t c;
-        kvs_sim_config_default(&c);
-        c.shape = (kvs_kv_shape_t){.layers = 2,
-                                   .kv_heads = 6,
-                                   .head_dim_k = 8,
-                                   .head_dim_v = 8,
-                                   .elem_bytes = 2,
-                                   .attn = KVS_ATTN_MHA};
-        c.prefill_tp = 3;
-        c.decode_tp = 2;
+        kvs_sim_config_t c = three_to_two(2);
         c.page_size = 1;
         c.chunk_tokens = 2;
         c.ring_slots = 2;
@@ -228,16 +236,7 @@ static void test_lost_grant_to_writer_that_has_not_asked(void **state)
     (void) state;
     kvs_log_set_level(KVS_LOG_ERROR);
     for (uint64_t seed = 1; seed <= 30; seed++) {
-        kvs_sim_config_t c;
-        kvs_sim_config_default(&c);
-        c.shape = (kvs_kv_shape_t){.layers = 1,
-                                   .kv_heads = 6,
-                                   .head_dim_k = 8,
-                                   .head_dim_v = 8,
-                                   .elem_bytes = 2,
-                                   .attn = KVS_ATTN_MHA};
-        c.prefill_tp = 3;
-        c.decode_tp = 2;
+        kvs_sim_config_t c = three_to_two(1);
         c.page_size = 16;
         c.chunk_tokens = 16;
         c.ring_slots = 4;

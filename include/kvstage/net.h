@@ -58,6 +58,10 @@ typedef struct {
     uint64_t connect_timeout_ns;  /* a peer never heard within this is dead; a write waits
                                      this long for its wireup (10 s) */
     uint64_t write_timeout_ns;    /* a write with no completed piece for this long fails (30 s) */
+    /* Test hook: the corrupt_nth-th (1-based) write of a prefill rank from host memory has one
+     * bit of its source flipped as it starts (after the sender computed its checksum), as a
+     * bad link or a stray write would; decode's checksum must catch it. 0: off. */
+    uint64_t corrupt_nth;
 } kvs_net_config_t;
 
 /* Counters of one link (monotonic unless noted). */
@@ -73,6 +77,7 @@ typedef struct {
     uint64_t wireups_sent, wireups_received;
     uint64_t writes, write_bytes, writes_failed;
     uint64_t writes_in_flight; /* now */
+    uint64_t corrupted;        /* writes the corrupt_nth test hook flipped a bit of */
 } kvs_net_stats_t;
 
 /* Binds the control endpoint, connects to the known peers and creates the UCX context and

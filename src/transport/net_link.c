@@ -452,6 +452,12 @@ static kvs_status_t net_write(void *ctx, uint32_t peer, uint64_t offset, const v
     w->ticket = ++n->next_ticket;
     w->peer = peer;
     w->status = KVS_INPROGRESS;
+    if (n->cfg.corrupt_nth != 0 && w->ticket == n->cfg.corrupt_nth && len > 0 &&
+        n->cfg.mem == KVS_MEM_HOST) {
+        /* The test hook: the source is the sender's staging buffer, checksummed already. */
+        ((uint8_t *) src)[len / 2] ^= 0x10;
+        n->st.corrupted++;
+    }
     w->src = src;
     w->offset = offset;
     w->len = len;

@@ -129,6 +129,7 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
                                  .mem = c.mem,
                                  .device = c.device,
                                  .liveness_timeout_ns = c.liveness_timeout_ns,
+                                 .corrupt_nth = c.corrupt_nth,
                                  .timeouts = c.timeouts,
                                  .write_mode = c.write_mode,
                                  .ring_bytes = c.ring_bytes};

@@ -35,6 +35,7 @@ typedef struct {
     uint64_t ring_bytes;            /* decode: 0 = four full slots */
     kvs_pd_timeouts_t timeouts;     /* zero fields: defaults scaled for a local demo */
     uint64_t liveness_timeout_ns;   /* 0: the link's default */
+    uint64_t corrupt_nth;           /* prefill test hook: corrupt this write (kvstage/net.h) */
     uint64_t deadline_ns;           /* give up after this much real time (0: 10 minutes) */
     uint64_t drain_ns;              /* keep answering peers this long after the last room */
     /* Called about every 100 ms and at the end, with this rank's counts so far. */

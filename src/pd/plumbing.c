@@ -104,7 +104,8 @@ kvs_status_t kvs_plumbing_create(const kvs_plumbing_config_t *config, kvs_pool_t
                            .registry = prefill ? NULL : c->registry,
                            .mem = c->mem,
                            .device = c->device,
-                           .liveness_timeout_ns = c->liveness_timeout_ns};
+                           .liveness_timeout_ns = c->liveness_timeout_ns,
+                           .corrupt_nth = prefill ? c->corrupt_nth : 0};
     if ((st = kvs_net_link_create(&nc, &p.link)) != KVS_OK) goto fail;
     if (c->serve_registry && (st = kvs_registry_create(c->registry, &p.registry)) != KVS_OK)
         goto fail;

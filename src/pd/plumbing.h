@@ -33,6 +33,7 @@ typedef struct {
     kvs_mem_kind_t mem; /* where the pool lives (the ring or staging buffers too) */
     int device;
     uint64_t liveness_timeout_ns; /* 0: the link's default */
+    uint64_t corrupt_nth;         /* prefill test hook: kvs_net_config_t.corrupt_nth */
     kvs_pd_timeouts_t timeouts;   /* zero fields: defaults scaled for processes on one host */
     kvs_write_mode_t write_mode;  /* prefill */
     uint64_t ring_bytes;          /* decode: 0 = four full slots */

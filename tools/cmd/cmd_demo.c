@@ -40,7 +40,8 @@ typedef struct {
     /* Parsed from the result. */
     int have_result, ok;
     unsigned long long succeeded, failed, mismatched, leaked_slots, leaked_pages, leaked_rooms;
-    kvs_pd_metrics_t metrics; /* the result's transfer counters (rejected: the link's too) */
+    unsigned long long corrupted; /* writes its link corrupted (--corrupt-nth) */
+    kvs_pd_metrics_t metrics;     /* the result's transfer counters (rejected: the link's too) */
 } child_t;
 
 static const char intro[] =
@@ -75,6 +76,7 @@ static void parse_line(child_t *c, const char *line)
     c->leaked_slots = json_u64(line, "leaked_slots");
     c->leaked_pages = json_u64(line, "leaked_pages");
     c->leaked_rooms = json_u64(line, "leaked_rooms");
+    c->corrupted = json_u64(line, "corrupt_injected");
     uint32_t nf;
     const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
     for (uint32_t i = 0; i < nf; i++)
@@ -278,6 +280,7 @@ typedef struct {
     unsigned long long succeeded, failed, mismatched, lslots, lpages, lrooms;
     /* Chunks scattered are the receivers', writes and bytes the senders', messages both's. */
     unsigned long long chunks, writes, direct, bytes, msgs, retries, rejected;
+    unsigned long long corrupt_injected, corrupt_detected; /* --corrupt-nth */
 } totals_t;
 
 /* Folds the started ranks' results into *t (ok only if all_started too); unless json, prints a
@@ -298,6 +301,7 @@ static void sum_children(const child_t *cs, int started, int all_started, int js
         t->lslots += k->leaked_slots;
         t->lpages += k->leaked_pages;
         t->lrooms += k->leaked_rooms;
+        t->corrupt_injected += k->corrupted;
         kvs_pd_metrics_add(k->side_decode ? &rx : &tx, &k->metrics);
         if (!json)
             printf("  %-7s rank %u: %s, %llu succeeded, %llu failed%s\n",
@@ -315,6 +319,7 @@ static void sum_children(const child_t *cs, int started, int all_started, int js
     t->msgs = tx.msgs_sent + rx.msgs_sent;
     t->retries = tx.retries + rx.retries;
     t->rejected = tx.rejected + rx.rejected;
+    t->corrupt_detected = rx.checksum_failures;
 }
 
 static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t0)
@@ -342,6 +347,8 @@ static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t
     kvs_json_u64(&j, "retries", t->retries);
     kvs_json_u64(&j, "rejected_messages", t->rejected);
     kvs_json_u64(&j, "bytes_moved", t->bytes);
+    kvs_json_u64(&j, "corrupt_injected", t->corrupt_injected);
+    kvs_json_u64(&j, "corrupt_detected", t->corrupt_detected);
     kvs_json_double(&j, "wall_s", (kvs_now_ns() - t0) / 1e9);
     kvs_json_end(&j);
 }

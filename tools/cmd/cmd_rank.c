@@ -38,6 +38,7 @@ static void print_json(const kvs_rank_config_t *c, const kvs_rank_result_t *r, i
     for (uint32_t i = 0; i < nf; i++)
         if (f[i].json != NULL) kvs_json_u64(&j, f[i].json, kvs_pd_metrics_get(&m, &f[i]));
     kvs_json_u64(&j, "dead_peers", r->net.dead_peers);
+    kvs_json_u64(&j, "corrupt_injected", r->net.corrupted);
     kvs_json_bool(&j, "timed_out", r->timed_out);
     kvs_json_double(&j, "wall_s", r->wall_s);
     kvs_json_end(&j);

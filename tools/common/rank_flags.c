@@ -70,6 +70,10 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token and layer", NULL, NULL},
         {"page-size", KVS_ARG_U32, &c->geo.page_size, "tokens per page (16)", NULL, NULL},
         {"chunk", KVS_ARG_U32, &c->geo.chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
+        {"corrupt-nth", KVS_ARG_U64, &c->corrupt_nth,
+         "test hook: each prefill rank flips a bit of its n-th staged data write (a transport "
+         "write: tcp, or --write-mode staged) in flight, after its checksum (0: off)",
+         NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &checksum,
          "end-to-end chunk checksums, verified on decode; every rank must agree (on)", NULL, NULL},
         {"layout", KVS_ARG_CHOICE, &layout, "this rank's pool layout (nhd)", "nhd|hnd", NULL},

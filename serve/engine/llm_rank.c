@@ -385,7 +385,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                    .prefill_tp = c.prefill_tp,
                                    .decode_tp = decode || prefill ? c.decode_tp : c.prefill_tp,
                                    .page_size = c.page_size,
-                                   .chunk_tokens = c.chunk_tokens};
+                                   .chunk_tokens = c.chunk_tokens,
+                                   .no_checksum = c.no_checksum ? 1u : 0u};
     if ((prefill || decode) && (st = kvs_pd_geometry_validate(&geo)) != KVS_OK) goto out;
 
     /* Running requests' pages, and as much again for the radix cache to keep. */

@@ -35,6 +35,7 @@ typedef struct {
     uint32_t max_prompt;   /* longest prompt */
     uint32_t max_new;      /* most tokens generated per request (sizes the pool) */
     int radix;             /* this instance's radix prefix cache */
+    int no_checksum;       /* prefill and decode: chunk checksums off (both sides must agree) */
     /* TP group (tp > 1): a POSIX shm name unique per run and instance ("/kvs-<pid>-p"). */
     const char *group;
     uint64_t group_timeout_ms; /* 0: 120 s (ranks load the model before joining) */

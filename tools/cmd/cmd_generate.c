@@ -68,7 +68,7 @@ static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
 /* Flag values that are not kvs_llm_rank_config_t fields as they stand. */
 typedef struct {
     kvs_llm_rank_config_t c;
-    int role, data;
+    int role, data, checksum;
     const char *seeded;
     char path[4096]; /* the default model's, when neither --model nor --seeded is given */
 } llm_rank_opts_t;
@@ -84,6 +84,7 @@ static void llm_rank_default(llm_rank_opts_t *o)
     c->max_prompt = 1024;
     c->max_new = 256;
     c->radix = 1;
+    o->checksum = 1;
 }
 
 static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
@@ -115,6 +116,8 @@ static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", NULL, NULL},
         {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", NULL, NULL},
         {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
+        {"checksum", KVS_ARG_ONOFF, &o->checksum,
+         "end-to-end chunk checksums; both instances must agree", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -140,6 +143,7 @@ static int llm_rank_config_build(llm_rank_opts_t *o)
     kvs_llm_rank_config_t *c = &o->c;
     c->role = (kvs_llm_role_t) o->role;
     c->data = (kvs_net_data_t) o->data;
+    c->no_checksum = !o->checksum;
     if (o->seeded != NULL) {
         if (kvs_parse_seeded(o->seeded, &c->seeded) != 0) {
             fprintf(stderr, "error: bad value '%s' for '--seeded'\n", o->seeded);
@@ -213,7 +217,7 @@ typedef struct {
     uint32_t max_tokens, prefill_tp, decode_tp, tp, page_size, chunk, timeout_s, max_running;
     uint64_t seed, model_seed;
     double temperature, top_p;
-    int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen;
+    int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
     const char *system, *model, *seeded;
     /* model */
     char model_path[4096];
@@ -538,6 +542,7 @@ static void rank_argv(const gen_t *g, const child_t *c, const char *registry, ra
     add_num(a, "--max-running", g->max_running);
     add_arg(a, "--radix",
             (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
+    add_arg(a, "--checksum", g->checksum ? "on" : "off");
     const int gi = c->role == KVS_LLM_PREFILL ? 0 : c->role == KVS_LLM_DECODE ? 1 : 2;
     add_arg(a, "--group", g->groups[gi]);
     if (registry != NULL) add_arg(a, "--registry", registry);
@@ -988,6 +993,7 @@ static void gen_default(gen_t *g)
     g->page_size = 16;
     g->chunk = 64;
     g->prefill_radix = g->decode_radix = 1;
+    g->checksum = 1;
     g->sequential = 1;
     g->seed = 1;
     g->timeout_s = 300;
@@ -1036,6 +1042,8 @@ static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
          NULL},
+        {"checksum", KVS_ARG_ONOFF, &g->checksum,
+         "end-to-end chunk checksums of the KV handoff (on)", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, a);
 }

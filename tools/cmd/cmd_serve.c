@@ -56,7 +56,7 @@ typedef struct {
     uint64_t model_seed;
     uint32_t tp, peer_tp, port, page_size, chunk, max_running, max_prompt, max_new, threads;
     uint32_t startup_s;
-    int radix, data, peer_tp_seen, page_seen, chunk_seen;
+    int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
 } serve_flags_t;
 
 /* The model's configuration and tokenizer (GGUF) or the seeded configuration. 0, 1 or 2. */
@@ -216,6 +216,7 @@ static void serve_flags_default(serve_flags_t *f)
     f->max_prompt = 1024;
     f->max_new = 256;
     f->radix = 1;
+    f->checksum = 1;
     f->threads = 4;
     f->startup_s = 300;
 }
@@ -259,6 +260,10 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", NULL,
          &f->chunk_seen},
         {"radix", KVS_ARG_ONOFF, &f->radix, "radix prefix cache (on)", NULL, NULL},
+        {"checksum", KVS_ARG_ONOFF, &f->checksum,
+         "end-to-end chunk checksums of the KV handoff; a decode server refuses a prefill "
+         "instance with the other setting (on)",
+         NULL, NULL},
         {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", NULL, NULL},
         {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", NULL, NULL},
         {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)", NULL,
@@ -331,6 +336,7 @@ static int start_instance(serve_run_t *s)
                                 .max_prompt = f->max_prompt,
                                 .max_new = f->max_new,
                                 .radix = f->radix,
+                                .no_checksum = !f->checksum,
                                 .registry = s->ep,
                                 .data = f->data};
     if (kvs_instance_start(&ic, &s->inst) != 0) return 1;

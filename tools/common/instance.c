@@ -93,6 +93,8 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     }
     args[n++] = "--radix";
     args[n++] = c->radix ? "on" : "off";
+    args[n++] = "--checksum";
+    args[n++] = c->no_checksum ? "off" : "on";
     args[n++] = "--group";
     args[n++] = inst->group;
     if (pd) {

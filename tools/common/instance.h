@@ -25,6 +25,7 @@ typedef struct {
     uint64_t model_seed;
     uint32_t page_size, chunk, max_running, max_prompt, max_new;
     int radix;
+    int no_checksum;      /* prefill and decode: chunk checksums off */
     const char *registry; /* prefill and decode: the prefill instance's registry endpoint */
     int data;             /* UCX data: 0 auto, 1 shm, 2 tcp */
 } kvs_instance_config_t;

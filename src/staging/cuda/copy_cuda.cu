@@ -45,7 +45,8 @@ constexpr size_t SLOT_MIN_BYTES = 64 * 1024;        /* first pinned size of a sl
 constexpr uint32_t MAX_UNITS = 0x7fffffffu - CHUNK; /* per block, so 32-bit indices never wrap */
 constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel parameters */
 /* Checksum partial sums per copy: block b adds into sum b % CSUM_SPREAD, so a large copy's
- * atomics do not all queue on one address; the host adds them up. */
+ * atomics do not all queue on one address; the block that finishes last folds them into the
+ * result and clears them for the next copy (no clear and no copy back per copy). */
 constexpr uint32_t CSUM_SPREAD = 64;
 
 /* ---- division by an invariant 32-bit divisor ----
@@ -90,12 +91,14 @@ struct entry_t {
 static_assert(sizeof(entry_t) == 64, "entry_t is one 64-byte record");
 
 struct launch_t {
-    const entry_t *entries;   /* [layers * components], in the device scratch */
-    const uint32_t *pages;    /* [npages], in the device scratch after the entries */
-    fastdiv_t heads;          /* selected heads */
-    fastdiv_t page_size;      /* P */
-    const uint8_t *region;    /* the writer region, for checksum offsets */
-    unsigned long long *csum; /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
+    const entry_t *entries;       /* [layers * components], in the device scratch */
+    const uint32_t *pages;        /* [npages], in the device scratch after the entries */
+    fastdiv_t heads;              /* selected heads */
+    fastdiv_t page_size;          /* P */
+    const uint8_t *region;        /* the writer region, for checksum offsets */
+    unsigned long long *csum;     /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
+    unsigned int *csum_count;     /* blocks done; the last one resets it */
+    unsigned long long *csum_out; /* the sum, in host memory mapped into the device */
 };
 
 /* Small copies carry their table and page ids inside the launch's parameters (up to 32 KB
@@ -203,6 +206,27 @@ __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned c
     kvs_csum_small(&c, off, v, 1);
 }
 
+/* Adds this block's part of the checksum (thread 0's `part`; every thread calls it); the block
+ * that finishes last folds the partial sums into the result, in host memory, and leaves them
+ * and the counter zeroed for the next copy through this slot. */
+__device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long long part)
+{
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        if (part != 0) atomicAdd(&p.csum[(blockIdx.x + blockIdx.y) % CSUM_SPREAD], part);
+        __threadfence(); /* the part lands before the count says so */
+        last = atomicAdd(p.csum_count, 1u) == gridDim.x * gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();
+    unsigned long long sum = 0;
+    for (uint32_t i = 0; i < CSUM_SPREAD; i++) sum += atomicExch(&p.csum[i], 0ull);
+    *p.csum_count = 0;
+    *(volatile unsigned long long *) p.csum_out = sum;
+    __threadfence_system();
+}
+
 /* grid = (ceil(max units / CHUNK), layers * components); a thread moves vectors
  * base + tid, base + tid + THREADS, ... of its block's chunk. The phases are written out so
  * that all page-id loads are in flight together, then all data loads, then the stores: no
@@ -216,7 +240,10 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
     typedef typename vec_of<V>::type vec_t;
     const entry_t e = entries[blockIdx.y];
     const uint32_t base = blockIdx.x * CHUNK + threadIdx.x;
-    if (blockIdx.x * CHUNK >= e.units) return;
+    if (blockIdx.x * CHUNK >= e.units) {
+        if (p.csum != nullptr) csum_block_done(p, 0); /* every block counts */
+        return;
+    }
     uint32_t index[UNROLL];
     uint64_t off[UNROLL];
 #pragma unroll
@@ -249,7 +276,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
         }
     }
     /* The checksum of the bytes just moved, from the registers that moved them: summed per
-     * thread, then per warp, then once per warp into the copy's two lanes. */
+     * thread, then per warp and per block, then once per block into one of the partial sums. */
     if (p.csum != nullptr) {
         kvs_csum_t c = {0};
         const uint64_t block_off = (uint64_t) (e.block - p.region);
@@ -263,12 +290,12 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
         __shared__ unsigned long long warp_sums[THREADS / 32];
         if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = c.a;
         __syncthreads();
+        unsigned long long total = 0;
         if (threadIdx.x == 0) {
-            unsigned long long total = 0;
 #pragma unroll
             for (uint32_t w = 0; w < THREADS / 32; w++) total += warp_sums[w];
-            atomicAdd(&p.csum[(blockIdx.x + blockIdx.y) % CSUM_SPREAD], total);
         }
+        csum_block_done(p, total);
     }
 }
 
@@ -460,9 +487,11 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;  /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
-    unsigned long long *csum_host; /* [NSLOTS][CSUM_SPREAD] pinned: where they land */
-    launch_inline_t params;        /* built here, snapshotted by the launch */
+    unsigned long long *csum_dev;      /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
+    unsigned int *csum_count;          /* [NSLOTS] blocks done per slot's copy */
+    unsigned long long *csum_host;     /* [NSLOTS] pinned and mapped: each slot's last sum */
+    unsigned long long *csum_host_dev; /* the same, as the device sees it */
+    launch_inline_t params;            /* built here, snapshotted by the launch */
 };
 
 const char *dir_name(kvs_copy_dir_t dir)
@@ -504,8 +533,7 @@ void deliver_checksums(cuda_ctx_t *c)
     for (uint32_t i = 0; i < NSLOTS; i++) {
         slot_t *s = &c->slots[i];
         if (s->csum_out == NULL || s->ticket > c->done) continue;
-        kvs_csum_t sums = {0};
-        for (uint32_t k = 0; k < CSUM_SPREAD; k++) sums.a += c->csum_host[i * CSUM_SPREAD + k];
+        const kvs_csum_t sums = {((volatile unsigned long long *) c->csum_host)[i]};
         *s->csum_out = kvs_csum_final(&sums, s->csum_bytes);
         s->csum_out = NULL;
     }
@@ -632,11 +660,11 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
     unsigned long long *lanes = c->csum_dev + (size_t) (s - c->slots) * CSUM_SPREAD;
     if (d->checksum != NULL) {
         launch_t *lp = inl ? &c->params.p : &p;
+        const size_t slot = (size_t) (s - c->slots);
         lp->region = d->region;
         lp->csum = lanes;
-        st = KVS_CUDA_CHECK(cudaMemsetAsync(lanes, 0, CSUM_SPREAD * sizeof(*lanes), c->stream),
-                            "copy(cuda): clearing a checksum");
-        if (st != KVS_OK) return st;
+        lp->csum_count = c->csum_count + slot;
+        lp->csum_out = c->csum_host_dev + slot;
     }
     const dim3 grid(plan->blocks_x, plan->entries), block(THREADS);
     st = KVS_CUDA_CHECK(
@@ -644,11 +672,7 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         "copy(cuda): %s of %u pages x %u tokens x %u heads (%u-byte vectors, grid %u x %u%s)",
         dir_name(dir), d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
         plan->entries, inl ? ", inline table" : "");
-    if (st != KVS_OK || d->checksum == NULL) return st;
-    return KVS_CUDA_CHECK(cudaMemcpyAsync(c->csum_host + (size_t) (s - c->slots) * CSUM_SPREAD,
-                                          lanes, CSUM_SPREAD * sizeof(*lanes),
-                                          cudaMemcpyDeviceToHost, c->stream),
-                          "copy(cuda): fetching a checksum");
+    return st;
 }
 
 kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
@@ -739,6 +763,8 @@ void release(cuda_ctx_t *c)
         (void) KVS_CUDA_CHECK(cudaStreamDestroy(c->stream), "copy(cuda): stream");
     }
     if (c->csum_dev != NULL) (void) KVS_CUDA_CHECK(cudaFree(c->csum_dev), "copy(cuda): checksums");
+    if (c->csum_count != NULL)
+        (void) KVS_CUDA_CHECK(cudaFree(c->csum_count), "copy(cuda): checksum counters");
     if (c->csum_host != NULL)
         (void) KVS_CUDA_CHECK(cudaFreeHost(c->csum_host), "copy(cuda): pinned checksums");
     for (uint32_t i = 0; i < NSLOTS; i++) {
@@ -821,13 +847,26 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
+    /* Cleared once here; after that each copy's last block leaves them cleared. */
     const size_t lanes = (size_t) NSLOTS * CSUM_SPREAD * sizeof(unsigned long long);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMallocHost((void **) &c->csum_host, lanes),
-                            "copy(cuda): pinned checksum lanes");
+        st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count, NSLOTS * sizeof(unsigned int)),
+                            "copy(cuda): checksum counters on device %d", device);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, NSLOTS * sizeof(unsigned int)),
+                            "copy(cuda): checksum counters");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,
+                                          NSLOTS * sizeof(unsigned long long), cudaHostAllocMapped),
+                            "copy(cuda): mapped checksum results");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaHostGetDevicePointer((void **) &c->csum_host_dev, c->csum_host, 0),
+                            "copy(cuda): mapped checksum results");
     for (uint32_t i = 0; i < NSLOTS && st == KVS_OK; i++) {
         st = KVS_CUDA_CHECK(cudaEventCreateWithFlags(&c->slots[i].done, cudaEventDisableTiming),
                             "copy(cuda): event on device %d", device);

@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #include "kvstage/alloc.h"
@@ -33,6 +33,36 @@ static inline void copy_bytes(uint8_t *dst, const uint8_t *src, uint64_t n)
     memcpy(dst, src, n);
 }
 
+#if defined(__x86_64__)
+/* The AVX2 form of the loop below: 32 bytes, eight words and four multiplies a step. Returns
+ * the bytes it did (a multiple of 32); the caller finishes the rest. */
+__attribute__((target("avx2"))) static uint64_t
+copy_sum_avx2(uint8_t *dst, const uint8_t *src, uint64_t n, kvs_csum_t *cs, uint64_t off)
+{
+    const uint32_t k0 = kvs_csum_key(off >> 2);
+    __m256i keys = _mm256_setr_epi32((int) k0, (int) (k0 + KVS_CSUM_D), (int) (k0 + 2 * KVS_CSUM_D),
+                                     (int) (k0 + 3 * KVS_CSUM_D), (int) (k0 + 4 * KVS_CSUM_D),
+                                     (int) (k0 + 5 * KVS_CSUM_D), (int) (k0 + 6 * KVS_CSUM_D),
+                                     (int) (k0 + 7 * KVS_CSUM_D));
+    const __m256i step = _mm256_set1_epi32((int) (8 * KVS_CSUM_D));
+    __m256i acc = _mm256_setzero_si256();
+    uint64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *) (src + i));
+        _mm_stream_si128((__m128i *) (dst + i), _mm256_castsi256_si128(v));
+        _mm_stream_si128((__m128i *) (dst + i + 16), _mm256_extracti128_si256(v, 1));
+        acc = _mm256_add_epi64(acc, _mm256_mul_epu32(v, keys));
+        acc = _mm256_add_epi64(
+            acc, _mm256_mul_epu32(_mm256_srli_epi64(v, 32), _mm256_srli_epi64(keys, 32)));
+        keys = _mm256_add_epi32(keys, step);
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *) lanes, acc);
+    cs->a += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    return i;
+}
+#endif
+
 /* Copies n bytes and adds them, as they sit at region offset `off`, to the checksum, in one
  * pass: each 16-byte load feeds the streaming store and two widening multiplies (two of its
  * words each, SSE2). Falls back to a copy and a sum over the bytes just copied where dst, n or
@@ -42,6 +72,15 @@ static inline void copy_bytes_sum(uint8_t *dst, const uint8_t *src, uint64_t n, 
 {
 #if defined(__x86_64__)
     if ((((uintptr_t) dst | n) & 15) == 0 && (off & 3) == 0) {
+        static int avx2 = -1; /* this CPU's, found once */
+        if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") != 0;
+        if (avx2) {
+            const uint64_t done = copy_sum_avx2(dst, src, n, cs, off);
+            dst += done;
+            src += done;
+            off += done;
+            n -= done;
+        }
         const uint32_t k0 = kvs_csum_key(off >> 2);
         __m128i keys = _mm_setr_epi32((int) k0, (int) (k0 + KVS_CSUM_D),
                                       (int) (k0 + 2 * KVS_CSUM_D), (int) (k0 + 3 * KVS_CSUM_D));

@@ -70,6 +70,11 @@ kvs_status_t kvs_rank_check(const kvs_rank_config_t *c, const char *who)
 {
     kvs_status_t st = kvs_pd_geometry_validate(&c->geo);
     if (st != KVS_OK) return st;
+    if (c->workload.requests == 0 || c->workload.prompt_len == 0 || c->concurrency == 0) {
+        kvs_error("%s: requests (%u), prompt length (%u) and concurrency (%u) must be > 0", who,
+                  c->workload.requests, c->workload.prompt_len, c->concurrency);
+        return KVS_ERR_INVALID;
+    }
     /* Without --ring-bytes the ring is four full slots: it always fits. The pool is sized from
      * the workload (and the engine checks it). */
     if (c->ring_bytes == 0) return KVS_OK;
@@ -88,9 +93,9 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     snprintf(who, sizeof(who), "%s rank %u", prefill ? "prefill" : "decode", c.rank);
     kvs_status_t st = kvs_rank_check(&c, who);
     if (st != KVS_OK) return st;
-    if (c.rank >= tp || c.registry == NULL || c.concurrency == 0) {
-        kvs_error("rank: rank %u of TP %u, registry %s, concurrency %u: invalid", c.rank, tp,
-                  c.registry ? c.registry : "(none)", c.concurrency);
+    if (c.rank >= tp || c.registry == NULL) {
+        kvs_error("rank: rank %u of TP %u, registry %s: invalid", c.rank, tp,
+                  c.registry ? c.registry : "(none)");
         return KVS_ERR_INVALID;
     }
     if (!c.deadline_ns) c.deadline_ns = 600ull * 1000000000ull;

@@ -472,7 +472,8 @@ int kvs_cmd_serve(int argc, char **argv)
     serve_run_t s = {.f = &f, .role = role_str(f.role), .path = path, .mc = &mc};
     s.inst.in_fd = s.inst.out_fd = -1; /* not started: nothing to close */
     if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
-    if (f.role == KVS_LLM_DECODE) rc = learn_from_prefill(&f);
+    /* Without --bootstrap there is nothing to ask: check_flags says what is missing. */
+    if (f.role == KVS_LLM_DECODE && f.bootstrap != NULL) rc = learn_from_prefill(&f);
     if (rc == 0) rc = check_flags(&f, &mc);
     if (rc == 0) rc = serve_instance(&s);
     return serve_teardown(&s, rc);

@@ -629,6 +629,27 @@ static void test_serve_demo_smollm2(void **state)
     assert_non_null(strstr(out, "every process exited cleanly"));
 }
 
+/* A service manager stops a server by signalling its whole process group (its rank processes
+ * too): the server still shuts its instance down cleanly and exits 0. */
+static void test_sigterm_to_process_group(void **state)
+{
+    (void) state;
+    const char *args[] = {"serve", "--role", "colocated", "--seeded", "2,64,128,4,2,16,300",
+                          "--tp",  "2",      "--port",    "0",        NULL};
+    proc_t *p = spawn_tool(args);
+    wait_up(p, "serving on");
+    assert_int_equal(kill(-p->pid, SIGTERM), 0);
+    int status = 0;
+    uint64_t end = kvs_now_ns() + 30ull * 1000000000ull;
+    pid_t got = 0;
+    while ((got = waitpid(p->pid, &status, WNOHANG)) == 0 && kvs_now_ns() < end) sleep_ms(20);
+    if (got != p->pid) fail_msg("the server did not exit within 30 s of SIGTERM");
+    p->pid = 0;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("the server ended with %s %d", WIFEXITED(status) ? "exit status" : "signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+}
+
 /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
 static int demo_teardown(void **state)
 {
@@ -659,6 +680,7 @@ int main(void)
     };
     const struct CMUnitTest demo[] = {
         cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
+        cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
     };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);

@@ -174,6 +174,11 @@ int kvs_cmd_llm_rank(int argc, char **argv)
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     if ((rc = llm_rank_config_build(&o)) != 0) return rc;
     signal(SIGPIPE, SIG_IGN); /* a vanished launcher shows up as EOF and write errors */
+    /* A rank ends when its launcher closes its pipe (rank 0 then tells the others), so a
+     * SIGTERM or SIGINT to the whole process group (a service manager stopping a server, or
+     * Ctrl-C) is left to the launcher, which shuts its instance down cleanly. */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
     return kvs_llm_rank_run(&o.c, NULL) == KVS_OK ? 0 : 1;
 }
 

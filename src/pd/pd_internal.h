@@ -55,6 +55,13 @@ int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank);
  * few tries within the room timeouts on a lossy network. */
 #define KVS_PD_BACKOFF_MAX_SHIFT 3
 
+/* The wait before resend number `tries` + 1 of one message (0: after its first send). */
+static inline uint64_t kvs_pd_backoff(uint64_t srtt_ns, uint64_t retry_ns, uint32_t tries)
+{
+    const uint32_t shift = tries < KVS_PD_BACKOFF_MAX_SHIFT ? tries : KVS_PD_BACKOFF_MAX_SHIFT;
+    return kvs_pd_rto(srtt_ns, retry_ns) << shift;
+}
+
 /* Sets a timer: *timer = min(*timer, t). */
 static inline void kvs_pd_arm(uint64_t *timer, uint64_t t)
 {

@@ -276,9 +276,8 @@ static int writer_rank_index(const rroom_t *r, uint32_t prefill_rank)
 
 static void arm_grant_retry(kvs_receiver_t *rx, rroom_t *r, rchunk_t *c, uint64_t now)
 {
-    uint32_t t =
-        c->grant_tries < KVS_PD_BACKOFF_MAX_SHIFT ? c->grant_tries : KVS_PD_BACKOFF_MAX_SHIFT;
-    c->grant_retry_at = now + (kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns) << t);
+    c->grant_retry_at =
+        now + kvs_pd_backoff(rx->srtt_ns, rx->cfg.timeouts.retry_ns, c->grant_tries);
     if (r->unacked_grants == 0 || c->grant_retry_at < r->next_grant_retry)
         r->next_grant_retry = c->grant_retry_at;
 }
@@ -307,9 +306,8 @@ static void retry_grants(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
                 rx->m.retries++;
             }
             c->grant_tries++;
-            uint32_t t = c->grant_tries < KVS_PD_BACKOFF_MAX_SHIFT ? c->grant_tries
-                                                                   : KVS_PD_BACKOFF_MAX_SHIFT;
-            c->grant_retry_at = now + (kvs_pd_rto(rx->srtt_ns, rx->cfg.timeouts.retry_ns) << t);
+            c->grant_retry_at =
+                now + kvs_pd_backoff(rx->srtt_ns, rx->cfg.timeouts.retry_ns, c->grant_tries);
         }
         if (c->grant_retry_at < next) next = c->grant_retry_at;
     }

@@ -831,11 +831,10 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
 
 /* Sets the next resend: the interval doubles with every resend, up to 32x, so a request
  * queued behind a full ring is not resent at full rate while a lost one is still resent. */
-static void arm_retry(sdest_t *sd, uint64_t now, uint64_t rto_ns, uint32_t tries)
+static void arm_retry(const kvs_sender_t *tx, sdest_t *sd, uint64_t now, uint32_t tries)
 {
     sd->tries = tries;
-    sd->retry_at =
-        now + (rto_ns << (tries < KVS_PD_BACKOFF_MAX_SHIFT ? tries : KVS_PD_BACKOFF_MAX_SHIFT));
+    sd->retry_at = now + kvs_pd_backoff(tx->srtt_ns, tx->cfg.timeouts.retry_ns, tries);
     if (tries == 0) sd->sent_at = now;
 }
 
@@ -871,7 +870,7 @@ static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t
     sd->state = SD_READY_SENT;
     if (r->status != KVS_ROOM_FAILED) {
         send_chunk_ready(tx, r, k, d);
-        arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, tx->cfg.timeouts.retry_ns), 0);
+        arm_retry(tx, sd, now, 0);
     }
     return 1;
 }
@@ -960,14 +959,14 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (!may_request) break;
                 send_staging_req(tx, r, k, d);
                 sd->state = SD_REQUESTED;
-                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), 0);
+                arm_retry(tx, sd, now, 0);
                 events++;
                 break;
             case SD_REQUESTED:
                 if (now < sd->retry_at) break;
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
-                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), sd->tries + 1);
+                arm_retry(tx, sd, now, sd->tries + 1);
                 break;
             case SD_QUEUED:
                 /* Only if decode lost the request (a restart the liveness check missed). */
@@ -975,7 +974,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 send_staging_req(tx, r, k, d);
                 tx->m.retries++;
                 sd->state = SD_REQUESTED;
-                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), 0);
+                arm_retry(tx, sd, now, 0);
                 break;
             case SD_GRANTED:
                 if (k < r->chunks_issued) {
@@ -990,7 +989,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (now < sd->retry_at) break;
                 send_chunk_ready(tx, r, k, d);
                 tx->m.retries++;
-                arm_retry(sd, now, kvs_pd_rto(tx->srtt_ns, t->retry_ns), sd->tries + 1);
+                arm_retry(tx, sd, now, sd->tries + 1);
                 break;
             default:
                 break;

@@ -27,10 +27,6 @@
 #define HELLO_RETRY_NS   20000000ull /* heartbeat retry while a peer is not connected yet */
 #define HEARTBEAT_FIXED  10          /* seq u64 + endpoint length u16 */
 #define RECV_BATCH       1024        /* frames one recv call may drop before returning */
-/* A connection takes a few ms to come up, and until it does ZMQ_IMMEDIATE fails every send.
- * Protocol frames sent that early are held (kvs_zch_send) and go out as soon as it is up,
- * instead of being lost and resent a retry period later. */
-#define OUTBOX_MAX KVS_ZCH_OUTBOX_MAX
 
 typedef struct {
     void *push;      /* ZMQ_PUSH connected to endpoint, or NULL */
@@ -42,8 +38,11 @@ typedef struct {
     uint64_t since;  /* start of the connect timeout (creation or endpoint change) */
     uint64_t next_hb;
     uint64_t hb_seq;
-    int dead;          /* reported dead; cleared when heard again */
-    zmq_msg_t *outbox; /* [OUTBOX_MAX] frames waiting for the connection, FIFO */
+    int dead; /* reported dead; cleared when heard again */
+    /* [KVS_ZCH_OUTBOX_MAX] protocol frames waiting for a connection still coming up (until
+     * it is, ZMQ_IMMEDIATE fails every send): sent once it is, instead of being lost and
+     * resent a retry period later. FIFO. */
+    zmq_msg_t *outbox;
     uint32_t out_head, out_count;
 } zpeer_t;
 
@@ -193,7 +192,7 @@ err_peers:
 static void drop_outbox(zpeer_t *p)
 {
     for (uint32_t i = 0; i < p->out_count; i++)
-        zmq_msg_close(&p->outbox[(p->out_head + i) % OUTBOX_MAX]);
+        zmq_msg_close(&p->outbox[(p->out_head + i) % KVS_ZCH_OUTBOX_MAX]);
     p->out_head = p->out_count = 0;
 }
 
@@ -304,7 +303,7 @@ static void flush_outbox(kvs_zch_t *ch, zpeer_t *p, uint64_t now)
         if (zmq_msg_send(m, p->push, ZMQ_DONTWAIT) < 0) break;
         ch->st.sent++;
         ch->st.bytes_sent += len - KVS_ZCH_HEADER_SIZE;
-        p->out_head = (p->out_head + 1) % OUTBOX_MAX;
+        p->out_head = (p->out_head + 1) % KVS_ZCH_OUTBOX_MAX;
         p->out_count--;
     }
     if (p->out_count > 0 && (p->dead || now - p->since >= ch->cfg.connect_timeout_ns)) {
@@ -316,11 +315,13 @@ static void flush_outbox(kvs_zch_t *ch, zpeer_t *p, uint64_t now)
 /* Holds a protocol frame while the peer's connection comes up; 0 if it cannot be held. */
 static int hold_frame(const kvs_zch_t *ch, zpeer_t *p, zmq_msg_t *m, uint64_t now)
 {
-    if (p->dead || now - p->since >= ch->cfg.connect_timeout_ns || p->out_count == OUTBOX_MAX)
+    if (p->dead || now - p->since >= ch->cfg.connect_timeout_ns ||
+        p->out_count == KVS_ZCH_OUTBOX_MAX)
         return 0;
-    if (p->outbox == NULL && (p->outbox = kvs_calloc(OUTBOX_MAX, sizeof(zmq_msg_t))) == NULL)
+    if (p->outbox == NULL &&
+        (p->outbox = kvs_calloc(KVS_ZCH_OUTBOX_MAX, sizeof(zmq_msg_t))) == NULL)
         return 0;
-    zmq_msg_t *slot = &p->outbox[(p->out_head + p->out_count) % OUTBOX_MAX];
+    zmq_msg_t *slot = &p->outbox[(p->out_head + p->out_count) % KVS_ZCH_OUTBOX_MAX];
     zmq_msg_init(slot);
     zmq_msg_move(slot, m);
     zmq_msg_close(m);

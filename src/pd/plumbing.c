@@ -1,4 +1,4 @@
-/* One rank's net link, bootstrap and sender or receiver (engine/plumbing.h). */
+/* One rank's net link, bootstrap and sender or receiver (pd/plumbing.h). */
 #include "pd/plumbing.h"
 
 #include <string.h>

@@ -72,9 +72,7 @@ static inline void copy_bytes_sum(uint8_t *dst, const uint8_t *src, uint64_t n, 
 {
 #if defined(__x86_64__)
     if ((((uintptr_t) dst | n) & 15) == 0 && (off & 3) == 0) {
-        static int avx2 = -1; /* this CPU's, found once */
-        if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") != 0;
-        if (avx2) {
+        if (__builtin_cpu_supports("avx2")) {
             const uint64_t done = copy_sum_avx2(dst, src, n, cs, off);
             dst += done;
             src += done;

@@ -169,6 +169,11 @@ kvs_status_t kvs_msg_encode(const kvs_msg_t *msg, uint8_t *buf, size_t cap, size
  * range. Never reads outside [buf, buf + len). */
 kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p);
 
+/* The type of an encoded message, from its header alone (sizes, magic, version, a known type,
+ * the declared length; the payload is not looked at): KVS_ERR_PROTOCOL where the header is bad.
+ * For links that sort or count messages without decoding them. */
+kvs_status_t kvs_msg_peek_type(const uint8_t *buf, size_t len, kvs_msg_type_t *type_p);
+
 const char *kvs_msg_type_str(kvs_msg_type_t type);
 
 #endif

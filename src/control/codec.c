@@ -273,12 +273,9 @@ static int in_payload(wire_in_t *r, kvs_msg_t *m, char *why, size_t cap)
     return 0;
 }
 
-kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
+/* The header's checks: sizes, magic, version, a known type, the declared length. */
+static kvs_status_t check_header(const uint8_t *buf, size_t len, uint16_t *type_p)
 {
-    if (msg_p == NULL || (buf == NULL && len > 0)) {
-        kvs_error("msg decode: NULL argument");
-        return KVS_ERR_INVALID;
-    }
     if (len < KVS_MSG_HEADER_SIZE) {
         kvs_debug("msg decode: %zu bytes, shorter than the %d-byte header", len,
                   KVS_MSG_HEADER_SIZE);
@@ -310,6 +307,29 @@ kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
                   len - KVS_MSG_HEADER_SIZE);
         return KVS_ERR_PROTOCOL;
     }
+    *type_p = type;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_msg_peek_type(const uint8_t *buf, size_t len, kvs_msg_type_t *type_p)
+{
+    uint16_t type;
+    if (buf == NULL || check_header(buf, len, &type) != KVS_OK) return KVS_ERR_PROTOCOL;
+    *type_p = (kvs_msg_type_t) type;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_msg_decode(const uint8_t *buf, size_t len, kvs_msg_t *msg_p)
+{
+    if (msg_p == NULL || (buf == NULL && len > 0)) {
+        kvs_error("msg decode: NULL argument");
+        return KVS_ERR_INVALID;
+    }
+    uint16_t type;
+    kvs_status_t hst = check_header(buf, len, &type);
+    if (hst != KVS_OK) return hst;
+    const char *name = kvs_msg_type_str((kvs_msg_type_t) type);
+    const uint32_t declared = (uint32_t) (len - KVS_MSG_HEADER_SIZE);
 
     /* Built aside and zeroed so *msg_p stays untouched on failure and everything not on the
      * wire (unused array bytes, a QUERY's reply fields) reads as zero. */

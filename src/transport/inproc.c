@@ -240,8 +240,8 @@ static kvs_status_t ep_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t
         return KVS_ERR_INVALID;
     }
     net->stats.sent++;
-    kvs_msg_t msg;
-    uint32_t type = kvs_msg_decode(buf, len, &msg) == KVS_OK ? (uint32_t) msg.type : 0;
+    kvs_msg_type_t peeked;
+    uint32_t type = kvs_msg_peek_type(buf, len, &peeked) == KVS_OK ? (uint32_t) peeked : 0;
     uint64_t nth = type < KVS_INPROC_MSG_TYPES ? ++net->stats.sent_by_type[type] : 0;
     if (type != 0 && type == net->faults.drop_type && nth == net->faults.drop_nth) {
         net->stats.dropped++;

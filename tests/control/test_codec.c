@@ -837,6 +837,29 @@ static void test_trailing_bytes_rejected(void **state)
     }
 }
 
+/* The header alone names the type (links count messages by it without decoding them); a bad
+ * header is refused, a bad payload under a good header is not looked at. */
+static void test_peek_type(void **state)
+{
+    (void) state;
+    uint8_t buf[KVS_MSG_MAX_SIZE];
+    for (int t = TYPE_FIRST; t <= TYPE_LAST; t++) {
+        kvs_msg_t m;
+        distinct_msg((kvs_msg_type_t) t, &m);
+        size_t len = encode_ok(&m, buf);
+        kvs_msg_type_t got = (kvs_msg_type_t) 0;
+        assert_int_equal(kvs_msg_peek_type(buf, len, &got), KVS_OK);
+        assert_int_equal(got, t);
+        assert_int_equal(kvs_msg_peek_type(buf, len - 1, &got), KVS_ERR_PROTOCOL); /* length */
+        buf[len - 1] ^= 0xff; /* the payload: not the header's business */
+        assert_int_equal(kvs_msg_peek_type(buf, len, &got), KVS_OK);
+        buf[0] ^= 0xff; /* magic */
+        assert_int_equal(kvs_msg_peek_type(buf, len, &got), KVS_ERR_PROTOCOL);
+    }
+    kvs_msg_type_t got;
+    assert_int_equal(kvs_msg_peek_type(NULL, 0, &got), KVS_ERR_PROTOCOL);
+}
+
 static void test_bad_headers_rejected(void **state)
 {
     (void) state;
@@ -1124,6 +1147,7 @@ int main(void)
         cmocka_unit_test(test_header_corruption_rejected),
         cmocka_unit_test(test_payload_corruption_consistent),
         cmocka_unit_test(test_trailing_bytes_rejected),
+        cmocka_unit_test(test_peek_type),
         cmocka_unit_test(test_bad_headers_rejected),
         cmocka_unit_test(test_random_garbage),
         cmocka_unit_test(test_encode_nospace),

@@ -155,7 +155,7 @@ static void job_fail(job_t *j, unsigned status, const char *code, const char *fm
             snprintf(j->fail_msg, sizeof(j->fail_msg), "%s", msg);
         } else if (strncmp(j->ctype, "text/event-stream", 17) == 0) {
             char *err = kvs__json_error(msg, "server_error", NULL, code);
-            kvs__sb_printf(&j->buf, "data: %s\n\ndata: [DONE]\n\n", err ? err : "{}");
+            kvs__sb_printf(&j->buf, "data: %s\n\n", err ? err : "{}"); /* no [DONE] */
             kvs_free(err);
         } else {
             j->broken = 1;

@@ -31,6 +31,7 @@ typedef enum {
     EP_METRICS,
     EP_MATCH,
     EP_INFO,
+    EP_CANCEL,
 } endpoint_t;
 
 typedef struct {
@@ -46,6 +47,15 @@ typedef struct {
 } tok_queue_t;
 
 typedef struct req req_t;
+
+/* Rooms cancelled (POST /internal/cancel) before their request arrived: a request for one of
+ * them within TOMB_NS is refused, so that a side the router gave up on never starts. */
+#define TOMBS   1024
+#define TOMB_NS (UINT64_C(60) * 1000000000u)
+
+typedef struct {
+    uint64_t room, at_ns; /* at_ns 0: empty */
+} tomb_t;
 
 struct kvs_server {
     char *model, *bootstrap;
@@ -66,6 +76,8 @@ struct kvs_server {
     req_t *live; /* submitted requests whose on_done has not come */
     uint32_t n_live;
     uint32_t n_reqs; /* HTTP requests not yet freed */
+    tomb_t tombs[TOMBS];
+    uint32_t next_tomb;
 
     /* Metrics, updated with atomics. */
     uint64_t http_codes[600];
@@ -106,7 +118,8 @@ struct req {
 
     /* The live list, under srv->mu. */
     req_t *prev, *next;
-    int shutdown; /* atomic: cancelled because the server stops */
+    int shutdown;        /* atomic: cancelled because the server stops */
+    int remote_cancel;   /* under srv->mu: /internal/cancel named this room */
 
     /* The connection's thread only. */
     tok_queue_t work;
@@ -178,6 +191,7 @@ static endpoint_t route(const char *url, const char **allow_p)
         {"/metrics", EP_METRICS, "GET"},
         {"/internal/match", EP_MATCH, "POST"},
         {"/internal/info", EP_INFO, "GET"},
+        {"/internal/cancel", EP_CANCEL, "POST"},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
         if (strcmp(url, table[i].path) == 0) {
@@ -191,7 +205,8 @@ static endpoint_t route(const char *url, const char **allow_p)
 
 static const char *allowed_method(endpoint_t ep)
 {
-    return (ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_MATCH) ? "POST" : "GET";
+    return (ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_MATCH || ep == EP_CANCEL) ? "POST"
+                                                                                        : "GET";
 }
 
 static req_t *req_new(kvs_server_t *srv, struct MHD_Connection *conn, const char *url,
@@ -330,11 +345,12 @@ static const char *failure_message(const req_t *r, char *buf, size_t cap)
     return buf;
 }
 
-/* The end of a stream: the last chunk, an error event, the usage chunk, [DONE]. */
+/* The end of a stream. Finished: the last chunk (its finish_reason one OpenAI defines), the
+ * usage chunk, [DONE]. Failed: an error event and nothing after it (no finish_reason chunk, no
+ * [DONE]: clients read [DONE] as success). */
 static void sse_finish(req_t *r)
 {
-    json_t *content = r->api.chat ? json_object() : json_string("");
-    sse_chunk(r, content, kvs__finish_name(r->finish));
+    r->stream_ended = 1;
     if (r->finish == KVS_SERVER_FINISH_ERROR) {
         char buf[160];
         char *err =
@@ -345,7 +361,10 @@ static void sse_finish(req_t *r)
             kvs__sb_printf(&r->out, "data: %s\n\n", err);
             kvs_free(err);
         }
+        return;
     }
+    json_t *content = r->api.chat ? json_object() : json_string("");
+    sse_chunk(r, content, kvs__finish_name(r->finish));
     if (r->api.include_usage) {
         json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
         if (obj == NULL) {
@@ -358,7 +377,6 @@ static void sse_finish(req_t *r)
         }
     }
     kvs__sb_puts(&r->out, "data: [DONE]\n\n");
-    r->stream_ended = 1;
 }
 
 static enum MHD_Result send_final(req_t *r)
@@ -656,6 +674,16 @@ static enum MHD_Result answer_submit_error(req_t *r, kvs_status_t st)
     return send_error(r, 500, msg, NULL, NULL);
 }
 
+/* Under srv->mu. */
+static int tomb_find(const kvs_server_t *srv, uint64_t room, uint64_t now)
+{
+    for (uint32_t i = 0; i < TOMBS; i++)
+        if (srv->tombs[i].at_ns != 0 && srv->tombs[i].room == room &&
+            now - srv->tombs[i].at_ns < TOMB_NS)
+            return 1;
+    return 0;
+}
+
 static const char *role_name(kvs_server_role_t role);
 
 /* strict_role: why this server does not serve the request (written to msg), or NULL. */
@@ -704,8 +732,12 @@ static enum MHD_Result handle_generate(req_t *r)
         if (code != NULL) return send_error(r, 400, msg, "kvstage", code);
     }
     if (r->api.role == KVS_SERVER_ROLE_PREFILL) {
+        /* The prefill side only hands the KV and the first token over: stop strings are the
+         * decode side's to apply (cutting here would abort the room under the decode side). */
         r->api.stream = 0;
         r->api.include_usage = 0;
+        for (uint32_t i = 0; i < r->api.n_stops; i++) kvs_free(r->api.stops[i]);
+        r->api.n_stops = 0;
     }
     r->room =
         r->api.has_room ? r->api.room : __atomic_fetch_add(&srv->next_room, 1, __ATOMIC_RELAXED);
@@ -736,6 +768,13 @@ static enum MHD_Result handle_generate(req_t *r)
         pthread_mutex_unlock(&srv->mu);
         return send_error(r, 503, "the server is shutting down", NULL, NULL);
     }
+    if (r->api.has_room && tomb_find(srv, r->room, kvs_now_ns())) {
+        pthread_mutex_unlock(&srv->mu);
+        char msg[96];
+        snprintf(msg, sizeof(msg), "room %llu was cancelled before it arrived",
+                 (unsigned long long) r->room);
+        return send_error(r, 409, msg, "kvstage.room", "cancelled");
+    }
     live_add(srv, r);
     pthread_mutex_unlock(&srv->mu);
     pthread_mutex_lock(&r->mu);
@@ -752,6 +791,11 @@ static enum MHD_Result handle_generate(req_t *r)
         return answer_submit_error(r, st);
     }
     r->submitted = 1;
+    /* A cancel that found the request live before the backend knew its room. */
+    pthread_mutex_lock(&srv->mu);
+    int cancelled = r->remote_cancel;
+    pthread_mutex_unlock(&srv->mu);
+    if (cancelled) srv->backend.cancel(srv->backend.ctx, r->room);
     if (!r->api.stream) return wait_final(r);
 
     struct MHD_Response *resp =
@@ -787,6 +831,42 @@ static enum MHD_Result handle_match(req_t *r)
                             (int) api.prompt_len);
     kvs__api_req_fini(&api);
     return send_json_steal(r, 200, obj);
+}
+
+/* POST /internal/cancel {"room": N}: the router gave up on room N (the other side refused or
+ * failed it, or the client left). Its live request here ends now, through the backend (a
+ * prefill room is aborted through kvstage, its pages and slot released as the protocol
+ * says); a request for it that has not arrived yet is refused when it does. */
+static enum MHD_Result handle_cancel(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    json_t *root = json_loadb(r->body.data ? r->body.data : "", r->body.len, 0, NULL);
+    json_t *v = json_object_get(root, "room");
+    json_int_t room = json_is_integer(v) ? json_integer_value(v) : -1;
+    json_decref(root);
+    if (room < 0 || (uint64_t) room >= (UINT64_C(1) << 62))
+        return send_error(r, 400, "the body must be {\"room\": N} with N in [0, 2^62)", "room",
+                          NULL);
+    uint64_t rooms[8];
+    uint32_t n = 0, found = 0;
+    pthread_mutex_lock(&srv->mu);
+    for (req_t *q = srv->live; q; q = q->next) {
+        if (!q->api.has_room || q->room != (uint64_t) room) continue;
+        q->remote_cancel = 1;
+        if (n < 8) rooms[n++] = q->room;
+        found++;
+    }
+    if (found == 0) {
+        srv->tombs[srv->next_tomb] = (tomb_t){(uint64_t) room, kvs_now_ns()};
+        srv->next_tomb = (srv->next_tomb + 1) % TOMBS;
+    }
+    pthread_mutex_unlock(&srv->mu);
+    for (uint32_t i = 0; i < n; i++) {
+        COUNT(srv->cancels);
+        srv->backend.cancel(srv->backend.ctx, rooms[i]);
+    }
+    kvs_debug("server: room %lld cancelled by the router (%u live)", (long long) room, found);
+    return send_json_steal(r, 200, json_pack("{s:I, s:i}", "room", room, "cancelled", (int) found));
 }
 
 static int server_healthy(kvs_server_t *srv)
@@ -837,6 +917,8 @@ static enum MHD_Result handle(req_t *r)
         return handle_generate(r);
     case EP_MATCH:
         return handle_match(r);
+    case EP_CANCEL:
+        return handle_cancel(r);
     case EP_HEALTH:
         if (server_healthy(srv))
             return send_text(r, 200, "application/json", "{\"status\":\"ok\"}");

@@ -12,8 +12,10 @@
  *        Extensions: "stop_token_ids": [ids] (as vLLM), "kvstage": {...} (below).
  *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
  *        "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage chunk).
- *        A generation that fails answers 500 (non-streaming), or, streaming, a last chunk with
- *        finish_reason "error" followed by "data: {"error": {...}}" and [DONE].
+ *        A generation that fails answers 500 (non-streaming), or, streaming, ends the stream
+ *        with "data: {"error": {...}}" and no [DONE] (clients read [DONE] as success);
+ *        finish_reason only ever holds OpenAI's values ("stop", "length"; "handoff" on the
+ *        prefill side of a room, which only the router sees).
  *   GET  /v1/models        the served model.
  *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable"} when the backend's
  *                          health() fails or the server is stopping.
@@ -30,6 +32,12 @@
  *                          "prompt_tokens": M} from the backend's match() (the router's
  *                          prefix-aware choice).
  *   GET  /internal/info    {"model", "role", "bootstrap"} (the router learns bootstrap here).
+ *   POST /internal/cancel  body {"room": N}: the router gave up on room N (the other side
+ *                          refused or failed it, or the client left). Its live request here ends
+ *                          now through the backend's cancel (a prefill room is aborted through
+ *                          kvstage); when none is live yet, a request for room N arriving in the
+ *                          next 60 s is refused 409 {"code": "cancelled"}. Answers {"room": N,
+ *                          "cancelled": K}, K the live requests it ended.
  * Errors are {"error": {"message", "type", "param", "code"}}: type "invalid_request_error" for
  * 4xx (400 bad input, 404 unknown path or model, 405 wrong method, 413 body too large),
  * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded).
@@ -37,7 +45,9 @@
  * Disaggregation (the router, kvstage/router.h, adds this to the client's JSON body):
  *   "kvstage": {"room": N, "role": "prefill"}
  *        prefill only: the backend computes the prompt and hands its KV over for room N; the
- *        answer is non-streaming (whatever "stream" says) with finish_reason "handoff".
+ *        answer is non-streaming (whatever "stream" says) with finish_reason "handoff". Stop
+ *        strings are left to the decode side (a match in the first token must not abort the
+ *        room under it).
  *   "kvstage": {"room": N, "role": "decode", "bootstrap": "EP", "prefill": "URL"}
  *        the decode side of room N: the KV comes from the prefill instance whose bootstrap
  *        (registry) endpoint is EP ("bootstrap" is omitted when the prefill server did not

@@ -127,7 +127,8 @@ static inline void expect_error_json(const http_resp_t *r, long status, const ch
 /* Splits an SSE body into its events' data; checks the framing ("data: ...\n\n" only) and that
  * the last event is [DONE]. Returns the count; the payloads are pointers into body (each
  * NUL-terminated in place). */
-static inline size_t sse_split(kvs__sb_t *body, char **events, size_t cap)
+/* Splits an event stream into its events' data (cut in place), checking the framing. */
+static inline size_t sse_split_any(kvs__sb_t *body, char **events, size_t cap)
 {
     size_t n = 0;
     char *p = body->ptr;
@@ -144,7 +145,28 @@ static inline size_t sse_split(kvs__sb_t *body, char **events, size_t cap)
         p = sep + 2;
     }
     assert_true(n >= 1);
+    return n;
+}
+
+/* A stream that finished: its last event is [DONE]. */
+static inline size_t sse_split(kvs__sb_t *body, char **events, size_t cap)
+{
+    size_t n = sse_split_any(body, events, cap);
     assert_string_equal(events[n - 1], "[DONE]");
+    return n;
+}
+
+/* A stream that failed: it ends with an error event, and no event is [DONE] or has the
+ * finish_reason "error" (only OpenAI's values appear there). */
+static inline size_t sse_split_failed(kvs__sb_t *body, char **events, size_t cap)
+{
+    size_t n = sse_split_any(body, events, cap);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(events[i], "[DONE]") == 0) fail_msg("a failed stream has [DONE] (event %zu)", i);
+        if (strstr(events[i], "\"finish_reason\":\"error\"") != NULL)
+            fail_msg("event %zu has finish_reason \"error\": %s", i, events[i]);
+    }
+    assert_non_null(strstr(events[n - 1], "\"error\""));
     return n;
 }
 

@@ -56,7 +56,18 @@ struct kvs_router {
 
     uint64_t http_codes[600]; /* atomic */
     uint64_t requests;        /* atomic */
+    uint64_t cancels_sent;    /* atomic: POST /internal/cancel sent to a server */
+    uint64_t kv_bytes;        /* atomic: KV bytes the decode servers reported */
+    kvs__hist_t transfer;     /* handoff time the prefill servers reported */
 };
+
+/* How the decode answer reaches the client: as it comes, or held back until the prefill
+ * leg's report is in, so that its "kvstage" object can carry both sides. */
+typedef enum {
+    HOLD_NONE = 0, /* an error answer or another type: passed through */
+    HOLD_ALL,      /* a JSON answer: all of it (it comes in one piece at the end anyway) */
+    HOLD_SSE,      /* a stream: the events before the one with "kvstage" pass, the rest wait */
+} hold_t;
 
 typedef struct {
     kvs_router_t *rt;
@@ -79,9 +90,13 @@ typedef struct {
     long status;
     char ctype[128];
     kvs__sb_t buf; /* answer bytes not yet handed to MHD */
-    int finished;  /* no more bytes will come */
-    int broken;    /* finished by a failure after the headers: end the body with an error */
-    int failed;    /* finished by a failure before the headers: answer fail_* */
+    hold_t hold;
+    kvs__sb_t part; /* HOLD_SSE: the bytes of an event not complete yet */
+    kvs__sb_t held; /* decode bytes held back for the merge */
+    int holding;    /* HOLD_SSE: the "kvstage" event came; everything after it waits */
+    int finished;   /* no more bytes will come */
+    int broken;     /* finished by a failure after the headers: end the body with an error */
+    int failed;     /* finished by a failure before the headers: answer fail_* */
     unsigned fail_status;
     const char *fail_code;
     char fail_msg[256];
@@ -112,6 +127,8 @@ static void job_unref(job_t *j)
     kvs__body_fini(&j->body);
     json_decref(j->root);
     kvs__sb_fini(&j->buf);
+    kvs__sb_fini(&j->part);
+    kvs__sb_fini(&j->held);
     kvs_free(j->fail_body);
     pthread_mutex_destroy(&j->mu);
     kvs_router_t *rt = j->rt;
@@ -198,6 +215,7 @@ typedef struct {
     kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
     char ctype[128];
     int done;
+    int dropped; /* ended by the router before its answer came */
     CURLcode result;
     long status;
 } leg_t;
@@ -224,6 +242,10 @@ static size_t leg_header(char *data, size_t size, size_t n, void *ud)
                 j->status = code;
                 snprintf(j->ctype, sizeof(j->ctype), "%s",
                          leg->ctype[0] ? leg->ctype : "application/json");
+                if (code >= 200 && code < 300 && (j->ep == EP_COMPLETIONS || j->ep == EP_CHAT))
+                    j->hold = strncmp(j->ctype, "text/event-stream", 17) == 0  ? HOLD_SSE
+                              : strncmp(j->ctype, "application/json", 16) == 0 ? HOLD_ALL
+                                                                               : HOLD_NONE;
             }
             int wake = take_wake(j);
             struct MHD_Connection *conn = j->conn;
@@ -232,6 +254,39 @@ static size_t leg_header(char *data, size_t size, size_t n, void *ud)
         }
     }
     return len;
+}
+
+/* Under j->mu: the decode answer's next bytes, into buf (to the client now) or held. */
+static void take_decode_bytes(job_t *j, const char *data, size_t len)
+{
+    if (j->hold == HOLD_NONE) {
+        kvs__sb_append(&j->buf, data, len);
+        return;
+    }
+    if (j->hold == HOLD_ALL || j->holding) {
+        kvs__sb_append(&j->held, data, len);
+        return;
+    }
+    kvs__sb_append(&j->part, data, len);
+    if (j->part.oom) return;
+    /* Complete events pass until the one that carries "kvstage" (the usage chunk). */
+    size_t at = 0;
+    for (;;) {
+        const char *ev = j->part.ptr + at;
+        const char *end = strstr(ev, "\n\n");
+        if (end == NULL) break;
+        size_t n = (size_t) (end - ev) + 2;
+        const char *k = strstr(ev, "\"kvstage\"");
+        if (k != NULL && k < end) {
+            j->holding = 1;
+            kvs__sb_append(&j->held, j->part.ptr + at, j->part.len - at);
+            at = j->part.len;
+            break;
+        }
+        kvs__sb_append(&j->buf, ev, n);
+        at += n;
+    }
+    kvs__sb_consume(&j->part, at);
 }
 
 static size_t leg_write(char *data, size_t size, size_t n, void *ud)
@@ -244,14 +299,21 @@ static size_t leg_write(char *data, size_t size, size_t n, void *ud)
     }
     job_t *j = leg->job;
     pthread_mutex_lock(&j->mu);
-    int ok = !j->finished && j->buf.len + len <= MAX_FORWARDED_BYTES;
-    if (ok) kvs__sb_append(&j->buf, data, len);
-    if (j->buf.oom) ok = 0;
+    int ok = !j->finished && j->buf.len + j->held.len + j->part.len + len <= MAX_FORWARDED_BYTES;
+    if (ok) take_decode_bytes(j, data, len);
+    if (j->buf.oom || j->held.oom || j->part.oom) ok = 0;
     int wake = ok ? take_wake(j) : 0;
     struct MHD_Connection *conn = j->conn;
     pthread_mutex_unlock(&j->mu);
     if (wake) MHD_resume_connection(conn);
     return ok ? len : 0; /* 0 aborts the transfer */
+}
+
+static size_t discard_body(char *data, size_t size, size_t n, void *ud)
+{
+    (void) data;
+    (void) ud;
+    return size * n;
 }
 
 static void leg_fini(leg_t *leg)
@@ -503,6 +565,136 @@ static void fail_passthrough(job_t *j, leg_t *leg)
              side_name(leg->server->side), leg->server->url, leg->status);
 }
 
+/* Tells server s to give up room (POST /internal/cancel): the other side refused or failed
+ * it, or the client left, and a prefill server would otherwise hold its slot and pages until
+ * its transfer timed out. Best effort: a server that does not answer is failing anyway. */
+static void cancel_room(kvs_router_t *rt, rserver_t *s, uint64_t room)
+{
+    char url[512], body[64];
+    snprintf(url, sizeof(url), "%s/internal/cancel", s->url);
+    snprintf(body, sizeof(body), "{\"room\":%llu}", (unsigned long long) room);
+    CURL *e = curl_easy_init();
+    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    if (e == NULL || h == NULL) {
+        kvs_warn("router: room %llu: no memory to cancel it on %s", (unsigned long long) room,
+                 s->url);
+    } else {
+        curl_easy_setopt(e, CURLOPT_URL, url);
+        curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+        curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long) rt->connect_timeout_ms * 2);
+        curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, discard_body);
+        CURLcode c = curl_easy_perform(e);
+        __atomic_add_fetch(&rt->cancels_sent, 1, __ATOMIC_RELAXED);
+        kvs_debug("router: room %llu cancelled on %s %s: %s", (unsigned long long) room,
+                  side_name(s->side), s->url, curl_easy_strerror(c));
+    }
+    curl_slist_free_all(h);
+    if (e) curl_easy_cleanup(e);
+}
+
+/* Both sides' reports in one "kvstage" object: the decode server's fields, "transfer_ns" the
+ * prefill server's handoff time (from its last prompt chunk to the room concluded; the decode
+ * side does not know when the prompt was done), and each server's whole report under
+ * "prefill" and "decode". Counts the room's bytes for /metrics. */
+static void merge_report(kvs_router_t *rt, json_t *obj, json_t *pre)
+{
+    json_t *dec = json_object_get(obj, "kvstage");
+    if (!json_is_object(dec)) return;
+    json_t *both = json_deep_copy(dec);
+    if (both == NULL) return;
+    json_t *t = json_object_get(pre, "transfer_ns");
+    if (json_is_integer(t)) json_object_set(both, "transfer_ns", t);
+    json_object_set(both, "decode", dec);
+    if (json_is_object(pre)) json_object_set(both, "prefill", pre);
+    json_int_t bytes = json_integer_value(json_object_get(dec, "kv_bytes"));
+    if (bytes > 0) __atomic_add_fetch(&rt->kv_bytes, (uint64_t) bytes, __ATOMIC_RELAXED);
+    json_object_set_new(obj, "kvstage", both);
+}
+
+/* One held JSON text with the merged report, appended to out; unchanged when it is not JSON. */
+static void merge_text(kvs_router_t *rt, kvs__sb_t *out, const char *text, size_t len, json_t *pre)
+{
+    json_t *obj = json_loadb(text, len, 0, NULL);
+    char *merged = NULL;
+    if (json_is_object(obj)) {
+        merge_report(rt, obj, pre);
+        merged = kvs__json_dump_steal(obj);
+        obj = NULL;
+    }
+    json_decref(obj);
+    if (merged) {
+        kvs__sb_puts(out, merged);
+        kvs_free(merged);
+    } else {
+        kvs__sb_append(out, text, len);
+    }
+}
+
+/* Hands the held decode bytes to the client, the "kvstage" report merged with the prefill
+ * leg's (pre_resp: its answer, or NULL when it failed). */
+static void flush_held(job_t *j, const kvs__sb_t *pre_resp)
+{
+    kvs_router_t *rt = j->rt;
+    json_t *pre_root =
+        pre_resp && pre_resp->len ? json_loadb(pre_resp->ptr, pre_resp->len, 0, NULL) : NULL;
+    json_t *pre = json_object_get(pre_root, "kvstage");
+    json_int_t t = json_integer_value(json_object_get(pre, "transfer_ns"));
+    if (t > 0) kvs__hist_observe(&rt->transfer, (uint64_t) t);
+    pthread_mutex_lock(&j->mu);
+    kvs__sb_t held = j->held;
+    kvs__sb_init(&j->held);
+    hold_t hold = j->hold;
+    pthread_mutex_unlock(&j->mu);
+    kvs__sb_t out;
+    kvs__sb_init(&out);
+    if (hold == HOLD_ALL && held.len > 0) {
+        merge_text(rt, &out, held.ptr, held.len, pre);
+    } else if (held.len > 0) { /* events: "data: X\n\n" */
+        size_t at = 0;
+        while (at < held.len) {
+            const char *ev = held.ptr + at;
+            const char *end = strstr(ev, "\n\n");
+            size_t n = end ? (size_t) (end - ev) + 2 : held.len - at;
+            if (end && strncmp(ev, "data: {", 7) == 0) {
+                kvs__sb_puts(&out, "data: ");
+                merge_text(rt, &out, ev + 6, n - 8, pre);
+                kvs__sb_puts(&out, "\n\n");
+            } else {
+                kvs__sb_append(&out, ev, n);
+            }
+            at += n;
+        }
+    }
+    json_decref(pre_root);
+    kvs__sb_fini(&held);
+    pthread_mutex_lock(&j->mu);
+    if (out.len) kvs__sb_append(&j->buf, out.ptr, out.len);
+    if (j->part.len) kvs__sb_append(&j->buf, j->part.ptr, j->part.len);
+    kvs__sb_consume(&j->part, j->part.len);
+    int oom = out.oom || j->buf.oom;
+    pthread_mutex_unlock(&j->mu);
+    kvs__sb_fini(&out);
+    if (oom) job_fail(j, 500, NULL, "out of memory forwarding the answer");
+}
+
+/* Ends a leg still running (its server is told to give the room up once the job is over). */
+static void drop_leg(CURLM *multi, leg_t *leg)
+{
+    if (leg->done) return;
+    curl_multi_remove_handle(multi, leg->easy);
+    leg->done = 1;
+    leg->dropped = 1;
+}
+
+static int leg_ok(const leg_t *leg)
+{
+    return leg->done && !leg->dropped && leg->result == CURLE_OK && leg->status >= 200 &&
+           leg->status < 300;
+}
+
 static void run_generate(job_t *j)
 {
     kvs_router_t *rt = j->rt;
@@ -552,26 +744,28 @@ static void run_generate(job_t *j)
                          (unsigned long long) room);
             else
                 kvs_debug("router: room %llu: the client left", (unsigned long long) room);
+            drop_leg(multi, &lp);
+            drop_leg(multi, &ld);
             break;
         }
-        if (ld.done && !dec_reported) {
-            dec_reported = 1;
-            if (ld.result != CURLE_OK)
-                fail_from_curl(j, &ld);
-            else
-                job_finish(j);
-        }
-        int pre_failed = lp.done && (lp.result != CURLE_OK || lp.status < 200 || lp.status >= 300);
-        /* A decode server answering an error itself (the same bad request, usually) is left to
-         * finish its answer. */
         pthread_mutex_lock(&j->mu);
         int dec_refused = j->headers_ready && (j->status < 200 || j->status >= 300);
         pthread_mutex_unlock(&j->mu);
+        if (dec_refused || (ld.done && ld.result != CURLE_OK)) {
+            /* The decode side refused or failed the room: the prefill side gives it up now
+             * rather than at its transfer timeout. The decode answer (its own error, usually
+             * the same bad request) is passed on as it comes. */
+            drop_leg(multi, &lp);
+        }
+        if (ld.done && !dec_reported) {
+            dec_reported = 1;
+            if (ld.result != CURLE_OK) fail_from_curl(j, &ld);
+        }
+        int pre_failed = lp.done && !lp.dropped && !leg_ok(&lp);
         if (pre_failed && !dec_reported && !dec_refused) {
-            /* A failed prefill dooms the room: drop the decode leg (closing its connection
-             * cancels the room there) and answer the prefill failure. */
-            curl_multi_remove_handle(multi, ld.easy);
-            ld.done = 1;
+            /* A failed prefill dooms the room: the decode side gives it up, and the client gets
+             * the prefill failure. */
+            drop_leg(multi, &ld);
             dec_reported = 1;
             if (lp.result != CURLE_OK)
                 fail_from_curl(j, &lp);
@@ -582,15 +776,19 @@ static void run_generate(job_t *j)
         }
         if (lp.done && ld.done) break;
     }
+    if (leg_ok(&ld)) flush_held(j, leg_ok(&lp) ? &lp.resp : NULL);
 out:
     if (multi) {
-        if (lp.easy) curl_multi_remove_handle(multi, lp.easy);
-        if (ld.easy) curl_multi_remove_handle(multi, ld.easy);
+        if (lp.easy && !lp.dropped) curl_multi_remove_handle(multi, lp.easy);
+        if (ld.easy && !ld.dropped) curl_multi_remove_handle(multi, ld.easy);
     }
+    int cancel_pre = lp.dropped, cancel_dec = ld.dropped;
     leg_fini(&lp);
     leg_fini(&ld);
     if (multi) curl_multi_cleanup(multi);
     job_finish(j); /* a no-op when already finished */
+    if (cancel_pre) cancel_room(rt, pre, room);
+    if (cancel_dec) cancel_room(rt, dec, room);
 }
 
 static void run_proxy_get(job_t *j, const char *path)
@@ -841,6 +1039,18 @@ static enum MHD_Result send_metrics(job_t *j)
     kvs__metric_header(&sb, "kvstage_router_requests_in_flight", "gauge",
                        "Requests being forwarded now.");
     kvs__sb_printf(&sb, "kvstage_router_requests_in_flight %u\n", jobs);
+    kvs__metric_header(&sb, "kvstage_router_cancels_total", "counter",
+                       "Rooms the router told a server to give up (the other side refused or "
+                       "failed them, or the client left).");
+    kvs__sb_printf(&sb, "kvstage_router_cancels_total %llu\n",
+                   (unsigned long long) __atomic_load_n(&rt->cancels_sent, __ATOMIC_RELAXED));
+    kvs__metric_header(&sb, "kvstage_router_kv_bytes_total", "counter",
+                       "KV bytes moved, as the decode servers report them (answers that carry "
+                       "a \"kvstage\" object: non-streaming ones and usage chunks).");
+    kvs__sb_printf(&sb, "kvstage_router_kv_bytes_total %llu\n",
+                   (unsigned long long) __atomic_load_n(&rt->kv_bytes, __ATOMIC_RELAXED));
+    kvs__hist_render(&sb, "kvstage_router_kv_transfer_seconds",
+                     "KV handoff time per room, as the prefill servers report it.", &rt->transfer);
     per_server(&sb, rt, "kvstage_router_server_up", "gauge", "1 while the server is in rotation.",
                0);
     per_server(&sb, rt, "kvstage_router_server_chosen_total", "counter",
@@ -1096,6 +1306,7 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     rt->max_body = config->max_body ? config->max_body : (size_t) 1 << 20;
     rt->next_room =
         config->first_room ? config->first_room : ((kvs_now_ns() >> 10) & 0x3fffffffu) << 32;
+    kvs__hist_init(&rt->transfer, kvs__transfer_bounds, KVS__TRANSFER_BOUNDS);
     pthread_mutex_init(&rt->mu, NULL);
     pthread_mutex_init(&rt->check_mu, NULL);
     pthread_condattr_t ca;

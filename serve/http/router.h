@@ -13,22 +13,31 @@
  *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
  *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
  * (bootstrap as the prefill server's GET /internal/info declares it, omitted when it declares
- * none). The client gets the decode server's status, content type and body as they arrive.
+ * none). The client gets the decode server's status, content type and body as they arrive,
+ * except the part that carries the decode server's "kvstage" report (a JSON answer whole; a
+ * stream from its usage chunk on), which waits for the prefill answer so that the report
+ * covers both sides: "transfer_ns" is the prefill server's handoff time (its last prompt chunk
+ * computed -> the room concluded), "kv_bytes", "ttft_ns" and "room" the decode server's, and
+ * "prefill" and "decode" hold each server's own report.
  * A client body that already has "kvstage" is refused (400).
  *
  * Failures: a server that refuses the connection, times out, drops the connection or fails
  * GET /health is taken out of rotation and re-checked every health_interval_ms. A request whose
  * chosen server failed that way answers 502 (504 on a timeout) {"error": {"message" naming the
  * server, "type": "server_error", "code": "bad_gateway" / "gateway_timeout"}}, or, when the
- * decode stream had already started, ends the stream with "data: {"error": {...}}" and [DONE].
- * No live server of a role: 503 (code "no_server"). A server's own error answer (4xx, 5xx) is
- * passed through. When the prefill leg fails before the decode answer started, the decode leg
- * is abandoned (closing its connection cancels the room there) and the prefill failure is
- * answered; the client leaving abandons both legs.
+ * decode stream had already started, ends the stream with "data: {"error": {...}}" (and no
+ * [DONE]). No live server of a role: 503 (code "no_server"). A server's own error answer (4xx,
+ * 5xx) is passed through. A side that fails or refuses the room frees the other at once: when
+ * the decode server refuses it (e.g. max_tokens beyond its context) or fails, the prefill leg
+ * is dropped and the prefill server told POST /internal/cancel {"room": N}; when the prefill leg
+ * fails before the decode answer started, the decode leg is dropped and cancelled likewise and
+ * the prefill failure answered; the client leaving (or the router stopping) cancels both.
  *
  * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (proxied
  * to a live decode server), GET /health (200 when at least one prefill and one decode server
- * are live, else 503), GET /metrics (kvstage_router_* series). */
+ * are live, else 503), GET /metrics (kvstage_router_* series: HTTP codes, requests, in flight,
+ * cancels sent, KV bytes and a handoff-time histogram from the servers' reports, and per server
+ * up, chosen, failures, prefix hits). */
 #ifndef KVSTAGE_ROUTER_H
 #define KVSTAGE_ROUTER_H
 

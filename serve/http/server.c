@@ -118,8 +118,8 @@ struct req {
 
     /* The live list, under srv->mu. */
     req_t *prev, *next;
-    int shutdown;        /* atomic: cancelled because the server stops */
-    int remote_cancel;   /* under srv->mu: /internal/cancel named this room */
+    int shutdown;      /* atomic: cancelled because the server stops */
+    int remote_cancel; /* under srv->mu: /internal/cancel named this room */
 
     /* The connection's thread only. */
     tok_queue_t work;
@@ -140,8 +140,6 @@ static const double k_ttft_bounds[] = {0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
 static const double k_itl_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                                       0.05,   0.1,   0.25,   0.5,   1,    2.5};
 static const double k_e2e_bounds[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
-static const double k_transfer_bounds[] = {0.0001, 0.0005, 0.001, 0.005, 0.01,
-                                           0.05,   0.1,    0.5,   1,     5};
 
 #define COUNT(srv_field)      __atomic_add_fetch(&(srv_field), 1, __ATOMIC_RELAXED)
 #define ADD(srv_field, delta) __atomic_add_fetch(&(srv_field), (delta), __ATOMIC_RELAXED)
@@ -1119,7 +1117,7 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
     kvs__hist_init(&srv->ttft, k_ttft_bounds, sizeof(k_ttft_bounds) / sizeof(double));
     kvs__hist_init(&srv->itl, k_itl_bounds, sizeof(k_itl_bounds) / sizeof(double));
     kvs__hist_init(&srv->e2e, k_e2e_bounds, sizeof(k_e2e_bounds) / sizeof(double));
-    kvs__hist_init(&srv->transfer, k_transfer_bounds, sizeof(k_transfer_bounds) / sizeof(double));
+    kvs__hist_init(&srv->transfer, kvs__transfer_bounds, KVS__TRANSFER_BOUNDS);
     pthread_mutex_init(&srv->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

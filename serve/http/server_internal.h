@@ -114,6 +114,10 @@ typedef struct {
     uint64_t sum_ns, count;
 } kvs__hist_t;
 
+/* The buckets of KV transfer times (the server's and the router's histograms). */
+#define KVS__TRANSFER_BOUNDS 10
+extern const double kvs__transfer_bounds[KVS__TRANSFER_BOUNDS];
+
 void kvs__hist_init(kvs__hist_t *h, const double *bounds, uint32_t n);
 /* Thread-safe (atomics). */
 void kvs__hist_observe(kvs__hist_t *h, uint64_t ns);

@@ -244,6 +244,9 @@ char *kvs__json_error(const char *message, const char *type, const char *param, 
 
 /* ---- metrics ---- */
 
+const double kvs__transfer_bounds[KVS__TRANSFER_BOUNDS] = {0.0001, 0.0005, 0.001, 0.005, 0.01,
+                                                           0.05,   0.1,    0.5,   1,     5};
+
 void kvs__hist_init(kvs__hist_t *h, const double *bounds, uint32_t n)
 {
     memset(h, 0, sizeof(*h));

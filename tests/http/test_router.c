@@ -23,6 +23,9 @@ typedef struct {
     uint16_t rport;
 } deploy_t;
 
+/* The decode servers' max_context; 0: 512 like the prefill servers. */
+static uint32_t g_decode_max_context;
+
 static void server_start(deploy_t *d, int side, int i, uint16_t port)
 {
     kvs_server_config_t c;
@@ -30,7 +33,7 @@ static void server_start(deploy_t *d, int side, int i, uint16_t port)
     char boot[64];
     snprintf(boot, sizeof(boot), "tcp://prefill-%d:7000", i);
     c.model = "m";
-    c.max_context = 512;
+    c.max_context = side == D && g_decode_max_context ? g_decode_max_context : 512;
     c.port = port;
     c.threads = 2;
     c.role = side == P ? KVS_SERVER_ROLE_PREFILL : KVS_SERVER_ROLE_DECODE;
@@ -140,6 +143,32 @@ static json_t *first_choice(json_t *j)
     return json_array_get(json_object_get(j, "choices"), 0);
 }
 
+static json_int_t int_of(json_t *j, const char *key)
+{
+    json_t *v = json_object_get(j, key);
+    if (!json_is_integer(v)) fail_msg("\"%s\" is not an integer", key);
+    return json_integer_value(v);
+}
+
+/* The router's "kvstage" object of an answer: both servers' reports, the handoff time the
+ * prefill one's (the fakes report prompt_len * 1000 ns, and 1 KiB per prompt token the decode
+ * side did not have cached). */
+static void expect_merged_report(json_t *answer, json_int_t prompt_len)
+{
+    json_t *k = json_object_get(answer, "kvstage");
+    json_t *usage = json_object_get(answer, "usage");
+    json_int_t cached = int_of(json_object_get(usage, "prompt_tokens_details"), "cached_tokens");
+    json_t *pre = json_object_get(k, "prefill"), *dec = json_object_get(k, "decode");
+    assert_true(json_is_object(pre));
+    assert_true(json_is_object(dec));
+    assert_int_equal(int_of(pre, "room"), int_of(k, "room"));
+    assert_int_equal(int_of(dec, "room"), int_of(k, "room"));
+    assert_int_equal(int_of(pre, "transfer_ns"), prompt_len * 1000);
+    assert_int_equal(int_of(k, "transfer_ns"), int_of(pre, "transfer_ns"));
+    assert_int_equal(int_of(k, "kv_bytes"), (prompt_len - cached) * 1024);
+    assert_int_equal(int_of(k, "kv_bytes"), int_of(dec, "kv_bytes"));
+}
+
 static void test_round_robin(void **state)
 {
     (void) state;
@@ -161,6 +190,7 @@ static void test_round_robin(void **state)
         assert_true(room < (UINT64_C(1) << 62));
         assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "kvstage"), "room")),
                          (json_int_t) room);
+        expect_merged_report(j, 12);
         json_decref(j);
         http_resp_fini(&r);
 
@@ -232,6 +262,7 @@ static void test_stream_through_router(void **state)
     assert_int_equal(
         json_integer_value(json_object_get(json_object_get(usage, "usage"), "completion_tokens")),
         12);
+    expect_merged_report(usage, 9);
     json_decref(usage);
     http_resp_fini(&r);
     room_ref_t ref = {&d, room};
@@ -406,6 +437,17 @@ static void test_health_rotation(void **state)
     kvs_assert_no_leaks();
 }
 
+static int decode_cancelled(void *arg)
+{
+    deploy_t *d = arg;
+    for (int i = 0; i < 2; i++) {
+        kvs_server_fake_counts_t c;
+        kvs_server_fake_counts(d->fake[D][i], &c);
+        if (c.cancelled == 1 && c.live == 0) return 1;
+    }
+    return 0;
+}
+
 static void test_prefill_failure(void **state)
 {
     (void) state;
@@ -415,11 +457,13 @@ static void test_prefill_failure(void **state)
     kvs_server_fake_config_t dfc = {.first_delay_ns = 300000000, .token_delay_ns = 1000000};
     deploy_t d;
     deploy_start_with(&d, KVS_ROUTER_ROUND_ROBIN, &pfc, &dfc, 60000);
-    /* Non-streaming: the prefill server's own 500 answer is passed through. */
+    /* Non-streaming: the prefill server's own 500 answer is passed through, and the decode
+     * server (whose answer was not started) is told to give the room up. */
     http_resp_t r = {0};
     http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
     expect_error_json(&r, 500, "server_error", NULL);
     http_resp_fini(&r);
+    assert_true(wait_until(decode_cancelled, &d, 3000));
     /* Streaming: the decode stream had started; it ends with an error event. */
     http_call(d.rport, NULL, "/v1/completions",
               "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true}", &r);
@@ -438,15 +482,68 @@ static void test_prefill_failure(void **state)
     kvs_assert_no_leaks();
 }
 
-static int decode_cancelled(void *arg)
+typedef struct {
+    deploy_t *d;
+    uint64_t want; /* rooms the prefill fakes must have seen cancelled */
+} refusal_ref_t;
+
+/* Every room a prefill fake took was cancelled (the others were refused on arrival), none
+ * is live, and the router sent one cancel per room. */
+static int prefill_all_cancelled(void *arg)
 {
-    deploy_t *d = arg;
+    refusal_ref_t *a = arg;
+    uint64_t submitted = 0, cancelled = 0, live = 0;
     for (int i = 0; i < 2; i++) {
         kvs_server_fake_counts_t c;
-        kvs_server_fake_counts(d->fake[D][i], &c);
-        if (c.cancelled == 1 && c.live == 0) return 1;
+        kvs_server_fake_counts(a->d->fake[P][i], &c);
+        submitted += c.submitted;
+        cancelled += c.cancelled;
+        live += c.live;
     }
-    return 0;
+    return live == 0 && submitted == cancelled && submitted <= a->want;
+}
+
+/* A request the decode side refuses (max_tokens above its context) frees the prefill side at
+ * once: the prefill servers would otherwise hold each room until it timed out (here the
+ * fakes would take 30 s to hand it over). */
+static void test_refusal_frees_prefill(void **state)
+{
+    (void) state;
+    g_decode_max_context = 64;
+    kvs_server_fake_config_t pfc = {.first_delay_ns = 30000000000ull};
+    deploy_t d;
+    deploy_start_with(&d, KVS_ROUTER_ROUND_ROBIN, &pfc, NULL, 60000);
+    g_decode_max_context = 0;
+    uint64_t t0 = kvs_now_ns();
+    for (int k = 0; k < 8; k++) {
+        http_resp_t r = {0};
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":100}", &r);
+        expect_error_json(&r, 400, "invalid_request_error", "max_tokens");
+        http_resp_fini(&r);
+    }
+    assert_true(kvs_now_ns() - t0 < 5000000000ull);
+    refusal_ref_t ref = {&d, 8};
+    assert_true(wait_until(prefill_all_cancelled, &ref, 3000));
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/metrics", NULL, &r);
+    assert_true(metric_value(r.body.ptr, "kvstage_router_cancels_total") == 8);
+    http_resp_fini(&r);
+    /* A room cancelled before it arrived is refused when it does. */
+    http_call(d.port[P][0], NULL, "/internal/cancel", "{\"room\":77}", &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_int_equal(int_of(j, "cancelled"), 0);
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.port[P][0], NULL, "/v1/completions",
+              "{\"prompt\":\"x\",\"kvstage\":{\"room\":77,\"role\":\"prefill\"}}", &r);
+    expect_error_json(&r, 409, "invalid_request_error", "kvstage.room");
+    http_resp_fini(&r);
+    http_call(d.port[P][0], NULL, "/internal/cancel", "{\"room\":-1}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "room");
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
 }
 
 static void test_client_hangs_up(void **state)
@@ -547,6 +644,7 @@ int main(void)
         cmocka_unit_test(test_dead_decode),
         cmocka_unit_test(test_health_rotation),
         cmocka_unit_test(test_prefill_failure),
+        cmocka_unit_test(test_refusal_frees_prefill),
         cmocka_unit_test(test_client_hangs_up),
         cmocka_unit_test(test_router_bad_inputs_and_metrics),
     };

@@ -61,10 +61,17 @@ typedef struct {
     X(rooms_added, COUNTER, NULL, NULL, "rooms added ", NULL, 0, NULL)                             \
     X(rooms_succeeded, COUNTER, NULL, "rooms_succeeded", " succeeded ", NULL, 0, NULL)             \
     X(rooms_failed, COUNTER, NULL, "rooms_failed", " failed ", NULL, 0, NULL)                      \
-    X(live_rooms, GAUGE, NULL, NULL, " live ", NULL, 0, NULL) /* now */                            \
+    /* now: rooms added and not released */                                                        \
+    X(live_rooms, GAUGE, NULL, "live_rooms", " live ", "kvstage_rooms_live", 8,                    \
+      "Rooms added to kvstage and not released (summed over the instance's ranks).")               \
+    /* now: of live_rooms, failed rooms whose slots and pages wait for the peers to confirm        \
+     * that nothing can still write them (protocol.md's quarantine) */                             \
+    X(quarantined_rooms, GAUGE, NULL, "quarantined_rooms", NULL, "kvstage_rooms_quarantined", 9,   \
+      "Failed rooms held in quarantine (summed over the instance's ranks).")                       \
     /* sender, now: metadata or aborts kept for rooms the engine has not added (or already         \
      * released); each expires after the bootstrap timeout */                                      \
-    X(stashed_rooms, GAUGE, NULL, NULL, NULL, NULL, 0, NULL)                                       \
+    X(stashed_rooms, GAUGE, NULL, "stashed_rooms", NULL, "kvstage_rooms_stashed", 10,              \
+      "Messages kept for rooms the engine has not added yet (summed over the ranks).")             \
     /* sender: (chunk, destination) writes acknowledged; receiver: chunks scattered */             \
     X(chunks, COUNTER, "chunks", "chunks", "; chunks ", "kvstage_kv_chunks_total", 2,              \
       "KV chunks moved (backend).")                                                                \

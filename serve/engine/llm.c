@@ -928,6 +928,8 @@ void kvs_llm_stats(const kvs_llm_t *e, kvs_llm_stats_t *stats_p)
     kvs_llm_stats_t s = e->st;
     s.running = running(e);
     s.queued = e->nrqs - s.running;
+    s.pages_total = kvs_pool_total_pages(e->cfg.pool);
+    s.pages_free = kvs_pool_free_pages(e->cfg.pool);
     if (e->radix != NULL) {
         kvs_radix_stats_t rs;
         kvs_radix_stats(e->radix, &rs);

@@ -101,6 +101,8 @@ typedef struct {
     uint64_t requests_ok, requests_failed;
     uint32_t queued, running; /* now */
     uint64_t radix_pages;     /* now: pages the radix cache holds */
+    uint32_t pages_total;     /* this rank's KV pool: its pages */
+    uint32_t pages_free;      /* now: of which free (neither a request's nor the radix cache's) */
 } kvs_llm_stats_t;
 
 typedef struct kvs_llm kvs_llm_t;

@@ -31,12 +31,14 @@
  *   {"event":"stats","role":R,"rank":r,...,"final":true}   kvs_llm_stats (steps, forward
  *                                                          passes, prompt, cached and decode
  *                                                          tokens, requests ok and failed,
- *                                                          radix pages, queued, running), this
+ *                                                          radix pages, pool pages total and
+ *                                                          free, queued, running), this
  *                                                          rank's sender/receiver metrics
  *                                                          (rooms, chunks, bulk and direct
  *                                                          writes, bytes_moved, control
  *                                                          messages, retries, rejected,
- *                                                          ring_used, ring_capacity), load_s
+ *                                                          ring_used, ring_capacity, live,
+ *                                                          quarantined and stashed rooms), load_s
  *                                                          and wall_s; rank 0 writes the same
  *                                                          line with "final":false for stats,
  *                                                          its metrics those of the instance

@@ -278,6 +278,8 @@ static void on_answer(kvs_rank_backend_t *b, const kvs_rank_line_event_t *ev, qk
         s.metrics = ev->metrics;
         s.queued = ev->stats.queued;
         s.running = ev->stats.running;
+        s.pages_total = ev->stats.pages_total;
+        s.pages_free = ev->stats.pages_free;
         q->stats = s;
         b->last = s;
     }

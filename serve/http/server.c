@@ -1059,6 +1059,11 @@ kvs_status_t kvs_server_metrics(kvs_server_t *srv, char **text_p)
     }
     gauge(&sb, "kvstage_requests_queued", "Requests waiting for admission (backend).", bs.queued);
     gauge(&sb, "kvstage_requests_running", "Requests admitted (backend).", bs.running);
+    gauge(&sb, "kvstage_kv_pages_total", "KV pool pages (backend, one rank's pool).",
+          bs.pages_total);
+    gauge(&sb, "kvstage_kv_pages_free", "KV pool pages free now.", bs.pages_free);
+    gauge(&sb, "kvstage_kv_pages_used", "KV pool pages held by requests or the prefix cache.",
+          bs.pages_total - (bs.pages_free < bs.pages_total ? bs.pages_free : bs.pages_total));
     gauge(&sb, "kvstage_requests_live", "Requests submitted and not finished.", live);
     char *text = kvs__sb_take(&sb);
     if (text == NULL) {

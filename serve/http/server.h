@@ -26,8 +26,10 @@
  *                          latency_seconds, kvstage_request_duration_seconds, kvstage_kv_
  *                          transfer_seconds; from the backend's stats: kvstage_kv_bytes_total,
  *                          kvstage_kv_chunks_total, kvstage_control_{retries,rejected}_total and
- *                          gauges kvstage_ring_{used,capacity}_bytes, kvstage_requests_{queued,
- *                          running}; gauge kvstage_requests_live (submitted, not ended).
+ *                          gauges kvstage_ring_{used,capacity}_bytes, kvstage_rooms_{live,
+ *                          quarantined,stashed} (summed over the instance's ranks),
+ *                          kvstage_requests_{queued,running}, kvstage_kv_pages_{total,free,used}
+ *                          (rank 0's pool); gauge kvstage_requests_live (submitted, not ended).
  *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
  *                          "prompt_tokens": M} from the backend's match() (the router's
  *                          prefix-aware choice).
@@ -133,8 +135,10 @@ typedef struct {
      * Prometheus name (bytes: KV payload bytes moved, sent or scattered; chunks; retries and
      * rejected control messages; ring_used and ring_capacity). */
     kvs_pd_metrics_t metrics;
-    uint32_t queued;  /* gauge: requests waiting for admission */
-    uint32_t running; /* gauge: requests admitted */
+    uint32_t queued;      /* gauge: requests waiting for admission */
+    uint32_t running;     /* gauge: requests admitted */
+    uint32_t pages_total; /* gauge: KV pool pages (of one rank: the ranks' pools are alike) */
+    uint32_t pages_free;  /* gauge: of which free now */
 } kvs_server_backend_stats_t;
 
 /* The serving engine behind the server. Every function may be called from several server

@@ -966,4 +966,10 @@ void kvs_receiver_metrics(const kvs_receiver_t *rx, kvs_pd_metrics_t *metrics_p)
     metrics_p->ring_high_water = rs.high_water_bytes;
     metrics_p->live_slots = rs.live_grants;
     metrics_p->live_rooms = rx->rooms.count;
+    metrics_p->quarantined_rooms = 0;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&rx->rooms, &it, NULL, &v);) {
+        const rroom_t *r = v;
+        metrics_p->quarantined_rooms += r->status == KVS_ROOM_FAILED && !r->quiescent;
+    }
 }

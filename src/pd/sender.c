@@ -1062,4 +1062,10 @@ void kvs_sender_metrics(const kvs_sender_t *tx, kvs_pd_metrics_t *metrics_p)
     *metrics_p = tx->m;
     metrics_p->live_rooms = tx->rooms.count;
     metrics_p->stashed_rooms = tx->stash.count;
+    metrics_p->quarantined_rooms = 0;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&tx->rooms, &it, NULL, &v);) {
+        const sroom_t *r = v;
+        metrics_p->quarantined_rooms += r->status == KVS_ROOM_FAILED && !room_quiescent(r);
+    }
 }

@@ -364,6 +364,8 @@ static void test_events_round_trip(void **state)
     s->requests_ok = 7;
     s->requests_failed = 8;
     s->radix_pages = 9;
+    s->pages_total = 30;
+    s->pages_free = 29;
     s->queued = 10;
     s->running = 11;
     kvs_pd_metrics_t *m = &ev.metrics;
@@ -378,11 +380,16 @@ static void test_events_round_trip(void **state)
     m->rejected = 20;
     m->ring_used = 21;
     m->ring_capacity = 22;
+    m->live_rooms = 23;
+    m->quarantined_rooms = 24;
+    m->stashed_rooms = 25;
     b = event_round_trip(
         &ev, "{\"event\":\"stats\",\"role\":\"prefill\",\"rank\":1,\"steps\":1,"
              "\"forward_passes\":2,\"forward_ns\":3,\"prompt_tokens\":4,\"cached_tokens\":5,"
              "\"decode_tokens\":6,\"requests_ok\":7,\"requests_failed\":8,\"radix_pages\":9,"
-             "\"rooms_succeeded\":12,\"rooms_failed\":13,\"chunks\":14,\"bulk_writes\":15,"
+             "\"pages_total\":30,\"pages_free\":29,\"rooms_succeeded\":12,\"rooms_failed\":13,"
+             "\"live_rooms\":23,\"quarantined_rooms\":24,\"stashed_rooms\":25,\"chunks\":14,"
+             "\"bulk_writes\":15,"
              "\"direct_writes\":16,\"bytes_moved\":17,\"control_messages\":18,\"retries\":19,"
              "\"rejected\":20,\"ring_used\":21,\"ring_capacity\":22,\"checksum_failures\":0,"
              "\"queued\":10,\"running\":11,"
@@ -533,8 +540,8 @@ static void test_metrics_table(void **state)
         in_line += f[i].line != NULL;
         prom += f[i].prom != NULL;
     }
-    assert_int_equal(in_line, 12);
-    assert_int_equal(prom, 7);
+    assert_int_equal(in_line, 15);
+    assert_int_equal(prom, 10);
 
     kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_STATS, .final = 1};
     for (uint32_t i = 0; i < nf; i++) kvs_pd_metrics_set(&ev.metrics, &f[i], 1000 + i);

@@ -475,6 +475,14 @@ static void test_metrics(void **state)
             assert_true(expect_histogram(r.body.ptr, "kvstage_kv_transfer_seconds") > 0);
         if (i >= 2 && i < 4)
             assert_true(metric_value(r.body.ptr, "kvstage_ring_capacity_bytes") > 0);
+        /* The gauges that would show a leak: no room left in kvstage, none in quarantine,
+         * pages that add up. */
+        assert_true(metric_value(r.body.ptr, "kvstage_rooms_live") == 0);
+        assert_true(metric_value(r.body.ptr, "kvstage_rooms_quarantined") == 0);
+        double total = metric_value(r.body.ptr, "kvstage_kv_pages_total");
+        double free_pages = metric_value(r.body.ptr, "kvstage_kv_pages_free");
+        assert_true(total > 0 && free_pages > 0 && free_pages <= total);
+        assert_true(metric_value(r.body.ptr, "kvstage_kv_pages_used") == total - free_pages);
         http_resp_fini(&r);
     }
     kvs_assert_no_leaks();

@@ -941,7 +941,7 @@ static void test_metrics(void **state)
             exported++;
         }
     }
-    assert_int_equal(exported, 7);
+    assert_int_equal(exported, 10);
     kvs_free(text);
     stop(&f);
     kvs_assert_no_leaks();

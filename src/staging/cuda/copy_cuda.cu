@@ -44,10 +44,13 @@ constexpr uint32_t NSLOTS = 16;                     /* copies in flight before s
 constexpr size_t SLOT_MIN_BYTES = 64 * 1024;        /* first pinned size of a slot */
 constexpr uint32_t MAX_UNITS = 0x7fffffffu - CHUNK; /* per block, so 32-bit indices never wrap */
 constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel parameters */
-/* Checksum partial sums per copy: block b adds into sum b % CSUM_SPREAD, so a large copy's
- * atomics do not all queue on one address; the block that finishes last folds them into the
- * result and clears them for the next copy (no clear and no copy back per copy). */
+/* Checksum partial sums per copy: block b adds into sum b % CSUM_SPREAD and counts itself done
+ * in that group's counter, so a copy's atomics do not all queue on one address; the last block
+ * of each group counts the group on one more counter, and the block that finishes last folds
+ * the sums into the result and clears them for the next copy (no clear and no copy back per
+ * copy). */
 constexpr uint32_t CSUM_SPREAD = 64;
+constexpr uint32_t CSUM_COUNTERS = CSUM_SPREAD + 1; /* per group, then the groups done */
 
 /* ---- division by an invariant 32-bit divisor ----
  * q = (t + ((n - t) >> s1)) >> s2 with t = mulhi(m, n), exact for every n, d < 2^32
@@ -97,7 +100,7 @@ struct launch_t {
     fastdiv_t page_size;          /* P */
     const uint8_t *region;        /* the writer region, for checksum offsets */
     unsigned long long *csum;     /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
-    unsigned int *csum_count;     /* blocks done; the last one resets it */
+    unsigned int *csum_count;     /* [CSUM_COUNTERS] blocks done per group, groups done */
     unsigned long long *csum_out; /* the sum, in host memory mapped into the device */
 };
 
@@ -217,9 +220,18 @@ __device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long
     __shared__ int last;
     __shared__ unsigned long long fold[2];
     if (threadIdx.x == 0) {
-        if (part != 0) atomicAdd(&p.csum[(blockIdx.x + blockIdx.y) % CSUM_SPREAD], part);
+        const uint32_t blocks = gridDim.x * gridDim.y;
+        const uint32_t g = (blockIdx.y * gridDim.x + blockIdx.x) % CSUM_SPREAD;
+        const uint32_t in_group = (blocks - g + CSUM_SPREAD - 1) / CSUM_SPREAD;
+        const uint32_t groups = blocks < CSUM_SPREAD ? blocks : CSUM_SPREAD;
+        if (part != 0) atomicAdd(&p.csum[g], part);
         __threadfence(); /* the part lands before the count says so */
-        last = atomicAdd(p.csum_count, 1u) == gridDim.x * gridDim.y - 1;
+        last = 0;
+        if (atomicAdd(&p.csum_count[g], 1u) == in_group - 1) {
+            p.csum_count[g] = 0; /* every block of the group has counted */
+            __threadfence();
+            last = atomicAdd(&p.csum_count[CSUM_SPREAD], 1u) == groups - 1;
+        }
     }
     __syncthreads();
     if (!last || threadIdx.x >= CSUM_SPREAD) return;
@@ -230,7 +242,7 @@ __device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long
     if ((threadIdx.x & 31) == 0) fold[threadIdx.x / 32] = sum;
     asm volatile("bar.sync 1, %0;" ::"r"(CSUM_SPREAD)); /* the two folding warps only */
     if (threadIdx.x != 0) return;
-    *p.csum_count = 0;
+    p.csum_count[CSUM_SPREAD] = 0;
     *(volatile unsigned long long *) p.csum_out = fold[0] + fold[1];
     __threadfence_system();
 }
@@ -496,7 +508,7 @@ struct cuda_ctx_t {
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
     unsigned long long *csum_dev;      /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
-    unsigned int *csum_count;          /* [NSLOTS] blocks done per slot's copy */
+    unsigned int *csum_count;          /* [NSLOTS][CSUM_COUNTERS] blocks done per slot's copy */
     unsigned long long *csum_host;     /* [NSLOTS] pinned and mapped: each slot's last sum */
     unsigned long long *csum_host_dev; /* the same, as the device sees it */
     launch_inline_t params;            /* built here, snapshotted by the launch */
@@ -671,7 +683,7 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         const size_t slot = (size_t) (s - c->slots);
         lp->region = d->region;
         lp->csum = lanes;
-        lp->csum_count = c->csum_count + slot;
+        lp->csum_count = c->csum_count + (size_t) slot * CSUM_COUNTERS;
         lp->csum_out = c->csum_host_dev + slot;
     }
     const dim3 grid(plan->blocks_x, plan->entries), block(THREADS);
@@ -863,10 +875,11 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count, NSLOTS * sizeof(unsigned int)),
+        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count,
+                                           NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
                             "copy(cuda): checksum counters on device %d", device);
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, NSLOTS * sizeof(unsigned int)),
+        st = KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
                             "copy(cuda): checksum counters");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,

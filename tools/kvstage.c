@@ -41,7 +41,7 @@ int kvs_cmd_version(int argc, char **argv)
 static void usage(FILE *f, const char *what, const kvs_command_t *table, size_t count)
 {
     fprintf(f, "usage: %s [flags]   (%s --help for its flags)\n\n", what, what);
-    for (size_t i = 0; i < count; i++) fprintf(f, "  %-10s %s\n", table[i].name, table[i].summary);
+    for (size_t i = 0; i < count; i++) fprintf(f, "  %-12s %s\n", table[i].name, table[i].summary);
 }
 
 int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int argc, char **argv)

@@ -14,8 +14,7 @@
 
 static const kvs_command_t commands[] = {
     {"plan", kvs_cmd_plan, "print the transfer plan between two TP layouts"},
-    {"bench", kvs_cmd_bench,
-     "run a benchmark (radix, protocol, kernels, engine, serve, transfer)"},
+    {"bench", kvs_cmd_bench, "run a benchmark (radix, protocol, kernels, engine, serve, transfer)"},
     {"demo", kvs_cmd_demo, "run the default deployment (what `make demo` runs)"},
     {"prefill", kvs_cmd_prefill, "run one prefill rank of a multi-process deployment"},
     {"decode", kvs_cmd_decode, "run one decode rank of a multi-process deployment"},
@@ -32,8 +31,7 @@ static const kvs_command_t commands[] = {
 
 int kvs_cmd_version(int argc, char **argv)
 {
-    if (argc > 1)
-        return kvs_args_error(NULL, "no arguments", "unexpected argument '%s'", argv[1]);
+    if (argc > 1) return kvs_args_error(NULL, "no arguments", "unexpected argument '%s'", argv[1]);
     printf("kvstage %s (git %s, protocol %d)\n", KVS_VERSION, KVS_GIT_COMMIT, KVS_MSG_VERSION);
     return 0;
 }

@@ -190,11 +190,11 @@ typedef struct {
 static void engine_flags(kvs_arg_table_t *t, engine_opts_t *o)
 {
     const kvs_arg_t g[] = {
-        {"runs", KVS_ARG_U32, &o->runs, "requests per deployment, the median is reported (3)", "[1," KVS_ARGS_STR(MAX_RUNS) "]",
-         NULL},
+        {"runs", KVS_ARG_U32, &o->runs, "requests per deployment, the median is reported (3)",
+         "[1," KVS_ARGS_STR(MAX_RUNS) "]", NULL},
         {"prompt-len", KVS_ARG_U32, &o->prompt_len, "prompt tokens (128)", "[1,2048]", NULL},
-        {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request (32)", "[2,1048576]",
-         NULL},
+        {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request (32)",
+         "[2,1048576]", NULL},
         {"seed", KVS_ARG_U64, &o->seed, "seed of the random prompts", NULL, NULL},
         {"only", KVS_ARG_CHOICE, &o->only, "which models", "all|smollm2|seeded", NULL},
         {"json", KVS_ARG_FLAG, &o->json, "one JSON object", NULL, NULL},

@@ -956,7 +956,8 @@ static void radix_flags(kvs_arg_table_t *t, radix_opts_t *o)
     const kvs_arg_t g[] = {
         {"workload", KVS_ARG_CHOICE, &cfg->workload, "built-in workload(s) to run",
          "all|shared-prefix|multi-turn|few-shot", &o->seen_workload},
-        {"page-size", KVS_ARG_U32, &cfg->page_size, "tokens per page (default 16)", "[1,1048576]", NULL},
+        {"page-size", KVS_ARG_U32, &cfg->page_size, "tokens per page (default 16)", "[1,1048576]",
+         NULL},
         {"capacity-pages", KVS_ARG_U64, &cfg->capacity,
          "pool pages; evict when an allocation would exceed it (default 0: no eviction)", NULL,
          NULL},

@@ -255,9 +255,10 @@ static const char usage[] =
 static void serve_bench_flags(kvs_arg_table_t *t, opts_t *o, const char **levels_p, int *json_p)
 {
     const kvs_arg_t g[] = {
-        {"concurrency", KVS_ARG_STR, levels_p, "users at once, a sweep (1,2,4)", "comma-separated users per level", NULL},
-        {"requests", KVS_ARG_U32, &o->requests, "requests per user, one after another (3)", "[1,100000]",
-         NULL},
+        {"concurrency", KVS_ARG_STR, levels_p, "users at once, a sweep (1,2,4)",
+         "comma-separated users per level", NULL},
+        {"requests", KVS_ARG_U32, &o->requests, "requests per user, one after another (3)",
+         "[1,100000]", NULL},
         {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request at most (24)",
          "[1,1048576]", NULL},
         {"prompt-words", KVS_ARG_U32, &o->prompt_words, "words per prompt (60)", "[1,600]", NULL},
@@ -387,8 +388,8 @@ int kvs_bench_serve(int argc, char **argv)
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
     if (parse_levels(levels, &o) != 0)
         return kvs_args_error("--concurrency",
-                              "comma-separated levels of [1," KVS_ARGS_STR(MAX_USERS)
-                              "] users, at most " KVS_ARGS_STR(MAX_LEVELS) " levels",
+                              "comma-separated levels of [1," KVS_ARGS_STR(
+                                  MAX_USERS) "] users, at most " KVS_ARGS_STR(MAX_LEVELS) " levels",
                               "'%s' is malformed", levels);
     char path[4096];
     if (o.seeded == NULL) {

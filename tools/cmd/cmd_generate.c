@@ -94,11 +94,13 @@ static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"role", KVS_ARG_CHOICE, &o->role, "this rank's instance", "colocated|prefill|decode",
          NULL},
         {"rank", KVS_ARG_U32, &c->rank, "rank in the instance", "[0,63]", NULL},
-        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", KVS_ARGS_TP, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", KVS_ARGS_TP,
+         NULL},
         {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &c->model_path, "GGUF file (default: the embedded model)", NULL,
          NULL},
-        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
+        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+         "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
@@ -109,12 +111,15 @@ static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
     kvs_llm_rank_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page", "[1,65536]", NULL},
-        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", "[1,65536]", NULL},
-        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)", "[1,1048576]",
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", "[1,65536]",
          NULL},
-        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", "[1,1024]", NULL},
+        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)",
+         "[1,1048576]", NULL},
+        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", "[1,1024]",
+         NULL},
         {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", "[1,1048576]", NULL},
-        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", "[1,1048576]", NULL},
+        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", "[1,1048576]",
+         NULL},
         {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums; both instances must agree", NULL, NULL},
@@ -918,7 +923,8 @@ static int split_prompts(int argc, char **argv, prompts_t *p, char **rest, int *
 static int open_model(gen_t *g)
 {
     if (g->seeded != NULL) {
-        if (g->model != NULL) return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
+        if (g->model != NULL)
+            return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
         kvs_args_capture_t lib;
         kvs_args_capture_begin(&lib);
         int bad = kvs_parse_seeded(g->seeded, &g->mc) != 0 ||
@@ -1010,9 +1016,10 @@ static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
         {"chat", KVS_ARG_FLAG, &g->chat, "render each prompt with the model's chat template", NULL,
          NULL},
         {"system", KVS_ARG_STR, &g->system, "system message (with --chat)", NULL, NULL},
-        {"max-tokens", KVS_ARG_U32, &g->max_tokens, "tokens to generate at most (32)", "[1,1048576]", NULL},
-        {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)", "[0,100]",
-         NULL},
+        {"max-tokens", KVS_ARG_U32, &g->max_tokens, "tokens to generate at most (32)",
+         "[1,1048576]", NULL},
+        {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)",
+         "[0,100]", NULL},
         {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", "(0,1]", NULL},
         {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
          NULL, NULL},
@@ -1027,8 +1034,8 @@ static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
         {"decode-tp", KVS_ARG_U32, &g->decode_tp, "decode ranks (1)", KVS_ARGS_TP, NULL},
         {"colocated", KVS_ARG_FLAG, &g->colocated,
          "one instance does prefill and decode: no transfer", NULL, NULL},
-        {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)", KVS_ARGS_TP,
-         &g->tp_seen},
+        {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)",
+         KVS_ARGS_TP, &g->tp_seen},
     };
     KVS_ARG_TABLE_ADD(t, a);
 }
@@ -1042,7 +1049,8 @@ static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
          "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &g->model_seed, "seed of --seeded weights", NULL, NULL},
         {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", "[1,65536]", NULL},
-        {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", "[1,65536]", NULL},
+        {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", "[1,65536]",
+         NULL},
         {"prefill-radix", KVS_ARG_ONOFF, &g->prefill_radix,
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
@@ -1061,7 +1069,8 @@ static void add_run_flags(kvs_arg_table_t *t, gen_t *g)
         {"max-running", KVS_ARG_U32, &g->max_running,
          "requests admitted at once (default: all, at most 16)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &g->data, "UCX data transports", "auto|shm|tcp", NULL},
-        {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", "[1,86400]", NULL},
+        {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", "[1,86400]",
+         NULL},
         {"json", KVS_ARG_FLAG, &g->json, "one JSON object with every request", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, a);

@@ -92,8 +92,7 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
             per_token += plan->writers[d][i].bytes_per_token;
         if (!mul_ok(plan->grid_tokens, per_token, &payload) || payload > UINT64_MAX / 2) {
             kvs_args_error("--chunk", "a smaller chunk",
-                           "a %" PRIu64 "-token slot of %" PRIu64
-                           " bytes per token is too large",
+                           "a %" PRIu64 "-token slot of %" PRIu64 " bytes per token is too large",
                            plan->grid_tokens, per_token);
             return 0;
         }
@@ -345,13 +344,12 @@ int kvs_cmd_plan(int argc, char **argv)
         {"head-dim-k", KVS_ARG_U32, &dim_k, "K head dim (or MLA latent width)", "[1,65536]",
          &seen_k},
         {"head-dim-v", KVS_ARG_U32, &dim_v, "V head dim (0 with --mla)", "[0,65536]", &seen_v},
-        {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES,
-         NULL},
+        {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token, held whole by every rank", NULL,
          NULL},
         {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", "[1,1048576]", NULL},
-        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)",
-         "[1,16777216]", NULL},
+        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", "[1,16777216]",
+         NULL},
         {"room", KVS_ARG_U64, &cfg.room, "room id, picks among prefill replicas (0)", NULL, NULL},
         {"json", KVS_ARG_FLAG, &cfg.json, "print one JSON object instead of the table", NULL, NULL},
     };

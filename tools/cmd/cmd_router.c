@@ -100,7 +100,8 @@ int kvs_cmd_router(int argc, char **argv)
          "prefix policy: how long a server's cache answer may take (2000)", "[1,3600000]", NULL},
         {"health-interval-ms", KVS_ARG_U32, &health_ms, "health checks of every server (1000)",
          "[1,3600000]", NULL},
-        {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", "[1,4000000]", NULL},
+        {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", "[1,4000000]",
+         NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);

@@ -124,7 +124,8 @@ static int check_flags(const serve_flags_t *f)
 {
     const int role = f->role;
     if (role == KVS_LLM_DECODE && f->bootstrap == NULL)
-        return kvs_args_error("--bootstrap", "the prefill instance's registry endpoint, as its "
+        return kvs_args_error("--bootstrap",
+                              "the prefill instance's registry endpoint, as its "
                               "server prints it (tcp://HOST:PORT)",
                               "a decode server needs it");
     if (role != KVS_LLM_DECODE && f->bootstrap != NULL)
@@ -164,10 +165,10 @@ static int learn_from_prefill(serve_flags_t *f, uint64_t deadline)
 {
     kvs_msg_register_t reg;
     const uint64_t now = kvs_now_ns();
-    if (now >= deadline ||
-        kvs_registry_query(f->bootstrap, 0, deadline - now, &reg) != KVS_OK) {
-        fprintf(stderr, "error: no prefill instance answered at %s within %u s "
-                        "(--startup-timeout-s)\n",
+    if (now >= deadline || kvs_registry_query(f->bootstrap, 0, deadline - now, &reg) != KVS_OK) {
+        fprintf(stderr,
+                "error: no prefill instance answered at %s within %u s "
+                "(--startup-timeout-s)\n",
                 f->bootstrap, f->startup_s);
         return 1;
     }
@@ -225,8 +226,8 @@ static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
          NULL},
         {"model", KVS_ARG_STR, &f->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
         {"seeded", KVS_ARG_STR, &f->seeded,
-         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)", "L,dim,ffn,heads,kv_heads,head_dim,vocab",
-         NULL},
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)",
+         "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &f->model_seed, "seed of --seeded weights", NULL, NULL},
         {"tp", KVS_ARG_U32, &f->tp, "ranks of this instance (1)", KVS_ARGS_TP, NULL},
         {"peer-tp", KVS_ARG_U32, &f->peer_tp,
@@ -234,12 +235,14 @@ static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "its registry)",
          KVS_ARGS_TP, &f->peer_tp_seen},
         {"port", KVS_ARG_U32, &f->port, "HTTP port (0: a free one, printed)", "[0,65535]", NULL},
-        {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address", NULL},
-        {"bootstrap", KVS_ARG_STR, &f->bootstrap,
-         "decode: the prefill instance's registry endpoint (its server prints it)", "tcp://HOST:PORT", NULL},
-        {"registry", KVS_ARG_STR, &f->registry,
-         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)", "tcp://HOST:PORT or tcp://HOST:*",
+        {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address",
          NULL},
+        {"bootstrap", KVS_ARG_STR, &f->bootstrap,
+         "decode: the prefill instance's registry endpoint (its server prints it)",
+         "tcp://HOST:PORT", NULL},
+        {"registry", KVS_ARG_STR, &f->registry,
+         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)",
+         "tcp://HOST:PORT or tcp://HOST:*", NULL},
         {"name", KVS_ARG_STR, &f->name, "model name served (default: the GGUF's file name)", NULL,
          NULL},
     };
@@ -260,10 +263,12 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "end-to-end chunk checksums of the KV handoff; a decode server refuses a prefill "
          "instance with the other setting (on)",
          NULL, NULL},
-        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", "[1,1024]", NULL},
-        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", "[1,1048576]", NULL},
-        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)", "[1,1048576]",
+        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", "[1,1024]",
          NULL},
+        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", "[1,1048576]",
+         NULL},
+        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)",
+         "[1,1048576]", NULL},
         {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},
         {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,

@@ -174,8 +174,8 @@ int kvs_cmd_serve_demo(int argc, char **argv)
         {"prefill-tp", KVS_ARG_U32, &f.prefill_tp, "prefill server ranks (3)", KVS_ARGS_TP, NULL},
         {"decode-tp", KVS_ARG_U32, &f.decode_tp, "decode server ranks (1)", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
-        {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)", "[1,86400]",
-         NULL},
+        {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)",
+         "[1,86400]", NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);

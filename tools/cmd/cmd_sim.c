@@ -250,19 +250,20 @@ static void add_layout_flags(kvs_arg_table_t *t, sim_opts_t *o)
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page (16)", "[1,1048576]", NULL},
-        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]", NULL},
-        {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank", "[1,18446744073709551615]",
-         &o->seen_ring_bytes},
-        {"ring-slots", KVS_ARG_U32, &c->ring_slots, "staging ring size in full slots (8)", "[1,1024]",
-         &o->seen_ring_slots},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]",
+         NULL},
+        {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank",
+         "[1,18446744073709551615]", &o->seen_ring_bytes},
+        {"ring-slots", KVS_ARG_U32, &c->ring_slots, "staging ring size in full slots (8)",
+         "[1,1024]", &o->seen_ring_slots},
         {"layout", KVS_ARG_CHOICE, &o->layout, "pool layout of both sides", "nhd|hnd",
          &o->seen_layout},
         {"prefill-layout", KVS_ARG_CHOICE, &o->prefill_layout, "prefill pool layout (nhd)",
          "nhd|hnd", &o->seen_pl},
         {"decode-layout", KVS_ARG_CHOICE, &o->decode_layout, "decode pool layout (hnd)", "nhd|hnd",
          &o->seen_dl},
-        {"pool-pages", KVS_ARG_U32, &o->pool_pages, "pages per rank on both sides (auto)", "[1,4294967295]",
-         &o->seen_pool},
+        {"pool-pages", KVS_ARG_U32, &o->pool_pages, "pages per rank on both sides (auto)",
+         "[1,4294967295]", &o->seen_pool},
         {"prefill-pool-pages", KVS_ARG_U32, &c->prefill_pool_pages,
          "pages per prefill rank (0 = auto)", NULL, NULL},
         {"decode-pool-pages", KVS_ARG_U32, &c->decode_pool_pages,
@@ -282,13 +283,14 @@ static void add_workload_flags(kvs_arg_table_t *t, sim_opts_t *o)
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"requests", KVS_ARG_U32, &c->workload.requests, "requests (200)", "[1,1000000]", NULL},
-        {"concurrency", KVS_ARG_U32, &c->concurrency, "requests in flight (128)", "[1,1000000]", NULL},
+        {"concurrency", KVS_ARG_U32, &c->concurrency, "requests in flight (128)", "[1,1000000]",
+         NULL},
         {"workload", KVS_ARG_CHOICE, &o->workload, "workload (shared-prefix)",
          "shared-prefix|multi-turn|random|needle", NULL},
         {"prompt-len", KVS_ARG_U32, &c->workload.prompt_len, "longest prompt in tokens (2000)",
          "[1,16777216]", NULL},
-        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (900)", "[0,16777216]",
-         NULL},
+        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (900)",
+         "[0,16777216]", NULL},
         {"groups", KVS_ARG_U32, &c->workload.groups, "prefix groups / documents / clients (auto)",
          NULL, NULL},
         {"repeat-permille", KVS_ARG_U32, &c->workload.repeat_permille,
@@ -315,15 +317,21 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
          "give this request a misaligned decode prefix (test hook)", NULL, &o->seen_mis},
         {"retry-us", KVS_ARG_U64, &o->to_us[0], "control message retry period, virtual us (200)",
          "[1,18446744073709551]", NULL},
-        {"bootstrap-timeout-us", KVS_ARG_U64, &o->to_us[1], "virtual us (2000000)", "[1,18446744073709551]", NULL},
-        {"transfer-timeout-us", KVS_ARG_U64, &o->to_us[2], "virtual us (2000000)", "[1,18446744073709551]", NULL},
-        {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)", "[1,18446744073709551]", NULL},
-        {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)", "[1,18446744073709551]", NULL},
-        {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)", "[1,18446744073709551]", NULL},
-        {"step-us", KVS_ARG_U64, &o->step_us, "virtual us of one prefill forward pass (50)", "[0,18446744073709551]",
-         NULL},
+        {"bootstrap-timeout-us", KVS_ARG_U64, &o->to_us[1], "virtual us (2000000)",
+         "[1,18446744073709551]", NULL},
+        {"transfer-timeout-us", KVS_ARG_U64, &o->to_us[2], "virtual us (2000000)",
+         "[1,18446744073709551]", NULL},
+        {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)",
+         "[1,18446744073709551]", NULL},
+        {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)",
+         "[1,18446744073709551]", NULL},
+        {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)",
+         "[1,18446744073709551]", NULL},
+        {"step-us", KVS_ARG_U64, &o->step_us, "virtual us of one prefill forward pass (50)",
+         "[0,18446744073709551]", NULL},
         {"write-delay-us", KVS_ARG_U64, &o->write_delay_us,
-         "data writes land up to this late, virtual us (20 under reorder, else 0)", "[0,18446744073709551]", NULL},
+         "data writes land up to this late, virtual us (20 under reorder, else 0)",
+         "[0,18446744073709551]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -393,8 +401,9 @@ static int build_faults(sim_opts_t *o)
     kvs_status_t st = kvs_sim_faults_parse(o->faults, &c->faults);
     kvs_args_capture_end(&cap, st != KVS_OK);
     if (st != KVS_OK)
-        return kvs_args_error("--faults", "a comma list of none|reorder|dup|drop|abort|timeout|corrupt",
-                              "%s", cap.msg[0] ? cap.msg : kvs_status_str(st));
+        return kvs_args_error("--faults",
+                              "a comma list of none|reorder|dup|drop|abort|timeout|corrupt", "%s",
+                              cap.msg[0] ? cap.msg : kvs_status_str(st));
     c->no_checksum = !o->checksum;
     return 0;
 }

@@ -133,8 +133,8 @@ static const char *set_number(const kvs_arg_t *a, const char *value)
         return "is not a whole number";
     unsigned long long v = strtoull(digits, &end, base);
     if (end == digits) return "is not a whole number";
-    if (*end != '\0') return *end == '.' || *end == 'e' ? "is not a whole number"
-                                                         : "has trailing characters";
+    if (*end != '\0')
+        return *end == '.' || *end == 'e' ? "is not a whole number" : "has trailing characters";
     if (errno == ERANGE || v > type_max(a->type)) return "overflows";
     if (v < iv.ulo || (iv.lo_open && v == iv.ulo) || v > iv.uhi || (iv.hi_open && v == iv.uhi))
         return "is out of range";
@@ -379,7 +379,8 @@ const char *kvs_args_tp_sizes(const kvs_kv_shape_t *shape, char *buf, size_t cap
             n += (size_t) snprintf(buf + n, cap - n, "%s%u", n ? ", " : "", tp);
     kvs_log_set_sink(NULL, NULL);
     if (n < cap && shape->attn == KVS_ATTN_MHA)
-        snprintf(buf + n, cap - n, " (a TP size must divide the %u KV heads or be a multiple of them)",
+        snprintf(buf + n, cap - n,
+                 " (a TP size must divide the %u KV heads or be a multiple of them)",
                  shape->kv_heads);
     else if (n < cap)
         snprintf(buf + n, cap - n, " (MLA: every rank holds the whole latent)");

@@ -118,9 +118,15 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     return KVS_ARGS_OK;
 }
 
-int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *who)
+int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *cmd)
 {
     const kvs_rank_config_t *c = &f->cfg;
+    /* The library's messages name the rank, as the rank itself would. */
+    char who[32];
+    if (strcmp(cmd, "demo") == 0)
+        snprintf(who, sizeof(who), "demo");
+    else
+        snprintf(who, sizeof(who), "%s rank %u", cmd, c->rank);
     const uint32_t tps[2] = {c->geo.prefill_tp, c->geo.decode_tp};
     const char *names[2] = {"--prefill-tp", "--decode-tp"};
     char sizes[512];
@@ -143,7 +149,7 @@ int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *who)
     kvs_args_capture_end(&cap, st != KVS_OK);
     if (st != KVS_OK)
         return kvs_args_error(NULL, NULL, "%s (see `kvstage %s --help`)",
-                              cap.msg[0] ? cap.msg : kvs_status_str(st), who);
+                              cap.msg[0] ? cap.msg : kvs_status_str(st), cmd);
     return 0;
 }
 

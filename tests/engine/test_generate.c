@@ -315,16 +315,18 @@ static void test_bad_flags(void **state)
     static const struct {
         const char *args, *says;
     } cases[] = {
-        {"generate --prompt x --bogus 1", "unknown flag '--bogus'"},
-        {"generate --max-tokens 4", "at least one --prompt"},
-        {"generate --prompt x --prefill-tp 2", "--prefill-tp 2 does not divide"},
-        {"generate --prompt x --colocated --tp 2", "--tp 2 does not divide"},
-        {"generate --prompt x --tp 2", "--tp is for --colocated"},
-        {"generate --prompt x --max-tokens 0", "must be positive"},
-        {"generate --prompt x --prefill-radix maybe", "bad value 'maybe'"},
-        {"generate --seeded 1,2,3 --prompt-ids 1", "bad value '1,2,3' for '--seeded'"},
-        {"generate --seeded 2,128,256,8,8,16,512 --prompt hello", "use --prompt-ids"},
-        {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1,x", "for '--prompt-ids'"},
+        {"generate --prompt x --bogus 1", "--bogus: unknown flag"},
+        {"generate --max-tokens 4", "give at least one prompt"},
+        {"generate --prompt x --prefill-tp 2", "--prefill-tp: 2 does not split this model"},
+        {"generate --prompt x --colocated --tp 2", "--tp: 2 does not split this model"},
+        {"generate --prompt x --tp 2", "--tp: is for --colocated"},
+        {"generate --prompt x --max-tokens 0", "--max-tokens: '0' is out of range"},
+        {"generate --prompt x --prefill-radix maybe", "'maybe' is neither on nor off"},
+        {"generate --seeded 1,2,3 --prompt-ids 1", "--seeded: '1,2,3' is not a model shape"},
+        {"generate --seeded 2,128,256,8,8,16,512 --prompt hello",
+         "no tokenizer; accepted: --prompt-ids"},
+        {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1,x",
+         "--prompt-ids: '1,x' is malformed"},
         {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1,512", "outside the vocabulary"},
         {"generate --prompt", "needs a value"},
     };

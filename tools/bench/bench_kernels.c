@@ -468,8 +468,8 @@ static int parse_lists(const cfg_t *cfg, const kvs_arg_table_t *t, lists_t *list
     else if (cfg->warmup > 1000)
         bad = "--warmup must be at most 1000";
     if (bad == NULL) return 0;
-    fprintf(stderr, "error: %s\n", bad);
-    kvs_args_usage(stderr, USAGE, t->items, t->count);
+    (void) t;
+    kvs_args_error(NULL, NULL, "%s", bad);
     return EXIT_USAGE;
 }
 

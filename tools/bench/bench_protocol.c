@@ -30,16 +30,19 @@ typedef struct {
 static void protocol_flags(kvs_arg_table_t *t, proto_opts_t *o)
 {
     const kvs_arg_t g[] = {
-        {"prefill-tp", KVS_ARG_U32, &o->prefill_tp, "prefill TP size (default 4)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &o->decode_tp, "decode TP size (default 2)", NULL, NULL},
-        {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (default 8)", NULL, NULL},
-        {"layers", KVS_ARG_U32, &o->layers, "layers (default 32)", NULL, NULL},
-        {"head-dim", KVS_ARG_U32, &o->head_dim,
-         "head dim, K and V (default 8: small, so copying does not hide the control plane)", NULL,
+        {"prefill-tp", KVS_ARG_U32, &o->prefill_tp, "prefill TP size (default 4)", KVS_ARGS_TP,
          NULL},
-        {"page-size", KVS_ARG_U32, &o->page, "tokens per page (default 16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &o->chunk, "chunked-prefill size (default 256)", NULL, NULL},
-        {"requests", KVS_ARG_U32, &o->requests, "requests per size (default 8)", NULL, NULL},
+        {"decode-tp", KVS_ARG_U32, &o->decode_tp, "decode TP size (default 2)", KVS_ARGS_TP, NULL},
+        {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (default 8)", "[1,65536]", NULL},
+        {"layers", KVS_ARG_U32, &o->layers, "layers (default 32)", "[1,65536]", NULL},
+        {"head-dim", KVS_ARG_U32, &o->head_dim,
+         "head dim, K and V (default 8: small, so copying does not hide the control plane)",
+         "[1,65536]", NULL},
+        {"page-size", KVS_ARG_U32, &o->page, "tokens per page (default 16)", "[1,1048576]", NULL},
+        {"chunk", KVS_ARG_U32, &o->chunk, "chunked-prefill size (default 256)", "[1,16777216]",
+         NULL},
+        {"requests", KVS_ARG_U32, &o->requests, "requests per size (default 8)", "[1,100000]",
+         NULL},
         {"seed", KVS_ARG_U64, &o->seed, "seed (default 1)", NULL, NULL},
         {"json", KVS_ARG_FLAG, &o->json, "print one JSON object instead of the table", NULL, NULL},
     };
@@ -156,9 +159,23 @@ int kvs_bench_protocol(int argc, char **argv)
     int rc = kvs_arg_table_parse(&t, "kvstage bench protocol [flags]", argc, argv, 1);
     if (rc == KVS_ARGS_HELP) return 0;
     if (rc != KVS_ARGS_OK) return 2;
-    if (o.requests == 0) {
-        fprintf(stderr, "error: --requests must be > 0\n");
-        return 2;
+    const kvs_kv_shape_t shape = {.layers = o.layers,
+                                  .kv_heads = o.kv_heads,
+                                  .head_dim_k = o.head_dim,
+                                  .head_dim_v = o.head_dim,
+                                  .elem_bytes = 2,
+                                  .attn = KVS_ATTN_MHA};
+    const uint32_t tps[2] = {o.prefill_tp, o.decode_tp};
+    for (int i = 0; i < 2; i++) {
+        kvs_args_capture_t cap;
+        kvs_args_capture_begin(&cap);
+        kvs_status_t st = kvs_tp_validate(&shape, &(kvs_tp_t){.tp_size = tps[i]});
+        kvs_args_capture_end(&cap, st != KVS_OK);
+        char sizes[512];
+        if (st != KVS_OK)
+            return kvs_args_error(i ? "--decode-tp" : "--prefill-tp",
+                                  kvs_args_tp_sizes(&shape, sizes, sizeof(sizes)), "%u: %s", tps[i],
+                                  cap.msg);
     }
 
     static const uint32_t sizes[] = {128, 1024, 4096, 16384};

@@ -956,17 +956,18 @@ static void radix_flags(kvs_arg_table_t *t, radix_opts_t *o)
     const kvs_arg_t g[] = {
         {"workload", KVS_ARG_CHOICE, &cfg->workload, "built-in workload(s) to run",
          "all|shared-prefix|multi-turn|few-shot", &o->seen_workload},
-        {"page-size", KVS_ARG_U32, &cfg->page_size, "tokens per page (default 16)", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &cfg->page_size, "tokens per page (default 16)", "[1,1048576]",
+         NULL},
         {"capacity-pages", KVS_ARG_U64, &cfg->capacity,
          "pool pages; evict when an allocation would exceed it (default 0: no eviction)", NULL,
          NULL},
         {"seed", KVS_ARG_U64, &cfg->seed, "workload generator seed (default 1)", NULL,
          &o->seen_seed},
         {"scale", KVS_ARG_DOUBLE, &cfg->scale,
-         "scale the number of requests (groups, clients, questions); default 1", NULL,
+         "scale the number of requests (groups, clients, questions); default 1", "(0,1000]",
          &o->seen_scale},
         {"repeat", KVS_ARG_U32, &cfg->repeat,
-         "timed passes per workload, the fastest reported (default 5)", NULL, NULL},
+         "timed passes per workload, the fastest reported (default 5)", "[1,1000]", NULL},
         {"json", KVS_ARG_FLAG, &cfg->json, "print JSON instead of a table", NULL, NULL},
         {"trace", KVS_ARG_STR, &cfg->trace, "replay this trace file instead of the built-ins", NULL,
          NULL},
@@ -981,17 +982,11 @@ static int check_opts(const radix_opts_t *o, const kvs_arg_table_t *t)
 {
     const bench_cfg_t *cfg = &o->cfg;
     const char *bad = NULL;
-    if (cfg->page_size == 0)
-        bad = "--page-size must be at least 1";
-    else if (!(cfg->scale > 0.0 && cfg->scale <= 1000.0))
-        bad = "--scale must be in (0, 1000]";
-    else if (cfg->repeat == 0 || cfg->repeat > 1000)
-        bad = "--repeat must be in 1..1000";
-    else if (cfg->trace && (o->seen_workload || o->seen_seed || o->seen_scale))
-        bad = "--trace replays a file: --workload, --seed and --scale do not apply";
+    (void) t; /* the ranges are the table's */
+    if (cfg->trace && (o->seen_workload || o->seen_seed || o->seen_scale))
+        bad = "replays a file: --workload, --seed and --scale do not apply";
     if (bad == NULL) return 0;
-    fprintf(stderr, "error: %s\n", bad);
-    kvs_args_usage(stderr, USAGE, t->items, t->count);
+    kvs_args_error("--trace", "--trace alone, or the built-in workloads' flags", "%s", bad);
     return EXIT_USAGE;
 }
 

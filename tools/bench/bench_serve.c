@@ -255,15 +255,16 @@ static const char usage[] =
 static void serve_bench_flags(kvs_arg_table_t *t, opts_t *o, const char **levels_p, int *json_p)
 {
     const kvs_arg_t g[] = {
-        {"concurrency", KVS_ARG_STR, levels_p, "users at once, a sweep (1,2,4)", NULL, NULL},
-        {"requests", KVS_ARG_U32, &o->requests, "requests per user, one after another (3)", NULL,
-         NULL},
+        {"concurrency", KVS_ARG_STR, levels_p, "users at once, a sweep (1,2,4)",
+         "comma-separated users per level", NULL},
+        {"requests", KVS_ARG_U32, &o->requests, "requests per user, one after another (3)",
+         "[1,100000]", NULL},
         {"max-tokens", KVS_ARG_U32, &o->max_tokens, "tokens generated per request at most (24)",
-         NULL, NULL},
-        {"prompt-words", KVS_ARG_U32, &o->prompt_words, "words per prompt (60)", NULL, NULL},
-        {"prefill-tp", KVS_ARG_U32, &o->prefill_tp, "prefill server ranks (1)", NULL, NULL},
+         "[1,1048576]", NULL},
+        {"prompt-words", KVS_ARG_U32, &o->prompt_words, "words per prompt (60)", "[1,600]", NULL},
+        {"prefill-tp", KVS_ARG_U32, &o->prefill_tp, "prefill server ranks (1)", KVS_ARGS_TP, NULL},
         {"decode-tp", KVS_ARG_U32, &o->decode_tp,
-         "decode server ranks, also the colocated server's (1)", NULL, NULL},
+         "decode server ranks, also the colocated server's (1)", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &o->model_path, "GGUF file (default: the embedded SmolLM2)", NULL,
          NULL},
         {"seeded", KVS_ARG_STR, &o->seeded,
@@ -385,14 +386,11 @@ int kvs_bench_serve(int argc, char **argv)
     serve_bench_flags(&t, &o, &levels, &json);
     int rc = kvs_arg_table_parse(&t, usage, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    if (parse_levels(levels, &o) != 0 || o.requests == 0 || o.max_tokens == 0 ||
-        o.prompt_words == 0 || o.prompt_words > 600) {
-        fprintf(stderr,
-                "error: --concurrency takes 1..%d users per level (at most %d levels); "
-                "--requests, --max-tokens positive; --prompt-words 1..600\n",
-                MAX_USERS, MAX_LEVELS);
-        return 2;
-    }
+    if (parse_levels(levels, &o) != 0)
+        return kvs_args_error("--concurrency",
+                              "comma-separated levels of [1," KVS_ARGS_STR(
+                                  MAX_USERS) "] users, at most " KVS_ARGS_STR(MAX_LEVELS) " levels",
+                              "'%s' is malformed", levels);
     char path[4096];
     if (o.seeded == NULL) {
         if (o.model_path != NULL)

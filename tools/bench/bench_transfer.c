@@ -909,11 +909,11 @@ static void add_transport_flags(kvs_arg_table_t *t, opts_t *o)
         {"data", KVS_ARG_CHOICE, &o->data, "ucx: UCX data over shared memory or tcp on loopback",
          "shm|tcp", &o->seen_data},
         {"head-dim", KVS_ARG_U32, &o->head_dim,
-         "ucx: head dim of the 8B shape scaled to this machine (32 layers, 8 KV heads) (32)", NULL,
-         &o->seen_hd},
+         "ucx: head dim of the 8B shape scaled to this machine (32 layers, 8 KV heads) (32)",
+         "[1,65536]", &o->seen_hd},
         {"gpus", KVS_ARG_STR, &o->gpus,
-         "prefill GPU,decode GPU (default 0,1; 0,0 when only one GPU is present)", NULL,
-         &o->seen_gpus},
+         "prefill GPU,decode GPU (default 0,1; 0,0 when only one GPU is present)",
+         "two GPU ordinals, e.g. 0,1", &o->seen_gpus},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -924,11 +924,12 @@ static void add_shape_flags(kvs_arg_table_t *t, opts_t *o)
         {"model", KVS_ARG_CHOICE, &o->cfg.model, "KV shapes (bf16, 8 KV heads, head dim 128)",
          "all|llama3-8b|llama3-70b", NULL},
         {"tokens", KVS_ARG_STR, &o->tokens, "prompt lengths (default 128,1024,4096,16384,32768)",
-         NULL, NULL},
+         "comma-separated counts in [1,16777216]", NULL},
         {"page-sizes", KVS_ARG_STR, &o->pages, "page sizes (default 1,16,64; ucx: one size, 16)",
-         NULL, &o->seen_pages},
+         "comma-separated sizes in [1,16777216]", &o->seen_pages},
         {"tp", KVS_ARG_STR, &o->tps,
-         "prefill:decode TP pairs (default 1:1,2:1,1:2; ucx: one pair, 1:1)", NULL, &o->seen_tp},
+         "prefill:decode TP pairs (default 1:1,2:1,1:2; ucx: one pair, 1:1)",
+         "prefill:decode pairs, e.g. 2:1", &o->seen_tp},
         {"layout", KVS_ARG_CHOICE, &o->cfg.layout,
          "pool layout of both sides (hnd: a page's head slice is one run, per-page copies are 1D)",
          "hnd|nhd", NULL},
@@ -940,14 +941,14 @@ static void add_protocol_flags(kvs_arg_table_t *t, opts_t *o)
 {
     cfg_t *cfg = &o->cfg;
     const kvs_arg_t g[] = {
-        {"chunk", KVS_ARG_U32, &cfg->chunk, "chunked-prefill tokens C, the slot size (512)", NULL,
-         NULL},
-        {"window", KVS_ARG_U32, &cfg->window, "chunks per room with a slot request out (4)", NULL,
-         NULL},
+        {"chunk", KVS_ARG_U32, &cfg->chunk, "chunked-prefill tokens C, the slot size (512)",
+         "[1,16777216]", NULL},
+        {"window", KVS_ARG_U32, &cfg->window, "chunks per room with a slot request out (4)",
+         "[1,1024]", NULL},
         {"staging-buffers", KVS_ARG_U32, &cfg->buffers, "staging buffers per prefill rank (3)",
-         NULL, NULL},
-        {"ring-slots", KVS_ARG_U32, &cfg->ring_slots, "decode ring size in full slots (8)", NULL,
-         NULL},
+         "[1,1024]", NULL},
+        {"ring-slots", KVS_ARG_U32, &cfg->ring_slots, "decode ring size in full slots (8)",
+         "[1,1024]", NULL},
         {"checksum", KVS_ARG_CHOICE, &cfg->checksum, KVS_BT_CSUM_HELP, KVS_BT_CSUM_CHOICES, NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
@@ -957,14 +958,14 @@ static void add_run_flags(kvs_arg_table_t *t, opts_t *o)
 {
     cfg_t *cfg = &o->cfg;
     const kvs_arg_t g[] = {
-        {"reps", KVS_ARG_U32, &cfg->reps, "timed runs per cell, median reported (5; ucx: 3)", NULL,
-         &o->seen_reps},
-        {"warmup", KVS_ARG_U32, &cfg->warmup, "untimed runs first (1)", NULL, NULL},
-        {"samples", KVS_ARG_U32, &cfg->samples, "heads checked per method and row (256)", NULL,
-         NULL},
+        {"reps", KVS_ARG_U32, &cfg->reps, "timed runs per cell, median reported (5; ucx: 3)",
+         "[1,1000]", &o->seen_reps},
+        {"warmup", KVS_ARG_U32, &cfg->warmup, "untimed runs first (1)", "[0,1000]", NULL},
+        {"samples", KVS_ARG_U32, &cfg->samples, "heads checked per method and row (256)",
+         "[1,1000000]", NULL},
         {"per-page-max", KVS_ARG_U64, &cfg->per_page_max,
-         "per-page copies timed per row (whole pages; the rate is taken over them) (20000)", NULL,
-         NULL},
+         "per-page copies timed per row (whole pages; the rate is taken over them) (20000)",
+         "[1,18446744073709551615]", NULL},
         {"json", KVS_ARG_FLAG, &cfg->json, "print one JSON object instead of the table", NULL,
          NULL},
     };
@@ -1032,8 +1033,8 @@ static int build_cfg(opts_t *o, const kvs_arg_table_t *t)
     uint32_t g[2] = {0, 0};
     const char *bad = check_opts(o, parse_gpus(o->gpus, g));
     if (bad) {
-        fprintf(stderr, "error: %s\n", bad);
-        kvs_args_usage(stderr, USAGE, t->items, t->count);
+        (void) t;
+        kvs_args_error(NULL, NULL, "%s", bad);
         return EXIT_USAGE;
     }
     cfg->gpu_p = (int) g[0];

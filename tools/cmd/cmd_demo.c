@@ -177,10 +177,9 @@ static int parse_deployment(int argc, char **argv, int first, kvs_rank_flags_t *
         /* The launcher assigns these per rank. */
         if (strncmp(pargv[i], "--rank", 6) == 0 || strncmp(pargv[i], "--registry", 10) == 0 ||
             strcmp(pargv[i], "--serve-registry") == 0 || strncmp(pargv[i], "--bind", 6) == 0 ||
-            strcmp(pargv[i], "--gpu") == 0 || strncmp(pargv[i], "--gpu=", 6) == 0) {
-            fprintf(stderr, "error: the demo sets '%s' for each rank itself\n", pargv[i]);
-            return 2;
-        }
+            strcmp(pargv[i], "--gpu") == 0 || strncmp(pargv[i], "--gpu=", 6) == 0)
+            return kvs_args_error(pargv[i], "the other flags of `kvstage demo --help`",
+                                  "the demo sets it for each rank itself");
     }
     int rc = kvs_rank_flags_parse(
         f,
@@ -199,11 +198,10 @@ static int pick_gpus(const kvs_rank_config_t *c, const char *gpus, int gpu[2])
 {
     gpu[0] = 0;
     gpu[1] = c->mem == KVS_MEM_DEVICE && kvs_mem_device_count() > 1;
-    if (gpus != NULL && (c->mem != KVS_MEM_DEVICE || kvs_args_parse_gpus(gpus, &gpu[0], &gpu[1]))) {
-        fprintf(stderr, "error: --gpus takes one or two GPU ordinals (e.g. 0,1) and needs "
-                        "--device cuda\n");
-        return 2;
-    }
+    if (gpus != NULL && c->mem != KVS_MEM_DEVICE)
+        return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (gpus != NULL && kvs_args_parse_gpus(gpus, &gpu[0], &gpu[1]) != 0)
+        return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", gpus);
     return 0;
 }
 
@@ -381,11 +379,7 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
     if (rc != GO_ON) return rc;
     const kvs_rank_config_t *c = &f.cfg;
     /* Every rank would refuse it at startup; say so once, before starting any. */
-    if (kvs_rank_check(c, "demo") != KVS_OK) {
-        fprintf(stderr, "error: invalid deployment; see the message above and `kvstage demo "
-                        "--help`\n");
-        return 2;
-    }
+    if (kvs_rank_flags_check(&f, "demo") != 0) return 2;
     int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
     if (pick_gpus(c, gpus, gpu) != 0) return 2;
     kvs_registry_t *registry;
@@ -418,7 +412,9 @@ int kvs_cmd_demo(int argc, char **argv)
     int n = 0;
     rest[n++] = argv[0];
     for (int i = 1; i < argc && n < 255; i++) {
-        if (strcmp(argv[i], "--transport") == 0 && i + 1 < argc)
+        if (strcmp(argv[i], "--transport") == 0 && i + 1 >= argc)
+            return kvs_args_error("--transport", "ucx|inproc", "needs a value");
+        if (strcmp(argv[i], "--transport") == 0)
             transport = argv[++i];
         else if (strncmp(argv[i], "--transport=", 12) == 0)
             transport = argv[i] + 12;
@@ -436,16 +432,16 @@ int kvs_cmd_demo(int argc, char **argv)
         }
         return kvs_cmd_sim(n, rest);
     }
-    if (strcmp(transport, "ucx") != 0) {
-        fprintf(stderr, "error: bad value '%s' for '--transport' (expected ucx|inproc)\n",
-                transport);
-        return 2;
-    }
+    if (strcmp(transport, "ucx") != 0)
+        return kvs_args_error("--transport", "ucx|inproc", "'%s' is not one of the choices",
+                              transport);
     /* --gpus maps the two sides to GPUs; each rank gets its own --gpu. */
     const char *gpus = NULL;
     int kept = 1;
     for (int i = 1; i < n; i++) {
-        if (strcmp(rest[i], "--gpus") == 0 && i + 1 < n) {
+        if (strcmp(rest[i], "--gpus") == 0 && i + 1 >= n)
+            return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "needs a value");
+        if (strcmp(rest[i], "--gpus") == 0) {
             gpus = rest[++i];
             continue;
         }

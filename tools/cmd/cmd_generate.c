@@ -93,12 +93,14 @@ static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
     const kvs_arg_t g[] = {
         {"role", KVS_ARG_CHOICE, &o->role, "this rank's instance", "colocated|prefill|decode",
          NULL},
-        {"rank", KVS_ARG_U32, &c->rank, "rank in the instance", NULL, NULL},
-        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size", NULL, NULL},
+        {"rank", KVS_ARG_U32, &c->rank, "rank in the instance", "[0,63]", NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill (or colocated) TP size", KVS_ARGS_TP,
+         NULL},
+        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &c->model_path, "GGUF file (default: the embedded model)", NULL,
          NULL},
-        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL, NULL},
+        {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+         "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
@@ -108,13 +110,16 @@ static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
 {
     kvs_llm_rank_config_t *c = &o->c;
     const kvs_arg_t g[] = {
-        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", NULL, NULL},
-        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
+        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page", "[1,65536]", NULL},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "prefill chunk (the kvstage chunk)", "[1,65536]",
          NULL},
-        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", NULL, NULL},
+        {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)",
+         "[1,1048576]", NULL},
+        {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", "[1,1024]",
+         NULL},
+        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", "[1,1048576]", NULL},
+        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", "[1,1048576]",
+         NULL},
         {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums; both instances must agree", NULL, NULL},
@@ -137,18 +142,33 @@ static void add_llm_rank_link_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
     KVS_ARG_TABLE_ADD(t, g);
 }
 
-/* Role, data transports and the model into o->c; 0, or the exit code after saying why. */
+/* Role, data transports and the model into o->c, with the checks across flags; 0, or the exit
+ * code after saying why (2 after the one error line). */
 static int llm_rank_config_build(llm_rank_opts_t *o)
 {
     kvs_llm_rank_config_t *c = &o->c;
     c->role = (kvs_llm_role_t) o->role;
     c->data = (kvs_net_data_t) o->data;
     c->no_checksum = !o->checksum;
+    const uint32_t tp = c->role == KVS_LLM_DECODE ? c->decode_tp : c->prefill_tp;
+    if (c->rank >= tp)
+        return kvs_args_error("--rank", "below the instance's TP size", "%u is not below TP %u",
+                              c->rank, tp);
+    if (c->role != KVS_LLM_COLOCATED && c->registry == NULL)
+        return kvs_args_error("--registry", "the prefill instance's registry endpoint",
+                              "a prefill or decode rank needs it");
+    if (tp > 1 && c->group == NULL)
+        return kvs_args_error("--group", "a shared-memory name such as /kvs-group",
+                              "TP %u needs it", tp);
+    if (c->batch_tokens != 0 && c->batch_tokens < c->chunk_tokens)
+        return kvs_args_error("--batch-tokens", "at least --chunk", "%u is below --chunk %u",
+                              c->batch_tokens, c->chunk_tokens);
     if (o->seeded != NULL) {
-        if (kvs_parse_seeded(o->seeded, &c->seeded) != 0) {
-            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", o->seeded);
-            return 2;
-        }
+        if (c->model_path != NULL)
+            return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
+        if (kvs_parse_seeded(o->seeded, &c->seeded) != 0)
+            return kvs_args_error("--seeded", "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+                                  "'%s' is not a model shape", o->seeded);
         c->model_path = NULL;
     } else if (c->model_path == NULL) {
         if (kvs_model_default_path(o->path, sizeof(o->path)) != KVS_OK) return 1;
@@ -876,7 +896,7 @@ static int split_prompts(int argc, char **argv, prompts_t *p, char **rest, int *
             v = a + 13;
         } else if (is_text || is_ids) {
             if (i + 1 >= argc) {
-                fprintf(stderr, "error: flag '%s' needs a value\n", a);
+                kvs_args_error(a, is_text ? "a text" : "token ids, e.g. 1,2,3", "needs a value");
                 return -1;
             }
             v = argv[++i];
@@ -886,7 +906,7 @@ static int split_prompts(int argc, char **argv, prompts_t *p, char **rest, int *
             continue;
         }
         if (n == MAX_PROMPTS) {
-            fprintf(stderr, "error: at most %d prompts\n", MAX_PROMPTS);
+            kvs_args_error(a, "at most " KVS_ARGS_STR(MAX_PROMPTS) " prompts", "too many prompts");
             return -1;
         }
         p->text[n] = is_text ? v : NULL;
@@ -903,18 +923,18 @@ static int split_prompts(int argc, char **argv, prompts_t *p, char **rest, int *
 static int open_model(gen_t *g)
 {
     if (g->seeded != NULL) {
-        if (g->model != NULL) {
-            fprintf(stderr, "error: --model and --seeded exclude each other\n");
-            return 2;
-        }
-        if (kvs_parse_seeded(g->seeded, &g->mc) != 0) {
-            fprintf(stderr,
-                    "error: bad value '%s' for '--seeded' (expected "
-                    "L,dim,ffn,heads,kv_heads,head_dim,vocab)\n",
-                    g->seeded);
-            return 2;
-        }
-        return kvs_model_config_validate(&g->mc, (kvs_tp_t){1, 0}) == KVS_OK ? 0 : 2;
+        if (g->model != NULL)
+            return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
+        kvs_args_capture_t lib;
+        kvs_args_capture_begin(&lib);
+        int bad = kvs_parse_seeded(g->seeded, &g->mc) != 0 ||
+                  kvs_model_config_validate(&g->mc, (kvs_tp_t){1, 0}) != KVS_OK;
+        kvs_args_capture_end(&lib, bad);
+        if (bad)
+            return kvs_args_error("--seeded", "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+                                  "'%s' is not a model shape%s%s", g->seeded,
+                                  lib.msg[0] ? ": " : "", lib.msg);
+        return 0;
     }
     if (g->model != NULL) {
         snprintf(g->model_path, sizeof(g->model_path), "%s", g->model);
@@ -974,20 +994,6 @@ static void gen_free(gen_t *g)
     kvs_tokenizer_destroy(g->tok);
 }
 
-static int tp_ok(const gen_t *g, uint32_t tp, const char *flag)
-{
-    if (tp == 0 || tp > KVS_MAX_TP) {
-        fprintf(stderr, "error: %s must be 1..%d\n", flag, KVS_MAX_TP);
-        return 0;
-    }
-    if (kvs_model_config_validate(&g->mc, (kvs_tp_t){tp, 0}) != KVS_OK) {
-        fprintf(stderr, "error: %s %u does not divide this model (%u heads, %u KV heads, ffn %u)\n",
-                flag, tp, g->mc.heads, g->mc.kv_heads, g->mc.ffn_dim);
-        return 0;
-    }
-    return 1;
-}
-
 static void gen_default(gen_t *g)
 {
     memset(g, 0, sizeof(*g));
@@ -1010,10 +1016,11 @@ static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
         {"chat", KVS_ARG_FLAG, &g->chat, "render each prompt with the model's chat template", NULL,
          NULL},
         {"system", KVS_ARG_STR, &g->system, "system message (with --chat)", NULL, NULL},
-        {"max-tokens", KVS_ARG_U32, &g->max_tokens, "tokens to generate at most (32)", NULL, NULL},
-        {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)", NULL,
-         NULL},
-        {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", NULL, NULL},
+        {"max-tokens", KVS_ARG_U32, &g->max_tokens, "tokens to generate at most (32)",
+         "[1,1048576]", NULL},
+        {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)",
+         "[0,100]", NULL},
+        {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", "(0,1]", NULL},
         {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
          NULL, NULL},
     };
@@ -1023,12 +1030,12 @@ static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
 static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
 {
     const kvs_arg_t a[] = {
-        {"prefill-tp", KVS_ARG_U32, &g->prefill_tp, "prefill ranks (1)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &g->decode_tp, "decode ranks (1)", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &g->prefill_tp, "prefill ranks (1)", KVS_ARGS_TP, NULL},
+        {"decode-tp", KVS_ARG_U32, &g->decode_tp, "decode ranks (1)", KVS_ARGS_TP, NULL},
         {"colocated", KVS_ARG_FLAG, &g->colocated,
          "one instance does prefill and decode: no transfer", NULL, NULL},
-        {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)", NULL,
-         &g->tp_seen},
+        {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)",
+         KVS_ARGS_TP, &g->tp_seen},
     };
     KVS_ARG_TABLE_ADD(t, a);
 }
@@ -1039,10 +1046,11 @@ static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
         {"model", KVS_ARG_STR, &g->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
         {"seeded", KVS_ARG_STR, &g->seeded,
          "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (needs --prompt-ids)",
-         NULL, NULL},
+         "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &g->model_seed, "seed of --seeded weights", NULL, NULL},
-        {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", "[1,65536]", NULL},
+        {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", "[1,65536]",
+         NULL},
         {"prefill-radix", KVS_ARG_ONOFF, &g->prefill_radix,
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
@@ -1059,9 +1067,10 @@ static void add_run_flags(kvs_arg_table_t *t, gen_t *g)
         {"sequential", KVS_ARG_ONOFF, &g->sequential,
          "submit each request once the previous one finished (on)", NULL, NULL},
         {"max-running", KVS_ARG_U32, &g->max_running,
-         "requests admitted at once (default: all, at most 16)", NULL, NULL},
+         "requests admitted at once (default: all, at most 16)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &g->data, "UCX data transports", "auto|shm|tcp", NULL},
-        {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", NULL, NULL},
+        {"timeout-s", KVS_ARG_U32, &g->timeout_s, "give up after this long (300)", "[1,86400]",
+         NULL},
         {"json", KVS_ARG_FLAG, &g->json, "one JSON object with every request", NULL, NULL},
     };
     KVS_ARG_TABLE_ADD(t, a);
@@ -1083,27 +1092,19 @@ static int parse_flags(const kvs_arg_table_t *t, int argc, char **argv, prompts_
     int rc = kvs_arg_table_parse(t, usage, nrest, rest, 1);
     kvs_free(rest);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    if (p->n == 0) {
-        fprintf(stderr, "error: give at least one --prompt or --prompt-ids\n");
-        kvs_args_usage(stderr, usage, t->items, t->count);
-        return 2;
-    }
+    if (p->n == 0)
+        return kvs_args_error("--prompt", "--prompt TEXT or --prompt-ids 1,2,3, repeated",
+                              "give at least one prompt");
     return GO_ON;
 }
 
 /* The checks that need no model; 0, or 2 after saying why. */
 static int check_flags(gen_t *g)
 {
-    if (g->max_tokens == 0 || g->page_size == 0 || g->chunk == 0 || g->timeout_s == 0 ||
-        !(g->top_p > 0 && g->top_p <= 1) || !(g->temperature >= 0)) {
-        fprintf(stderr, "error: --max-tokens, --page-size, --chunk and --timeout-s must be "
-                        "positive, --top-p in (0, 1], --temperature >= 0\n");
-        return 2;
-    }
-    if (!g->colocated && g->tp_seen) {
-        fprintf(stderr, "error: --tp is for --colocated (use --prefill-tp and --decode-tp)\n");
-        return 2;
-    }
+    /* The ranges are the flag table's. */
+    if (!g->colocated && g->tp_seen)
+        return kvs_args_error("--tp", "--tp with --colocated, else --prefill-tp and --decode-tp",
+                              "is for --colocated");
     if (!g->tp_seen) g->tp = g->prefill_tp;
     return 0;
 }
@@ -1111,13 +1112,12 @@ static int check_flags(gen_t *g)
 /* The checks against the opened model, and its stop tokens; 0, or 2 after saying why. */
 static int check_model(gen_t *g)
 {
-    if (g->tok == NULL && g->chat) {
-        fprintf(stderr, "error: --chat needs a GGUF model with a tokenizer\n");
-        return 2;
-    }
-    if (g->colocated
-            ? !tp_ok(g, g->tp, "--tp")
-            : !tp_ok(g, g->prefill_tp, "--prefill-tp") || !tp_ok(g, g->decode_tp, "--decode-tp"))
+    if (g->tok == NULL && g->chat)
+        return kvs_args_error("--chat", "--chat with a GGUF model (not --seeded)",
+                              "needs a model with a tokenizer");
+    if (g->colocated ? kvs_model_tp_check(&g->mc, "--tp", g->tp) != 0
+                     : kvs_model_tp_check(&g->mc, "--prefill-tp", g->prefill_tp) != 0 ||
+                           kvs_model_tp_check(&g->mc, "--decode-tp", g->decode_tp) != 0)
         return 2;
     g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
     g->stop_id = g->eos;
@@ -1134,35 +1134,30 @@ static int load_prompt(gen_t *g, req_t *r, const prompts_t *p, int i)
 {
     if (p->is_ids[i]) {
         r->label = p->ids[i];
-        if (parse_ids(p->ids[i], &r->prompt, &r->prompt_len) != 0) {
-            fprintf(stderr, "error: bad value '%s' for '--prompt-ids'\n", p->ids[i]);
-            return 2;
-        }
+        if (parse_ids(p->ids[i], &r->prompt, &r->prompt_len) != 0)
+            return kvs_args_error("--prompt-ids", "token ids, e.g. 1,2,3", "'%s' is malformed",
+                                  p->ids[i]);
     } else {
         r->label = p->text[i];
-        if (g->tok == NULL) {
-            fprintf(stderr, "error: a seeded model has no tokenizer: use --prompt-ids\n");
-            return 2;
-        }
+        if (g->tok == NULL)
+            return kvs_args_error("--prompt", "--prompt-ids with --seeded",
+                                  "a seeded model has no tokenizer");
         if (tokenize(g, r, p->text[i]) != 0) return 1;
     }
-    if (r->prompt_len == 0) {
-        fprintf(stderr, "error: prompt %d has no tokens\n", i + 1);
-        return 2;
-    }
+    const char *flag = p->is_ids[i] ? "--prompt-ids" : "--prompt";
+    if (r->prompt_len == 0)
+        return kvs_args_error(flag, "a prompt of at least one token", "prompt %d has no tokens",
+                              i + 1);
     for (uint32_t k = 0; k < r->prompt_len; k++)
-        if (r->prompt[k] >= g->mc.vocab) {
-            fprintf(stderr, "error: token id %u of prompt %d is outside the vocabulary (%u)\n",
-                    r->prompt[k], i + 1, g->mc.vocab);
-            return 2;
-        }
-    if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx) {
-        fprintf(stderr,
-                "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the "
-                "model's context of %u\n",
-                i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
-        return 2;
-    }
+        if (r->prompt[k] >= g->mc.vocab)
+            return kvs_args_error(flag, "ids below the vocabulary size",
+                                  "token id %u of prompt %d is outside the vocabulary (%u)",
+                                  r->prompt[k], i + 1, g->mc.vocab);
+    if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx)
+        return kvs_args_error("--max-tokens", "prompt + --max-tokens below the model's context",
+                              "prompt %d (%u tokens) plus --max-tokens %u exceeds the model's "
+                              "context of %u",
+                              i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
     r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));
     return r->out == NULL ? 1 : 0;
 }

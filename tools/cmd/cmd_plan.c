@@ -34,19 +34,6 @@ typedef struct {
     uint64_t bulk_writes, per_page_writes;
 } plan_t;
 
-/* Turns the library's logged reason into the tool's one-line error message. */
-typedef struct {
-    char msg[512];
-} last_error_t;
-
-static void capture_error(void *arg, kvs_log_level_t level, const char *file, int line,
-                          const char *msg)
-{
-    (void) file;
-    (void) line;
-    if (level == KVS_LOG_ERROR) snprintf(((last_error_t *) arg)->msg, 512, "%s", msg);
-}
-
 static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 {
     if (a != 0 && b > UINT64_MAX / a) return 0;
@@ -54,35 +41,37 @@ static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
     return 1;
 }
 
-/* Validates the configuration through the library; on error prints it and returns 0. */
-static int plan_validate(const plan_cfg_t *cfg)
+/* Validates the configuration through the library; on error prints the one error line (the
+ * library's reason in it) and returns 0. Page and chunk ranges are the flag table's. */
+static int plan_validate(const plan_cfg_t *cfg, int mla)
 {
-    last_error_t err = {{0}};
-    kvs_log_set_sink(capture_error, &err);
-    const char *what = "model"; /* the shape check names its own fields */
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
+    const char *flag = mla ? "--mla" : "--head-dim-v"; /* the shape check names its fields */
+    uint32_t tp = 0;
     kvs_status_t st = kvs_kv_shape_validate(&cfg->shape);
     if (st == KVS_OK) {
-        what = "prefill layout";
+        flag = "--prefill-tp";
+        tp = cfg->prefill_tp;
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->prefill_tp});
     }
     if (st == KVS_OK) {
-        what = "decode layout";
+        flag = "--decode-tp";
+        tp = cfg->decode_tp;
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
     }
-    kvs_log_set_sink(NULL, NULL);
-    if (st != KVS_OK) {
-        fprintf(stderr, "error: %s: %s\n", what, err.msg[0] ? err.msg : kvs_status_str(st));
-        return 0;
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st == KVS_OK) return 1;
+    const char *why = cap.msg[0] ? cap.msg : kvs_status_str(st);
+    if (tp == 0) {
+        kvs_args_error(flag, mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL, "%s",
+                       why);
+    } else {
+        char sizes[512];
+        kvs_args_error(flag, kvs_args_tp_sizes(&cfg->shape, sizes, sizeof(sizes)), "%u: %s", tp,
+                       why);
     }
-    if (cfg->page == 0 || cfg->page > (1u << 20)) {
-        fprintf(stderr, "error: --page-size %u is out of range [1, 1048576]\n", cfg->page);
-        return 0;
-    }
-    if (cfg->chunk == 0 || cfg->chunk > (1u << 24)) {
-        fprintf(stderr, "error: --chunk %u is out of range [1, 16777216]\n", cfg->chunk);
-        return 0;
-    }
-    return 1;
+    return 0;
 }
 
 static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
@@ -102,10 +91,9 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
         for (uint32_t i = 0; i < plan->writer_count[d]; i++)
             per_token += plan->writers[d][i].bytes_per_token;
         if (!mul_ok(plan->grid_tokens, per_token, &payload) || payload > UINT64_MAX / 2) {
-            fprintf(stderr,
-                    "error: a %" PRIu64 "-token slot of %" PRIu64
-                    " bytes per token is too large; use a smaller --chunk\n",
-                    plan->grid_tokens, per_token);
+            kvs_args_error("--chunk", "a smaller chunk",
+                           "a %" PRIu64 "-token slot of %" PRIu64 " bytes per token is too large",
+                           plan->grid_tokens, per_token);
             return 0;
         }
         plan->slot_bytes[d] = kvs_slot_layout(plan->writers[d], plan->writer_count[d],
@@ -124,7 +112,8 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
     if (!mul_ok(plan->pages_per_slot, s->layers, &per_writer) ||
         !mul_ok(per_writer, kvs_kv_shape_components(s), &per_writer) ||
         !mul_ok(per_writer, plan->bulk_writes, &plan->per_page_writes)) {
-        fprintf(stderr, "error: per-page write count overflows; use smaller --layers/--chunk\n");
+        kvs_args_error("--layers", "fewer layers or a smaller --chunk",
+                       "the per-page write count overflows");
         return 0;
     }
     return 1;
@@ -341,23 +330,26 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
 int kvs_cmd_plan(int argc, char **argv)
 {
     plan_cfg_t cfg = {.prefill_tp = 4, .decode_tp = 2, .page = 16, .chunk = 256};
-    uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0, dtype_bytes = 2;
-    int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0;
+    uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0;
+    int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0, dtype = 1;
     const kvs_arg_t args[] = {
-        {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", NULL, NULL},
-        {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", NULL,
-         &seen_heads},
-        {"layers", KVS_ARG_U32, &layers, "layers L (32)", NULL, NULL},
-        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for both K and V (128)", NULL, NULL},
-        {"head-dim-k", KVS_ARG_U32, &dim_k, "K head dim (or MLA latent width)", NULL, &seen_k},
-        {"head-dim-v", KVS_ARG_U32, &dim_v, "V head dim (0 with --mla)", NULL, &seen_v},
-        {"dtype-bytes", KVS_ARG_U32, &dtype_bytes, "element size in bytes: 1, 2 or 4 (2)", NULL,
+        {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", KVS_ARGS_TP,
          NULL},
+        {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", KVS_ARGS_TP,
+         NULL},
+        {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", "[1,65536]",
+         &seen_heads},
+        {"layers", KVS_ARG_U32, &layers, "layers L (32)", "[1,65536]", NULL},
+        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for both K and V (128)", "[1,65536]", NULL},
+        {"head-dim-k", KVS_ARG_U32, &dim_k, "K head dim (or MLA latent width)", "[1,65536]",
+         &seen_k},
+        {"head-dim-v", KVS_ARG_U32, &dim_v, "V head dim (0 with --mla)", "[0,65536]", &seen_v},
+        {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token, held whole by every rank", NULL,
          NULL},
-        {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", "[1,1048576]", NULL},
+        {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", "[1,16777216]",
+         NULL},
         {"room", KVS_ARG_U64, &cfg.room, "room id, picks among prefill replicas (0)", NULL, NULL},
         {"json", KVS_ARG_FLAG, &cfg.json, "print one JSON object instead of the table", NULL, NULL},
     };
@@ -373,10 +365,10 @@ int kvs_cmd_plan(int argc, char **argv)
         .kv_heads = mla && !seen_heads ? 1 : kv_heads,
         .head_dim_k = seen_k ? dim_k : head_dim,
         .head_dim_v = seen_v ? dim_v : (mla ? 0 : head_dim),
-        .elem_bytes = dtype_bytes,
+        .elem_bytes = kvs_args_dtype_bytes(dtype),
         .attn = mla ? KVS_ATTN_MLA : KVS_ATTN_MHA,
     };
-    if (!plan_validate(&cfg)) return 2;
+    if (!plan_validate(&cfg, mla)) return 2;
 
     static plan_t plan; /* large: keep it off the stack */
     memset(&plan, 0, sizeof(plan));

@@ -125,6 +125,7 @@ static int run_side(kvs_side_t side, int argc, char **argv)
                                                  : "kvstage decode --rank N --registry EP [flags]";
     int rc = kvs_rank_flags_parse(&f, usage, argc, argv);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (kvs_rank_flags_check(&f, side == KVS_SIDE_PREFILL ? "prefill" : "decode") != 0) return 2;
     if (f.progress) f.cfg.progress = print_progress;
     signal(SIGUSR1, on_sigusr1);
     f.cfg.metrics_request = &metrics_wanted;

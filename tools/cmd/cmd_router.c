@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/args.h"
+#include "common/port.h"
 #include "kvstage/alloc.h"
 #include "http/router.h"
 #include "common/serve_signal.h"
@@ -19,12 +20,18 @@ static const char usage[] =
     "  an OpenAI-compatible front that sends each request to a prefill and a decode server\n"
     "  (`kvstage serve`); --prefill and --decode repeat or take comma-separated lists";
 
-/* Adds the comma-separated URLs of v to list. 0, or -1 when there are too many. */
-static int add_urls(char *v, char **list, size_t *n)
+/* Adds the comma-separated URLs of v (given to flag) to list. 0, or -1 after the error line
+ * (too many, or not http://). */
+static int add_urls(const char *flag, char *v, char **list, size_t *n)
 {
     for (char *save = NULL, *u = strtok_r(v, ",", &save); u; u = strtok_r(NULL, ",", &save)) {
         if (*n == MAX_SERVERS) {
-            fprintf(stderr, "error: at most %d servers of a role\n", MAX_SERVERS);
+            kvs_args_error(flag, "at most " KVS_ARGS_STR(MAX_SERVERS) " servers of a role",
+                           "too many servers");
+            return -1;
+        }
+        if (strncmp(u, "http://", 7) != 0 || u[7] == '\0') {
+            kvs_args_error(flag, "http://HOST:PORT URLs", "'%s' is not an http:// URL", u);
             return -1;
         }
         list[(*n)++] = u;
@@ -50,7 +57,8 @@ static int split_servers(int argc, char **argv, char **pre, size_t *np, char **d
             v = argv[i] + 9;
         } else if (is_p || is_d) {
             if (i + 1 >= argc) {
-                fprintf(stderr, "error: flag '%s' needs a value\n", a);
+                kvs_args_error(a, "http://HOST:PORT URLs, repeated or comma-separated",
+                               "needs a value");
                 return -1;
             }
             v = argv[++i];
@@ -59,7 +67,8 @@ static int split_servers(int argc, char **argv, char **pre, size_t *np, char **d
             rest[nrest++] = argv[i];
             continue;
         }
-        if (add_urls(v, is_p ? pre : dec, is_p ? np : nd) != 0) return -1;
+        if (add_urls(is_p ? "--prefill" : "--decode", v, is_p ? pre : dec, is_p ? np : nd) != 0)
+            return -1;
     }
     rest[nrest] = NULL;
     *nrest_p = nrest;
@@ -81,35 +90,27 @@ int kvs_cmd_router(int argc, char **argv)
     uint32_t port = 0, threads = 8, match_ms = 2000, health_ms = 1000, timeout_s = 600;
     int policy = 0;
     const kvs_arg_t args[] = {
-        {"port", KVS_ARG_U32, &port, "HTTP port (0: a free one, printed)", NULL, NULL},
-        {"host", KVS_ARG_STR, &host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
+        {"port", KVS_ARG_U32, &port, "HTTP port (0: a free one, printed)", "[0,65535]", NULL},
+        {"host", KVS_ARG_STR, &host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address", NULL},
         {"policy", KVS_ARG_CHOICE, &policy,
          "server choice: round robin, or the longest cached prefix (POST /internal/match)",
          "round-robin|prefix", NULL},
-        {"threads", KVS_ARG_U32, &threads, "HTTP worker threads (8)", NULL, NULL},
+        {"threads", KVS_ARG_U32, &threads, "HTTP worker threads (8)", "[1,1024]", NULL},
         {"match-timeout-ms", KVS_ARG_U32, &match_ms,
-         "prefix policy: how long a server's cache answer may take (2000)", NULL, NULL},
+         "prefix policy: how long a server's cache answer may take (2000)", "[1,3600000]", NULL},
         {"health-interval-ms", KVS_ARG_U32, &health_ms, "health checks of every server (1000)",
-         NULL, NULL},
-        {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", NULL, NULL},
+         "[1,3600000]", NULL},
+        {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", "[1,4000000]",
+         NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);
     kvs_free(rest);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
-    if (np == 0 || nd == 0 || port > 65535 || timeout_s == 0 || timeout_s > 4000000) {
-        fprintf(stderr, "error: give --prefill URL and --decode URL (--port 0..65535, "
-                        "--request-timeout-s 1..4000000)\n");
-        kvs_args_usage(stderr, usage, args, nargs);
-        return 2;
-    }
-    for (size_t i = 0; i < np + nd; i++) {
-        const char *u = i < np ? pre[i] : dec[i - np];
-        if (strncmp(u, "http://", 7) != 0) {
-            fprintf(stderr, "error: '%s' is not an http:// URL\n", u);
-            return 2;
-        }
-    }
+    if (np == 0 || nd == 0)
+        return kvs_args_error(np == 0 ? "--prefill" : "--decode", "http://HOST:PORT URLs",
+                              "give at least one server");
+    if ((rc = kvs_port_check(host, port)) != 0) return rc;
     kvs_serve_signal_install();
     kvs_router_config_t c = {.host = host,
                              .port = (uint16_t) port,
@@ -125,7 +126,9 @@ int kvs_cmd_router(int argc, char **argv)
                              .request_timeout_ms = timeout_s * 1000u};
     kvs_router_t *rt = NULL;
     if (kvs_router_create(&c, &rt) != KVS_OK) {
-        fprintf(stderr, "error: cannot start the router on %s:%u\n", host, port);
+        /* Free when checked above: something took it since. */
+        if (!kvs_port_explain(host, port))
+            fprintf(stderr, "error: cannot start the router on %s:%u\n", host, port);
         return 1;
     }
     printf("routing on http://%s:%u (%zu prefill, %zu decode, policy %s)\n", host,

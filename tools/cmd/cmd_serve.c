@@ -21,6 +21,7 @@
 
 #include "common/args.h"
 #include "common/instance.h"
+#include "common/port.h"
 #include "kvstage/clock.h"
 #include "model/gguf.h"
 #include "http/rank_backend.h"
@@ -64,20 +65,19 @@ static int open_model(serve_flags_t *f, char *path, size_t cap, kvs_model_config
                       kvs_tokenizer_t **tok_p)
 {
     if (f->seeded != NULL) {
-        if (f->model != NULL) {
-            fprintf(stderr, "error: --model and --seeded exclude each other\n");
-            return 2;
-        }
-        if (kvs_parse_seeded(f->seeded, mc) != 0 ||
-            kvs_model_config_validate(mc, (kvs_tp_t){1, 0}) != KVS_OK) {
-            fprintf(stderr, "error: bad value '%s' for '--seeded'\n", f->seeded);
-            return 2;
-        }
-        if (mc->vocab < 257) {
-            fprintf(stderr, "error: a seeded model is served with the byte tokenizer, which needs "
-                            "a vocabulary of at least 257 ids\n");
-            return 2;
-        }
+        kvs_args_capture_t lib;
+        kvs_args_capture_begin(&lib);
+        int bad = kvs_parse_seeded(f->seeded, mc) != 0 ||
+                  kvs_model_config_validate(mc, (kvs_tp_t){1, 0}) != KVS_OK;
+        kvs_args_capture_end(&lib, bad);
+        if (bad)
+            return kvs_args_error("--seeded", "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+                                  "'%s' is not a model shape%s%s", f->seeded,
+                                  lib.msg[0] ? ": " : "", lib.msg);
+        if (mc->vocab < 257)
+            return kvs_args_error("--seeded", "a vocab of at least 257",
+                                  "a seeded model is served with the byte tokenizer, which needs "
+                                  "257 ids");
         return 0;
     }
     if (f->model != NULL)
@@ -119,60 +119,57 @@ static void model_name(const serve_flags_t *f, const char *path, char *buf, size
     snprintf(buf, cap, "%.*s", (int) n, base);
 }
 
-static int check_flags(serve_flags_t *f, const kvs_model_config_t *mc)
+/* The checks that need no model, before anything starts; 0, or 2 after the error line. */
+static int check_flags(const serve_flags_t *f)
 {
     const int role = f->role;
-    if (f->port > 65535) {
-        fprintf(stderr, "error: --port must be 0..65535\n");
-        return 2;
-    }
-    if ((role == KVS_LLM_DECODE) != (f->bootstrap != NULL)) {
-        fprintf(stderr, role == KVS_LLM_DECODE
-                            ? "error: a decode server needs --bootstrap (the prefill instance's "
-                              "registry endpoint, as its server prints it)\n"
-                            : "error: --bootstrap is for --role decode\n");
-        return 2;
-    }
-    if (f->registry != NULL && role != KVS_LLM_PREFILL) {
-        fprintf(stderr, "error: --registry is for --role prefill\n");
-        return 2;
-    }
-    if (f->peer_tp_seen && role == KVS_LLM_COLOCATED) {
-        fprintf(stderr, "error: --peer-tp is for prefill and decode servers\n");
-        return 2;
-    }
-    if (f->page_size == 0 || f->chunk == 0 || f->max_running == 0 || f->max_prompt == 0 ||
-        f->max_new == 0) {
-        fprintf(stderr, "error: --page-size, --chunk, --max-running, --max-prompt and --max-new "
-                        "must be positive\n");
-        return 2;
-    }
-    if ((uint64_t) f->max_prompt + f->max_new > mc->max_ctx) {
-        fprintf(stderr,
-                "error: --max-prompt %u plus --max-new %u exceed the model's context of %u\n",
-                f->max_prompt, f->max_new, mc->max_ctx);
-        return 2;
-    }
-    const uint32_t tps[2] = {f->tp, f->peer_tp};
-    const char *names[2] = {"--tp", "--peer-tp"};
-    for (int i = 0; i < (role == KVS_LLM_COLOCATED ? 1 : 2); i++) {
-        if (tps[i] == 0 || tps[i] > KVS_MAX_TP ||
-            kvs_model_config_validate(mc, (kvs_tp_t){tps[i], 0}) != KVS_OK) {
-            fprintf(stderr,
-                    "error: %s %u does not divide this model (%u heads, %u KV heads, ffn %u)\n",
-                    names[i], tps[i], mc->heads, mc->kv_heads, mc->ffn_dim);
-            return 2;
-        }
-    }
+    if (role == KVS_LLM_DECODE && f->bootstrap == NULL)
+        return kvs_args_error("--bootstrap",
+                              "the prefill instance's registry endpoint, as its "
+                              "server prints it (tcp://HOST:PORT)",
+                              "a decode server needs it");
+    if (role != KVS_LLM_DECODE && f->bootstrap != NULL)
+        return kvs_args_error("--bootstrap", "--bootstrap with --role decode",
+                              "is for --role decode");
+    if (f->bootstrap != NULL && strncmp(f->bootstrap, "tcp://", 6) != 0)
+        return kvs_args_error("--bootstrap", "tcp://HOST:PORT", "'%s' is not a tcp:// endpoint",
+                              f->bootstrap);
+    if (f->registry != NULL && role != KVS_LLM_PREFILL)
+        return kvs_args_error("--registry", "--registry with --role prefill",
+                              "is for --role prefill");
+    if (f->peer_tp_seen && role == KVS_LLM_COLOCATED)
+        return kvs_args_error("--peer-tp", "--peer-tp with --role prefill or decode",
+                              "is for prefill and decode servers");
+    if (f->model != NULL && f->seeded != NULL)
+        return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
     return 0;
 }
 
-/* Decode: what the prefill instance registered fills the flags not given. */
-static int learn_from_prefill(serve_flags_t *f)
+/* The checks against the model (and, for decode, the prefill instance's geometry); 0, or 2
+ * after the error line. */
+static int check_model(const serve_flags_t *f, const kvs_model_config_t *mc)
+{
+    if ((uint64_t) f->max_prompt + f->max_new > mc->max_ctx)
+        return kvs_args_error("--max-new", "--max-prompt + --max-new <= the model's context",
+                              "--max-prompt %u plus --max-new %u exceed the model's context of %u",
+                              f->max_prompt, f->max_new, mc->max_ctx);
+    if (kvs_model_tp_check(mc, "--tp", f->tp) != 0) return 2;
+    if (f->role != KVS_LLM_COLOCATED && kvs_model_tp_check(mc, "--peer-tp", f->peer_tp) != 0)
+        return 2;
+    return 0;
+}
+
+/* Decode: what the prefill instance registered fills the flags not given; the wait ends at
+ * deadline (--startup-timeout-s from the start). */
+static int learn_from_prefill(serve_flags_t *f, uint64_t deadline)
 {
     kvs_msg_register_t reg;
-    if (kvs_registry_query(f->bootstrap, 0, 30ull * 1000000000ull, &reg) != KVS_OK) {
-        fprintf(stderr, "error: no prefill instance answered at %s within 30 s\n", f->bootstrap);
+    const uint64_t now = kvs_now_ns();
+    if (now >= deadline || kvs_registry_query(f->bootstrap, 0, deadline - now, &reg) != KVS_OK) {
+        fprintf(stderr,
+                "error: no prefill instance answered at %s within %u s "
+                "(--startup-timeout-s)\n",
+                f->bootstrap, f->startup_s);
         return 1;
     }
     if (!f->peer_tp_seen) f->peer_tp = reg.tp_size;
@@ -229,21 +226,23 @@ static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
          NULL},
         {"model", KVS_ARG_STR, &f->model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
         {"seeded", KVS_ARG_STR, &f->seeded,
-         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)", NULL,
-         NULL},
+         "random weights of shape L,dim,ffn,heads,kv_heads,head_dim,vocab (byte tokenizer)",
+         "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &f->model_seed, "seed of --seeded weights", NULL, NULL},
-        {"tp", KVS_ARG_U32, &f->tp, "ranks of this instance (1)", NULL, NULL},
+        {"tp", KVS_ARG_U32, &f->tp, "ranks of this instance (1)", KVS_ARGS_TP, NULL},
         {"peer-tp", KVS_ARG_U32, &f->peer_tp,
          "prefill: the decode instance's TP (1); decode: the prefill instance's (default: from "
          "its registry)",
-         NULL, &f->peer_tp_seen},
-        {"port", KVS_ARG_U32, &f->port, "HTTP port (0: a free one, printed)", NULL, NULL},
-        {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", NULL, NULL},
-        {"bootstrap", KVS_ARG_STR, &f->bootstrap,
-         "decode: the prefill instance's registry endpoint (its server prints it)", NULL, NULL},
-        {"registry", KVS_ARG_STR, &f->registry,
-         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)", NULL,
+         KVS_ARGS_TP, &f->peer_tp_seen},
+        {"port", KVS_ARG_U32, &f->port, "HTTP port (0: a free one, printed)", "[0,65535]", NULL},
+        {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address",
          NULL},
+        {"bootstrap", KVS_ARG_STR, &f->bootstrap,
+         "decode: the prefill instance's registry endpoint (its server prints it)",
+         "tcp://HOST:PORT", NULL},
+        {"registry", KVS_ARG_STR, &f->registry,
+         "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)",
+         "tcp://HOST:PORT or tcp://HOST:*", NULL},
         {"name", KVS_ARG_STR, &f->name, "model name served (default: the GGUF's file name)", NULL,
          NULL},
     };
@@ -255,23 +254,27 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
 {
     const kvs_arg_t g[] = {
         {"page-size", KVS_ARG_U32, &f->page_size,
-         "tokens per KV page (16; decode: the prefill instance's)", NULL, &f->page_seen},
+         "tokens per KV page (16; decode: the prefill instance's)", "[1,65536]", &f->page_seen},
         {"chunk", KVS_ARG_U32, &f->chunk,
-         "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", NULL,
+         "prefill chunk, also kvstage's chunk (64; decode: the prefill instance's)", "[1,65536]",
          &f->chunk_seen},
         {"radix", KVS_ARG_ONOFF, &f->radix, "radix prefix cache (on)", NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &f->checksum,
          "end-to-end chunk checksums of the KV handoff; a decode server refuses a prefill "
          "instance with the other setting (on)",
          NULL, NULL},
-        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)", NULL,
+        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", "[1,1024]",
          NULL},
-        {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", NULL, NULL},
+        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", "[1,1048576]",
+         NULL},
+        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)",
+         "[1,1048576]", NULL},
+        {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},
         {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,
-         "give up when the ranks are not ready after this long (300)", NULL, NULL},
+         "give up when the instance is not ready this long after the start, a decode "
+         "server's wait for its prefill instance included (300)",
+         "[1,86400]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -292,6 +295,7 @@ typedef struct {
     int inst_started;
     kvs_rank_backend_t *backend;
     kvs_server_t *srv;
+    uint64_t deadline; /* --startup-timeout-s from the start: ready by then */
 } serve_run_t;
 
 /* Prefill: the bootstrap registry, served from a thread of its own. 0, or 1 after saying why. */
@@ -365,7 +369,7 @@ static int start_instance(serve_run_t *s)
 static int wait_ready(serve_run_t *s)
 {
     kvs_instance_t *inst = &s->inst;
-    const uint64_t deadline = kvs_now_ns() + (uint64_t) s->f->startup_s * 1000000000ull;
+    const uint64_t deadline = s->deadline;
     for (;;) {
         kvs_status_t st = kvs_rank_backend_wait_ready(s->backend, 200);
         if (st == KVS_OK) return 0;
@@ -410,7 +414,9 @@ static int start_server(serve_run_t *s)
                               .backend = kvs_rank_backend_ops(s->backend),
                               .tokenizer = stok};
     if (kvs_server_create(&sc, &s->srv) != KVS_OK) {
-        fprintf(stderr, "error: cannot serve HTTP on %s:%u\n", f->host, f->port);
+        /* Free when checked at the start: something took it since. */
+        if (!kvs_port_explain(f->host, f->port))
+            fprintf(stderr, "error: cannot serve HTTP on %s:%u\n", f->host, f->port);
         return 1;
     }
     printf("serving on http://%s:%u (role %s, TP %u, bootstrap %s)\n", f->host,
@@ -467,14 +473,21 @@ int kvs_cmd_serve(int argc, char **argv)
     int rc = kvs_arg_table_parse(&t, usage, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
 
+    if ((rc = check_flags(&f)) != 0 || (rc = kvs_port_check(f.host, f.port)) != 0) return rc;
+
     char path[4096] = "";
     kvs_model_config_t mc;
-    serve_run_t s = {.f = &f, .role = role_str(f.role), .path = path, .mc = &mc};
+    serve_run_t s = {.f = &f,
+                     .role = role_str(f.role),
+                     .path = path,
+                     .mc = &mc,
+                     .deadline = kvs_now_ns() + (uint64_t) f.startup_s * 1000000000ull};
     s.inst.in_fd = s.inst.out_fd = -1; /* not started: nothing to close */
     if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
-    /* Without --bootstrap there is nothing to ask: check_flags says what is missing. */
-    if (f.role == KVS_LLM_DECODE && f.bootstrap != NULL) rc = learn_from_prefill(&f);
-    if (rc == 0) rc = check_flags(&f, &mc);
+    /* The model's limits first: a bad --tp is a usage error even before a prefill answers. */
+    if ((rc = check_model(&f, &mc)) != 0) return rc;
+    if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f, s.deadline)) == 0)
+        rc = check_model(&f, &mc); /* --peer-tp may be the prefill instance's now */
     if (rc == 0) rc = serve_instance(&s);
     return serve_teardown(&s, rc);
 }

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common/args.h"
+#include "common/instance.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "model/gguf.h"
@@ -170,11 +171,11 @@ int kvs_cmd_serve_demo(int argc, char **argv)
 {
     demo_flags_t f = {.prefill_tp = 3, .decode_tp = 1, .timeout_s = 300, .model = NULL};
     const kvs_arg_t args[] = {
-        {"prefill-tp", KVS_ARG_U32, &f.prefill_tp, "prefill server ranks (3)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &f.decode_tp, "decode server ranks (1)", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &f.prefill_tp, "prefill server ranks (3)", KVS_ARGS_TP, NULL},
+        {"decode-tp", KVS_ARG_U32, &f.decode_tp, "decode server ranks (1)", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
-        {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)", NULL,
-         NULL},
+        {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)",
+         "[1,86400]", NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
@@ -184,6 +185,22 @@ int kvs_cmd_serve_demo(int argc, char **argv)
         snprintf(path, sizeof(path), "%s", f.model);
     else if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
         return 1;
+    /* The TP sizes against the model, before any server starts. */
+    kvs_gguf_t *g = NULL;
+    kvs_model_config_t mc;
+    if (kvs_gguf_open(path, &g) != KVS_OK) {
+        fprintf(stderr, "error: cannot open the model %s\n", path);
+        return 1;
+    }
+    kvs_status_t st = kvs_model_config_from_gguf(g, &mc);
+    kvs_gguf_close(g);
+    if (st != KVS_OK) {
+        fprintf(stderr, "error: %s is not a model this engine runs\n", path);
+        return 1;
+    }
+    if (kvs_model_tp_check(&mc, "--prefill-tp", f.prefill_tp) != 0 ||
+        kvs_model_tp_check(&mc, "--decode-tp", f.decode_tp) != 0)
+        return 2;
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         fprintf(stderr, "error: libcurl did not initialise\n");
         return 1;

@@ -178,7 +178,8 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
  * other (seen_*: given on the command line) before the config is built from them. */
 typedef struct {
     kvs_sim_config_t c;
-    uint32_t kv_heads, layers, dtype, head_dim, head_dim_k, head_dim_v, pool_pages;
+    uint32_t kv_heads, layers, head_dim, head_dim_k, head_dim_v, pool_pages;
+    int dtype_idx; /* --dtype-bytes as an index into KVS_ARGS_DTYPES */
     int mla, json, layout, prefill_layout, decode_layout, workload, device, write_mode, checksum;
     int seen_ring_bytes, seen_ring_slots, seen_hd, seen_hdk, seen_hdv, seen_layout, seen_pl,
         seen_dl, seen_pool, seen_mis, seen_gpus;
@@ -194,7 +195,7 @@ static void sim_opts_default(sim_opts_t *o)
     kvs_sim_config_default(&o->c);
     o->kv_heads = o->c.shape.kv_heads;
     o->layers = o->c.shape.layers;
-    o->dtype = o->c.shape.elem_bytes;
+    o->dtype_idx = o->c.shape.elem_bytes == 4 ? 2 : o->c.shape.elem_bytes == 2 ? 1 : 0;
     o->prefill_layout = o->c.prefill_layout;
     o->decode_layout = o->c.decode_layout;
     o->workload = o->c.workload.kind;
@@ -215,7 +216,7 @@ static void add_device_flags(kvs_arg_table_t *t, sim_opts_t *o)
         {"gpus", KVS_ARG_STR, &o->gpus,
          "with --device cuda: GPU of the prefill ranks, then of the decode ranks (0 = both on "
          "GPU 0; 0,1 = prefill on 0, decode on 1)",
-         NULL, &o->seen_gpus},
+         KVS_ARGS_GPUS_ACCEPTED, &o->seen_gpus},
         {"write-mode", KVS_ARG_CHOICE, &o->write_mode,
          "auto: gather straight into the decode ring where the link maps it (device rings); "
          "staged: always through a staging buffer; direct: always straight (auto)",
@@ -228,15 +229,16 @@ static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
-        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", NULL, NULL},
-        {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", NULL, NULL},
-        {"layers", KVS_ARG_U32, &o->layers, "layers (4)", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
+        {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
+        {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", "[1,65536]", NULL},
+        {"layers", KVS_ARG_U32, &o->layers, "layers (4)", "[1,65536]", NULL},
         {"head-dim", KVS_ARG_U32, &o->head_dim, "head dim for K and V, or the MLA latent (32)",
-         NULL, &o->seen_hd},
-        {"head-dim-k", KVS_ARG_U32, &o->head_dim_k, "K head dim", NULL, &o->seen_hdk},
-        {"head-dim-v", KVS_ARG_U32, &o->head_dim_v, "V head dim", NULL, &o->seen_hdv},
-        {"dtype-bytes", KVS_ARG_U32, &o->dtype, "element size in bytes: 1, 2 or 4 (2)", NULL, NULL},
+         "[1,65536]", &o->seen_hd},
+        {"head-dim-k", KVS_ARG_U32, &o->head_dim_k, "K head dim", "[1,65536]", &o->seen_hdk},
+        {"head-dim-v", KVS_ARG_U32, &o->head_dim_v, "V head dim", "[1,65536]", &o->seen_hdv},
+        {"dtype-bytes", KVS_ARG_CHOICE, &o->dtype_idx, "element size in bytes (2)", KVS_ARGS_DTYPES,
+         NULL},
         {"mla", KVS_ARG_FLAG, &o->mla, "MLA: one latent per token and layer, on every rank", NULL,
          NULL},
     };
@@ -247,30 +249,31 @@ static void add_layout_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
-        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page (16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
-        {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank", NULL,
-         &o->seen_ring_bytes},
-        {"ring-slots", KVS_ARG_U32, &c->ring_slots, "staging ring size in full slots (8)", NULL,
-         &o->seen_ring_slots},
+        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page (16)", "[1,1048576]", NULL},
+        {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]",
+         NULL},
+        {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank",
+         "[1,18446744073709551615]", &o->seen_ring_bytes},
+        {"ring-slots", KVS_ARG_U32, &c->ring_slots, "staging ring size in full slots (8)",
+         "[1,1024]", &o->seen_ring_slots},
         {"layout", KVS_ARG_CHOICE, &o->layout, "pool layout of both sides", "nhd|hnd",
          &o->seen_layout},
         {"prefill-layout", KVS_ARG_CHOICE, &o->prefill_layout, "prefill pool layout (nhd)",
          "nhd|hnd", &o->seen_pl},
         {"decode-layout", KVS_ARG_CHOICE, &o->decode_layout, "decode pool layout (hnd)", "nhd|hnd",
          &o->seen_dl},
-        {"pool-pages", KVS_ARG_U32, &o->pool_pages, "pages per rank on both sides (auto)", NULL,
-         &o->seen_pool},
+        {"pool-pages", KVS_ARG_U32, &o->pool_pages, "pages per rank on both sides (auto)",
+         "[1,4294967295]", &o->seen_pool},
         {"prefill-pool-pages", KVS_ARG_U32, &c->prefill_pool_pages,
          "pages per prefill rank (0 = auto)", NULL, NULL},
         {"decode-pool-pages", KVS_ARG_U32, &c->decode_pool_pages,
          "pages per decode rank (0 = auto)", NULL, NULL},
         {"window", KVS_ARG_U32, &c->window_chunks, "chunks per room with a slot request out (2)",
-         NULL, NULL},
+         "[1,1024]", NULL},
         {"staging-buffers", KVS_ARG_U32, &c->staging_buffers, "gather buffers per prefill rank (2)",
-         NULL, NULL},
+         "[1,1024]", NULL},
         {"prefill-batch", KVS_ARG_U32, &c->prefill_batch, "rooms per prefill forward pass (16)",
-         NULL, NULL},
+         "[1,65536]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -279,18 +282,19 @@ static void add_workload_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
-        {"requests", KVS_ARG_U32, &c->workload.requests, "requests (200)", NULL, NULL},
-        {"concurrency", KVS_ARG_U32, &c->concurrency, "requests in flight (128)", NULL, NULL},
+        {"requests", KVS_ARG_U32, &c->workload.requests, "requests (200)", "[1,1000000]", NULL},
+        {"concurrency", KVS_ARG_U32, &c->concurrency, "requests in flight (128)", "[1,1000000]",
+         NULL},
         {"workload", KVS_ARG_CHOICE, &o->workload, "workload (shared-prefix)",
          "shared-prefix|multi-turn|random|needle", NULL},
         {"prompt-len", KVS_ARG_U32, &c->workload.prompt_len, "longest prompt in tokens (2000)",
-         NULL, NULL},
-        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (900)", NULL,
-         NULL},
+         "[1,16777216]", NULL},
+        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (900)",
+         "[0,16777216]", NULL},
         {"groups", KVS_ARG_U32, &c->workload.groups, "prefix groups / documents / clients (auto)",
          NULL, NULL},
         {"repeat-permille", KVS_ARG_U32, &c->workload.repeat_permille,
-         "chance (per mille) a request repeats an earlier prompt (0)", NULL, NULL},
+         "chance (per mille) a request repeats an earlier prompt (0)", "[0,1000]", NULL},
         {"decode-radix", KVS_ARG_ONOFF, &c->decode_radix, "decode radix cache (on)", NULL, NULL},
         {"prefill-radix", KVS_ARG_ONOFF, &c->prefill_radix, "prefill radix cache (on)", NULL, NULL},
     };
@@ -303,7 +307,7 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
         {"faults", KVS_ARG_STR, &o->faults,
          "comma list of none|reorder|dup|drop|abort|timeout|corrupt (none); corrupt flips a bit "
          "in some data writes after they land",
-         NULL, NULL},
+         "a comma list of none|reorder|dup|drop|abort|timeout|corrupt", NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums: each writer's region is checked before its scatter (on)",
          NULL, NULL},
@@ -312,16 +316,22 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
         {"misaligned-request", KVS_ARG_U64, &o->misaligned,
          "give this request a misaligned decode prefix (test hook)", NULL, &o->seen_mis},
         {"retry-us", KVS_ARG_U64, &o->to_us[0], "control message retry period, virtual us (200)",
-         NULL, NULL},
-        {"bootstrap-timeout-us", KVS_ARG_U64, &o->to_us[1], "virtual us (2000000)", NULL, NULL},
-        {"transfer-timeout-us", KVS_ARG_U64, &o->to_us[2], "virtual us (2000000)", NULL, NULL},
-        {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)", NULL, NULL},
-        {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)", NULL, NULL},
-        {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)", NULL, NULL},
-        {"step-us", KVS_ARG_U64, &o->step_us, "virtual us of one prefill forward pass (50)", NULL,
-         NULL},
+         "[1,18446744073709551]", NULL},
+        {"bootstrap-timeout-us", KVS_ARG_U64, &o->to_us[1], "virtual us (2000000)",
+         "[1,18446744073709551]", NULL},
+        {"transfer-timeout-us", KVS_ARG_U64, &o->to_us[2], "virtual us (2000000)",
+         "[1,18446744073709551]", NULL},
+        {"waiting-timeout-us", KVS_ARG_U64, &o->to_us[3], "virtual us (1000000)",
+         "[1,18446744073709551]", NULL},
+        {"completion-timeout-us", KVS_ARG_U64, &o->to_us[4], "virtual us (200000)",
+         "[1,18446744073709551]", NULL},
+        {"release-timeout-us", KVS_ARG_U64, &o->to_us[5], "virtual us (100000)",
+         "[1,18446744073709551]", NULL},
+        {"step-us", KVS_ARG_U64, &o->step_us, "virtual us of one prefill forward pass (50)",
+         "[0,18446744073709551]", NULL},
         {"write-delay-us", KVS_ARG_U64, &o->write_delay_us,
-         "data writes land up to this late, virtual us (20 under reorder, else 0)", NULL, NULL},
+         "data writes land up to this late, virtual us (20 under reorder, else 0)",
+         "[0,18446744073709551]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -330,7 +340,7 @@ static void add_run_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     const kvs_arg_t g[] = {
         {"max-iterations", KVS_ARG_U64, &o->c.max_iterations,
-         "give up after this many loop iterations (20000000)", NULL, NULL},
+         "give up after this many loop iterations (20000000)", "[1,18446744073709551615]", NULL},
         {"seed", KVS_ARG_U64, &o->c.seed, "seed of the workload, faults and schedule (1)", NULL,
          NULL},
         {"json", KVS_ARG_FLAG, &o->json, "print one JSON object instead of the table", NULL, NULL},
@@ -354,20 +364,14 @@ static const char *sim_usage(int demo)
 static int build_layout(sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
-    if (o->seen_ring_bytes && o->seen_ring_slots) {
-        fprintf(stderr, "error: --ring-bytes and --ring-slots are exclusive; give one\n");
-        return 2;
-    }
-    if (o->seen_ring_bytes && c->ring_bytes == 0) {
-        fprintf(stderr, "error: --ring-bytes must be > 0\n");
-        return 2;
-    }
+    if (o->seen_ring_bytes && o->seen_ring_slots)
+        return kvs_args_error("--ring-slots", "--ring-bytes or --ring-slots",
+                              "excludes --ring-bytes");
     if (o->seen_ring_slots) c->ring_bytes = 0;
-    if (o->seen_layout && (o->seen_pl || o->seen_dl)) {
-        fprintf(stderr, "error: --layout sets both sides; do not combine it with "
-                        "--prefill-layout/--decode-layout\n");
-        return 2;
-    }
+    if (o->seen_layout && (o->seen_pl || o->seen_dl))
+        return kvs_args_error("--layout", "--layout, or --prefill-layout and --decode-layout",
+                              "sets both sides: it excludes --prefill-layout and "
+                              "--decode-layout");
     if (o->seen_layout) o->prefill_layout = o->decode_layout = o->layout;
     c->prefill_layout = (kvs_pool_layout_t) o->prefill_layout;
     c->decode_layout = (kvs_pool_layout_t) o->decode_layout;
@@ -384,14 +388,7 @@ static int build_faults(sim_opts_t *o)
     c->workload.kind = (kvs_workload_kind_t) o->workload;
     c->write_delay_ns = o->write_delay_us * 1000;
     c->step_ns = o->step_us * 1000;
-    for (int i = 0; i < 6; i++) {
-        if (o->to_us[i] > UINT64_MAX / 1000 || o->write_delay_us > UINT64_MAX / 1000 ||
-            o->step_us > UINT64_MAX / 1000) {
-            fprintf(stderr, "error: timeout of %llu us is too large\n",
-                    (unsigned long long) o->to_us[i]);
-            return 2;
-        }
-    }
+    /* The flag table bounds every microsecond value to what nanoseconds can hold. */
     const uint64_t *us = o->to_us;
     c->timeouts = (kvs_pd_timeouts_t){.retry_ns = us[0] * 1000,
                                       .bootstrap_timeout_ns = us[1] * 1000,
@@ -399,7 +396,14 @@ static int build_faults(sim_opts_t *o)
                                       .waiting_timeout_ns = us[3] * 1000,
                                       .completion_timeout_ns = us[4] * 1000,
                                       .release_timeout_ns = us[5] * 1000};
-    if (kvs_sim_faults_parse(o->faults, &c->faults) != KVS_OK) return 2; /* it said why */
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
+    kvs_status_t st = kvs_sim_faults_parse(o->faults, &c->faults);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error("--faults",
+                              "a comma list of none|reorder|dup|drop|abort|timeout|corrupt", "%s",
+                              cap.msg[0] ? cap.msg : kvs_status_str(st));
     c->no_checksum = !o->checksum;
     return 0;
 }
@@ -410,23 +414,17 @@ static int build_device_shape(sim_opts_t *o)
     kvs_sim_config_t *c = &o->c;
     c->mem = o->device ? KVS_MEM_DEVICE : KVS_MEM_HOST;
     c->write_mode = (kvs_write_mode_t) o->write_mode;
-    if (o->seen_gpus && !o->device) {
-        fprintf(stderr, "error: --gpus needs --device cuda\n");
-        return 2;
-    }
-    if (kvs_args_parse_gpus(o->gpus, &c->prefill_device, &c->decode_device) != 0) {
-        fprintf(stderr, "error: --gpus takes one or two GPU ordinals, e.g. 0 or 0,1 (got '%s')\n",
-                o->gpus);
-        return 2;
-    }
+    if (o->seen_gpus && !o->device)
+        return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (kvs_args_parse_gpus(o->gpus, &c->prefill_device, &c->decode_device) != 0)
+        return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", o->gpus);
     c->shape.layers = o->layers;
-    c->shape.elem_bytes = o->dtype;
+    c->shape.elem_bytes = kvs_args_dtype_bytes(o->dtype_idx);
     if (o->mla) {
-        if (o->seen_hdv || (o->seen_hdk && o->seen_hd)) {
-            fprintf(stderr, "error: --mla takes the latent width from --head-dim (or "
-                            "--head-dim-k) and has no V dim\n");
-            return 2;
-        }
+        if (o->seen_hdv || (o->seen_hdk && o->seen_hd))
+            return kvs_args_error("--mla", "--head-dim or --head-dim-k, and no --head-dim-v",
+                                  "takes the latent width from --head-dim (or --head-dim-k) and "
+                                  "has no V dim");
         c->shape.attn = KVS_ATTN_MLA;
         c->shape.kv_heads = 1;
         c->shape.head_dim_k = o->seen_hd ? o->head_dim : o->seen_hdk ? o->head_dim_k : 64;
@@ -448,14 +446,20 @@ static int sim_config_build(sim_opts_t *o)
         (rc = build_device_shape(o)) != 0)
         return rc;
     const kvs_workload_config_t *w = &o->c.workload;
-    if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len) {
-        fprintf(stderr, "error: --prefix-len (%u) must be below --prompt-len (%u)\n", w->prefix_len,
-                w->prompt_len);
-        return 2;
-    }
-    if (w->repeat_permille > 1000) {
-        fprintf(stderr, "error: --repeat-permille must be <= 1000\n");
-        return 2;
+    if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len)
+        return kvs_args_error("--prefix-len", "below --prompt-len",
+                              "%u is not below --prompt-len %u", w->prefix_len, w->prompt_len);
+    const char *names[2] = {"--prefill-tp", "--decode-tp"};
+    const uint32_t tps[2] = {o->c.prefill_tp, o->c.decode_tp};
+    for (int i = 0; i < 2; i++) {
+        kvs_args_capture_t cap;
+        kvs_args_capture_begin(&cap);
+        kvs_status_t st = kvs_tp_validate(&o->c.shape, &(kvs_tp_t){.tp_size = tps[i]});
+        kvs_args_capture_end(&cap, st != KVS_OK);
+        char sizes[512];
+        if (st != KVS_OK)
+            return kvs_args_error(names[i], kvs_args_tp_sizes(&o->c.shape, sizes, sizeof(sizes)),
+                                  "%u: %s", tps[i], cap.msg);
     }
     return 0;
 }
@@ -470,15 +474,18 @@ static int sim_run(kvs_sim_config_t *c, int json, const char *name)
         c->progress_arg = &pr;
     }
     kvs_sim_result_t r;
+    /* A configuration the library refuses is a usage error: its reason goes in the one line. */
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
     kvs_status_t st = kvs_sim_run(c, &r);
+    const int refused =
+        st == KVS_ERR_INVALID || st == KVS_ERR_INCOMPATIBLE || st == KVS_ERR_UNSUPPORTED;
+    kvs_args_capture_end(&cap, refused);
     if (pr.drawn) fprintf(stderr, "\n");
-    if (st == KVS_ERR_INVALID || st == KVS_ERR_INCOMPATIBLE || st == KVS_ERR_UNSUPPORTED) {
-        fprintf(stderr,
-                "error: invalid configuration (%s); see the message above and "
-                "`kvstage %s --help`\n",
-                kvs_status_str(st), name);
-        return 2;
-    }
+    if (refused)
+        return kvs_args_error(NULL, NULL, "%s (%s; see `kvstage %s --help`)",
+                              cap.msg[0] ? cap.msg : "invalid configuration", kvs_status_str(st),
+                              name);
     if (st != KVS_OK) {
         fprintf(stderr, "error: simulation could not run: %s\n", kvs_status_str(st));
         return 1;

@@ -12,8 +12,8 @@ typedef struct {
 } kvs_command_t;
 
 /* Runs the entry of `table` named by argv[1] with (argc - 1, argv + 1); prints the table as
- * usage for --help (exit 0) or a missing/unknown name (exit 2). `what` names the level, e.g.
- * "kvstage <command>" or "kvstage bench <name>". */
+ * usage for --help (exit 0); a missing or unknown name is one error line (exit 2). `what` names the
+ * level, e.g. "kvstage <command>" or "kvstage bench <name>". */
 int kvs_dispatch(const char *what, const kvs_command_t *table, size_t count, int argc, char **argv);
 
 int kvs_cmd_plan(int argc, char **argv);
@@ -26,6 +26,7 @@ int kvs_cmd_generate(int argc, char **argv);
 int kvs_cmd_serve(int argc, char **argv);
 int kvs_cmd_router(int argc, char **argv);
 int kvs_cmd_serve_demo(int argc, char **argv);
+int kvs_cmd_version(int argc, char **argv);
 /* One rank of a `generate` deployment; launched by generate, not listed. */
 int kvs_cmd_llm_rank(int argc, char **argv);
 

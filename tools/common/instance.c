@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/args.h"
 #include "kvstage/clock.h"
 #include "common/spawn.h"
 
@@ -40,6 +41,35 @@ int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p)
                                   .rope_theta = 10000.0f,
                                   .norm_eps = 1e-5f};
     return 0;
+}
+
+/* kvs_model_config_validate for TP tp; its reason into cap. */
+static kvs_status_t tp_validate(const kvs_model_config_t *mc, uint32_t tp, kvs_args_capture_t *cap)
+{
+    kvs_args_capture_begin(cap);
+    kvs_status_t st = kvs_model_config_validate(mc, (kvs_tp_t){tp, 0});
+    kvs_args_capture_end(cap, 1);
+    return st;
+}
+
+int kvs_model_tp_check(const kvs_model_config_t *mc, const char *flag, uint32_t tp)
+{
+    kvs_args_capture_t cap;
+    if (tp_validate(mc, tp, &cap) == KVS_OK) return 0;
+    char why[sizeof(cap.msg)];
+    snprintf(why, sizeof(why), "%s", cap.msg);
+    char sizes[512];
+    size_t n = 0;
+    sizes[0] = '\0';
+    for (uint32_t t = 1; t <= KVS_MAX_TP && n < sizeof(sizes); t++)
+        if (tp_validate(mc, t, &cap) == KVS_OK)
+            n += (size_t) snprintf(sizes + n, sizeof(sizes) - n, "%s%u", n ? ", " : "", t);
+    if (n < sizeof(sizes))
+        snprintf(sizes + n, sizeof(sizes) - n,
+                 " (a TP size must divide the %u query heads and the ffn width %u, and divide "
+                 "the %u KV heads or be a multiple of them)",
+                 mc->heads, mc->ffn_dim, mc->kv_heads);
+    return kvs_args_error(flag, sizes, "%u does not split this model: %s", tp, why);
 }
 
 static const char *role_name(kvs_llm_role_t r)

@@ -1,7 +1,8 @@
 /* One instance of a real-model deployment (colocated, prefill or decode) as processes: every
  * rank runs `kvstage llm-rank` (engine/llm_rank.h), rank 0 with its stdin and stdout on pipes
  * for its request and event lines, the other ranks with neither. How `kvstage serve` launches
- * the instance behind its HTTP server; also the seeded-model flag shared with `generate`. */
+ * the instance behind its HTTP server; also the seeded-model flag and the model's TP check
+ * shared with `generate`. */
 #ifndef KVSTAGE_TOOLS_INSTANCE_H
 #define KVSTAGE_TOOLS_INSTANCE_H
 
@@ -15,6 +16,10 @@
 /* "L,dim,ffn,heads,kv_heads,head_dim,vocab" into a model configuration (context 4096).
  * 0 on success, -1 for a malformed value (not reported). */
 int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p);
+
+/* 0 when tp splits the model over that many ranks; else the one error line, naming flag, the
+ * model's reason, the TP sizes it allows and why, and 2. */
+int kvs_model_tp_check(const kvs_model_config_t *mc, const char *flag, uint32_t tp);
 
 typedef struct {
     kvs_llm_role_t role;

@@ -34,7 +34,7 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
 {
     kvs_rank_config_t *c = &f->cfg;
     uint32_t head_dim = 0, kv_heads = c->geo.shape.kv_heads, layers = c->geo.shape.layers;
-    uint32_t dtype = c->geo.shape.elem_bytes;
+    int dtype = c->geo.shape.elem_bytes == 4 ? 2 : c->geo.shape.elem_bytes == 2 ? 1 : 0;
     int mla = 0, layout = 0, data = 0, workload = (int) c->workload.kind, seen_hd = 0;
     int device = c->mem == KVS_MEM_DEVICE;
     uint32_t gpu = (uint32_t) c->device;
@@ -42,7 +42,7 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     int checksum = !c->geo.no_checksum;
     uint64_t liveness_ms = 0, deadline_s = 0;
     const kvs_arg_t args[] = {
-        {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", NULL, NULL},
+        {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", "[0,63]", NULL},
         {"registry", KVS_ARG_STR, &c->registry, "the prefill instance's registry endpoint", NULL,
          NULL},
         {"serve-registry", KVS_ARG_FLAG, &c->serve_registry,
@@ -55,21 +55,22 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
          "where this rank's pool, ring and staging buffers live (cuda: CUDA IPC between the "
          "processes, so every rank on one host) (cpu)",
          "cpu|cuda", NULL},
-        {"gpu", KVS_ARG_U32, &gpu, "with --device cuda: this rank's GPU (0)", NULL, NULL},
+        {"gpu", KVS_ARG_U32, &gpu, "with --device cuda: this rank's GPU (0)", "[0,1024]", NULL},
         {"write-mode", KVS_ARG_CHOICE, &write_mode,
          "prefill: auto gathers straight into the decode ring where the link maps it (shared "
          "memory, CUDA IPC), else through a staging buffer and one bulk write (auto)",
          "auto|staged|direct", NULL},
-        {"prefill-tp", KVS_ARG_U32, &c->geo.prefill_tp, "prefill TP size (4)", NULL, NULL},
-        {"decode-tp", KVS_ARG_U32, &c->geo.decode_tp, "decode TP size (2)", NULL, NULL},
-        {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", NULL, NULL},
-        {"layers", KVS_ARG_U32, &layers, "layers (4)", NULL, NULL},
-        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for K and V, or the MLA latent (32)", NULL,
-         &seen_hd},
-        {"dtype-bytes", KVS_ARG_U32, &dtype, "element size in bytes (2)", NULL, NULL},
+        {"prefill-tp", KVS_ARG_U32, &c->geo.prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
+        {"decode-tp", KVS_ARG_U32, &c->geo.decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
+        {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", "[1,65536]", NULL},
+        {"layers", KVS_ARG_U32, &layers, "layers (4)", "[1,65536]", NULL},
+        {"head-dim", KVS_ARG_U32, &head_dim, "head dim for K and V, or the MLA latent (32)",
+         "[1,65536]", &seen_hd},
+        {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token and layer", NULL, NULL},
-        {"page-size", KVS_ARG_U32, &c->geo.page_size, "tokens per page (16)", NULL, NULL},
-        {"chunk", KVS_ARG_U32, &c->geo.chunk_tokens, "chunked-prefill tokens (256)", NULL, NULL},
+        {"page-size", KVS_ARG_U32, &c->geo.page_size, "tokens per page (16)", "[1,1048576]", NULL},
+        {"chunk", KVS_ARG_U32, &c->geo.chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]",
+         NULL},
         {"corrupt-nth", KVS_ARG_U64, &c->corrupt_nth,
          "test hook: each prefill rank flips a bit of its n-th staged data write (a transport "
          "write: tcp, or --write-mode staged) in flight, after its checksum (0: off)",
@@ -79,18 +80,20 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
         {"layout", KVS_ARG_CHOICE, &layout, "this rank's pool layout (nhd)", "nhd|hnd", NULL},
         {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "decode staging ring bytes (4 slots)", NULL,
          NULL},
-        {"requests", KVS_ARG_U32, &c->workload.requests, "requests (64)", NULL, NULL},
-        {"concurrency", KVS_ARG_U32, &c->concurrency, "rooms in flight per rank (16)", NULL, NULL},
+        {"requests", KVS_ARG_U32, &c->workload.requests, "requests (64)", "[1,1000000]", NULL},
+        {"concurrency", KVS_ARG_U32, &c->concurrency, "rooms in flight per rank (16)", "[1,65536]",
+         NULL},
         {"workload", KVS_ARG_CHOICE, &workload, "workload (random)",
          "shared-prefix|multi-turn|random|needle", NULL},
-        {"prompt-len", KVS_ARG_U32, &c->workload.prompt_len, "longest prompt (2000)", NULL, NULL},
-        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (0)", NULL,
-         NULL},
+        {"prompt-len", KVS_ARG_U32, &c->workload.prompt_len, "longest prompt (2000)",
+         "[1,16777216]", NULL},
+        {"prefix-len", KVS_ARG_U32, &c->workload.prefix_len, "shared prefix tokens (0)",
+         "[0,16777216]", NULL},
         {"seed", KVS_ARG_U64, &c->workload.seed, "workload seed (1)", NULL, NULL},
-        {"liveness-ms", KVS_ARG_U64, &liveness_ms, "a silent peer is dead after this (3000)", NULL,
-         NULL},
-        {"deadline-s", KVS_ARG_U64, &deadline_s, "give up after this many seconds (600)", NULL,
-         NULL},
+        {"liveness-ms", KVS_ARG_U64, &liveness_ms, "a silent peer is dead after this (3000)",
+         "[1,86400000]", NULL},
+        {"deadline-s", KVS_ARG_U64, &deadline_s, "give up after this many seconds (600)",
+         "[1,31536000]", NULL},
         {"json", KVS_ARG_FLAG, &f->json, "print one JSON object with the result", NULL, NULL},
         {"progress", KVS_ARG_FLAG, &f->progress,
          "print 'progress CONCLUDED REQUESTS' lines while running", NULL, NULL},
@@ -100,7 +103,7 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     c->geo.no_checksum = !checksum;
     c->geo.shape.kv_heads = mla ? 1 : kv_heads;
     c->geo.shape.layers = layers;
-    c->geo.shape.elem_bytes = dtype;
+    c->geo.shape.elem_bytes = kvs_args_dtype_bytes(dtype);
     c->geo.shape.attn = mla ? KVS_ATTN_MLA : KVS_ATTN_MHA;
     if (seen_hd) c->geo.shape.head_dim_k = head_dim;
     c->geo.shape.head_dim_v = mla ? 0 : c->geo.shape.head_dim_k;
@@ -113,6 +116,41 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     c->liveness_timeout_ns = liveness_ms * 1000000ull;
     c->deadline_ns = deadline_s * 1000000000ull;
     return KVS_ARGS_OK;
+}
+
+int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *cmd)
+{
+    const kvs_rank_config_t *c = &f->cfg;
+    /* The library's messages name the rank, as the rank itself would. */
+    char who[32];
+    if (strcmp(cmd, "demo") == 0)
+        snprintf(who, sizeof(who), "demo");
+    else
+        snprintf(who, sizeof(who), "%s rank %u", cmd, c->rank);
+    const uint32_t tps[2] = {c->geo.prefill_tp, c->geo.decode_tp};
+    const char *names[2] = {"--prefill-tp", "--decode-tp"};
+    char sizes[512];
+    for (int i = 0; i < 2; i++) {
+        kvs_args_capture_t cap;
+        kvs_args_capture_begin(&cap);
+        kvs_status_t st = kvs_tp_validate(&c->geo.shape, &(kvs_tp_t){.tp_size = tps[i]});
+        kvs_args_capture_end(&cap, st != KVS_OK);
+        if (st != KVS_OK)
+            return kvs_args_error(names[i], kvs_args_tp_sizes(&c->geo.shape, sizes, sizeof(sizes)),
+                                  "%u: %s", tps[i], cap.msg);
+    }
+    const kvs_workload_config_t *w = &c->workload;
+    if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len)
+        return kvs_args_error("--prefix-len", "below --prompt-len",
+                              "%u is not below --prompt-len %u", w->prefix_len, w->prompt_len);
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
+    kvs_status_t st = kvs_rank_check(c, who);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error(NULL, NULL, "%s (see `kvstage %s --help`)",
+                              cap.msg[0] ? cap.msg : kvs_status_str(st), cmd);
+    return 0;
 }
 
 int kvs_rank_result_ok(const kvs_rank_result_t *r)

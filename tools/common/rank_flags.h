@@ -19,6 +19,10 @@ void kvs_rank_flags_default(kvs_rank_flags_t *flags_p);
 /* Parses argv[1..] into flags (argv[0] is the command name); returns a KVS_ARGS_* code. */
 int kvs_rank_flags_parse(kvs_rank_flags_t *flags, const char *usage, int argc, char **argv);
 
+/* The checks across flags, before anything starts: TP sizes the KV heads allow, the workload,
+ * and kvs_rank_check. cmd is "prefill", "decode" or "demo". 0, or 2 after the one error line. */
+int kvs_rank_flags_check(const kvs_rank_flags_t *flags, const char *cmd);
+
 /* 1 when every room succeeded exactly on the rank and nothing leaked. */
 int kvs_rank_result_ok(const kvs_rank_result_t *result);
 

@@ -81,8 +81,6 @@ static void llm_rank_default(llm_rank_opts_t *o)
     c->page_size = 16;
     c->chunk_tokens = 64;
     c->max_running = 4;
-    c->max_prompt = 1024;
-    c->max_new = 256;
     c->radix = 1;
     o->checksum = 1;
 }
@@ -113,8 +111,10 @@ static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"batch-tokens", KVS_ARG_U32, &c->batch_tokens, "prompt tokens per pass (4 x chunk)", NULL,
          NULL},
         {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", NULL, NULL},
-        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", NULL, NULL},
-        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", NULL, NULL},
+        {"max-model-len", KVS_ARG_U32, &c->max_context,
+         "prompt + new tokens at most (default: the model's context)", NULL, NULL},
+        {"kv-tokens", KVS_ARG_U64, &c->kv_tokens, "KV pool, tokens (default: twice the context)",
+         NULL, NULL},
         {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums; both instances must agree", NULL, NULL},
@@ -220,7 +220,8 @@ typedef struct {
 typedef struct {
     /* flags */
     uint32_t max_tokens, prefill_tp, decode_tp, tp, page_size, chunk, timeout_s, max_running;
-    uint64_t seed, model_seed;
+    uint32_t max_model_len; /* 0 until checked: the model's context */
+    uint64_t seed, model_seed, kv_tokens;
     double temperature, top_p;
     int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
     const char *system, *model, *seeded;
@@ -539,11 +540,8 @@ static void rank_argv(const gen_t *g, const child_t *c, const char *registry, ra
     }
     add_num(a, "--page-size", g->page_size);
     add_num(a, "--chunk", g->chunk);
-    uint32_t longest = 1;
-    for (uint32_t i = 0; i < g->nreqs; i++)
-        if (g->reqs[i].prompt_len > longest) longest = g->reqs[i].prompt_len;
-    add_num(a, "--max-prompt", longest);
-    add_num(a, "--max-new", g->max_tokens);
+    add_num(a, "--max-model-len", g->max_model_len);
+    if (g->kv_tokens != 0) add_num(a, "--kv-tokens", g->kv_tokens);
     add_num(a, "--max-running", g->max_running);
     add_arg(a, "--radix",
             (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
@@ -1043,6 +1041,10 @@ static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
         {"model-seed", KVS_ARG_U64, &g->model_seed, "seed of --seeded weights", NULL, NULL},
         {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", NULL, NULL},
         {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", NULL, NULL},
+        {"max-model-len", KVS_ARG_U32, &g->max_model_len,
+         "prompt + --max-tokens at most (default: the model's context)", NULL, NULL},
+        {"kv-tokens", KVS_ARG_U64, &g->kv_tokens,
+         "KV pool of each rank, tokens (default: twice --max-model-len)", NULL, NULL},
         {"prefill-radix", KVS_ARG_ONOFF, &g->prefill_radix,
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
@@ -1119,6 +1121,8 @@ static int check_model(gen_t *g)
             ? !tp_ok(g, g->tp, "--tp")
             : !tp_ok(g, g->prefill_tp, "--prefill-tp") || !tp_ok(g, g->decode_tp, "--decode-tp"))
         return 2;
+    if (kvs_check_context_flags(&g->max_model_len, g->kv_tokens, g->page_size, g->mc.max_ctx) != 0)
+        return 2;
     g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
     g->stop_id = g->eos;
     if (g->chat) {
@@ -1156,11 +1160,11 @@ static int load_prompt(gen_t *g, req_t *r, const prompts_t *p, int i)
                     r->prompt[k], i + 1, g->mc.vocab);
             return 2;
         }
-    if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx) {
+    if ((uint64_t) r->prompt_len + g->max_tokens > g->max_model_len) {
         fprintf(stderr,
-                "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the "
-                "model's context of %u\n",
-                i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
+                "error: prompt %d (%u tokens) plus --max-tokens %u exceeds the context of %u "
+                "tokens (--max-model-len)\n",
+                i + 1, r->prompt_len, g->max_tokens, g->max_model_len);
         return 2;
     }
     r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));

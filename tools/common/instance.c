@@ -13,6 +13,7 @@
 
 #include "kvstage/clock.h"
 #include "common/spawn.h"
+#include "engine/llm_rank.h"
 
 int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p)
 {
@@ -39,6 +40,29 @@ int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p)
                                   .max_ctx = 4096,
                                   .rope_theta = 10000.0f,
                                   .norm_eps = 1e-5f};
+    return 0;
+}
+
+int kvs_check_context_flags(uint32_t *max_model_len_p, uint64_t kv_tokens, uint32_t page_size,
+                            uint32_t model_ctx)
+{
+    uint32_t len = *max_model_len_p ? *max_model_len_p : model_ctx;
+    if (len < 2 || len > model_ctx) {
+        fprintf(stderr,
+                "error: --max-model-len %u is outside 2..%u (the model's context length)\n", len,
+                model_ctx);
+        return 2;
+    }
+    if (kv_tokens != 0 && page_size != 0 &&
+        (kv_tokens < len || kvs_llm_rank_pool_pages(kv_tokens, len, page_size) > UINT32_MAX)) {
+        fprintf(stderr,
+                "error: --kv-tokens %llu must be %u..%llu: at least one request of the whole "
+                "context (--max-model-len %u), in pages of %u tokens\n",
+                (unsigned long long) kv_tokens, len, (unsigned long long) UINT32_MAX * page_size,
+                len, page_size);
+        return 2;
+    }
+    *max_model_len_p = len;
     return 0;
 }
 
@@ -80,15 +104,15 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     }
     const struct {
         const char *flag;
-        uint32_t v;
+        uint64_t v;
     } u[] = {{"--page-size", c->page_size},
              {"--chunk", c->chunk},
              {"--max-running", c->max_running},
-             {"--max-prompt", c->max_prompt},
-             {"--max-new", c->max_new}};
+             {"--max-model-len", c->max_context},
+             {"--kv-tokens", c->kv_tokens}};
     for (int i = 0; i < 5; i++) {
         args[n++] = (char *) u[i].flag;
-        snprintf(num[4 + i], sizeof(num[4 + i]), "%u", u[i].v);
+        snprintf(num[4 + i], sizeof(num[4 + i]), "%llu", (unsigned long long) u[i].v);
         args[n++] = num[4 + i];
     }
     args[n++] = "--radix";

@@ -49,10 +49,10 @@ typedef struct {
     uint32_t keep_from, keep_to;
     int cached_early;
     uint32_t preempted; /* times sent back to the queue for want of pages */
-    int in_protocol; /* added to the sender or receiver, not yet released */
-    int aborted;     /* abort sent to the sender or receiver */
-    int stop;        /* kvs_llm_stop reached this rank */
-    int local_fail;  /* this rank could not add the room to its sender or receiver */
+    int in_protocol;    /* added to the sender or receiver, not yet released */
+    int aborted;        /* abort sent to the sender or receiver */
+    int stop;           /* kvs_llm_stop reached this rank */
+    int local_fail;     /* this rank could not add the room to its sender or receiver */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;

@@ -116,8 +116,8 @@ typedef struct {
     uint64_t requests_ok, requests_failed;
     uint64_t preemptions;       /* running requests sent back to the queue for want of pages */
     uint64_t recomputed_tokens; /* positions recomputed after a preemption (radix hits excluded) */
-    uint32_t queued, running; /* now */
-    uint64_t radix_pages;     /* now: pages the radix cache holds */
+    uint32_t queued, running;   /* now */
+    uint64_t radix_pages;       /* now: pages the radix cache holds */
 } kvs_llm_stats_t;
 
 typedef struct kvs_llm kvs_llm_t;

@@ -112,7 +112,7 @@ typedef struct {
     double load_s;
     char *buf; /* [cap] bytes read, not yet a whole line */
     size_t len, cap;
-    uint32_t *ids; /* [max_prompt] scratch for one prompt */
+    uint32_t *ids;       /* [max_prompt] scratch for one prompt */
     uint32_t max_prompt; /* the longest prompt the context leaves room for */
     int eof, quitting;
     uint64_t quit_at;

@@ -147,10 +147,10 @@ static deploy_t g_d;
 
 static proc_t *start_prefill(const char *tp, const char *peer_tp)
 {
-    const char *args[] = {"serve",  "--role",      "prefill", "--seeded",  SEEDED,  "--model-seed",
-                          "11",     "--tp",        tp,        "--peer-tp", peer_tp, "--port",
-                          "0",      "--page-size", "4",       "--chunk",   "8",     "--max-model-len",
-                          MAX_LEN,  NULL};
+    const char *args[] = {
+        "serve", "--role",          "prefill", "--seeded", SEEDED, "--model-seed", "11", "--tp",
+        tp,      "--peer-tp",       peer_tp,   "--port",   "0",    "--page-size",  "4",  "--chunk",
+        "8",     "--max-model-len", MAX_LEN,   NULL};
     proc_t *p = spawn_tool(args);
     wait_up(p, "serving on");
     assert_true(strncmp(p->bootstrap, "tcp://", 6) == 0);
@@ -159,9 +159,9 @@ static proc_t *start_prefill(const char *tp, const char *peer_tp)
 
 static proc_t *start_decode(const char *tp, const char *bootstrap)
 {
-    const char *args[] = {"serve",   "--role",          "decode", "--seeded", SEEDED, "--model-seed",
-                          "11",      "--tp",            tp,       "--port",   "0",    "--bootstrap",
-                          bootstrap, "--max-model-len", MAX_LEN,  NULL};
+    const char *args[] = {
+        "serve", "--role", "decode", "--seeded",    SEEDED,    "--model-seed",    "11",    "--tp",
+        tp,      "--port", "0",      "--bootstrap", bootstrap, "--max-model-len", MAX_LEN, NULL};
     proc_t *p = spawn_tool(args);
     wait_up(p, "serving on");
     assert_string_equal(p->bootstrap, bootstrap);
@@ -177,9 +177,10 @@ static int setup(void **state)
     g_d.pre[1] = start_prefill("1", "2");
     g_d.dec[0] = start_decode("1", g_d.pre[0]->bootstrap);
     g_d.dec[1] = start_decode("2", g_d.pre[1]->bootstrap);
-    const char *cargs[] = {"serve", "--role", "colocated", "--seeded", SEEDED, "--model-seed",
-                           "11",    "--port", "0",         "--page-size", "4", "--chunk",
-                           "8",     "--max-model-len", MAX_LEN, NULL};
+    const char *cargs[] = {"serve", "--role",          "colocated", "--seeded",
+                           SEEDED,  "--model-seed",    "11",        "--port",
+                           "0",     "--page-size",     "4",         "--chunk",
+                           "8",     "--max-model-len", MAX_LEN,     NULL};
     g_d.colo = spawn_tool(cargs);
     wait_up(g_d.colo, "serving on");
     char pre[300], dec[300];

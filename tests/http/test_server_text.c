@@ -258,8 +258,7 @@ static void test_parse_context_length(void **state)
          "reduce the length of the messages or completion ('max_completion_tokens' at most 44)."},
         {1, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":100}",
          "max_tokens", "you requested 120 tokens (20 in the messages, 100 in the completion)"},
-        {0,
-         "{\"prompt\":\"0123456789012345678901234567890123456789012345678901234567890123\"}",
+        {0, "{\"prompt\":\"0123456789012345678901234567890123456789012345678901234567890123\"}",
          "prompt",
          "This model's maximum context length is 64 tokens. However, you requested 64 tokens in "
          "the prompt, which leaves no room for the completion. Please reduce the length of the "
@@ -270,9 +269,9 @@ static void test_parse_context_length(void **state)
          "messages", "you requested 78 tokens in the messages, which leaves no room"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        assert_int_equal(kvs__api_parse(&l, &tok, bad[i].chat, bad[i].body, strlen(bad[i].body),
-                                        &q, &err),
-                         KVS_ERR_INVALID);
+        assert_int_equal(
+            kvs__api_parse(&l, &tok, bad[i].chat, bad[i].body, strlen(bad[i].body), &q, &err),
+            KVS_ERR_INVALID);
         assert_int_equal(err.status, 400);
         assert_string_equal(err.param, bad[i].param);
         assert_string_equal(err.code, "context_length_exceeded");
@@ -546,16 +545,11 @@ int main(void)
 {
     kvs__json_init();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_string_builder),
-        cmocka_unit_test(test_utf8_tail),
-        cmocka_unit_test(test_utf8_sanitize),
-        cmocka_unit_test(test_stop_search),
-        cmocka_unit_test(test_parse_defaults),
-        cmocka_unit_test(test_parse_context_length),
-        cmocka_unit_test(test_parse_alloc_failures),
-        cmocka_unit_test(test_histogram),
-        cmocka_unit_test(test_fake_backend),
-        cmocka_unit_test(test_create_alloc_failures),
+        cmocka_unit_test(test_string_builder),       cmocka_unit_test(test_utf8_tail),
+        cmocka_unit_test(test_utf8_sanitize),        cmocka_unit_test(test_stop_search),
+        cmocka_unit_test(test_parse_defaults),       cmocka_unit_test(test_parse_context_length),
+        cmocka_unit_test(test_parse_alloc_failures), cmocka_unit_test(test_histogram),
+        cmocka_unit_test(test_fake_backend),         cmocka_unit_test(test_create_alloc_failures),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -48,9 +48,8 @@ int kvs_check_context_flags(uint32_t *max_model_len_p, uint64_t kv_tokens, uint3
 {
     uint32_t len = *max_model_len_p ? *max_model_len_p : model_ctx;
     if (len < 2 || len > model_ctx) {
-        fprintf(stderr,
-                "error: --max-model-len %u is outside 2..%u (the model's context length)\n", len,
-                model_ctx);
+        fprintf(stderr, "error: --max-model-len %u is outside 2..%u (the model's context length)\n",
+                len, model_ctx);
         return 2;
     }
     if (kv_tokens != 0 && page_size != 0 &&

@@ -28,9 +28,10 @@
  * request's, and it is queued again at its old place; once admitted again, a local prefill pass
  * recomputes prompt + generated tokens past its radix hit (decode too: the engine has the whole
  * model) and it goes on from the token it had reached, generating exactly what it would have.
- * A request that could never continue (the pool cannot hold its next token even alone) ends
- * with KVS_ERR_NOSPACE. Every decision depends only on the request list and the pool and radix
- * state, which are the same on every rank: the ranks preempt the same request at the same step. */
+ * A preempted request whose tokens so far need more pages than the whole pool holds could
+ * never be admitted again: it ends instead, with KVS_ERR_NOSPACE (FINISH_ERROR). Every decision
+ * depends only on the request list and the pool and radix state, which are the same on every rank:
+ * the ranks preempt the same request at the same step. */
 #ifndef KVSTAGE_LLM_H
 #define KVSTAGE_LLM_H
 

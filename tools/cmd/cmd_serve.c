@@ -260,8 +260,8 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          NULL, NULL},
         {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", NULL, NULL},
         {"max-model-len", KVS_ARG_U32, &f->max_model_len,
-         "prompt + max_tokens of a request at most, also the default max_tokens' bound (default: "
-         "the model's context length)",
+         "prompt + max_tokens of a request at most; a request without max_tokens may use the "
+         "rest (default: the model's context length)",
          NULL, NULL},
         {"kv-tokens", KVS_ARG_U64, &f->kv_tokens,
          "KV pool of each rank, tokens; pages are taken as sequences grow, and the newest request "

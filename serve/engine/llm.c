@@ -37,10 +37,10 @@ typedef struct {
     rq_state_t state;
     uint32_t *tokens; /* [prompt_len + max_new_tokens] prompt, then generated tokens */
     uint32_t ntokens; /* prompt_len + tokens generated so far */
-    uint32_t *pages;  /* [npages] page table from position 0 */
+    uint32_t *pages;  /* [capacity_pages] page table from position 0; npages in use */
     uint32_t npages;
-    uint32_t cached;   /* prompt tokens found in the radix cache (page multiple) */
-    uint32_t computed; /* prompt tokens whose KV is at rest */
+    uint32_t cached;   /* tokens found in the radix cache at this admission (page multiple) */
+    uint32_t computed; /* RQ_PREFILL: tokens of [0, ntokens) whose KV is at rest */
     uint32_t generated;
     kvs_radix_node_t *node; /* locked radix match, or NULL */
     /* prefill: the computed prompt went into the radix cache at once (node locked until the
@@ -48,10 +48,11 @@ typedef struct {
     kvs_radix_node_t *inserted;
     uint32_t keep_from, keep_to;
     int cached_early;
-    int in_protocol; /* added to the sender or receiver, not yet released */
-    int aborted;     /* abort sent to the sender or receiver */
-    int stop;        /* kvs_llm_stop reached this rank */
-    int local_fail;  /* this rank could not add the room to its sender or receiver */
+    uint32_t preempted; /* times sent back to the queue for want of pages */
+    int in_protocol;    /* added to the sender or receiver, not yet released */
+    int aborted;        /* abort sent to the sender or receiver */
+    int stop;           /* kvs_llm_stop reached this rank */
+    int local_fail;     /* this rank could not add the room to its sender or receiver */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;
@@ -66,6 +67,7 @@ struct kvs_llm {
     kvs_llm_config_t cfg;
     kvs_model_config_t mc;
     uint32_t tp, rank, page;
+    uint32_t max_ctx; /* prompt + new tokens at most: cfg.max_context, or the model's */
     kvs_radix_t *radix;
     rq_t **rqs; /* admission order */
     uint32_t nrqs, cap_rqs;
@@ -137,8 +139,8 @@ static uint32_t pages_for(uint32_t tokens, uint32_t page)
     return (tokens + page - 1) / page;
 }
 
-/* Pages a request holds from admission on: the prompt, plus (where tokens are generated) the
- * positions fed back: the last generated token is never fed. */
+/* The most pages a request can come to hold (its page table's size): the prompt, plus (where
+ * tokens are generated) the positions fed back; the last generated token is never fed. */
 static uint32_t capacity_pages(const kvs_llm_t *e, const kvs_llm_request_t *q)
 {
     uint32_t positions = q->prompt_len;
@@ -151,6 +153,18 @@ static void radix_free(void *arg, const uint32_t *pages, size_t count)
     kvs_llm_t *e = arg;
     if (kvs_pool_free(e->cfg.pool, pages, (uint32_t) count) != KVS_OK)
         kvs_error("llm: the radix cache handed back pages the pool did not lend");
+}
+
+/* Pages that could be had now: free, or held by the radix cache in nodes no request locks. */
+static uint32_t available_pages(const kvs_llm_t *e)
+{
+    uint64_t n = kvs_pool_free_pages(e->cfg.pool);
+    if (e->radix != NULL) {
+        kvs_radix_stats_t rs;
+        kvs_radix_stats(e->radix, &rs);
+        n += rs.evictable_pages;
+    }
+    return n > UINT32_MAX ? UINT32_MAX : (uint32_t) n;
 }
 
 /* n pages, evicting from the radix cache first when short; KVS_ERR_NOSPACE (not logged). */
@@ -177,10 +191,10 @@ static void give_pages(kvs_llm_t *e, const uint32_t *pages, uint32_t n)
 kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
 {
     if (c == NULL || c->model == NULL || c->pool == NULL || c->max_running == 0 ||
-        c->chunk_tokens == 0 || c->batch_tokens < c->chunk_tokens || c->max_prompt == 0 ||
+        c->chunk_tokens == 0 || c->batch_tokens < c->chunk_tokens ||
         (unsigned) c->role > KVS_LLM_DECODE) {
         kvs_error("llm: needs a model, a pool, max_running >= 1, chunk_tokens >= 1, "
-                  "batch_tokens >= chunk_tokens, max_prompt >= 1 and a role");
+                  "batch_tokens >= chunk_tokens and a role");
         return KVS_ERR_INVALID;
     }
     if ((c->role == KVS_LLM_PREFILL && c->sender == NULL) ||
@@ -208,18 +222,9 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
         return KVS_ERR_INVALID;
     }
     const kvs_model_config_t *mc = kvs_model_config(c->model);
-    if (c->max_prompt >= mc->max_ctx) {
-        kvs_error("llm: max_prompt %u does not fit the model's context of %u", c->max_prompt,
+    if (c->max_context == 1 || c->max_context > mc->max_ctx) {
+        kvs_error("llm: max_context %u must be 2..%u (the model's context)", c->max_context,
                   mc->max_ctx);
-        return KVS_ERR_INVALID;
-    }
-    /* A longest prompt (with one new token: no position fed back) that the whole pool cannot
-     * hold could never be admitted, and would block every request queued behind it. */
-    uint32_t need = pages_for(c->max_prompt, pc->page_size);
-    if (kvs_pool_total_pages(c->pool) < need) {
-        kvs_error("llm: a pool of %u pages can never hold one request of max_prompt %u tokens: "
-                  "it needs %u pages of %u tokens",
-                  kvs_pool_total_pages(c->pool), c->max_prompt, need, pc->page_size);
         return KVS_ERR_INVALID;
     }
     kvs_llm_t *e = kvs_calloc(1, sizeof(*e));
@@ -229,6 +234,7 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->tp = tp.tp_size;
     e->rank = tp.tp_rank;
     e->page = pc->page_size;
+    e->max_ctx = c->max_context ? c->max_context : mc->max_ctx;
     kvs_status_t st = KVS_ERR_NOMEM;
     e->seqs = kvs_calloc(c->max_running, sizeof(*e->seqs));
     e->seq_rq = kvs_calloc(c->max_running, sizeof(*e->seq_rq));
@@ -292,23 +298,23 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
         return KVS_ERR_INVALID;
     }
     const int generates = e->cfg.role != KVS_LLM_PREFILL;
-    if (q == NULL || q->prompt == NULL || q->prompt_len == 0 || q->prompt_len > e->cfg.max_prompt ||
-        (generates && q->max_new_tokens == 0) ||
-        (uint64_t) q->prompt_len + (generates ? q->max_new_tokens : 0) > e->mc.max_ctx) {
-        kvs_error("llm: room %llu: prompt of %u tokens (1..%u) with %u new tokens does not fit "
-                  "(context %u)",
-                  q ? (unsigned long long) q->room : 0ull, q ? q->prompt_len : 0, e->cfg.max_prompt,
-                  q ? q->max_new_tokens : 0, e->mc.max_ctx);
+    /* A prefill request yields one token, which must fit the context too. */
+    const uint32_t new_tokens = generates ? (q ? q->max_new_tokens : 0) : 1;
+    if (q == NULL || q->prompt == NULL || q->prompt_len == 0 || new_tokens == 0 ||
+        (uint64_t) q->prompt_len + new_tokens > e->max_ctx) {
+        kvs_error("llm: room %llu: a prompt of %u tokens with %u new tokens does not fit the "
+                  "context of %u tokens (at least one of each)",
+                  q ? (unsigned long long) q->room : 0ull, q ? q->prompt_len : 0, new_tokens,
+                  e->max_ctx);
         return KVS_ERR_INVALID;
     }
-    /* Admission is FIFO and waits for pages: a request the whole pool cannot hold would wait
-     * forever and block every later one. */
-    uint32_t need = capacity_pages(e, q), have = kvs_pool_total_pages(e->cfg.pool);
+    /* Admission is FIFO and waits for pages: a prompt the whole pool cannot hold would wait
+     * forever and block every later request. Its new tokens take pages as they come. */
+    uint32_t need = pages_for(q->prompt_len, e->page), have = kvs_pool_total_pages(e->cfg.pool);
     if (need > have) {
-        kvs_error("llm: room %llu: a prompt of %u tokens with %u new tokens needs %u pages of %u "
-                  "tokens, more than the whole pool of %u: it can never be admitted",
-                  (unsigned long long) q->room, q->prompt_len, generates ? q->max_new_tokens : 0,
-                  need, e->page, have);
+        kvs_error("llm: room %llu: a prompt of %u tokens needs %u pages of %u tokens, more than "
+                  "the whole pool of %u: it can never be admitted",
+                  (unsigned long long) q->room, q->prompt_len, need, e->page, have);
         return KVS_ERR_NOSPACE;
     }
     for (uint32_t i = 0; i < q->prompt_len; i++) {
@@ -507,10 +513,25 @@ static void cache_insert(kvs_llm_t *e, rq_t *r, uint32_t valid, kvs_radix_node_t
     if (r->keep_to < r->keep_from) r->keep_to = r->keep_from;
 }
 
-/* Removes request i: pages to the radix cache (what it computed) or the pool, then EV_DONE. */
-static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish_t why)
+/* Positions [0, n) whose KV the request's pages hold at rest. */
+static uint32_t valid_tokens(const rq_t *r)
 {
-    rq_t *r = e->rqs[i];
+    switch (r->state) {
+    case RQ_PREFILL:
+        return r->computed;
+    case RQ_HANDOFF:
+        return r->req.prompt_len;
+    case RQ_DECODE:
+        return r->ntokens - 1; /* every position fed; the last token is not yet */
+    default:
+        return r->cached; /* queued, or the KV still arriving: only the cached prefix */
+    }
+}
+
+/* Gives back every page the request holds: what it computed to the radix cache (keep) and the
+ * rest to the pool; its radix locks are dropped. It holds nothing afterwards. */
+static void release_pages(kvs_llm_t *e, rq_t *r, int keep)
+{
     uint32_t first = r->cached / e->page;
     if (r->npages > 0 && r->cached_early) {
         /* Prefill put its prompt in the cache when it was computed. */
@@ -518,18 +539,24 @@ static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish
         give_pages(e, r->pages + r->keep_to, r->npages - r->keep_to);
         if (r->inserted != NULL) (void) kvs_radix_unlock(e->radix, r->inserted);
     } else if (r->npages > 0) {
-        /* KV is valid for the prompt (prefill) or for every position fed (decode, colocated). */
-        uint32_t valid = e->cfg.role == KVS_LLM_PREFILL ? r->req.prompt_len : r->ntokens - 1;
-        if (r->state == RQ_WAIT_KV || r->state == RQ_QUEUED || r->computed < r->req.prompt_len)
-            valid = r->cached; /* nothing trustworthy beyond the cached prefix */
-        if (status == KVS_OK)
-            cache_insert(e, r, valid, NULL);
+        if (keep)
+            cache_insert(e, r, valid_tokens(r), NULL);
         else
             r->keep_from = r->keep_to = first;
         give_pages(e, r->pages + first, r->keep_from - first);
         give_pages(e, r->pages + r->keep_to, r->npages - r->keep_to);
     }
     if (r->node != NULL) (void) kvs_radix_unlock(e->radix, r->node);
+    r->node = r->inserted = NULL;
+    r->npages = r->cached = r->keep_from = r->keep_to = 0;
+    r->cached_early = 0;
+}
+
+/* Removes request i: pages to the radix cache (what it computed) or the pool, then EV_DONE. */
+static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish_t why)
+{
+    rq_t *r = e->rqs[i];
+    release_pages(e, r, status == KVS_OK);
     if (status == KVS_OK)
         e->st.requests_ok++;
     else
@@ -537,7 +564,6 @@ static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish
     r->ev.kind = KVS_LLM_EV_DONE;
     r->ev.status = status;
     r->ev.finish = why;
-    r->ev.cached_tokens = r->cached;
     r->ev.generated = r->generated;
     r->ev.done_ns = kvs_now_ns();
     emit(e, &r->ev);
@@ -669,17 +695,20 @@ static uint32_t running(const kvs_llm_t *e)
     return n;
 }
 
-/* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait). */
-static int admit_one(kvs_llm_t *e, rq_t *r)
+/* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait). Pages for
+ * the tokens known (the prompt; after a preemption, prompt + generated), and where sequences
+ * grow, one page of headroom left for each of the `running` requests. */
+static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
 {
     const kvs_llm_request_t *q = &r->req;
     uint32_t cached = 0;
     kvs_radix_node_t *node = NULL;
-    /* All but the last prompt token: at least one is computed here (prefill: it yields the
-     * first token; decode: at least one position is transferred). */
-    if (e->radix != NULL && q->prompt_len > e->page) {
+    /* All but the last known token: at least one is computed here (prefill: it yields the
+     * first token; decode: at least one position is transferred; a recompute: the next
+     * token). */
+    if (e->radix != NULL && r->ntokens > e->page) {
         kvs_radix_match_t m;
-        if (kvs_radix_match(e->radix, 0, (const int32_t *) r->tokens, q->prompt_len - 1, r->pages,
+        if (kvs_radix_match(e->radix, 0, (const int32_t *) r->tokens, r->ntokens - 1, r->pages,
                             &m) == KVS_OK &&
             m.tokens > 0) {
             kvs_radix_lock(e->radix, m.node); /* before allocating: eviction must spare it */
@@ -687,16 +716,26 @@ static int admit_one(kvs_llm_t *e, rq_t *r)
             cached = (uint32_t) m.tokens;
         }
     }
-    uint32_t first = cached / e->page, total = capacity_pages(e, q);
-    if (take_pages(e, total - first, r->pages + first) != KVS_OK) {
+    uint32_t first = cached / e->page, total = pages_for(r->ntokens, e->page);
+    uint32_t headroom = e->cfg.role == KVS_LLM_PREFILL ? 0 : running;
+    if ((uint64_t) total - first + headroom > available_pages(e) ||
+        take_pages(e, total - first, r->pages + first) != KVS_OK) {
         if (node != NULL) (void) kvs_radix_unlock(e->radix, node);
         return 0;
     }
     r->node = node;
     r->npages = total;
     r->cached = r->computed = cached;
-    r->ev.admitted_ns = kvs_now_ns();
-    e->st.cached_tokens += cached;
+    if (!r->preempted) {
+        r->ev.admitted_ns = kvs_now_ns();
+        r->ev.cached_tokens = cached;
+        e->st.cached_tokens += cached;
+    }
+    if (r->generated > 0) {
+        /* Back after a preemption: recompute locally, whatever the role. */
+        r->state = RQ_PREFILL;
+        return 1;
+    }
     kvs_status_t st = KVS_OK;
     if (e->cfg.role == KVS_LLM_PREFILL) {
         st = kvs_sender_add_room(e->cfg.sender, q->room, q->prompt_len, r->pages);
@@ -726,7 +765,7 @@ static uint32_t admit(kvs_llm_t *e)
     for (uint32_t i = 0; i < e->nrqs && live < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         if (r->state != RQ_QUEUED) continue;
-        if (!admit_one(e, r)) break;
+        if (!admit_one(e, r, live)) break;
         live++;
         n++;
     }
@@ -751,6 +790,70 @@ static uint32_t apply_stops(kvs_llm_t *e)
         }
         n++;
         finish(e, i, KVS_OK, KVS_LLM_FINISH_STOP);
+    }
+    return n;
+}
+
+/* ---- pages as sequences grow ---- */
+
+/* Request i goes back to the queue at its place, its computed KV left to the radix cache for its
+ * return (or to the pool). It ends instead (KVS_ERR_NOSPACE) when the whole pool could never
+ * hold the tokens it knows: it would never be admitted again. */
+static void preempt(kvs_llm_t *e, uint32_t i)
+{
+    rq_t *r = e->rqs[i];
+    uint32_t need = pages_for(r->ntokens, e->page), have = kvs_pool_total_pages(e->cfg.pool);
+    if (need > have) {
+        if (e->rank == 0)
+            kvs_warn("llm: room %llu: its %u tokens (%u prompt, %u generated) need %u pages of %u "
+                     "tokens, more than the whole KV pool of %u: it ends before its max tokens",
+                     (unsigned long long) r->req.room, r->ntokens, r->req.prompt_len, r->generated,
+                     need, e->page, have);
+        finish(e, i, KVS_ERR_NOSPACE, KVS_LLM_FINISH_ERROR);
+        return;
+    }
+    release_pages(e, r, 1);
+    r->state = RQ_QUEUED;
+    r->computed = 0;
+    r->preempted++;
+    e->st.preemptions++;
+}
+
+/* The newest request whose pages can be taken back: generating, or computing its prompt
+ * (colocated) or its recompute. Not one in the protocol: the receiver may be writing its pages. */
+static uint32_t newest_preemptable(const kvs_llm_t *e)
+{
+    uint32_t i = e->nrqs;
+    while (i-- > 0) {
+        rq_state_t s = e->rqs[i]->state;
+        if (s == RQ_DECODE || (s == RQ_PREFILL && e->cfg.role != KVS_LLM_PREFILL)) return i;
+    }
+    return e->nrqs;
+}
+
+/* Each generating sequence whose next position starts a page takes one, oldest first; when none
+ * is left, the newest running request gives its pages back (preempt) until one is. Returns how
+ * many requests were preempted or ended. */
+static uint32_t grow_sequences(kvs_llm_t *e)
+{
+    if (e->cfg.role == KVS_LLM_PREFILL) return 0;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs;) {
+        rq_t *r = e->rqs[i];
+        if (r->state != RQ_DECODE || (r->ntokens - 1) / e->page < r->npages) {
+            i++;
+            continue;
+        }
+        if (take_pages(e, 1, r->pages + r->npages) == KVS_OK) {
+            r->npages++;
+            i++;
+            continue;
+        }
+        /* r itself qualifies, so the victim is r or a newer request: none already passed. When
+         * it is r, index i now holds a queued r or (r ended) the next request. */
+        uint32_t v = newest_preemptable(e);
+        preempt(e, v);
+        n++;
     }
     return n;
 }
@@ -798,7 +901,7 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         rq_t *r = e->rqs[i];
         kvs_model_seq_t *s = &e->seqs[nseq];
         if (r->state == RQ_PREFILL && budget > 0 && !r->aborted) {
-            uint32_t n = r->req.prompt_len - r->computed;
+            uint32_t n = r->ntokens - r->computed; /* the prompt, or a recompute */
             if (n > e->cfg.chunk_tokens) n = e->cfg.chunk_tokens;
             if (n > budget) n = budget;
             budget -= n;
@@ -841,13 +944,18 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         const float *lg = e->logits + (size_t) j * e->mc.vocab;
         if (r->state == RQ_PREFILL) {
             r->computed += e->seqs[j].n;
-            e->st.prompt_tokens += e->seqs[j].n;
+            *(r->preempted ? &e->st.recomputed_tokens : &e->st.prompt_tokens) += e->seqs[j].n;
             if (e->cfg.role == KVS_LLM_PREFILL)
                 (void) kvs_sender_advance(e->cfg.sender, r->req.room, r->computed, r->computed);
-            if (r->computed == r->req.prompt_len) prompt_done(e, r, lg);
-            continue;
+            if (r->computed < r->ntokens) continue;
+            if (r->generated == 0) {
+                prompt_done(e, r, lg);
+                continue;
+            }
+            r->state = RQ_DECODE; /* recomputed: on from the token it had reached */
+        } else {
+            e->st.decode_tokens++;
         }
-        e->st.decode_tokens++;
         uint32_t tok = sample(e, r, lg, r->generated);
         r->tokens[r->ntokens++] = tok;
         r->generated++;
@@ -884,6 +992,7 @@ kvs_status_t kvs_llm_step(kvs_llm_t *e, int quit, int *quit_p, uint32_t *work_p)
     if (e->cfg.receiver != NULL) work += kvs_receiver_progress(e->cfg.receiver);
     work += apply_stops(e);
     if ((st = agree(e, &work)) != KVS_OK) return st;
+    work += grow_sequences(e);
     work += admit(e);
     if ((st = forward(e, &work)) != KVS_OK) return st;
     *quit_p = q;

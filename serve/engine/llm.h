@@ -13,11 +13,25 @@
  *               the first token (sampled from the last prompt logits) is the room's final
  *               metadata. Pages are freed (or kept by the radix cache) once every rank's sender
  *               concluded the room.
- *   DECODE    - radix match, pages for [base, prompt + max_new), kvstage receiver; once every
- *               rank received the KV (and the first token), the request joins the running
- *               batch: continuous batching, one token per request per pass, until max tokens,
- *               EOS or a stop; finished sequences go into the radix cache.
- * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on. */
+ *   DECODE    - radix match, pages for [base, prompt), kvstage receiver; once every rank
+ *               received the KV (and the first token), the request joins the running batch:
+ *               continuous batching, one token per request per pass, until max tokens, EOS or
+ *               a stop; finished sequences go into the radix cache.
+ * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on.
+ *
+ * Pages as the sequence grows (decode, colocated): admission takes pages for the prompt only;
+ * a running sequence takes its next page when the token it feeds needs one, so max_new_tokens
+ * costs nothing until generated. Admission (FIFO) waits until the pool (free pages plus what the
+ * radix cache could evict) holds the request's pages plus one page of headroom for every request
+ * already running. When a sequence needs a page and none is left, the newest running request is
+ * preempted: its computed KV goes to the radix cache (or back to the pool) like a finished
+ * request's, and it is queued again at its old place; once admitted again, a local prefill pass
+ * recomputes prompt + generated tokens past its radix hit (decode too: the engine has the whole
+ * model) and it goes on from the token it had reached, generating exactly what it would have.
+ * A preempted request whose tokens so far need more pages than the whole pool holds could
+ * never be admitted again: it ends instead, with KVS_ERR_NOSPACE (FINISH_ERROR). Every decision
+ * depends only on the request list and the pool and radix state, which are the same on every rank:
+ * the ranks preempt the same request at the same step. */
 #ifndef KVSTAGE_LLM_H
 #define KVSTAGE_LLM_H
 
@@ -45,8 +59,10 @@ typedef struct {
     uint32_t chunk_tokens;    /* prefill tokens per request per pass (use the kvstage C) */
     uint32_t batch_tokens;    /* prompt tokens per pass, all requests (>= chunk_tokens) */
     uint32_t max_running;     /* requests admitted at once */
-    uint32_t max_prompt;      /* longest prompt accepted (and max_ctx bounds prompt + new) */
-    int radix;                /* this instance's radix prefix cache */
+    /* Prompt + max_new_tokens at most (the served context, vLLM's max_model_len); 0: the model's
+     * max_ctx; above it: refused. A prefill request counts one new token. */
+    uint32_t max_context;
+    int radix; /* this instance's radix prefix cache */
 } kvs_llm_config_t;
 
 typedef struct {
@@ -99,25 +115,30 @@ typedef struct {
     uint64_t cached_tokens;  /* prompt tokens served from the radix cache */
     uint64_t decode_tokens;  /* tokens fed to decode passes */
     uint64_t requests_ok, requests_failed;
-    uint32_t queued, running; /* now */
-    uint64_t radix_pages;     /* now: pages the radix cache holds */
-    uint32_t pages_total;     /* this rank's KV pool: its pages */
-    uint32_t pages_free;      /* now: of which free (neither a request's nor the radix cache's) */
+    uint64_t preemptions;       /* running requests sent back to the queue for want of pages */
+    uint64_t recomputed_tokens; /* positions recomputed after a preemption (radix hits excluded) */
+    uint32_t queued, running;   /* now */
+    uint64_t radix_pages;       /* now: pages the radix cache holds */
+    uint32_t pages_total;       /* this rank's KV pool: its pages */
+    uint32_t pages_free;        /* now: of which free (neither a request's nor the radix cache's) */
 } kvs_llm_stats_t;
 
 typedef struct kvs_llm kvs_llm_t;
 
 /* Checks the configuration against the model (pool shape and TP, group size = tp_size, role
- * objects present; a pool that holds at least one max_prompt request) and sizes the scratch. */
+ * objects present, max_context within the model's) and sizes the scratch. Any pool size works:
+ * a request is refused at submit when its prompt alone exceeds the pool, and fails when its
+ * sequence outgrows it. */
 kvs_status_t kvs_llm_create(const kvs_llm_config_t *config, kvs_llm_t **llm_p);
 /* Frees the engine's requests (without telling the sender or receiver: drain first), pages
  * and radix cache. */
 void kvs_llm_destroy(kvs_llm_t *llm);
 
-/* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty or too long prompt,
- * token id outside the vocabulary, max_new_tokens 0 where tokens are generated, a room id
- * already live; KVS_ERR_NOSPACE: its prompt and new tokens need more pages than the whole pool
- * holds, so it could never be admitted). Every rank admits it at the same later step. */
+/* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty prompt, prompt +
+ * max_new_tokens above max_context, token id outside the vocabulary, max_new_tokens 0 where
+ * tokens are generated, a room id already live; KVS_ERR_NOSPACE: its prompt needs more pages
+ * than the whole pool holds, so it could never be admitted). Every rank admits it at the same
+ * later step. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
 /* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */

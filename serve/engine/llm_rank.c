@@ -112,7 +112,8 @@ typedef struct {
     double load_s;
     char *buf; /* [cap] bytes read, not yet a whole line */
     size_t len, cap;
-    uint32_t *ids; /* [max_prompt] scratch for one prompt */
+    uint32_t *ids;       /* [max_prompt] scratch for one prompt */
+    uint32_t max_prompt; /* the longest prompt the context leaves room for */
     int eof, quitting;
     uint64_t quit_at;
     /* Answers held back behind a `stats` (answered after the next step, when the instance's
@@ -226,7 +227,7 @@ static void handle_line(io_t *io, char *line)
     kvs_rank_line_request_t q;
     const char *why = NULL;
     kvs_status_t st =
-        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->cfg->max_prompt, &q, &why);
+        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->max_prompt, &q, &why);
     if (q.kind == KVS_RANK_LINE_MATCH && st != KVS_ERR_INVALID) {
         handle_match(io, &q, NULL, st == KVS_OK);
         return;
@@ -238,7 +239,7 @@ static void handle_line(io_t *io, char *line)
     if (q.kind == KVS_RANK_LINE_SUBMIT && st == KVS_ERR_NOSPACE) {
         out_rejected(io->cfg->out_fd, q.submit.room, KVS_ERR_INVALID);
         kvs_warn("llm rank: room %llu: prompt length must be 1..%u",
-                 (unsigned long long) q.submit.room, io->cfg->max_prompt);
+                 (unsigned long long) q.submit.room, io->max_prompt);
         return;
     }
     if (st != KVS_OK) {
@@ -316,6 +317,12 @@ static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_
     return st;
 }
 
+uint64_t kvs_llm_rank_pool_pages(uint64_t kv_tokens, uint32_t max_context, uint32_t page_size)
+{
+    uint64_t tokens = kv_tokens ? kv_tokens : 2 * (uint64_t) max_context;
+    return page_size ? (tokens + page_size - 1) / page_size : 0;
+}
+
 static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
 {
     const int pd = c->role != KVS_LLM_COLOCATED;
@@ -326,8 +333,10 @@ static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
         why = "rank out of the instance's TP size";
     else if (pd && (c->decode_tp == 0 || c->decode_tp > KVS_MAX_TP || c->prefill_tp == 0))
         why = "prefill and decode TP sizes must be 1..64";
-    else if (c->page_size == 0 || c->chunk_tokens == 0 || c->max_running == 0 || c->max_prompt == 0)
-        why = "page size, chunk, max running and max prompt must be positive";
+    else if (c->page_size == 0 || c->chunk_tokens == 0 || c->max_running == 0)
+        why = "page size, chunk and max running must be positive";
+    else if (c->max_context == 1)
+        why = "a context of one token leaves no room for a prompt and a new token";
     else if (c->batch_tokens != 0 && c->batch_tokens < c->chunk_tokens)
         why = "batch tokens below the chunk";
     else if (pd && c->registry == NULL)
@@ -389,12 +398,18 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                    .no_checksum = c.no_checksum ? 1u : 0u};
     if ((prefill || decode) && (st = kvs_pd_geometry_validate(&geo)) != KVS_OK) goto out;
 
-    /* Running requests' pages, and as much again for the radix cache to keep. */
-    const uint64_t P = c.page_size;
-    uint64_t per_request = (c.max_prompt + (prefill ? 0 : c.max_new) + P - 1) / P;
-    uint64_t pages = per_request * c.max_running * (c.radix ? 2 : 1) + 4;
-    if (pages > UINT32_MAX) {
-        kvs_error("llm rank: %llu pages do not fit a pool", (unsigned long long) pages);
+    if (c.max_context > mc->max_ctx) {
+        kvs_error("llm rank: a context of %u tokens is above the model's %u", c.max_context,
+                  mc->max_ctx);
+        st = KVS_ERR_INVALID;
+        goto out;
+    }
+    if (c.max_context == 0) c.max_context = mc->max_ctx;
+    uint64_t pages = kvs_llm_rank_pool_pages(c.kv_tokens, c.max_context, c.page_size);
+    if (pages * c.page_size < c.max_context || pages > UINT32_MAX) {
+        kvs_error("llm rank: a KV pool of %llu tokens cannot hold one request of the whole "
+                  "context (%u tokens) in at most 2^32 - 1 pages of %u",
+                  (unsigned long long) c.kv_tokens, c.max_context, c.page_size);
         st = KVS_ERR_INVALID;
         goto out;
     }
@@ -445,14 +460,15 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                            .chunk_tokens = c.chunk_tokens,
                            .batch_tokens = c.batch_tokens,
                            .max_running = c.max_running,
-                           .max_prompt = c.max_prompt,
+                           .max_context = c.max_context,
                            .radix = c.radix};
     if ((st = kvs_llm_create(&lc, &llm)) != KVS_OK) goto out;
     io.llm = llm;
     io.pl = &pl;
     io.t0 = t0;
+    io.max_prompt = c.max_context - 1;
     if (c.rank == 0) {
-        io.ids = kvs_malloc((size_t) c.max_prompt * sizeof(uint32_t));
+        io.ids = kvs_malloc((size_t) io.max_prompt * sizeof(uint32_t));
         if (io.ids == NULL) {
             st = KVS_ERR_NOMEM;
             goto out;

@@ -32,8 +32,8 @@ typedef struct {
     uint32_t chunk_tokens; /* prefill chunk, also the kvstage chunk C */
     uint32_t batch_tokens; /* prompt tokens per pass, all requests; 0: 4 x chunk_tokens */
     uint32_t max_running;  /* requests admitted at once */
-    uint32_t max_prompt;   /* longest prompt */
-    uint32_t max_new;      /* most tokens generated per request (sizes the pool) */
+    uint32_t max_context;  /* prompt + new tokens at most (--max-model-len); 0: the model's */
+    uint64_t kv_tokens;    /* the KV pool in tokens (every rank its heads of them); 0: default */
     int radix;             /* this instance's radix prefix cache */
     int no_checksum;       /* prefill and decode: chunk checksums off (both sides must agree) */
     /* TP group (tp > 1): a POSIX shm name unique per run and instance ("/kvs-<pid>-p"). */
@@ -57,6 +57,12 @@ typedef struct {
     double load_s;            /* start -> engine ready (model, pool, group, bootstrap) */
     double wall_s;
 } kvs_llm_rank_result_t;
+
+/* The KV pool of one rank, in pages of page_size: kv_tokens, or by default twice the context (one
+ * request of the whole context and as much again for the others and the radix cache), rounded
+ * up to whole pages. Pages are taken as sequences grow, so a smaller pool serves as many
+ * requests as their actual lengths allow (the engine preempts the newest when it runs out). */
+uint64_t kvs_llm_rank_pool_pages(uint64_t kv_tokens, uint32_t max_context, uint32_t page_size);
 
 /* Runs the rank until quit (rank 0) or the broadcast quit (other ranks). KVS_OK when it ran to
  * the end; an error (logged) when it could not start or its TP group failed. result_p may be

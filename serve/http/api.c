@@ -472,6 +472,8 @@ out:
     return st;
 }
 
+/* prompt + max_tokens within the context, in vLLM's words: the client's own field is named and
+ * both numbers given. */
 static kvs_status_t parse_lengths(json_t *root, const kvs__api_limits_t *lim, int chat,
                                   kvs__api_req_t *req, kvs__api_err_t *err)
 {
@@ -479,9 +481,10 @@ static kvs_status_t parse_lengths(json_t *root, const kvs__api_limits_t *lim, in
     if (req->prompt_len == 0) return fail(err, 400, pname, NULL, "the prompt is empty");
     if (req->prompt_len >= lim->max_context)
         return fail(err, 400, pname, "context_length_exceeded",
-                    "the prompt has %u tokens; this model's maximum context length is %u tokens "
-                    "(prompt and completion)",
-                    req->prompt_len, lim->max_context);
+                    "This model's maximum context length is %u tokens. However, you requested %u "
+                    "tokens in the %s, which leaves no room for the completion. Please reduce the "
+                    "length of the %s.",
+                    lim->max_context, req->prompt_len, pname, pname);
     uint32_t avail = lim->max_context - req->prompt_len;
     const char *mname = "max_tokens";
     json_t *v = field(root, "max_tokens");
@@ -500,9 +503,11 @@ static kvs_status_t parse_lengths(json_t *root, const kvs__api_limits_t *lim, in
     if (m < 1) return fail(err, 400, mname, NULL, "'%s' must be at least 1", mname);
     if ((uint64_t) m > avail)
         return fail(err, 400, mname, "context_length_exceeded",
-                    "this model's maximum context length is %u tokens; the prompt has %u tokens "
-                    "and %s asks for %lld more",
-                    lim->max_context, req->prompt_len, mname, (long long) m);
+                    "This model's maximum context length is %u tokens. However, you requested "
+                    "%llu tokens (%u in the %s, %lld in the completion). Please reduce the length "
+                    "of the %s or completion ('%s' at most %u).",
+                    lim->max_context, (unsigned long long) m + req->prompt_len, req->prompt_len,
+                    pname, (long long) m, pname, mname, avail);
     req->max_tokens = (uint32_t) m;
     return KVS_OK;
 }

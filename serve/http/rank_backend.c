@@ -442,12 +442,13 @@ static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_
                   (unsigned long long) q->room, q->bootstrap, b->bootstrap);
         return KVS_ERR_INVALID;
     }
-    if (q->prompt_len == 0 || q->prompt_len > c->max_prompt ||
-        (c->role != KVS_SERVER_ROLE_PREFILL &&
-         (q->max_tokens == 0 || q->max_tokens > c->max_new))) {
-        kvs_debug("rank backend: room %llu: %u prompt tokens (at most %u), %u new (at most %u)",
-                  (unsigned long long) q->room, q->prompt_len, c->max_prompt, q->max_tokens,
-                  c->max_new);
+    /* The server checked the lengths against the same context (http/server.h max_context);
+     * this is the last line before rank 0. A prefill request yields one token. */
+    uint32_t new_tokens = c->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->max_tokens;
+    if (q->prompt_len == 0 || new_tokens == 0 ||
+        (uint64_t) q->prompt_len + new_tokens > c->max_context) {
+        kvs_debug("rank backend: room %llu: %u prompt tokens and %u new exceed the context of %u",
+                  (unsigned long long) q->room, q->prompt_len, new_tokens, c->max_context);
         return KVS_ERR_INVALID;
     }
     for (uint32_t i = 0; i < q->prompt_len; i++)
@@ -587,7 +588,7 @@ static kvs_status_t op_match(void *ctx, const uint32_t *prompt, uint32_t prompt_
                              uint32_t *cached_p)
 {
     kvs_rank_backend_t *b = ctx;
-    if (prompt_len == 0 || prompt_len > b->cfg.max_prompt) {
+    if (prompt_len == 0 || prompt_len >= b->cfg.max_context) {
         *cached_p = 0; /* nothing of it can be served here */
         return KVS_OK;
     }
@@ -635,9 +636,9 @@ kvs_status_t kvs_rank_backend_create(const kvs_rank_backend_config_t *config,
 {
     const kvs_rank_backend_config_t *c = config;
     if (c == NULL || c->in_fd < 0 || c->out_fd < 0 || c->page_size == 0 || c->vocab == 0 ||
-        c->max_prompt == 0 || c->max_new == 0 || (unsigned) c->role > KVS_SERVER_ROLE_DECODE) {
-        kvs_error("rank backend: needs rank 0's two pipes, the page size, vocabulary, max prompt "
-                  "and max new tokens, and a role");
+        c->max_context < 2 || (unsigned) c->role > KVS_SERVER_ROLE_DECODE) {
+        kvs_error("rank backend: needs rank 0's two pipes, the page size, vocabulary, a context "
+                  "of at least 2 tokens and a role");
         if (c != NULL && c->in_fd >= 0) close(c->in_fd);
         if (c != NULL && c->out_fd >= 0) close(c->out_fd);
         return KVS_ERR_INVALID;

@@ -43,8 +43,7 @@ typedef struct {
     /* Generated ids at or above this reach the sink as empty text (a seeded model's vocabulary
      * beyond the server's tokenizer); 0: every id is left to the server's tokenizer. */
     uint32_t text_vocab;
-    uint32_t max_prompt;       /* what the ranks were started with (--max-prompt) */
-    uint32_t max_new;          /* --max-new: max_tokens above it is refused */
+    uint32_t max_context;      /* the ranks' (--max-model-len): prompt + max_tokens at most */
     uint32_t query_timeout_ms; /* waiting for a match or stats answer; 0: 5000 */
 } kvs_rank_backend_config_t;
 

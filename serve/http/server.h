@@ -42,7 +42,11 @@
  *                          "cancelled": K}, K the live requests it ended.
  * Errors are {"error": {"message", "type", "param", "code"}}: type "invalid_request_error" for
  * 4xx (400 bad input, 404 unknown path or model, 405 wrong method, 413 body too large),
- * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded).
+ * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded). A prompt +
+ * max_tokens beyond max_context is a 400 with code "context_length_exceeded", param the
+ * client's field ("max_tokens", "max_completion_tokens", or "prompt"/"messages" when the prompt
+ * alone leaves no room) and both numbers in vLLM's words ("This model's maximum context length
+ * is C tokens. However, you requested T tokens (P in the messages, M in the completion)...").
  *
  * Disaggregation (the router, kvstage/router.h, adds this to the client's JSON body):
  *   "kvstage": {"room": N, "role": "prefill"}

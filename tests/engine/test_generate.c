@@ -244,6 +244,37 @@ static void test_seeded_tp_changes(void **state)
     }
 }
 
+/* A KV pool too small for the requests running at once (--kv-tokens 64: 8 pages of 8; three
+ * 12-token prompts admitted together in 6, each growing to 7 pages as its 40 tokens come):
+ * decode ranks preempt and recompute, and the tokens are still those of a colocated run with
+ * the default pool, disaggregated (prefill TP2 -> decode TP1) and colocated alike. */
+static void test_seeded_small_pool(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    static const char prompts[] = "--prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12 "
+                                  "--prompt-ids 21,22,23,24,25,26,27,28,29,30,31,32 "
+                                  "--prompt-ids 41,42,43,44,45,46,47,48,49,50,51,52";
+    static const char common[] = "--seeded 2,128,256,8,8,16,512 --model-seed 7 --max-tokens 40 "
+                                 "--page-size 8 --chunk 16 --sequential off";
+    char args[1024];
+    result_t ref, r;
+    snprintf(args, sizeof(args), "--colocated %s %s", common, prompts);
+    generate(args, &ref);
+    assert_int_equal(ref.n, 3);
+    for (uint32_t k = 0; k < 3; k++) assert_int_equal(ref.nids[k], 40);
+    snprintf(args, sizeof(args), "--colocated --max-model-len 64 --kv-tokens 64 %s %s", common,
+             prompts);
+    generate(args, &r);
+    expect_same_tokens(&r, &ref, "colocated, 8 pages");
+    snprintf(args, sizeof(args),
+             "--prefill-tp 2 --decode-tp 1 --max-model-len 64 --kv-tokens 64 %s %s", common,
+             prompts);
+    generate(args, &r);
+    expect_same_tokens(&r, &ref, "TP2 -> TP1, 8 pages");
+    expect_bytes(&r, "TP2 -> TP1, 8 pages");
+}
+
 /* The request pipe of one rank (`kvstage llm-rank`, engine/llm_rank.h) driven by hand. */
 static void test_rank_pipe(void **state)
 {
@@ -255,8 +286,8 @@ static void test_rank_pipe(void **state)
     close(fd);
     char cmd[1024];
     snprintf(cmd, sizeof(cmd),
-             "%s llm-rank --role colocated --rank 0 --seeded 2,64,128,4,4,16,512 --max-prompt 8 "
-             "--max-new 100 > %s 2>/dev/null",
+             "%s llm-rank --role colocated --rank 0 --seeded 2,64,128,4,4,16,512 --max-model-len "
+             "104 > %s 2>/dev/null",
              tool(), path);
     FILE *p = popen(cmd, "w");
     assert_non_null(p);
@@ -264,7 +295,7 @@ static void test_rank_pipe(void **state)
           "submit 1 4 0 1 0 -1 3 1 2 3\n"
           "submit 2 4 0 1 0 -1 2 1 99999\n"
           "submit 3 4 0 1 0 -1 2 5 6 7\n"
-          "submit 5 4 0 1 0 -1 9 1 2 3 4 5 6 7 8 9\n"
+          "submit 5 96 0 1 0 -1 9 1 2 3 4 5 6 7 8 9\n"
           "submit 4 100 0 1 0 -1 3 1 2 3\n"
           "stop 4\n"
           "match 3 1 2 3\n"
@@ -329,6 +360,21 @@ static void test_bad_flags(void **state)
          "--prompt-ids: '1,x' is malformed"},
         {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1,512", "outside the vocabulary"},
         {"generate --prompt", "needs a value"},
+        /* The limit flags, shared by generate and serve (common/instance.c). */
+        {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1 --max-model-len 4097",
+         "--max-model-len: 4097 is outside the model's context length; accepted: [2,4096]"},
+        {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1,2,3 --max-model-len 10",
+         "prompt 1 (3 tokens) plus --max-tokens 32 exceeds the context of 10 tokens"},
+        {"generate --seeded 2,128,256,8,8,16,512 --prompt-ids 1 --max-model-len 100 --kv-tokens "
+         "99",
+         "--kv-tokens: 99 cannot hold one request of the whole context (--max-model-len 100) in "
+         "pages of 16 tokens; accepted: [100,68719476720]"},
+        {"serve --role colocated --seeded 2,64,128,4,2,16,300 --max-model-len 5000",
+         "--max-model-len: 5000 is outside the model's context length; accepted: [2,4096]"},
+        {"serve --role colocated --seeded 2,64,128,4,2,16,300 --kv-tokens 1000",
+         "--kv-tokens: 1000 cannot hold one request of the whole context (--max-model-len 4096)"},
+        {"serve --role colocated --seeded 2,64,128,4,2,16,300 --max-new 64",
+         "--max-new: unknown flag"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         int rc = run(cases[i].args, out, sizeof(out), 1);
@@ -343,7 +389,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_flags),         cmocka_unit_test(test_rank_pipe),
         cmocka_unit_test(test_smollm2_text),      cmocka_unit_test(test_smollm2_tp3_to_tp1),
-        cmocka_unit_test(test_seeded_tp_changes),
+        cmocka_unit_test(test_seeded_tp_changes), cmocka_unit_test(test_seeded_small_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,7 +2,11 @@
  * forward-pass reference token for token (radix cache on and off, chunked prefill, batched
  * requests), TP2 ranks as threads equal TP1, and the disaggregated path (a prefill engine and
  * a decode engine joined by kvstage over the in-process transport, reliable and hostile)
- * generates exactly the colocated tokens, with radix hits on either side. */
+ * generates exactly the colocated tokens, with radix hits on either side. Pages as sequences
+ * grow: a pool too small for every running sequence preempts the newest, which is recomputed
+ * and still generates exactly the reference (colocated, TP2, decode), and leaves no page
+ * behind; a request whose max_new_tokens spans the whole context is admitted with a pool that
+ * holds its prompt only, and ends with KVS_ERR_NOSPACE once it outgrows the pool. */
 #include "kvs_test.h"
 
 #include <pthread.h>
@@ -16,7 +20,7 @@
 
 #define PAGE      16
 #define CHUNK     32
-#define MAX_NEW   12
+#define MAX_NEW   40 /* enough to outgrow a small pool's pages while another request runs */
 #define NPROMPTS  4
 #define MAX_TOKEN 200
 
@@ -39,6 +43,11 @@ static uint32_t g_ref[NPROMPTS][MAX_NEW]; /* greedy reference */
 /* What runs must produce: g_ref when greedy; a colocated sampled run's tokens when sampling. */
 static uint32_t (*g_expect)[MAX_NEW] = g_ref;
 static float g_temperature; /* of every request; 0: greedy */
+/* Pages of the engines' pools: 64 hold every request at once; 10 force preemptions (prompts 0
+ * and 1 are admitted together in 9 and grow to 13). */
+#define ROOMY_POOL 64
+#define SMALL_POOL 10
+static uint32_t g_pool_pages = ROOMY_POOL;
 
 static void make_prompts(void)
 {
@@ -163,7 +172,7 @@ static void single_open(single_t *s, kvs_llm_role_t role, int radix, kvs_sender_
         assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &s->model), KVS_OK);
     else
         s->model = shared_model;
-    s->pool = shared_pool ? shared_pool : make_pool(s->model, 64);
+    s->pool = shared_pool ? shared_pool : make_pool(s->model, g_pool_pages);
     kvs_llm_config_t c = {.role = role,
                           .model = s->model,
                           .pool = s->pool,
@@ -172,7 +181,6 @@ static void single_open(single_t *s, kvs_llm_role_t role, int radix, kvs_sender_
                           .chunk_tokens = CHUNK,
                           .batch_tokens = 2 * CHUNK,
                           .max_running = 3,
-                          .max_prompt = 128,
                           .radix = radix};
     assert_int_equal(kvs_llm_create(&c, &s->llm), KVS_OK);
 }
@@ -187,8 +195,18 @@ static void single_close(single_t *s, int own)
     }
 }
 
-/* Every prompt through one colocated engine (sequential: each once the previous finished). */
-static void colocated(int radix, int sequential, outcome_t *o)
+/* Every page of the engine's pool is free or the radix cache's: no request holds one. */
+static void expect_pages_back(const kvs_llm_t *e, const kvs_pool_t *pool)
+{
+    kvs_llm_stats_t st;
+    kvs_llm_stats(e, &st);
+    assert_int_equal(st.running + st.queued, 0);
+    assert_int_equal(kvs_pool_free_pages(pool) + st.radix_pages, kvs_pool_total_pages(pool));
+}
+
+/* Every prompt through one colocated engine (sequential: each once the previous finished);
+ * stats_p (optional) receives the engine's counters at the end. */
+static void colocated(int radix, int sequential, outcome_t *o, kvs_llm_stats_t *stats_p)
 {
     single_t s;
     single_open(&s, KVS_LLM_COLOCATED, radix, NULL, NULL, NULL, NULL);
@@ -208,14 +226,15 @@ static void colocated(int radix, int sequential, outcome_t *o)
     kvs_llm_stats_t st;
     kvs_llm_stats(s.llm, &st);
     assert_int_equal(st.requests_ok, NPROMPTS);
-    assert_int_equal(st.running + st.queued, 0);
+    expect_pages_back(s.llm, s.pool);
+    if (stats_p) *stats_p = st;
     single_close(&s, 1);
 }
 
 static void run_colocated(int radix, int sequential)
 {
     outcome_t o;
-    colocated(radix, sequential, &o);
+    colocated(radix, sequential, &o, NULL);
     for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
     /* Sequential with radix: prompts 1 and 2 find the shared prefix (two full pages). */
     for (int p = 1; p < 3; p++)
@@ -239,6 +258,7 @@ typedef struct {
     uint32_t rank;
     outcome_t *o;
     int rc;
+    uint64_t preemptions;
 } tp_arg_t;
 
 static void *tp_rank(void *argp)
@@ -258,7 +278,7 @@ static void *tp_rank(void *argp)
                                .max_bytes = 65536,
                                .timeout_ms = 20000};
     if (kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){2, a->rank}, &m) != KVS_OK) goto out;
-    pool = make_pool(m, 64);
+    pool = make_pool(m, g_pool_pages);
     if (kvs_tpgroup_join(&gc, &g) != KVS_OK) goto out;
     kvs_llm_config_t c = {.role = KVS_LLM_COLOCATED,
                           .model = m,
@@ -267,7 +287,6 @@ static void *tp_rank(void *argp)
                           .chunk_tokens = CHUNK,
                           .batch_tokens = 2 * CHUNK,
                           .max_running = 3,
-                          .max_prompt = 128,
                           .radix = 1};
     if (kvs_llm_create(&c, &e) != KVS_OK) goto out;
     int next = 0, quit = 0;
@@ -282,6 +301,9 @@ static void *tp_rank(void *argp)
         if (a->rank == 0) drain(e, a->o);
     }
     a->rc = quit ? 0 : 2;
+    kvs_llm_stats_t st;
+    kvs_llm_stats(e, &st);
+    a->preemptions = st.preemptions;
 out:
     kvs_llm_destroy(e);
     if (pool != NULL && kvs_pool_free_pages(pool) != kvs_pool_total_pages(pool)) a->rc = 3;
@@ -291,30 +313,43 @@ out:
     return NULL;
 }
 
-static void test_colocated_tp2_threads(void **state)
+static void run_tp2_threads(void)
 {
-    (void) state;
     outcome_t o;
     memset(&o, 0, sizeof(o));
-    tp_arg_t a[2] = {{0, &o, 1}, {1, &o, 1}};
+    tp_arg_t a[2] = {{0, &o, 1, 0}, {1, &o, 1, 0}};
     pthread_t t[2];
     for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, tp_rank, &a[i]), 0);
     for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
     assert_int_equal(a[0].rc, 0);
     assert_int_equal(a[1].rc, 0);
     for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    /* Both ranks took the same decisions (a divergence would also have broken the lockstep). */
+    assert_int_equal(a[0].preemptions, a[1].preemptions);
+    if (g_pool_pages == SMALL_POOL) assert_true(a[0].preemptions > 0);
+}
+
+static void test_colocated_tp2_threads(void **state)
+{
+    (void) state;
+    run_tp2_threads();
+    g_pool_pages = SMALL_POOL;
+    run_tp2_threads();
+    g_pool_pages = ROOMY_POOL;
     kvs_assert_no_leaks();
 }
 
 /* ---- disaggregated over kvstage, in one process ---- */
 
+/* concurrent: every request submitted at once (a step each) instead of one after another, into
+ * a decode pool of g_pool_pages; the decode engine's preemptions go to *preemptions_p. */
 static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_radix,
-                              int decode_radix)
+                              int decode_radix, int concurrent, uint64_t *preemptions_p)
 {
     kvs_clock_t clock = kvs_clock_monotonic();
     kvs_model_t *m;
     assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
-    kvs_pool_t *ppool = make_pool(m, 64), *dpool = make_pool(m, 64);
+    kvs_pool_t *ppool = make_pool(m, ROOMY_POOL), *dpool = make_pool(m, g_pool_pages);
     kvs_inproc_net_t *net;
     assert_int_equal(kvs_inproc_net_create(1, 1, faults, &clock, &net), KVS_OK);
     kvs_link_t *pl, *dl;
@@ -345,7 +380,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     uint64_t deadline = kvs_now_ns() + 60000000000ull;
     while (kvs_now_ns() < deadline) {
         /* One request at a time, so later ones can hit both radix caches. */
-        if (next < NPROMPTS && (next == 0 || o.done[next - 1])) {
+        if (next < NPROMPTS && (concurrent || next == 0 || o.done[next - 1])) {
             kvs_llm_request_t q = request(next++);
             assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
             assert_int_equal(kvs_llm_submit(pre.llm, &q), KVS_OK);
@@ -372,11 +407,16 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
         assert_int_equal(po.tokens[p][0], g_expect[p][0]);
         assert_true(o.last[p].kv_ready_ns >= o.last[p].admitted_ns);
     }
-    for (int p = 1; p < 3; p++) {
+    for (int p = 1; p < 3 && !concurrent; p++) {
         assert_int_equal(po.last[p].cached_tokens, prefill_radix ? 2 * PAGE : 0);
         /* decode caches prompt + generated tokens: prompt 1 shares 40 tokens with prompt 0 */
         assert_int_equal(o.last[p].cached_tokens, decode_radix ? 2 * PAGE : 0);
     }
+    expect_pages_back(pre.llm, ppool);
+    expect_pages_back(dec.llm, dpool);
+    kvs_llm_stats_t dst;
+    kvs_llm_stats(dec.llm, &dst);
+    if (preemptions_p) *preemptions_p = dst.preemptions;
     kvs_pd_metrics_t pm;
     kvs_sender_metrics(tx, &pm);
     assert_int_equal(pm.rooms_succeeded, NPROMPTS);
@@ -399,7 +439,7 @@ static void test_disaggregated_equals_colocated(void **state)
 {
     (void) state;
     for (int pr = 0; pr < 2; pr++)
-        for (int dr = 0; dr < 2; dr++) run_disaggregated(NULL, pr, dr);
+        for (int dr = 0; dr < 2; dr++) run_disaggregated(NULL, pr, dr, 0, NULL);
     kvs_assert_no_leaks();
 }
 
@@ -411,7 +451,10 @@ static void test_disaggregated_hostile_network(void **state)
                              .drop_permille = 100,
                              .dup_permille = 100,
                              .write_delay_max_ns = 2000000};
-    run_disaggregated(&f, 1, 1);
+    run_disaggregated(&f, 1, 1, 0, NULL);
+    g_pool_pages = SMALL_POOL; /* preemptions (not counted: the network decides the timing) */
+    run_disaggregated(&f, 1, 1, 1, NULL);
+    g_pool_pages = ROOMY_POOL;
     kvs_assert_no_leaks();
 }
 
@@ -427,7 +470,7 @@ static void test_disaggregated_sampling(void **state)
     g_expect = sampled;
     /* The colocated run defines the expectation: fill it from a first run, then require it. */
     int differs = 0;
-    colocated(0, 0, &o);
+    colocated(0, 0, &o, NULL);
     for (int p = 0; p < NPROMPTS; p++) {
         assert_int_equal(o.ntokens[p], MAX_NEW);
         memcpy(sampled[p], o.tokens[p], sizeof(sampled[p]));
@@ -435,10 +478,54 @@ static void test_disaggregated_sampling(void **state)
     }
     assert_true(differs); /* sampling changed something, or this test would prove nothing */
     run_colocated(1, 1);
-    run_disaggregated(NULL, 1, 1);
-    run_disaggregated(NULL, 0, 1);
+    run_disaggregated(NULL, 1, 1, 0, NULL);
+    run_disaggregated(NULL, 0, 1, 0, NULL);
+    g_pool_pages = SMALL_POOL; /* sampled tokens survive a preemption too */
+    kvs_llm_stats_t st;
+    colocated(1, 0, &o, &st);
+    assert_true(st.preemptions > 0);
+    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    g_pool_pages = ROOMY_POOL;
     g_temperature = 0.0f;
     g_expect = g_ref;
+    kvs_assert_no_leaks();
+}
+
+/* ---- pages as sequences grow ---- */
+
+/* SMALL_POOL pages: prompts 0 and 1 are admitted together (5 + 4 pages, the last one headroom)
+ * and grow to 7 + 6, so the newer is preempted, recomputed once the older one is done, and
+ * every request still generates exactly the reference; afterwards no request holds a page. */
+static void test_preemption_colocated(void **state)
+{
+    (void) state;
+    g_pool_pages = SMALL_POOL;
+    for (int radix = 0; radix < 2; radix++) {
+        outcome_t o;
+        kvs_llm_stats_t st;
+        colocated(radix, 0, &o, &st);
+        for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+        assert_true(st.preemptions > 0);
+        assert_true(st.recomputed_tokens > 0);
+        /* The event reports the first admission's cache hit, not the recompute's. */
+        assert_int_equal(o.last[1].cached_tokens, 0);
+    }
+    g_pool_pages = ROOMY_POOL;
+    kvs_assert_no_leaks();
+}
+
+/* The same on the decode side of a handoff: the preempted request is recomputed by a local
+ * prefill pass of the decode engine (its KV is not asked for again). */
+static void test_preemption_decode(void **state)
+{
+    (void) state;
+    g_pool_pages = SMALL_POOL;
+    for (int radix = 0; radix < 2; radix++) {
+        uint64_t preemptions = 0;
+        run_disaggregated(NULL, radix, radix, 1, &preemptions);
+        assert_true(preemptions > 0);
+    }
+    g_pool_pages = ROOMY_POOL;
     kvs_assert_no_leaks();
 }
 
@@ -455,8 +542,10 @@ static void test_submit_refusals(void **state)
     q.prompt_len = 0;
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
     q = request(0);
-    q.prompt_len = 129; /* over max_prompt */
+    q.max_new_tokens = CFG.max_ctx - g_len[0] + 1; /* one over the context */
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    assert_non_null(strstr(cap.msg, "room 1: a prompt of 70 tokens with 443 new tokens does not "
+                                    "fit the context of 512 tokens"));
     q = request(0);
     q.max_new_tokens = 0;
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
@@ -486,60 +575,70 @@ static void test_submit_refusals(void **state)
     kvs_assert_no_leaks();
 }
 
-/* A request whose prompt and new tokens need more pages than the whole pool holds is refused at
- * submit (it could never be admitted, and admission is FIFO: it would block every later
- * request); the next request runs as if it had never been asked. A pool smaller than one
- * max_prompt request is refused when the engine is created. */
-static void test_request_larger_than_pool(void **state)
+/* Runs the engine until request p (0-based) is done. */
+static void run_until_done(kvs_llm_t *e, outcome_t *o, int p)
+{
+    for (int steps = 0; steps < 10000 && !o->done[p]; steps++) {
+        int quit;
+        uint32_t work;
+        assert_int_equal(kvs_llm_step(e, 0, &quit, &work), KVS_OK);
+        drain(e, o);
+    }
+    assert_true(o->done[p]);
+}
+
+/* Admission takes pages for the prompt alone: max_new_tokens may span the whole context with a
+ * pool that holds the prompt only. The sequence then takes pages as it grows; when even alone
+ * it cannot have the next one it ends with KVS_ERR_NOSPACE (the tokens it generated are the
+ * reference's) and gives its pages back, and the request queued behind it runs. A prompt larger
+ * than the whole pool is refused at submit; a context above the model's at create. */
+static void test_whole_context_max_new(void **state)
 {
     (void) state;
     kvs_model_t *m;
     assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
-    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_capture_t cap = {0};
     kvs_log_set_sink(kvs_log_capture_sink, &cap);
-    /* max_prompt 128 needs 8 pages of 16. */
-    kvs_pool_t *tiny = make_pool(m, 7);
+    kvs_pool_t *pool = make_pool(m, 5); /* prompt 0: 70 tokens in 5 pages of 16 */
     kvs_llm_config_t c = {.role = KVS_LLM_COLOCATED,
                           .model = m,
-                          .pool = tiny,
+                          .pool = pool,
                           .chunk_tokens = CHUNK,
                           .batch_tokens = 2 * CHUNK,
                           .max_running = 3,
-                          .max_prompt = 128};
+                          .max_context = CFG.max_ctx + 1};
     kvs_llm_t *e = NULL;
     assert_int_equal(kvs_llm_create(&c, &e), KVS_ERR_INVALID);
     assert_null(e);
-    assert_int_equal(cap.calls, 1);
-    assert_non_null(strstr(cap.msg, "a pool of 7 pages can never hold one request of max_prompt "
-                                    "128 tokens: it needs 8 pages of 16 tokens"));
-    kvs_pool_destroy(tiny);
+    assert_non_null(strstr(cap.msg, "max_context 513 must be 2..512"));
+    kvs_pool_destroy(pool);
 
-    /* 16 pages (256 positions) for prompt 0 (70 tokens): 187 new tokens fit, 188 do not. */
     single_t s;
-    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, m, make_pool(m, 16));
-    kvs_llm_request_t q = request(0);
-    q.max_new_tokens = 188;
+    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, m, make_pool(m, 5));
+    kvs_llm_request_t q = request(2); /* 93 tokens: 6 pages */
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_NOSPACE);
-    assert_int_equal(cap.calls, 2);
-    assert_non_null(strstr(cap.msg, "room 1: a prompt of 70 tokens with 188 new tokens needs 17 "
-                                    "pages of 16 tokens, more than the whole pool of 16"));
-    q.max_new_tokens = 187;
+    assert_non_null(strstr(cap.msg, "room 3: a prompt of 93 tokens needs 6 pages of 16 tokens, "
+                                    "more than the whole pool of 5: it can never be admitted"));
+    q = request(0);
+    q.max_new_tokens = CFG.max_ctx - g_len[0];
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
-    assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
-    kvs_log_set_sink(NULL, NULL);
-    q = request(1); /* queued behind it, it must not wait forever */
+    q = request(3); /* queued behind it: 21 tokens growing to 60, 4 pages */
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
     outcome_t o;
     memset(&o, 0, sizeof(o));
-    for (int steps = 0; steps < 1000 && !o.done[1]; steps++) {
-        int quit;
-        uint32_t work;
-        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
-        drain(s.llm, &o);
-    }
-    assert_true(o.done[0]);
-    assert_int_equal(o.last[0].finish, KVS_LLM_FINISH_STOP);
-    expect_reference(&o, 1);
+    run_until_done(s.llm, &o, 0);
+    /* Positions 0..79 fit: the prompt's 70, then 10 tokens fed back, 11 generated. */
+    assert_int_equal(o.last[0].status, KVS_ERR_NOSPACE);
+    assert_int_equal(o.last[0].finish, KVS_LLM_FINISH_ERROR);
+    assert_int_equal(o.last[0].generated, 11);
+    assert_int_equal(o.ntokens[0], 11);
+    assert_memory_equal(o.tokens[0], g_ref[0], 11 * sizeof(uint32_t));
+    assert_non_null(strstr(cap.msg, "room 1: its 81 tokens (70 prompt, 11 generated) need 6 pages "
+                                    "of 16 tokens, more than the whole KV pool of 5"));
+    kvs_log_set_sink(NULL, NULL);
+    run_until_done(s.llm, &o, 3);
+    expect_reference(&o, 3);
+    expect_pages_back(s.llm, s.pool);
     single_close(&s, 1);
     kvs_assert_no_leaks();
 }
@@ -604,7 +703,9 @@ int main(void)
         cmocka_unit_test(test_disaggregated_hostile_network),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
-        cmocka_unit_test(test_request_larger_than_pool),
+        cmocka_unit_test(test_whole_context_max_new),
+        cmocka_unit_test(test_preemption_colocated),
+        cmocka_unit_test(test_preemption_decode),
         cmocka_unit_test(test_cached_query),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -65,8 +65,7 @@ static void fix_open_t(fix_t *f, kvs_server_role_t role, const char *bootstrap, 
                                    .kv_bytes_per_token = BPT,
                                    .vocab = 100,
                                    .text_vocab = 90,
-                                   .max_prompt = 16,
-                                   .max_new = 8,
+                                   .max_context = 24,
                                    .query_timeout_ms = timeout_ms};
     assert_int_equal(kvs_rank_backend_create(&c, &f->b), KVS_OK);
     f->ops = kvs_rank_backend_ops(f->b);
@@ -172,13 +171,13 @@ static void test_lines_and_events(void **state)
     bad.bootstrap = "tcp://other:2";
     assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
     bad.bootstrap = NULL;
-    bad.max_tokens = 9; /* above max_new */
+    bad.max_tokens = 15; /* 10 + 15: one above the context */
     assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
     uint32_t outside[2] = {1, 100};
     bad = request(6, KVS_SERVER_ROLE_DECODE, outside, 2, stops, 2);
     assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
-    static uint32_t longp[17];
-    bad = request(6, KVS_SERVER_ROLE_DECODE, longp, 17, stops, 2);
+    static uint32_t longp[20]; /* with its 5 new tokens one above the context */
+    bad = request(6, KVS_SERVER_ROLE_DECODE, longp, 20, stops, 2);
     assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
 
     /* A submit line: the first stop id is rank 0's EOS. */
@@ -321,10 +320,10 @@ static void test_questions_and_quit(void **state)
     assert_int_equal(a.stats.metrics.ring_capacity, 6);
     assert_int_equal(a.stats.queued, 7);
     assert_int_equal(a.stats.running, 2);
-    /* A prompt longer than max_prompt is not asked about. */
-    static const uint32_t longp[17];
+    /* A prompt that leaves the context no room for a token is not asked about. */
+    static const uint32_t longp[24];
     uint32_t cached = 5;
-    assert_int_equal(f.ops.match(f.ops.ctx, longp, 17, &cached), KVS_OK);
+    assert_int_equal(f.ops.match(f.ops.ctx, longp, 24, &cached), KVS_OK);
     assert_int_equal(cached, 0);
     /* Colocated: requests for a role are not taken. */
     rec_t r;

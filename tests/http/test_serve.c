@@ -23,6 +23,7 @@
 #define MAX_PROCS 8
 #define SEEDED    "2,64,128,4,2,16,257" /* vocab 257: the byte tokenizer's, every id a byte */
 #define START_S   60
+#define MAX_LEN   "320" /* --max-model-len of every server: prompt + max_tokens at most */
 
 typedef struct {
     pid_t pid; /* also the process group */
@@ -146,10 +147,10 @@ static deploy_t g_d;
 
 static proc_t *start_prefill(const char *tp, const char *peer_tp)
 {
-    const char *args[] = {"serve", "--role",      "prefill", "--seeded",  SEEDED,  "--model-seed",
-                          "11",    "--tp",        tp,        "--peer-tp", peer_tp, "--port",
-                          "0",     "--page-size", "4",       "--chunk",   "8",     "--max-prompt",
-                          "256",   "--max-new",   "64",      NULL};
+    const char *args[] = {
+        "serve", "--role",          "prefill", "--seeded", SEEDED, "--model-seed", "11", "--tp",
+        tp,      "--peer-tp",       peer_tp,   "--port",   "0",    "--page-size",  "4",  "--chunk",
+        "8",     "--max-model-len", MAX_LEN,   NULL};
     proc_t *p = spawn_tool(args);
     wait_up(p, "serving on");
     assert_true(strncmp(p->bootstrap, "tcp://", 6) == 0);
@@ -158,9 +159,9 @@ static proc_t *start_prefill(const char *tp, const char *peer_tp)
 
 static proc_t *start_decode(const char *tp, const char *bootstrap)
 {
-    const char *args[] = {"serve",   "--role",       "decode", "--seeded",  SEEDED, "--model-seed",
-                          "11",      "--tp",         tp,       "--port",    "0",    "--bootstrap",
-                          bootstrap, "--max-prompt", "256",    "--max-new", "64",   NULL};
+    const char *args[] = {
+        "serve", "--role", "decode", "--seeded",    SEEDED,    "--model-seed",    "11",    "--tp",
+        tp,      "--port", "0",      "--bootstrap", bootstrap, "--max-model-len", MAX_LEN, NULL};
     proc_t *p = spawn_tool(args);
     wait_up(p, "serving on");
     assert_string_equal(p->bootstrap, bootstrap);
@@ -176,10 +177,10 @@ static int setup(void **state)
     g_d.pre[1] = start_prefill("1", "2");
     g_d.dec[0] = start_decode("1", g_d.pre[0]->bootstrap);
     g_d.dec[1] = start_decode("2", g_d.pre[1]->bootstrap);
-    const char *cargs[] = {
-        "serve", "--role",       "colocated", "--seeded",    SEEDED, "--model-seed",
-        "11",    "--port",       "0",         "--page-size", "4",    "--chunk",
-        "8",     "--max-prompt", "256",       "--max-new",   "64",   NULL};
+    const char *cargs[] = {"serve", "--role",          "colocated", "--seeded",
+                           SEEDED,  "--model-seed",    "11",        "--port",
+                           "0",     "--page-size",     "4",         "--chunk",
+                           "8",     "--max-model-len", MAX_LEN,     NULL};
     g_d.colo = spawn_tool(cargs);
     wait_up(g_d.colo, "serving on");
     char pre[300], dec[300];
@@ -516,12 +517,25 @@ static void test_refusals(void **state)
     expect_error_json(&r, 400, "invalid_request_error", "kvstage");
     assert_non_null(strstr(r.body.ptr, "colocated"));
     http_resp_fini(&r);
-    /* Longer than the ranks were started for. */
+    /* Beyond --max-model-len: the server names the field and both numbers before the ranks
+     * see it; exactly the context is served (through the router too: every backend agrees). */
     static char big[400];
     memset(big, 'a', 300);
     big[300] = '\0';
-    char text[1024];
-    assert_int_equal(complete(g_d.colo->port, big, 2, 0, text, sizeof(text), NULL), 400);
+    char text[2048];
+    assert_int_equal(complete(g_d.colo->port, big, 21, 0, text, sizeof(text), NULL), 400);
+    if (strstr(text, "\"param\":\"max_tokens\"") == NULL ||
+        strstr(text, "maximum context length is 320 tokens. However, you requested 321 tokens "
+                     "(300 in the prompt, 21 in the completion)") == NULL)
+        fail_msg("not the context-length error: %s", text);
+    assert_int_equal(complete(g_d.colo->port, big, 20, 0, text, sizeof(text), NULL), 200);
+    assert_int_equal(complete(g_d.router->port, big, 20, 0, text, sizeof(text), NULL), 200);
+    memset(big, 'a', 320);
+    big[320] = '\0';
+    assert_int_equal(complete(g_d.colo->port, big, 1, 0, text, sizeof(text), NULL), 400);
+    if (strstr(text, "\"param\":\"prompt\"") == NULL ||
+        strstr(text, "you requested 320 tokens in the prompt") == NULL)
+        fail_msg("not the prompt-length error: %s", text);
     /* /internal/info: what the router pairs by. */
     http_call(g_d.dec[1]->port, "GET", "/internal/info", NULL, &r);
     assert_int_equal(r.status, 200);

@@ -230,7 +230,66 @@ static void test_parse_defaults(void **state)
     assert_string_equal(err.type, "invalid_request_error");
     assert_string_equal(err.param, "max_tokens");
     assert_string_equal(err.code, "context_length_exceeded");
-    assert_non_null(strstr(err.message, "64"));
+    assert_string_equal(err.message,
+                        "This model's maximum context length is 64 tokens. However, you requested "
+                        "65 tokens (3 in the prompt, 62 in the completion). Please reduce the "
+                        "length of the prompt or completion ('max_tokens' at most 61).");
+    kvs_assert_no_leaks();
+}
+
+/* prompt + max_tokens beyond the context: a 400 naming the client's field and both numbers;
+ * exactly the context is accepted. */
+static void test_parse_context_length(void **state)
+{
+    (void) state;
+    kvs_server_tokenizer_t tok = kvs_server_byte_tokenizer();
+    kvs__api_limits_t l = limits();
+    kvs__api_req_t q;
+    kvs__api_err_t err;
+    static const struct {
+        int chat;
+        const char *body, *param, *says;
+    } bad[] = {
+        {1,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":"
+         "45}",
+         "max_completion_tokens",
+         "However, you requested 65 tokens (20 in the messages, 45 in the completion). Please "
+         "reduce the length of the messages or completion ('max_completion_tokens' at most 44)."},
+        {1, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":100}",
+         "max_tokens", "you requested 120 tokens (20 in the messages, 100 in the completion)"},
+        {0, "{\"prompt\":\"0123456789012345678901234567890123456789012345678901234567890123\"}",
+         "prompt",
+         "This model's maximum context length is 64 tokens. However, you requested 64 tokens in "
+         "the prompt, which leaves no room for the completion. Please reduce the length of the "
+         "prompt."},
+        {1,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"0123456789012345678901234567890123"
+         "45678901234567890123456789\"}],\"max_tokens\":1}",
+         "messages", "you requested 78 tokens in the messages, which leaves no room"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        assert_int_equal(
+            kvs__api_parse(&l, &tok, bad[i].chat, bad[i].body, strlen(bad[i].body), &q, &err),
+            KVS_ERR_INVALID);
+        assert_int_equal(err.status, 400);
+        assert_string_equal(err.param, bad[i].param);
+        assert_string_equal(err.code, "context_length_exceeded");
+        if (strstr(err.message, bad[i].says) == NULL)
+            fail_msg("case %zu: '%s' does not say '%s'", i, err.message, bad[i].says);
+    }
+    /* "user: hi\nassistant: " is 20 tokens: 44 more fill the context of 64 exactly. */
+    const char *body =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_completion_tokens\":44}";
+    assert_int_equal(kvs__api_parse(&l, &tok, 1, body, strlen(body), &q, &err), KVS_OK);
+    assert_int_equal(q.max_tokens, 44);
+    kvs__api_req_fini(&q);
+    /* Without max_tokens and without a server default: the rest of the context. */
+    l.default_max_tokens = 0;
+    body = "{\"prompt\":\"abc\"}";
+    assert_int_equal(kvs__api_parse(&l, &tok, 0, body, strlen(body), &q, &err), KVS_OK);
+    assert_int_equal(q.max_tokens, 61);
+    kvs__api_req_fini(&q);
     kvs_assert_no_leaks();
 }
 
@@ -486,15 +545,11 @@ int main(void)
 {
     kvs__json_init();
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_string_builder),
-        cmocka_unit_test(test_utf8_tail),
-        cmocka_unit_test(test_utf8_sanitize),
-        cmocka_unit_test(test_stop_search),
-        cmocka_unit_test(test_parse_defaults),
-        cmocka_unit_test(test_parse_alloc_failures),
-        cmocka_unit_test(test_histogram),
-        cmocka_unit_test(test_fake_backend),
-        cmocka_unit_test(test_create_alloc_failures),
+        cmocka_unit_test(test_string_builder),       cmocka_unit_test(test_utf8_tail),
+        cmocka_unit_test(test_utf8_sanitize),        cmocka_unit_test(test_stop_search),
+        cmocka_unit_test(test_parse_defaults),       cmocka_unit_test(test_parse_context_length),
+        cmocka_unit_test(test_parse_alloc_failures), cmocka_unit_test(test_histogram),
+        cmocka_unit_test(test_fake_backend),         cmocka_unit_test(test_create_alloc_failures),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

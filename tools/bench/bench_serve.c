@@ -168,7 +168,7 @@ static void model_args(const opts_t *o, char **args, int *n)
 /* Appends one server's command line: role, its TP size and (disaggregated) the peer's, the
  * model, a free port and the engine limits. */
 static void server_args(const opts_t *o, const char *role, const char *tp, const char *peer_tp,
-                        const char *bootstrap, const char *running, const char *max_new,
+                        const char *bootstrap, const char *running, const char *max_model_len,
                         char **args, int *n)
 {
     args[(*n)++] = "kvstage";
@@ -190,28 +190,27 @@ static void server_args(const opts_t *o, const char *role, const char *tp, const
     args[(*n)++] = "0";
     args[(*n)++] = "--max-running";
     args[(*n)++] = (char *) running;
-    args[(*n)++] = "--max-new";
-    args[(*n)++] = (char *) max_new;
-    args[(*n)++] = "--max-prompt";
-    args[(*n)++] = "1024";
+    args[(*n)++] = "--max-model-len";
+    args[(*n)++] = (char *) max_model_len;
     args[*n] = NULL;
 }
 
 /* Starts the deployment (colocated, or router + prefill + decode); url_p: where clients go. */
 static int deploy(const opts_t *o, int disaggregated, kvs_child_t *cs, const char **url_p)
 {
-    char ptp[16], dtp[16], running[16], max_new[16];
+    char ptp[16], dtp[16], running[16], max_model_len[16];
     snprintf(ptp, sizeof(ptp), "%u", o->prefill_tp);
     snprintf(dtp, sizeof(dtp), "%u", o->decode_tp);
     uint32_t top = 1;
     for (uint32_t i = 0; i < o->nlevels; i++)
         if (o->levels[i] > top) top = o->levels[i];
     snprintf(running, sizeof(running), "%u", top);
-    snprintf(max_new, sizeof(max_new), "%u", o->max_tokens);
+    /* Prompts of up to 1024 tokens and their completions. */
+    snprintf(max_model_len, sizeof(max_model_len), "%u", 1024 + o->max_tokens);
     char *args[40];
     int n = 0;
     server_args(o, disaggregated ? "prefill" : "colocated", disaggregated ? ptp : dtp,
-                disaggregated ? dtp : NULL, NULL, running, max_new, args, &n);
+                disaggregated ? dtp : NULL, NULL, running, max_model_len, args, &n);
     cs[0].name = disaggregated ? "prefill server" : "colocated server";
     if (kvs_child_start(&cs[0], args) != 0 || kvs_child_wait_line(&cs[0], "serving on", 300) != 0)
         return -1;
@@ -220,7 +219,7 @@ static int deploy(const opts_t *o, int disaggregated, kvs_child_t *cs, const cha
         return 0;
     }
     n = 0;
-    server_args(o, "decode", dtp, NULL, cs[0].bootstrap, running, max_new, args, &n);
+    server_args(o, "decode", dtp, NULL, cs[0].bootstrap, running, max_model_len, args, &n);
     cs[1].name = "decode server";
     if (kvs_child_start(&cs[1], args) != 0 || kvs_child_wait_line(&cs[1], "serving on", 300) != 0)
         return -1;

@@ -81,8 +81,6 @@ static void llm_rank_default(llm_rank_opts_t *o)
     c->page_size = 16;
     c->chunk_tokens = 64;
     c->max_running = 4;
-    c->max_prompt = 1024;
-    c->max_new = 256;
     c->radix = 1;
     o->checksum = 1;
 }
@@ -117,9 +115,10 @@ static void add_llm_rank_engine_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
          "[1,1048576]", NULL},
         {"max-running", KVS_ARG_U32, &c->max_running, "requests admitted at once", "[1,1024]",
          NULL},
-        {"max-prompt", KVS_ARG_U32, &c->max_prompt, "longest prompt", "[1,1048576]", NULL},
-        {"max-new", KVS_ARG_U32, &c->max_new, "most tokens generated per request", "[1,1048576]",
-         NULL},
+        {"max-model-len", KVS_ARG_U32, &c->max_context,
+         "prompt + new tokens at most (default: the model's context)", "[2,1048576]", NULL},
+        {"kv-tokens", KVS_ARG_U64, &c->kv_tokens, "KV pool, tokens (default: twice the context)",
+         "[2,4294967296]", NULL},
         {"radix", KVS_ARG_ONOFF, &c->radix, "radix prefix cache", NULL, NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums; both instances must agree", NULL, NULL},
@@ -240,7 +239,8 @@ typedef struct {
 typedef struct {
     /* flags */
     uint32_t max_tokens, prefill_tp, decode_tp, tp, page_size, chunk, timeout_s, max_running;
-    uint64_t seed, model_seed;
+    uint32_t max_model_len; /* 0 until checked: the model's context */
+    uint64_t seed, model_seed, kv_tokens;
     double temperature, top_p;
     int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
     const char *system, *model, *seeded;
@@ -559,11 +559,8 @@ static void rank_argv(const gen_t *g, const child_t *c, const char *registry, ra
     }
     add_num(a, "--page-size", g->page_size);
     add_num(a, "--chunk", g->chunk);
-    uint32_t longest = 1;
-    for (uint32_t i = 0; i < g->nreqs; i++)
-        if (g->reqs[i].prompt_len > longest) longest = g->reqs[i].prompt_len;
-    add_num(a, "--max-prompt", longest);
-    add_num(a, "--max-new", g->max_tokens);
+    add_num(a, "--max-model-len", g->max_model_len);
+    if (g->kv_tokens != 0) add_num(a, "--kv-tokens", g->kv_tokens);
     add_num(a, "--max-running", g->max_running);
     add_arg(a, "--radix",
             (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
@@ -1051,6 +1048,10 @@ static void add_model_flags(kvs_arg_table_t *t, gen_t *g)
         {"page-size", KVS_ARG_U32, &g->page_size, "tokens per KV page (16)", "[1,65536]", NULL},
         {"chunk", KVS_ARG_U32, &g->chunk, "prefill chunk, also kvstage's chunk (64)", "[1,65536]",
          NULL},
+        {"max-model-len", KVS_ARG_U32, &g->max_model_len,
+         "prompt + --max-tokens at most (default: the model's context)", "[2,1048576]", NULL},
+        {"kv-tokens", KVS_ARG_U64, &g->kv_tokens,
+         "KV pool of each rank, tokens (default: twice --max-model-len)", "[2,4294967296]", NULL},
         {"prefill-radix", KVS_ARG_ONOFF, &g->prefill_radix,
          "prefill (or colocated) radix prefix cache (on)", NULL, NULL},
         {"decode-radix", KVS_ARG_ONOFF, &g->decode_radix, "decode radix prefix cache (on)", NULL,
@@ -1119,6 +1120,8 @@ static int check_model(gen_t *g)
                      : kvs_model_tp_check(&g->mc, "--prefill-tp", g->prefill_tp) != 0 ||
                            kvs_model_tp_check(&g->mc, "--decode-tp", g->decode_tp) != 0)
         return 2;
+    if (kvs_check_context_flags(&g->max_model_len, g->kv_tokens, g->page_size, g->mc.max_ctx) != 0)
+        return 2;
     g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
     g->stop_id = g->eos;
     if (g->chat) {
@@ -1153,11 +1156,11 @@ static int load_prompt(gen_t *g, req_t *r, const prompts_t *p, int i)
             return kvs_args_error(flag, "ids below the vocabulary size",
                                   "token id %u of prompt %d is outside the vocabulary (%u)",
                                   r->prompt[k], i + 1, g->mc.vocab);
-    if ((uint64_t) r->prompt_len + g->max_tokens >= g->mc.max_ctx)
-        return kvs_args_error("--max-tokens", "prompt + --max-tokens below the model's context",
-                              "prompt %d (%u tokens) plus --max-tokens %u exceeds the model's "
-                              "context of %u",
-                              i + 1, r->prompt_len, g->max_tokens, g->mc.max_ctx);
+    if ((uint64_t) r->prompt_len + g->max_tokens > g->max_model_len)
+        return kvs_args_error("--max-tokens", "prompt + --max-tokens within --max-model-len",
+                              "prompt %d (%u tokens) plus --max-tokens %u exceeds the context of "
+                              "%u tokens",
+                              i + 1, r->prompt_len, g->max_tokens, g->max_model_len);
     r->out = kvs_calloc(g->max_tokens, sizeof(uint32_t));
     return r->out == NULL ? 1 : 0;
 }

@@ -55,7 +55,9 @@ typedef struct {
     int role; /* 0 colocated, 1 prefill, 2 decode (the llm roles) */
     const char *model, *seeded, *host, *bootstrap, *registry, *name;
     uint64_t model_seed;
-    uint32_t tp, peer_tp, port, page_size, chunk, max_running, max_prompt, max_new, threads;
+    uint32_t tp, peer_tp, port, page_size, chunk, max_running, threads;
+    uint32_t max_model_len; /* 0 until checked: the model's context */
+    uint64_t kv_tokens;     /* 0: twice max_model_len */
     uint32_t startup_s;
     int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
 } serve_flags_t;
@@ -147,12 +149,10 @@ static int check_flags(const serve_flags_t *f)
 
 /* The checks against the model (and, for decode, the prefill instance's geometry); 0, or 2
  * after the error line. */
-static int check_model(const serve_flags_t *f, const kvs_model_config_t *mc)
+static int check_model(serve_flags_t *f, const kvs_model_config_t *mc)
 {
-    if ((uint64_t) f->max_prompt + f->max_new > mc->max_ctx)
-        return kvs_args_error("--max-new", "--max-prompt + --max-new <= the model's context",
-                              "--max-prompt %u plus --max-new %u exceed the model's context of %u",
-                              f->max_prompt, f->max_new, mc->max_ctx);
+    if (kvs_check_context_flags(&f->max_model_len, f->kv_tokens, f->page_size, mc->max_ctx) != 0)
+        return 2;
     if (kvs_model_tp_check(mc, "--tp", f->tp) != 0) return 2;
     if (f->role != KVS_LLM_COLOCATED && kvs_model_tp_check(mc, "--peer-tp", f->peer_tp) != 0)
         return 2;
@@ -210,8 +210,6 @@ static void serve_flags_default(serve_flags_t *f)
     f->page_size = 16;
     f->chunk = 64;
     f->max_running = 4;
-    f->max_prompt = 1024;
-    f->max_new = 256;
     f->radix = 1;
     f->checksum = 1;
     f->threads = 4;
@@ -265,10 +263,14 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          NULL, NULL},
         {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4)", "[1,1024]",
          NULL},
-        {"max-prompt", KVS_ARG_U32, &f->max_prompt, "longest prompt, tokens (1024)", "[1,1048576]",
-         NULL},
-        {"max-new", KVS_ARG_U32, &f->max_new, "most tokens generated per request (256)",
-         "[1,1048576]", NULL},
+        {"max-model-len", KVS_ARG_U32, &f->max_model_len,
+         "prompt + max_tokens of a request at most; a request without max_tokens may use the "
+         "rest (default: the model's context length)",
+         "[2,1048576]", NULL},
+        {"kv-tokens", KVS_ARG_U64, &f->kv_tokens,
+         "KV pool of each rank, tokens; pages are taken as sequences grow, and the newest request "
+         "is preempted and recomputed when it runs out (default: twice --max-model-len)",
+         "[2,4294967296]", NULL},
         {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},
         {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,
@@ -337,8 +339,8 @@ static int start_instance(serve_run_t *s)
                                 .page_size = f->page_size,
                                 .chunk = f->chunk,
                                 .max_running = f->max_running,
-                                .max_prompt = f->max_prompt,
-                                .max_new = f->max_new,
+                                .max_context = f->max_model_len,
+                                .kv_tokens = f->kv_tokens,
                                 .radix = f->radix,
                                 .no_checksum = !f->checksum,
                                 .registry = s->ep,
@@ -354,8 +356,7 @@ static int start_instance(serve_run_t *s)
                                                           mc->head_dim * 2 * sizeof(float),
                                     .vocab = mc->vocab,
                                     .text_vocab = s->tok ? 0 : 257,
-                                    .max_prompt = f->max_prompt,
-                                    .max_new = f->max_new};
+                                    .max_context = f->max_model_len};
     s->inst.in_fd = s->inst.out_fd = -1; /* the backend's now */
     if (kvs_rank_backend_create(&bc, &s->backend) != KVS_OK) {
         fprintf(stderr, "error: cannot start the backend over rank 0\n");
@@ -406,8 +407,7 @@ static int start_server(serve_run_t *s)
                               .port = (uint16_t) f->port,
                               .threads = f->threads,
                               .model = name,
-                              .max_context = f->max_prompt + f->max_new,
-                              .default_max_tokens = f->max_new,
+                              .max_context = f->max_model_len,
                               .role = server_role(f->role),
                               .bootstrap = s->ep,
                               .strict_role = 1,

@@ -93,13 +93,14 @@ static int start_deployment(demo_t *d)
     char ptp[16], dtp[16];
     snprintf(ptp, sizeof(ptp), "%u", d->f->prefill_tp);
     snprintf(dtp, sizeof(dtp), "%u", d->f->decode_tp);
-    char *pargs[] = {"kvstage",      "serve", "--role",    "prefill", "--tp",   ptp,
-                     "--peer-tp",    dtp,     "--model",   path,      "--port", "0",
-                     "--max-prompt", "512",   "--max-new", "64",      NULL};
+    /* A short context keeps the demo's KV pools small (twice the context, every rank). */
+    char *pargs[] = {"kvstage",         "serve", "--role",  "prefill", "--tp",   ptp,
+                     "--peer-tp",       dtp,     "--model", path,      "--port", "0",
+                     "--max-model-len", "2048",  NULL};
     if (start_child(d, pre, pargs, "serving on") != 0) return -1;
-    char *dargs[] = {"kvstage",      "serve", "--role",    "decode", "--tp",        dtp,
-                     "--model",      path,    "--port",    "0",      "--bootstrap", pre->bootstrap,
-                     "--max-prompt", "512",   "--max-new", "64",     NULL};
+    char *dargs[] = {"kvstage",         "serve", "--role", "decode", "--tp",        dtp,
+                     "--model",         path,    "--port", "0",      "--bootstrap", pre->bootstrap,
+                     "--max-model-len", "2048",  NULL};
     if (start_child(d, dec, dargs, "serving on") != 0) return -1;
     char *rargs[] = {"kvstage", "router", "--prefill", pre->url, "--decode", dec->url,
                      "--port",  "0",      "--policy",  "prefix", NULL};

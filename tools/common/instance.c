@@ -14,6 +14,7 @@
 #include "common/args.h"
 #include "kvstage/clock.h"
 #include "common/spawn.h"
+#include "engine/llm_rank.h"
 
 int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p)
 {
@@ -72,6 +73,29 @@ int kvs_model_tp_check(const kvs_model_config_t *mc, const char *flag, uint32_t 
     return kvs_args_error(flag, sizes, "%u does not split this model: %s", tp, why);
 }
 
+int kvs_check_context_flags(uint32_t *max_model_len_p, uint64_t kv_tokens, uint32_t page_size,
+                            uint32_t model_ctx)
+{
+    uint32_t len = *max_model_len_p ? *max_model_len_p : model_ctx;
+    if (len < 2 || len > model_ctx) {
+        char acc[32];
+        snprintf(acc, sizeof(acc), "[2,%u]", model_ctx);
+        return kvs_args_error("--max-model-len", acc, "%u is outside the model's context length",
+                              len);
+    }
+    if (kv_tokens != 0 && page_size != 0 &&
+        (kv_tokens < len || kvs_llm_rank_pool_pages(kv_tokens, len, page_size) > UINT32_MAX)) {
+        char acc[64];
+        snprintf(acc, sizeof(acc), "[%u,%llu]", len, (unsigned long long) UINT32_MAX * page_size);
+        return kvs_args_error("--kv-tokens", acc,
+                              "%llu cannot hold one request of the whole context (--max-model-len "
+                              "%u) in pages of %u tokens",
+                              (unsigned long long) kv_tokens, len, page_size);
+    }
+    *max_model_len_p = len;
+    return 0;
+}
+
 static const char *role_name(kvs_llm_role_t r)
 {
     return r == KVS_LLM_PREFILL ? "prefill" : r == KVS_LLM_DECODE ? "decode" : "colocated";
@@ -110,15 +134,16 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     }
     const struct {
         const char *flag;
-        uint32_t v;
+        uint64_t v;
     } u[] = {{"--page-size", c->page_size},
              {"--chunk", c->chunk},
              {"--max-running", c->max_running},
-             {"--max-prompt", c->max_prompt},
-             {"--max-new", c->max_new}};
+             {"--max-model-len", c->max_context},
+             {"--kv-tokens", c->kv_tokens}};
     for (int i = 0; i < 5; i++) {
+        if (u[i].v == 0) continue; /* the rank's default */
         args[n++] = (char *) u[i].flag;
-        snprintf(num[4 + i], sizeof(num[4 + i]), "%u", u[i].v);
+        snprintf(num[4 + i], sizeof(num[4 + i]), "%llu", (unsigned long long) u[i].v);
         args[n++] = num[4 + i];
     }
     args[n++] = "--radix";

@@ -21,6 +21,12 @@ int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p);
  * model's reason, the TP sizes it allows and why, and 2. */
 int kvs_model_tp_check(const kvs_model_config_t *mc, const char *flag, uint32_t tp);
 
+/* --max-model-len and --kv-tokens (serve, generate) against the model's context: the served
+ * context is 2..model_ctx (*max_model_len_p: 0 becomes model_ctx), and an explicit pool must
+ * hold one request of all of it in 32-bit page ids. 0, or 2 after a one-line usage error. */
+int kvs_check_context_flags(uint32_t *max_model_len_p, uint64_t kv_tokens, uint32_t page_size,
+                            uint32_t model_ctx);
+
 typedef struct {
     kvs_llm_role_t role;
     uint32_t tp;            /* this instance's ranks */
@@ -28,7 +34,9 @@ typedef struct {
     const char *model_path; /* a GGUF, or NULL with seeded */
     const char *seeded;     /* "L,dim,..." (kvs_parse_seeded), or NULL */
     uint64_t model_seed;
-    uint32_t page_size, chunk, max_running, max_prompt, max_new;
+    uint32_t page_size, chunk, max_running;
+    uint32_t max_context; /* --max-model-len: prompt + new tokens at most */
+    uint64_t kv_tokens;   /* the KV pool in tokens; 0: twice max_context */
     int radix;
     int no_checksum;      /* prefill and decode: chunk checksums off */
     const char *registry; /* prefill and decode: the prefill instance's registry endpoint */

@@ -875,12 +875,13 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count,
-                                           NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
-                            "copy(cuda): checksum counters on device %d", device);
+        st = KVS_CUDA_CHECK(
+            cudaMalloc((void **) &c->csum_count, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
+            "copy(cuda): checksum counters on device %d", device);
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
-                            "copy(cuda): checksum counters");
+        st = KVS_CUDA_CHECK(
+            cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
+            "copy(cuda): checksum counters");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,
                                           NSLOTS * sizeof(unsigned long long), cudaHostAllocMapped),

@@ -113,6 +113,7 @@ typedef struct {
     char *buf; /* [cap] bytes read, not yet a whole line */
     size_t len, cap;
     uint32_t *ids; /* [max_prompt] scratch for one prompt */
+    kvs_logit_bias_t bias[KVS_SAMPLE_BIAS_LIMIT]; /* scratch for one submit's logit biases */
     int eof, quitting;
     uint64_t quit_at;
     /* Answers held back behind a `stats` (answered after the next step, when the instance's
@@ -136,7 +137,7 @@ static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
         .prompt = s->prompt,
         .prompt_len = s->prompt_len,
         .max_new_tokens = s->max_new,
-        .sampling = {.temperature = (float) s->temperature, .top_p = (float) s->top_p},
+        .sampling = s->sampling,
         .seed = s->seed,
         .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
@@ -226,7 +227,8 @@ static void handle_line(io_t *io, char *line)
     kvs_rank_line_request_t q;
     const char *why = NULL;
     kvs_status_t st =
-        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->cfg->max_prompt, &q, &why);
+        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->cfg->max_prompt, io->bias, &q,
+                                     &why);
     if (q.kind == KVS_RANK_LINE_MATCH && st != KVS_ERR_INVALID) {
         handle_match(io, &q, NULL, st == KVS_OK);
         return;

@@ -13,7 +13,10 @@
  *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
  *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
  * (bootstrap as the prefill server's GET /internal/info declares it, omitted when it declares
- * none). The client gets the decode server's status, content type and body as they arrive.
+ * none), and, when the client gave no "seed", one random "seed" for both (so that the prefill
+ * side's first token and the decode side's later ones are one sampled stream; the decode
+ * server reports it in its "kvstage" object). The client gets the decode server's status,
+ * content type and body as they arrive.
  * A client body that already has "kvstage" is refused (400).
  *
  * Failures: a server that refuses the connection, times out, drops the connection or fails

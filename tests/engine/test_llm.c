@@ -78,7 +78,7 @@ static void reference(void)
             .tokens = g_prompt[p], .n = g_len[p], .pos0 = 0, .pages = pages, .npages = 32};
         assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
         for (int t = 0; t < MAX_NEW; t++) {
-            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL);
+            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL, NULL);
             s = (kvs_model_seq_t){
                 .tokens = &g_ref[p][t], .n = 1, .pos0 = g_len[p] + t, .pages = pages, .npages = 32};
             if (t + 1 < MAX_NEW)

@@ -35,10 +35,10 @@ typedef enum {
 typedef struct {
     kvs_llm_request_t req; /* req.prompt points into tokens */
     rq_state_t state;
-    uint32_t *tokens; /* [prompt_len + max_new_tokens] prompt, then generated tokens */
+    uint32_t *tokens;       /* [prompt_len + max_new_tokens] prompt, then generated tokens */
     kvs_logit_bias_t *bias; /* [req.sampling.n_bias]; req.sampling.bias points here */
-    uint32_t ntokens; /* prompt_len + tokens generated so far */
-    uint32_t *pages;  /* [npages] page table from position 0 */
+    uint32_t ntokens;       /* prompt_len + tokens generated so far */
+    uint32_t *pages;        /* [npages] page table from position 0 */
     uint32_t npages;
     uint32_t cached;   /* prompt tokens found in the radix cache (page multiple) */
     uint32_t computed; /* prompt tokens whose KV is at rest */
@@ -815,8 +815,10 @@ static uint32_t sample(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t inde
 {
     kvs_rng_t rng;
     kvs_rng_seed(&rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
-    const kvs_sample_history_t h = {
-        .tokens = r->tokens, .len = r->ntokens, .prompt_len = r->req.prompt_len, .counts = e->counts};
+    const kvs_sample_history_t h = {.tokens = r->tokens,
+                                    .len = r->ntokens,
+                                    .prompt_len = r->req.prompt_len,
+                                    .counts = e->counts};
     return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &h, &rng);
 }
 

@@ -250,9 +250,8 @@ static kvs_status_t bad(const char **why_p, const char *why)
     return KVS_ERR_INVALID;
 }
 
-static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap,
-                                  kvs_logit_bias_t *bias, kvs_rank_line_submit_t *s,
-                                  const char **why_p)
+static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs_logit_bias_t *bias,
+                                  kvs_rank_line_submit_t *s, const char **why_p)
 {
     uint64_t max_new, top_k, nb, n;
     kvs_sample_params_t *sp = &s->sampling;

@@ -298,8 +298,8 @@ static kvs_status_t parse_stops(json_t *root, kvs__api_req_t *req, kvs__api_err_
     return KVS_OK;
 }
 
-static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *tok,
-                                   int ignore_eos, kvs__api_req_t *req, kvs__api_err_t *err)
+static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *tok, int ignore_eos,
+                                   kvs__api_req_t *req, kvs__api_err_t *err)
 {
     json_t *v = field(root, "stop_token_ids");
     size_t n = 0;

@@ -258,8 +258,7 @@ static json_t *kvstage_json(const req_t *r)
 {
     return json_pack("{s:I, s:I, s:I, s:I, s:I}", "room", (json_int_t) r->room, "seed",
                      (json_int_t) r->api.seed, "ttft_ns", (json_int_t) r->final_done.ttft_ns,
-                     "transfer_ns",
-                     (json_int_t) r->final_done.transfer_ns, "kv_bytes",
+                     "transfer_ns", (json_int_t) r->final_done.transfer_ns, "kv_bytes",
                      (json_int_t) r->final_done.kv_bytes);
 }
 

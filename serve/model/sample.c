@@ -120,8 +120,8 @@ static double sum_above(const float *logits, uint32_t vocab, float cut, float ma
 
 /* The highest cut in [low, max] whose sum above still reaches target; the sum above low
  * must reach it. */
-static float highest_cut(const float *logits, uint32_t vocab, float low, float max,
-                         double inv_temp, int by_count, double target)
+static float highest_cut(const float *logits, uint32_t vocab, float low, float max, double inv_temp,
+                         int by_count, double target)
 {
     uint32_t lo = float_key(low), hi = float_key(max);
     while (lo < hi) {

@@ -373,10 +373,9 @@ static void test_bad_flags(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bad_flags),         cmocka_unit_test(test_rank_pipe),
-        cmocka_unit_test(test_smollm2_text),      cmocka_unit_test(test_smollm2_tp3_to_tp1),
-        cmocka_unit_test(test_smollm2_sampling),
-        cmocka_unit_test(test_seeded_tp_changes),
+        cmocka_unit_test(test_bad_flags),        cmocka_unit_test(test_rank_pipe),
+        cmocka_unit_test(test_smollm2_text),     cmocka_unit_test(test_smollm2_tp3_to_tp1),
+        cmocka_unit_test(test_smollm2_sampling), cmocka_unit_test(test_seeded_tp_changes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

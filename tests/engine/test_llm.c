@@ -451,7 +451,11 @@ static void test_disaggregated_sampling(void **state)
          .repetition_penalty = 1.3f,
          .bias = bias,
          .n_bias = 3},
-        {.top_p = 1, .presence_penalty = 1.5f, .frequency_penalty = 1.5f, .bias = top3, .n_bias = 3},
+        {.top_p = 1,
+         .presence_penalty = 1.5f,
+         .frequency_penalty = 1.5f,
+         .bias = top3,
+         .n_bias = 3},
     };
     static uint32_t sampled[NPROMPTS][MAX_NEW];
     for (int k = 0; k < 4; k++) {

@@ -94,9 +94,8 @@ static void test_requests_round_trip(void **state)
     assert_true(back.submit.room == q.submit.room);
     assert_int_equal(back.submit.max_new, q.submit.max_new);
     const kvs_sample_params_t *a = &q.submit.sampling, *b = &back.submit.sampling;
-    assert_true(b->temperature == a->temperature && b->top_p == a->top_p &&
-                b->top_k == a->top_k && b->min_p == a->min_p &&
-                b->presence_penalty == a->presence_penalty &&
+    assert_true(b->temperature == a->temperature && b->top_p == a->top_p && b->top_k == a->top_k &&
+                b->min_p == a->min_p && b->presence_penalty == a->presence_penalty &&
                 b->frequency_penalty == a->frequency_penalty &&
                 b->repetition_penalty == a->repetition_penalty);
     assert_int_equal(b->n_bias, 2);
@@ -111,8 +110,8 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = 4294967294ll;
     q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 0 1 1\n", &back, ids,
-                   16);
+    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 0 1 1\n",
+                   &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
 
     kvs_rank_line_request_t stop = {.kind = KVS_RANK_LINE_STOP, .room = 42};
@@ -200,31 +199,48 @@ static void test_bad_requests(void **state)
         /* truncated */
         {"submit 1 2 0.5 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "prompt token ids"},
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match 3 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
         /* bad numbers */
-        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit"},
-        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS"},
+        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit"},
+        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "EOS must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "EOS"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 4294967296", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "prompt token ids"},
-        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "at most 300"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "B must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "logit biases"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "prompt token ids"},
+        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "at most 300"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "B must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
         {"submit  1 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"stop 1x", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"stop 1 2", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
@@ -233,12 +249,16 @@ static void test_bad_requests(void **state)
         /* N mismatching the ids */
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids than N"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "more token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "more token ids"},
         {"match 1 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: more token ids than N"},
         /* N the rank refuses: submit's ids are not read, match's are checked */
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt length"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt length"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt"},
         {"match 5 1 2 3 4 5", KVS_RANK_LINE_MATCH, KVS_ERR_NOSPACE, "match: more token ids"},
         {"match 5 1 2 3 4 x", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
     };
@@ -255,16 +275,18 @@ static void test_bad_requests(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     /* A refused submit still names its room (rank 0 answers with a rejected line). */
-    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 0 5 1", ids, 4, &q, &why), KVS_ERR_NOSPACE);
+    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 0 5 1", ids, 4, &q, &why),
+                     KVS_ERR_NOSPACE);
     assert_int_equal(q.submit.room, 9);
     assert_int_equal(req_decode("match 5 1 2 3 4 5", ids, 4, &q, &why), KVS_ERR_NOSPACE);
     assert_int_equal(q.match_len, 5);
     /* A NUL ends the line; a line over the limit is refused without being read. */
-    assert_int_equal(kvs_rank_line_request_decode("stop 3\0 junk", 12, ids, 4, g_bias, &q, &why), KVS_OK);
+    assert_int_equal(kvs_rank_line_request_decode("stop 3\0 junk", 12, ids, 4, g_bias, &q, &why),
+                     KVS_OK);
     assert_int_equal(q.room, 3);
-    assert_int_equal(
-        kvs_rank_line_request_decode("stats", (size_t) KVS_RANK_LINE_MAX + 1, ids, 4, g_bias, &q, &why),
-        KVS_ERR_INVALID);
+    assert_int_equal(kvs_rank_line_request_decode("stats", (size_t) KVS_RANK_LINE_MAX + 1, ids, 4,
+                                                  g_bias, &q, &why),
+                     KVS_ERR_INVALID);
     /* Every truncation of a good submit that loses an id or more is refused. */
     const char *good = "submit 12 3 0.25 0.75 0 0 0 0 0 99 7 0 3 10 20 30";
     for (size_t cut = 0; cut + 2 <= strlen(good); cut++) {

@@ -51,7 +51,7 @@ typedef struct {
     int cancelled; /* cancel() reached it while live */
     int done;      /* on_done was called */
     kvs_server_finish_t finish;
-    char bootstrap[128]; /* "" when none */
+    char bootstrap[128];          /* "" when none */
     kvs_sample_params_t sampling; /* as submitted; bias NULL (n_bias kept) */
     uint64_t seed;
     uint32_t n_stop_ids;

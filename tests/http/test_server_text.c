@@ -175,8 +175,8 @@ static void test_parse_defaults(void **state)
     assert_int_equal(q.prompt[2], 'c');
     assert_int_equal(q.max_tokens, 16);
     const kvs_sample_params_t *sp = &q.sampling;
-    assert_true(sp->temperature == 1.0f && sp->top_p == 1.0f && sp->top_k == 0 &&
-                sp->min_p == 0 && sp->presence_penalty == 0 && sp->frequency_penalty == 0 &&
+    assert_true(sp->temperature == 1.0f && sp->top_p == 1.0f && sp->top_k == 0 && sp->min_p == 0 &&
+                sp->presence_penalty == 0 && sp->frequency_penalty == 0 &&
                 sp->repetition_penalty == 1.0f && sp->n_bias == 0 && sp->bias == NULL);
     assert_int_equal(q.n_stop_ids, 1);
     assert_int_equal(q.stop_ids[0], 256);

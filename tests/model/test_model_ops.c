@@ -395,14 +395,10 @@ static void test_attention_paged(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope_by_hand),
-        cmocka_unit_test(test_rope_random),
-        cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_order),
-        cmocka_unit_test(test_matmul_partial),
-        cmocka_unit_test(test_silu_mul),
-        cmocka_unit_test(test_attention_paged),
+        cmocka_unit_test(test_rmsnorm),      cmocka_unit_test(test_rope_by_hand),
+        cmocka_unit_test(test_rope_random),  cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_order), cmocka_unit_test(test_matmul_partial),
+        cmocka_unit_test(test_silu_mul),     cmocka_unit_test(test_attention_paged),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

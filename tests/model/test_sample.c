@@ -131,8 +131,8 @@ static void test_distribution(void **state)
     /* tokens tied at the cut are all kept */
     const float flat[4] = {0, 0, 0, 0};
     const double quarter[4] = {0.25, 0.25, 0.25, 0.25};
-    check_freq(flat, 4, (kvs_sample_params_t){.temperature = 1, .top_p = 0.3f}, NULL, quarter,
-               seed, "ties");
+    check_freq(flat, 4, (kvs_sample_params_t){.temperature = 1, .top_p = 0.3f}, NULL, quarter, seed,
+               "ties");
     /* NaN is never drawn */
     const float nan_l[3] = {0, NAN, 0};
     const double halves[3] = {0.5, 0, 0.5};

@@ -125,7 +125,7 @@ typedef struct {
 const char *kvs_sample_params_invalid(const kvs_sample_params_t *params, uint32_t vocab);
 
 /* Picks the next token, rewriting logits[vocab] in place (bias, then penalties). params NULL:
- * greedy. history may be NULL (no penalties apply), as may its counts when no penalty is on.
+ * greedy. history NULL, or its counts NULL: no penalty applies (pass both for penalties).
  * Greedy (temperature <= 0, or rng NULL) draws nothing from rng; otherwise the draw is from
  * softmax(logits / temperature) restricted by top-k, min-p and top-p (tokens tied at a cut are
  * all kept). NaN logits are never picked. Allocation-free. */

@@ -1037,8 +1037,8 @@ static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
         {"repetition-penalty", KVS_ARG_DOUBLE, &g->repetition,
          "divides (or multiplies) the logits of prompt and generated tokens, (0, 2] (1)", NULL,
          NULL},
-        {"ignore-eos", KVS_ARG_FLAG, &g->ignore_eos, "the end-of-text token does not end a request",
-         NULL, NULL},
+        {"ignore-eos", KVS_ARG_FLAG, &g->ignore_eos,
+         "the end-of-text token (with --chat, end-of-turn too) does not end a request", NULL, NULL},
         {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
          NULL, NULL},
     };

@@ -22,7 +22,7 @@
 
 #define PIECE_BYTES  65536 /* broadcast piece; the group's max_bytes must be at least this */
 #define HEADER_BYTES 32
-#define REQ_FIXED    40 /* bytes of one request in the broadcast, before its tokens */
+#define REQ_FIXED    64 /* bytes of one request in the broadcast, before its tokens */
 
 typedef enum {
     RQ_QUEUED = 0, /* waiting for pages */
@@ -35,9 +35,10 @@ typedef enum {
 typedef struct {
     kvs_llm_request_t req; /* req.prompt points into tokens */
     rq_state_t state;
-    uint32_t *tokens; /* [prompt_len + max_new_tokens] prompt, then generated tokens */
-    uint32_t ntokens; /* prompt_len + tokens generated so far */
-    uint32_t *pages;  /* [capacity_pages] page table from position 0; npages in use */
+    uint32_t *tokens;       /* [prompt_len + max_new_tokens] prompt, then generated tokens */
+    kvs_logit_bias_t *bias; /* [req.sampling.n_bias]; req.sampling.bias points here */
+    uint32_t ntokens;       /* prompt_len + tokens generated so far */
+    uint32_t *pages;        /* [capacity_pages] page table from position 0; npages in use */
     uint32_t npages;
     uint32_t cached;   /* tokens found in the radix cache at this admission (page multiple) */
     uint32_t computed; /* RQ_PREFILL: tokens of [0, ntokens) whose KV is at rest */
@@ -83,6 +84,7 @@ struct kvs_llm {
     kvs_model_seq_t *seqs; /* [max_running] */
     rq_t **seq_rq;         /* [max_running] */
     float *logits;         /* [max_running][vocab] */
+    uint32_t *counts;      /* [vocab] the sampler's penalty scratch, all zero between calls */
     double *agree;         /* [3 * max_running] */
     uint8_t *wire;         /* broadcast assembly */
     size_t wire_cap;
@@ -132,6 +134,22 @@ static void emit_token(kvs_llm_t *e, rq_t *r, uint32_t token)
     kvs_llm_event_t ev = {
         .kind = KVS_LLM_EV_TOKEN, .room = r->req.room, .token = token, .index = r->generated - 1};
     emit(e, &ev);
+}
+
+/* Floats travel in the broadcast as their bits, so every rank samples with the same values. */
+static void put_f32(uint8_t *p, float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    kvs_put_u32(p, u);
+}
+
+static float get_f32(const uint8_t *p)
+{
+    uint32_t u = kvs_get_u32(p);
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
 }
 
 static uint32_t pages_for(uint32_t tokens, uint32_t page)
@@ -240,7 +258,10 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->seq_rq = kvs_calloc(c->max_running, sizeof(*e->seq_rq));
     e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
     e->agree = kvs_malloc((size_t) 3 * c->max_running * sizeof(double));
-    if (e->seqs == NULL || e->seq_rq == NULL || e->logits == NULL || e->agree == NULL) goto err;
+    e->counts = kvs_calloc(mc->vocab, sizeof(uint32_t));
+    if (e->seqs == NULL || e->seq_rq == NULL || e->logits == NULL || e->agree == NULL ||
+        e->counts == NULL)
+        goto err;
     if (c->radix && (st = kvs_radix_create(e->page, radix_free, e, &e->radix)) != KVS_OK) goto err;
     *llm_p = e;
     return KVS_OK;
@@ -253,6 +274,7 @@ static void rq_free(rq_t *r)
 {
     if (r == NULL) return;
     kvs_free(r->tokens);
+    kvs_free(r->bias);
     kvs_free(r->pages);
     kvs_free(r);
 }
@@ -278,6 +300,7 @@ void kvs_llm_destroy(kvs_llm_t *e)
     kvs_free(e->seq_rq);
     kvs_free(e->logits);
     kvs_free(e->agree);
+    kvs_free(e->counts);
     kvs_free(e->wire);
     kvs_free(e);
 }
@@ -317,6 +340,11 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
                   (unsigned long long) q->room, q->prompt_len, need, e->page, have);
         return KVS_ERR_NOSPACE;
     }
+    const char *why = kvs_sample_params_invalid(&q->sampling, e->mc.vocab);
+    if (why != NULL) {
+        kvs_error("llm: room %llu: %s", (unsigned long long) q->room, why);
+        return KVS_ERR_INVALID;
+    }
     for (uint32_t i = 0; i < q->prompt_len; i++) {
         if (q->prompt[i] >= e->mc.vocab) {
             kvs_error("llm: room %llu: token %u at %u is outside the vocabulary (%u)",
@@ -332,21 +360,30 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     }
     if (!grow((void **) &e->pending, &e->cap_pending, e->npending + 1, sizeof(pending_t)))
         return KVS_ERR_NOMEM;
-    size_t len = REQ_FIXED + (size_t) q->prompt_len * 4;
+    const kvs_sample_params_t *sp = &q->sampling;
+    size_t len = REQ_FIXED + (size_t) q->prompt_len * 4 + (size_t) sp->n_bias * 8;
     uint8_t *b = kvs_malloc(len);
     if (b == NULL) return KVS_ERR_NOMEM;
-    uint32_t t, p;
-    memcpy(&t, &q->sampling.temperature, 4);
-    memcpy(&p, &q->sampling.top_p, 4);
     kvs_put_u64(b, q->room);
     kvs_put_u32(b + 8, q->prompt_len);
     kvs_put_u32(b + 12, q->max_new_tokens);
-    kvs_put_u32(b + 16, t);
-    kvs_put_u32(b + 20, p);
+    put_f32(b + 16, sp->temperature);
+    put_f32(b + 20, sp->top_p);
     kvs_put_u64(b + 24, q->seed);
     kvs_put_u32(b + 32, q->eos);
-    kvs_put_u32(b + 36, 0);
-    for (uint32_t i = 0; i < q->prompt_len; i++) kvs_put_u32(b + REQ_FIXED + 4 * i, q->prompt[i]);
+    kvs_put_u32(b + 36, sp->n_bias);
+    kvs_put_u32(b + 40, sp->top_k);
+    put_f32(b + 44, sp->min_p);
+    put_f32(b + 48, sp->presence_penalty);
+    put_f32(b + 52, sp->frequency_penalty);
+    put_f32(b + 56, sp->repetition_penalty);
+    kvs_put_u32(b + 60, 0);
+    uint8_t *at = b + REQ_FIXED;
+    for (uint32_t i = 0; i < q->prompt_len; i++, at += 4) kvs_put_u32(at, q->prompt[i]);
+    for (uint32_t i = 0; i < sp->n_bias; i++, at += 8) {
+        kvs_put_u32(at, sp->bias[i].token);
+        put_f32(at + 4, sp->bias[i].bias);
+    }
     e->pending[e->npending++] = (pending_t){.room = q->room, .bytes = b, .len = len};
     return KVS_OK;
 }
@@ -370,9 +407,10 @@ kvs_status_t kvs_llm_stop(kvs_llm_t *e, uint64_t room)
 static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *used_p)
 {
     if (len < REQ_FIXED) return KVS_ERR_PROTOCOL;
-    uint32_t n = kvs_get_u32(b + 8);
-    if (n == 0 || len - REQ_FIXED < (size_t) n * 4) return KVS_ERR_PROTOCOL;
-    *used_p = REQ_FIXED + (size_t) n * 4;
+    uint32_t n = kvs_get_u32(b + 8), nb = kvs_get_u32(b + 36);
+    if (n == 0 || nb > KVS_SAMPLE_BIAS_LIMIT || len - REQ_FIXED < (size_t) n * 4 + (size_t) nb * 8)
+        return KVS_ERR_PROTOCOL;
+    *used_p = REQ_FIXED + (size_t) n * 4 + (size_t) nb * 8;
     rq_t *r = kvs_calloc(1, sizeof(*r));
     if (r == NULL || !grow((void **) &e->rqs, &e->cap_rqs, e->nrqs + 1, sizeof(rq_t *))) {
         kvs_free(r);
@@ -382,19 +420,30 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     q->room = kvs_get_u64(b);
     q->prompt_len = n;
     q->max_new_tokens = kvs_get_u32(b + 12);
-    uint32_t t = kvs_get_u32(b + 16), p = kvs_get_u32(b + 20);
-    memcpy(&q->sampling.temperature, &t, 4);
-    memcpy(&q->sampling.top_p, &p, 4);
+    kvs_sample_params_t *sp = &q->sampling;
+    sp->temperature = get_f32(b + 16);
+    sp->top_p = get_f32(b + 20);
     q->seed = kvs_get_u64(b + 24);
     q->eos = kvs_get_u32(b + 32);
+    sp->n_bias = nb;
+    sp->top_k = kvs_get_u32(b + 40);
+    sp->min_p = get_f32(b + 44);
+    sp->presence_penalty = get_f32(b + 48);
+    sp->frequency_penalty = get_f32(b + 52);
+    sp->repetition_penalty = get_f32(b + 56);
     uint32_t cap = n + (e->cfg.role == KVS_LLM_PREFILL ? 1 : q->max_new_tokens);
     r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
     r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
-    if (r->tokens == NULL || r->pages == NULL) {
+    r->bias = nb > 0 ? kvs_malloc((size_t) nb * sizeof(kvs_logit_bias_t)) : NULL;
+    if (r->tokens == NULL || r->pages == NULL || (nb > 0 && r->bias == NULL)) {
         rq_free(r);
         return KVS_ERR_NOMEM;
     }
-    for (uint32_t i = 0; i < n; i++) r->tokens[i] = kvs_get_u32(b + REQ_FIXED + 4 * i);
+    const uint8_t *at = b + REQ_FIXED;
+    for (uint32_t i = 0; i < n; i++, at += 4) r->tokens[i] = kvs_get_u32(at);
+    for (uint32_t i = 0; i < nb; i++, at += 8)
+        r->bias[i] = (kvs_logit_bias_t){.token = kvs_get_u32(at), .bias = get_f32(at + 4)};
+    sp->bias = r->bias;
     q->prompt = r->tokens;
     r->ntokens = n;
     r->ev.room = q->room;
@@ -860,18 +909,24 @@ static uint32_t grow_sequences(kvs_llm_t *e)
 
 /* ---- the forward pass ---- */
 
-/* Token number `index` of a request. Its random draw depends on (seed, index) only, not on how
- * many draws came before, so the prefill side's first token and the decode side's later ones
- * form the same stream as one colocated run. */
-static uint32_t sample(const kvs_llm_t *e, const rq_t *r, const float *logits, uint32_t index)
+/* Token number `index` of a request (logits: its row of the pass, rewritten). Its random draw
+ * depends on (seed, index) only, not on how many draws came before, and its penalties on the
+ * prompt and the tokens generated before it, which the decode side has too (the prompt, and
+ * the first token from the prefill side): so the prefill side's first token and the decode
+ * side's later ones form the same stream as one colocated run. */
+static uint32_t sample(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t index)
 {
     kvs_rng_t rng;
     kvs_rng_seed(&rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
-    return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &rng);
+    const kvs_sample_history_t h = {.tokens = r->tokens,
+                                    .len = r->ntokens,
+                                    .prompt_len = r->req.prompt_len,
+                                    .counts = e->counts};
+    return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &h, &rng);
 }
 
 /* After the last prompt chunk: the first token. */
-static void prompt_done(kvs_llm_t *e, rq_t *r, const float *logits)
+static void prompt_done(kvs_llm_t *e, rq_t *r, float *logits)
 {
     uint32_t tok = sample(e, r, logits, 0);
     r->ev.prefilled_ns = r->ev.first_token_ns = kvs_now_ns();
@@ -941,7 +996,7 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
     (*work) += nseq;
     for (uint32_t j = 0; j < nseq; j++) {
         rq_t *r = e->seq_rq[j];
-        const float *lg = e->logits + (size_t) j * e->mc.vocab;
+        float *lg = e->logits + (size_t) j * e->mc.vocab;
         if (r->state == RQ_PREFILL) {
             r->computed += e->seqs[j].n;
             *(r->preempted ? &e->st.recomputed_tokens : &e->st.prompt_tokens) += e->seqs[j].n;

@@ -70,9 +70,10 @@ typedef struct {
     const uint32_t *prompt;  /* [prompt_len] token ids; copied */
     uint32_t prompt_len;     /* >= 1 */
     uint32_t max_new_tokens; /* decode, colocated: generated tokens at most, the first included */
-    kvs_sample_params_t sampling;
-    uint64_t seed; /* sampling seed (unused when greedy) */
-    uint32_t eos;  /* stop token id; UINT32_MAX: none */
+    kvs_sample_params_t sampling; /* its logit biases copied too; the penalties see the prompt
+                                     and the tokens generated before each one */
+    uint64_t seed;                /* sampling seed (unused when greedy) */
+    uint32_t eos;                 /* stop token id; UINT32_MAX: none */
 } kvs_llm_request_t;
 
 typedef enum {
@@ -136,9 +137,9 @@ void kvs_llm_destroy(kvs_llm_t *llm);
 
 /* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty prompt, prompt +
  * max_new_tokens above max_context, token id outside the vocabulary, max_new_tokens 0 where
- * tokens are generated, a room id already live; KVS_ERR_NOSPACE: its prompt needs more pages
- * than the whole pool holds, so it could never be admitted). Every rank admits it at the same
- * later step. */
+ * tokens are generated, sampling parameters kvs_sample_params_invalid refuses, a room id
+ * already live; KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it
+ * could never be admitted). Every rank admits it at the same later step. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
 /* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */

@@ -112,8 +112,9 @@ typedef struct {
     double load_s;
     char *buf; /* [cap] bytes read, not yet a whole line */
     size_t len, cap;
-    uint32_t *ids;       /* [max_prompt] scratch for one prompt */
-    uint32_t max_prompt; /* the longest prompt the context leaves room for */
+    uint32_t *ids;                                /* [max_prompt] scratch for one prompt */
+    uint32_t max_prompt;                          /* the longest prompt the context allows */
+    kvs_logit_bias_t bias[KVS_SAMPLE_BIAS_LIMIT]; /* scratch for one submit's logit biases */
     int eof, quitting;
     uint64_t quit_at;
     /* Answers held back behind a `stats` (answered after the next step, when the instance's
@@ -132,14 +133,13 @@ static void parse_error(io_t *io, const char *what)
 
 static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
 {
-    kvs_llm_request_t q = {
-        .room = s->room,
-        .prompt = s->prompt,
-        .prompt_len = s->prompt_len,
-        .max_new_tokens = s->max_new,
-        .sampling = {.temperature = (float) s->temperature, .top_p = (float) s->top_p},
-        .seed = s->seed,
-        .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos};
+    kvs_llm_request_t q = {.room = s->room,
+                           .prompt = s->prompt,
+                           .prompt_len = s->prompt_len,
+                           .max_new_tokens = s->max_new,
+                           .sampling = s->sampling,
+                           .seed = s->seed,
+                           .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
     if (st != KVS_OK) out_rejected(io->cfg->out_fd, s->room, st);
 }
@@ -226,8 +226,8 @@ static void handle_line(io_t *io, char *line)
     if (line[0] == '\0') return;
     kvs_rank_line_request_t q;
     const char *why = NULL;
-    kvs_status_t st =
-        kvs_rank_line_request_decode(line, strlen(line), io->ids, io->max_prompt, &q, &why);
+    kvs_status_t st = kvs_rank_line_request_decode(line, strlen(line), io->ids, io->max_prompt,
+                                                   io->bias, &q, &why);
     if (q.kind == KVS_RANK_LINE_MATCH && st != KVS_ERR_INVALID) {
         handle_match(io, &q, NULL, st == KVS_OK);
         return;

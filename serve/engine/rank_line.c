@@ -74,7 +74,10 @@ static void put_ids(out_t *o, const uint32_t *ids, uint32_t n)
 size_t kvs_rank_line_request_size(const kvs_rank_line_request_t *req)
 {
     /* Each id: a space and at most 10 digits; the fixed fields fit the constant. */
-    if (req->kind == KVS_RANK_LINE_SUBMIT) return 160 + (size_t) req->submit.prompt_len * 11;
+    /* Each bias: a space, 10 digits, a space and a %.9g float (at most 15 characters). */
+    if (req->kind == KVS_RANK_LINE_SUBMIT)
+        return 256 + (size_t) req->submit.prompt_len * 11 +
+               (size_t) req->submit.sampling.n_bias * 27;
     if (req->kind == KVS_RANK_LINE_MATCH) return 32 + (size_t) req->match_len * 11;
     return 32;
 }
@@ -84,13 +87,20 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
 {
     out_t o = {buf, cap, 0, cap == 0};
     const kvs_rank_line_submit_t *s = &req->submit;
+    const kvs_sample_params_t *sp = &s->sampling;
     switch (req->kind) {
     case KVS_RANK_LINE_SUBMIT:
-        if ((s->prompt == NULL && s->prompt_len > 0) || s->eos < -1 || s->eos > UINT32_MAX)
+        if ((s->prompt == NULL && s->prompt_len > 0) || s->eos < -1 || s->eos > UINT32_MAX ||
+            (sp->bias == NULL && sp->n_bias > 0))
             return KVS_ERR_INVALID;
-        put(&o, "submit %llu %u %.9g %.9g %llu %lld %u", (unsigned long long) s->room, s->max_new,
-            s->temperature, s->top_p, (unsigned long long) s->seed, (long long) s->eos,
-            s->prompt_len);
+        put(&o, "submit %llu %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %u",
+            (unsigned long long) s->room, s->max_new, (double) sp->temperature, (double) sp->top_p,
+            sp->top_k, (double) sp->min_p, (double) sp->presence_penalty,
+            (double) sp->frequency_penalty, (double) sp->repetition_penalty,
+            (unsigned long long) s->seed, (long long) s->eos, sp->n_bias);
+        for (uint32_t i = 0; i < sp->n_bias && !o.over; i++)
+            put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
+        put(&o, " %u", s->prompt_len);
         put_ids(&o, s->prompt, s->prompt_len);
         break;
     case KVS_RANK_LINE_STOP:
@@ -242,17 +252,20 @@ static kvs_status_t bad(const char **why_p, const char *why)
     return KVS_ERR_INVALID;
 }
 
-static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap,
+static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs_logit_bias_t *bias,
                                   kvs_rank_line_submit_t *s, const char **why_p)
 {
-    uint64_t max_new, n;
-    float temp, top_p;
-    if (next_u64(c, &s->room) || next_u64(c, &max_new) || next_f32(c, &temp) ||
-        next_f32(c, &top_p) || next_u64(c, &s->seed) || max_new > UINT32_MAX)
-        return bad(why_p, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P SEED EOS N IDS");
+    uint64_t max_new, top_k, nb, n;
+    kvs_sample_params_t *sp = &s->sampling;
+    if (next_u64(c, &s->room) || next_u64(c, &max_new) || next_f32(c, &sp->temperature) ||
+        next_f32(c, &sp->top_p) || next_u64(c, &top_k) || next_f32(c, &sp->min_p) ||
+        next_f32(c, &sp->presence_penalty) || next_f32(c, &sp->frequency_penalty) ||
+        next_f32(c, &sp->repetition_penalty) || next_u64(c, &s->seed) || max_new > UINT32_MAX ||
+        top_k > UINT32_MAX)
+        return bad(why_p, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE "
+                          "FREQUENCY REPETITION SEED EOS B BIASES N IDS");
     s->max_new = (uint32_t) max_new;
-    s->temperature = temp;
-    s->top_p = top_p;
+    sp->top_k = (uint32_t) top_k;
     if (c->len - c->at >= 3 && memcmp(c->s + c->at, " -1", 3) == 0 &&
         (c->at + 3 == c->len || c->s[c->at + 3] == ' ')) {
         c->at += 3;
@@ -262,6 +275,16 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap,
         if (next_u64(c, &e) || e >= UINT32_MAX) return bad(why_p, "EOS must be a token id or -1");
         s->eos = (int64_t) e;
     }
+    if (next_u64(c, &nb) || nb > KVS_SAMPLE_BIAS_LIMIT)
+        return bad(why_p, "B must be a count of logit biases, at most 300");
+    for (uint64_t i = 0; i < nb; i++) {
+        uint64_t id;
+        if (next_u64(c, &id) || id > UINT32_MAX || next_f32(c, &bias[i].bias))
+            return bad(why_p, "logit biases must be pairs of a token id and a float");
+        bias[i].token = (uint32_t) id;
+    }
+    sp->n_bias = (uint32_t) nb;
+    sp->bias = bias;
     if (next_u64(c, &n) || n == 0 || n > ids_cap) {
         *why_p = "prompt length out of range";
         return KVS_ERR_NOSPACE;
@@ -305,8 +328,8 @@ static int verb(const char *s, size_t len, const char *word)
 }
 
 kvs_status_t kvs_rank_line_request_decode(const char *line, size_t len, uint32_t *ids,
-                                          uint32_t ids_cap, kvs_rank_line_request_t *req_p,
-                                          const char **why_p)
+                                          uint32_t ids_cap, kvs_logit_bias_t *bias,
+                                          kvs_rank_line_request_t *req_p, const char **why_p)
 {
     const char *unused;
     if (why_p == NULL) why_p = &unused;
@@ -319,7 +342,7 @@ kvs_status_t kvs_rank_line_request_decode(const char *line, size_t len, uint32_t
     if (verb(line, len, "submit")) {
         req_p->kind = KVS_RANK_LINE_SUBMIT;
         cur_t c = {line, len, 6};
-        return decode_submit(&c, ids, ids_cap, &req_p->submit, why_p);
+        return decode_submit(&c, ids, ids_cap, bias, &req_p->submit, why_p);
     }
     if (verb(line, len, "stop")) {
         req_p->kind = KVS_RANK_LINE_STOP;

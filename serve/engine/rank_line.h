@@ -4,8 +4,14 @@
  * text below is the only definition of the format.
  *
  * Rank 0 reads requests from in_fd, one line each (fields separated by single spaces):
- *   submit ROOM MAX_NEW TEMPERATURE TOP_P SEED EOS N ID_1 ... ID_N
- *                         EOS: a token id, or -1 for none; N >= 1 prompt token ids
+ *   submit ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE FREQUENCY REPETITION SEED EOS
+ *          B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N
+ *                         the sampling parameters (kvs_sample_params_t: TOP_K an integer, the
+ *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
+ *                         EOS: a token id, or -1 for none (ignore_eos sends -1); B <= 300 logit
+ *                         biases, each a token id and a float; N >= 1 prompt token ids. The
+ *                         ranges are the engine's (kvs_sample_params_invalid): a submit outside
+ *                         them is answered "rejected"
  *   stop ROOM             ends a live request at the next step
  *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
  *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
@@ -75,8 +81,9 @@ typedef enum {
 typedef struct {
     uint64_t room;
     uint32_t max_new;
-    /* Written with %.9g (a float prints exactly); read back as float, as the engine samples. */
-    double temperature, top_p;
+    /* Floats written with %.9g (a float prints exactly) and read back as floats. Decode:
+     * sampling.bias points into the caller's bias buffer. */
+    kvs_sample_params_t sampling;
     uint64_t seed;
     int64_t eos;            /* a token id (< UINT32_MAX), or -1: none */
     uint32_t prompt_len;    /* N */
@@ -101,7 +108,8 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
                                           size_t *len_p);
 
 /* Reads one request line line[len] (no newline; a NUL ends it early). ids[ids_cap] receives the
- * prompt ids of a submit or match, which then point into it.
+ * prompt ids of a submit or match, which then point into it; bias[KVS_SAMPLE_BIAS_LIMIT] the
+ * logit biases of a submit.
  *   KVS_OK              *req_p is the request.
  *   KVS_ERR_INVALID     malformed; req_p->kind says which request it was (NONE: no known verb)
  *                       and *why_p what is wrong (a static string).
@@ -110,8 +118,8 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
  *                       match: N > ids_cap, the ids are well formed but not stored
  *                       (req_p->match_len is N). *why_p says so. */
 kvs_status_t kvs_rank_line_request_decode(const char *line, size_t len, uint32_t *ids,
-                                          uint32_t ids_cap, kvs_rank_line_request_t *req_p,
-                                          const char **why_p);
+                                          uint32_t ids_cap, kvs_logit_bias_t *bias,
+                                          kvs_rank_line_request_t *req_p, const char **why_p);
 
 /* ---- events: rank 0 (and every rank's exit line) -> client ---- */
 

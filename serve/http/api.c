@@ -25,6 +25,10 @@ static const char *const k_common_fields[] = {
     "user",
     "seed",
     "stop_token_ids",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
     "kvstage",
     NULL,
 };
@@ -135,16 +139,6 @@ static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
         if (json_string_length(v) != 0)
             return fail(err, 400, "suffix", NULL, "suffix is not supported");
     }
-    double pen = 0;
-    if (get_number(root, "presence_penalty", -2, 2, 0, &pen, err) != KVS_OK ||
-        get_number(root, "frequency_penalty", -2, 2, 0, &pen, err) != KVS_OK)
-        return KVS_ERR_INVALID;
-    if ((v = field(root, "logit_bias")) != NULL) {
-        if (!json_is_object(v))
-            return fail(err, 400, "logit_bias", NULL, "'logit_bias' must be an object");
-        if (json_object_size(v) != 0)
-            return fail(err, 400, "logit_bias", NULL, "logit_bias is not supported");
-    }
     if ((v = field(root, "user")) != NULL && !json_is_string(v))
         return fail(err, 400, "user", NULL, "'user' must be a string");
     if ((v = field(root, "response_format")) != NULL) {
@@ -176,6 +170,97 @@ static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
     if ((v = field(root, "metadata")) != NULL && !json_is_object(v))
         return fail(err, 400, "metadata", NULL, "'metadata' must be an object");
     return KVS_OK;
+}
+
+/* A logit_bias key: a token id in canonical decimal (one spelling per id). */
+static int token_key(const char *key, uint32_t vocab, uint32_t *id_p)
+{
+    uint64_t id = 0;
+    size_t n = strlen(key);
+    if (n == 0 || n > 10 || (key[0] == '0' && n > 1)) return 0;
+    for (size_t i = 0; i < n; i++) {
+        if (key[i] < '0' || key[i] > '9') return 0;
+        id = id * 10 + (uint64_t) (key[i] - '0');
+    }
+    if (id >= vocab) return 0;
+    *id_p = (uint32_t) id;
+    return 1;
+}
+
+static kvs_status_t parse_logit_bias(json_t *root, const kvs_server_tokenizer_t *tok,
+                                     kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "logit_bias");
+    if (v == NULL) return KVS_OK;
+    if (!json_is_object(v))
+        return fail(err, 400, "logit_bias", NULL,
+                    "'logit_bias' must be an object of token ids to biases");
+    size_t n = json_object_size(v);
+    if (n > KVS_SAMPLE_BIAS_LIMIT)
+        return fail(err, 400, "logit_bias", NULL, "'logit_bias' has %zu entries; at most %u", n,
+                    KVS_SAMPLE_BIAS_LIMIT);
+    if (n == 0) return KVS_OK;
+    kvs_logit_bias_t *b = kvs_malloc(n * sizeof(*b));
+    if (b == NULL) return fail_nomem(err);
+    req->sampling.bias = b; /* owned from here: fini frees it */
+    const char *key;
+    json_t *val;
+    uint32_t k = 0;
+    json_object_foreach(v, key, val)
+    {
+        uint32_t id;
+        if (!token_key(key, tok->vocab_size, &id))
+            return fail(err, 400, "logit_bias", NULL,
+                        "logit_bias key '%.32s' is not a token id below %u (in decimal)", key,
+                        tok->vocab_size);
+        double d = json_is_number(val) ? json_number_value(val) : NAN;
+        if (!(fabs(d) <= KVS_SAMPLE_BIAS_MAX))
+            return fail(err, 400, "logit_bias", NULL,
+                        "logit_bias['%s'] must be a number in [-%g, %g]", key,
+                        (double) KVS_SAMPLE_BIAS_MAX, (double) KVS_SAMPLE_BIAS_MAX);
+        b[k++] = (kvs_logit_bias_t){.token = id, .bias = (float) d};
+        req->sampling.n_bias = k;
+    }
+    return KVS_OK;
+}
+
+/* The sampling knobs (model/model.h), each refused outside its range by name. */
+static kvs_status_t parse_sampling(json_t *root, const kvs_server_tokenizer_t *tok,
+                                   kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    const double pen = KVS_SAMPLE_PENALTY_MAX;
+    double t = 1.0, p = 1.0, minp = 0, presence = 0, frequency = 0, repetition = 1;
+    kvs_status_t st;
+    if ((st = get_number(root, "temperature", 0, 2, 0, &t, err)) != KVS_OK ||
+        (st = get_number(root, "top_p", 0, 1, 1, &p, err)) != KVS_OK ||
+        (st = get_number(root, "min_p", 0, 1, 0, &minp, err)) != KVS_OK ||
+        (st = get_number(root, "presence_penalty", -pen, pen, 0, &presence, err)) != KVS_OK ||
+        (st = get_number(root, "frequency_penalty", -pen, pen, 0, &frequency, err)) != KVS_OK ||
+        (st = get_number(root, "repetition_penalty", 0, pen, 1, &repetition, err)) != KVS_OK)
+        return st;
+    kvs_sample_params_t *sp = &req->sampling;
+    sp->temperature = (float) t;
+    sp->top_p = (float) p;
+    sp->min_p = (float) minp;
+    sp->presence_penalty = (float) presence;
+    sp->frequency_penalty = (float) frequency;
+    sp->repetition_penalty = (float) repetition;
+    json_t *v = field(root, "top_k");
+    if (v != NULL) {
+        json_int_t k = json_is_integer(v) ? json_integer_value(v) : -2;
+        if (k < -1)
+            return fail(err, 400, "top_k", NULL,
+                        "'top_k' must be an integer: -1 or 0 (off), or at least 1");
+        /* More than the vocabulary keeps it all. */
+        sp->top_k = k <= 0 ? 0 : k > tok->vocab_size ? tok->vocab_size : (uint32_t) k;
+    }
+    if ((v = field(root, "seed")) != NULL) {
+        if (!json_is_integer(v)) return fail(err, 400, "seed", NULL, "'seed' must be an integer");
+        req->seed = (uint64_t) json_integer_value(v);
+    } else {
+        req->seed = kvs__random_seed();
+    }
+    return parse_logit_bias(root, tok, req, err);
 }
 
 static kvs_status_t parse_stops(json_t *root, kvs__api_req_t *req, kvs__api_err_t *err)
@@ -213,7 +298,7 @@ static kvs_status_t parse_stops(json_t *root, kvs__api_req_t *req, kvs__api_err_
     return KVS_OK;
 }
 
-static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *tok,
+static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *tok, int ignore_eos,
                                    kvs__api_req_t *req, kvs__api_err_t *err)
 {
     json_t *v = field(root, "stop_token_ids");
@@ -228,7 +313,7 @@ static kvs_status_t parse_stop_ids(json_t *root, const kvs_server_tokenizer_t *t
     }
     req->stop_ids = kvs_calloc(n + 1, sizeof(uint32_t));
     if (req->stop_ids == NULL) return fail_nomem(err);
-    if (tok->eos != UINT32_MAX) req->stop_ids[req->n_stop_ids++] = tok->eos;
+    if (tok->eos != UINT32_MAX && !ignore_eos) req->stop_ids[req->n_stop_ids++] = tok->eos;
     for (size_t i = 0; i < n; i++) {
         json_t *e = json_array_get(v, i);
         json_int_t id = json_is_integer(e) ? json_integer_value(e) : -1;
@@ -535,15 +620,9 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
     }
     kvs_status_t st = check_neutral(root, chat, err);
     if (st != KVS_OK) return st;
-    double t = 1.0, p = 1.0;
-    if ((st = get_number(root, "temperature", 0, 2, 0, &t, err)) != KVS_OK) return st;
-    if ((st = get_number(root, "top_p", 0, 1, 1, &p, err)) != KVS_OK) return st;
-    req->temperature = (float) t;
-    req->top_p = (float) p;
-    if ((v = field(root, "seed")) != NULL) {
-        if (!json_is_integer(v)) return fail(err, 400, "seed", NULL, "'seed' must be an integer");
-        req->seed = (uint64_t) json_integer_value(v);
-    }
+    if ((st = parse_sampling(root, tok, req, err)) != KVS_OK) return st;
+    int ignore_eos = 0;
+    if ((st = get_bool(root, "ignore_eos", &ignore_eos, err)) != KVS_OK) return st;
     if ((st = get_bool(root, "stream", &req->stream, err)) != KVS_OK) return st;
     if ((v = field(root, "stream_options")) != NULL) {
         if (!json_is_object(v))
@@ -563,7 +642,7 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
         }
     }
     if ((st = parse_stops(root, req, err)) != KVS_OK) return st;
-    if ((st = parse_stop_ids(root, tok, req, err)) != KVS_OK) return st;
+    if ((st = parse_stop_ids(root, tok, ignore_eos, req, err)) != KVS_OK) return st;
     if ((st = parse_kvstage(root, req, err)) != KVS_OK) return st;
     st = chat ? parse_messages(root, tok, req, err) : parse_prompt(root, tok, req, err);
     if (st != KVS_OK) return st;
@@ -605,6 +684,7 @@ void kvs__api_req_fini(kvs__api_req_t *req)
     kvs_free(req->prompt);
     for (uint32_t i = 0; i < req->n_stops; i++) kvs_free(req->stops[i]);
     kvs_free(req->stop_ids);
+    kvs_free((void *) req->sampling.bias);
     kvs_free(req->bootstrap);
     memset(req, 0, sizeof(*req));
 }

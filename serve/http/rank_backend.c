@@ -453,6 +453,11 @@ static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_
     }
     for (uint32_t i = 0; i < q->prompt_len; i++)
         if (q->prompt[i] >= c->vocab) return KVS_ERR_INVALID;
+    const char *why = kvs_sample_params_invalid(&q->sampling, c->vocab);
+    if (why != NULL) {
+        kvs_debug("rank backend: room %llu: %s", (unsigned long long) q->room, why);
+        return KVS_ERR_INVALID;
+    }
     return KVS_OK;
 }
 
@@ -468,8 +473,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
         .kind = KVS_RANK_LINE_SUBMIT,
         .submit = {.room = q->room,
                    .max_new = q->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->max_tokens,
-                   .temperature = q->temperature,
-                   .top_p = q->top_p,
+                   .sampling = q->sampling,
                    .seed = q->seed,
                    .eos = q->n_stop_ids > 0 ? (int64_t) q->stop_ids[0] : -1,
                    .prompt_len = q->prompt_len,

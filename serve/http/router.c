@@ -517,13 +517,19 @@ static rserver_t *pick(kvs_router_t *rt, kvs_router_side_t side, job_t *j, const
     return pick_round_robin(rt, side, pre);
 }
 
-/* The client's body with "kvstage" added (and, for the prefill leg, streaming off). */
-static char *forward_body(job_t *j, uint64_t room, kvs_router_side_t side, rserver_t *prefill)
+/* The client's body with "kvstage" added (and, for the prefill leg, streaming off). seed: the
+ * one both legs get when the client gave none (the prefill side draws the first token, the
+ * decode side the rest: one stream only if they agree). */
+static char *forward_body(job_t *j, uint64_t room, kvs_router_side_t side, rserver_t *prefill,
+                          uint64_t seed)
 {
     kvs_router_t *rt = j->rt;
     json_t *copy = json_deep_copy(j->root);
     json_t *k = json_pack("{s:I, s:s}", "room", (json_int_t) room, "role", side_name(side));
-    if (copy == NULL || k == NULL) {
+    json_t *s = json_object_get(j->root, "seed");
+    if (copy == NULL || k == NULL ||
+        ((s == NULL || json_is_null(s)) &&
+         json_object_set_new(copy, "seed", json_integer((json_int_t) seed)) != 0)) {
         json_decref(copy);
         json_decref(k);
         return NULL;
@@ -720,8 +726,9 @@ static void run_generate(job_t *j)
     memset(&lp, 0, sizeof(lp));
     memset(&ld, 0, sizeof(ld));
     CURLM *multi = curl_multi_init();
-    char *bp = forward_body(j, room, KVS_ROUTER_PREFILL, pre);
-    char *bd = forward_body(j, room, KVS_ROUTER_DECODE, pre);
+    const uint64_t seed = kvs__random_seed();
+    char *bp = forward_body(j, room, KVS_ROUTER_PREFILL, pre, seed);
+    char *bd = forward_body(j, room, KVS_ROUTER_DECODE, pre, seed);
     if (multi == NULL || bp == NULL || bd == NULL ||
         leg_init(&lp, j, pre, path, bp, rt->request_timeout_ms, 0) != KVS_OK ||
         leg_init(&ld, j, dec, path, bd, rt->request_timeout_ms, 1) != KVS_OK) {

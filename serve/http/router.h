@@ -13,12 +13,15 @@
  *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
  *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
  * (bootstrap as the prefill server's GET /internal/info declares it, omitted when it declares
- * none). The client gets the decode server's status, content type and body as they arrive,
- * except the part that carries the decode server's "kvstage" report (a JSON answer whole; a
- * stream from its usage chunk on), which waits for the prefill answer so that the report
- * covers both sides: "transfer_ns" is the prefill server's handoff time (its last prompt chunk
- * computed -> the room concluded), "kv_bytes", "ttft_ns" and "room" the decode server's, and
- * "prefill" and "decode" hold each server's own report.
+ * none), and, when the client gave no "seed", one random "seed" for both (so that the prefill
+ * side's first token and the decode side's later ones are one sampled stream; the decode
+ * server reports it in its "kvstage" object). The client gets the decode server's status,
+ * content type and body as they arrive, except the part that carries the decode server's
+ * "kvstage" report (a JSON answer whole; a stream from its usage chunk on), which waits for
+ * the prefill answer so that the report covers both sides: "transfer_ns" is the prefill
+ * server's handoff time (its last prompt chunk computed -> the room concluded), "kv_bytes",
+ * "ttft_ns", "seed" and "room" the decode server's, and "prefill" and "decode" hold each
+ * server's own report.
  * A client body that already has "kvstage" is refused (400).
  *
  * Failures: a server that refuses the connection, times out, drops the connection or fails

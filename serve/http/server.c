@@ -269,9 +269,9 @@ static json_t *usage_json(const req_t *r)
 
 static json_t *kvstage_json(const req_t *r)
 {
-    return json_pack("{s:I, s:I, s:I, s:I}", "room", (json_int_t) r->room, "ttft_ns",
-                     (json_int_t) r->final_done.ttft_ns, "transfer_ns",
-                     (json_int_t) r->final_done.transfer_ns, "kv_bytes",
+    return json_pack("{s:I, s:I, s:I, s:I, s:I}", "room", (json_int_t) r->room, "seed",
+                     (json_int_t) r->api.seed, "ttft_ns", (json_int_t) r->final_done.ttft_ns,
+                     "transfer_ns", (json_int_t) r->final_done.transfer_ns, "kv_bytes",
                      (json_int_t) r->final_done.kv_bytes);
 }
 
@@ -751,8 +751,7 @@ static enum MHD_Result handle_generate(req_t *r)
     q.prompt = r->api.prompt;
     q.prompt_len = r->api.prompt_len;
     q.max_tokens = r->api.max_tokens;
-    q.temperature = r->api.temperature;
-    q.top_p = r->api.top_p;
+    q.sampling = r->api.sampling;
     q.seed = r->api.seed;
     q.stop_ids = r->api.stop_ids;
     q.n_stop_ids = r->api.n_stop_ids;

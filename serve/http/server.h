@@ -9,9 +9,17 @@
  *   POST /v1/completions, POST /v1/chat/completions   OpenAI request and response shapes;
  *        "stream": true answers with server-sent events ("data: {...}\n\n" chunks, then
  *        "data: [DONE]\n\n"); "stream_options": {"include_usage": true} adds a usage chunk.
- *        Extensions: "stop_token_ids": [ids] (as vLLM), "kvstage": {...} (below).
+ *        Sampling: temperature [0, 2] (0: greedy), top_p (0, 1], presence_penalty and
+ *        frequency_penalty [-2, 2] (OpenAI: over the generated tokens), logit_bias (an object
+ *        of at most 300 token-id strings to biases in [-100, 100]), seed (an integer; absent: a
+ *        fresh random one per request, in [0, 2^53)), and as vLLM: top_k (-1 or 0: off, else
+ *        >= 1), min_p [0, 1], repetition_penalty (0, 2] (over prompt and generated tokens),
+ *        ignore_eos (the EOS does not end generation), stop_token_ids [ids]; greedy honours
+ *        the bias and the penalties too (model/sample.c: the order they act in).
+ *        Extensions: "kvstage": {...} (below).
  *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
- *        "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage chunk).
+ *        "seed", "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage
+ *        chunk); "seed" replays the request's draws.
  *        A generation that fails answers 500 (non-streaming), or, streaming, ends the stream
  *        with "data: {"error": {...}}" and no [DONE] (clients read [DONE] as success);
  *        finish_reason only ever holds OpenAI's values ("stop", "length"; "handoff" on the
@@ -74,6 +82,7 @@
 
 #include "kvstage/pd.h"
 #include "kvstage/status.h"
+#include "model/model.h"
 #include "model/tokenizer.h"
 
 /* ---------------------------------------------------------------------------------------- */
@@ -93,10 +102,13 @@ typedef struct {
     const uint32_t *prompt; /* [prompt_len] token ids, each < the tokenizer's vocab_size */
     uint32_t prompt_len;    /* >= 1 */
     uint32_t max_tokens;    /* >= 1; prompt_len + max_tokens <= the server's max_context */
-    float temperature;      /* [0, 2]; 0: greedy */
-    float top_p;            /* (0, 1] */
-    uint64_t seed;
-    const uint32_t *stop_ids; /* [n_stop_ids] tokens that end generation (the EOS first) */
+    /* temperature [0, 2] (0: greedy), top_p (0, 1], the rest as the HTTP API's ranges; its
+     * logit biases are ids < the tokenizer's vocab_size */
+    kvs_sample_params_t sampling;
+    uint64_t seed; /* the client's, or one the server drew (reported back) */
+    /* [n_stop_ids] tokens that end generation: the EOS first (unless ignore_eos), then
+     * "stop_token_ids" */
+    const uint32_t *stop_ids;
     uint32_t n_stop_ids;
     int stream; /* informational: the server streams either way from the sink */
 } kvs_server_request_t;

@@ -45,6 +45,10 @@ size_t kvs__stop_find(const char *text, size_t len, size_t from, char *const *st
 size_t kvs__stop_hold(const char *text, size_t len, size_t from, char *const *stops,
                       const size_t *stop_lens, uint32_t n_stops);
 
+/* A fresh seed for a request that gave none, in [0, 2^53) (exact as a JSON number in any
+ * client): from getrandom, or the clock and a counter mixed when that fails. */
+uint64_t kvs__random_seed(void);
+
 /* ---- JSON ---- */
 
 /* Routes jansson's allocations through the accounted allocator (once per process). */
@@ -70,13 +74,14 @@ typedef struct {
     uint32_t *prompt; /* [prompt_len] */
     uint32_t prompt_len;
     uint32_t max_tokens;
-    float temperature, top_p;
-    uint64_t seed;
+    kvs_sample_params_t sampling; /* sampling.bias: owned (kvs_malloc) */
+    uint64_t seed;                /* the client's, or kvs__random_seed() */
     int stream, include_usage;
     char *stops[KVS__MAX_STOPS]; /* decoded-text stop strings */
     size_t stop_lens[KVS__MAX_STOPS];
     uint32_t n_stops;
-    uint32_t *stop_ids; /* [n_stop_ids]: the tokenizer's EOS, then "stop_token_ids" */
+    uint32_t *stop_ids; /* [n_stop_ids]: the tokenizer's EOS (not with ignore_eos), then
+                           "stop_token_ids" */
     uint32_t n_stop_ids;
     int has_room; /* "kvstage" given */
     uint64_t room;

@@ -1,6 +1,6 @@
 /* Small pieces the server and the router share: the string builder, UTF-8 handling of streamed
- * text, stop-string search, JSON setup and error bodies, histograms, request bodies and the
- * libmicrohttpd daemon setup. */
+ * text, stop-string search, request seeds, JSON setup and error bodies, histograms, request
+ * bodies and the libmicrohttpd daemon setup. */
 #include "http/server_internal.h"
 
 #include <arpa/inet.h>
@@ -8,9 +8,13 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 #include "kvstage/alloc.h"
+#include "kvstage/clock.h"
 #include "kvstage/log.h"
+#include "kvstage/rng.h"
 
 /* ---- string builder ---- */
 
@@ -201,6 +205,20 @@ size_t kvs__stop_hold(const char *text, size_t len, size_t from, char *const *st
         }
     }
     return hold;
+}
+
+/* ---- seeds ---- */
+
+uint64_t kvs__random_seed(void)
+{
+    static uint64_t calls;
+    uint64_t s;
+    if (getrandom(&s, sizeof(s), GRND_NONBLOCK) != (ssize_t) sizeof(s)) {
+        /* No entropy yet (or no getrandom): distinct per call and per process all the same. */
+        uint64_t n = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
+        s = kvs_mix64(kvs_now_ns() ^ kvs_mix64(n ^ ((uint64_t) getpid() << 32)));
+    }
+    return s & ((UINT64_C(1) << 53) - 1);
 }
 
 /* ---- JSON ---- */

@@ -86,16 +86,50 @@ kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_m
                                uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
                                float *logits);
 
+/* Sampling ranges, shared by the engine's checks and the HTTP API's messages. */
+#define KVS_SAMPLE_PENALTY_MAX 2.0f   /* |presence|, |frequency| <= it; repetition in (0, it] */
+#define KVS_SAMPLE_BIAS_MAX    100.0f /* |logit bias| <= it */
+#define KVS_SAMPLE_BIAS_LIMIT  300u   /* logit bias entries per request at most */
+
 typedef struct {
-    float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
-    float top_p;       /* nucleus mass in (0, 1]; <= 0 keeps only the most likely tokens */
+    uint32_t token; /* < vocab */
+    float bias;     /* added to the token's logit */
+} kvs_logit_bias_t;
+
+/* Every knob's neutral value is its zero, except top_p (1). sample.c says in which order they
+ * act. */
+typedef struct {
+    float temperature;        /* <= 0: greedy (argmax, lowest id on ties) */
+    float top_p;              /* nucleus mass in (0, 1]; <= 0 keeps only the most likely tokens */
+    uint32_t top_k;           /* keep the k most likely tokens; 0: off */
+    float min_p;              /* keep tokens at least min_p times as likely as the top; 0: off */
+    float presence_penalty;   /* OpenAI: minus this once for a token generated before */
+    float frequency_penalty;  /* OpenAI: minus this for every time a token was generated */
+    float repetition_penalty; /* vLLM, over prompt and generated tokens; 0 or 1: off */
+    const kvs_logit_bias_t *bias; /* [n_bias]; borrowed */
+    uint32_t n_bias;
 } kvs_sample_params_t;
 
-/* Picks the next token. Greedy (temperature <= 0, params NULL or rng NULL) draws nothing from
- * rng; otherwise tokens are drawn with probability softmax(logits / temperature) restricted to
- * the smallest set of most likely tokens whose mass reaches top_p (tokens tied at the cut are
+/* The tokens a request has seen, for the penalties. */
+typedef struct {
+    const uint32_t *tokens; /* [len]: the prompt, then the tokens generated so far */
+    uint32_t len;
+    uint32_t prompt_len; /* tokens[prompt_len, len) are the generated ones */
+    uint32_t *counts;    /* [vocab] scratch, all zero, left all zero */
+} kvs_sample_history_t;
+
+/* NULL when params are valid for a vocabulary of vocab tokens, else what is wrong (a static
+ * string naming the knob and its range): temperature finite and >= 0, top_p and min_p in
+ * [0, 1], presence and frequency penalties in [-2, 2], repetition 0 or in (0, 2], at most
+ * KVS_SAMPLE_BIAS_LIMIT biases, each finite, |bias| <= 100, for a token < vocab. */
+const char *kvs_sample_params_invalid(const kvs_sample_params_t *params, uint32_t vocab);
+
+/* Picks the next token, rewriting logits[vocab] in place (bias, then penalties). params NULL:
+ * greedy. history NULL, or its counts NULL: no penalty applies (pass both for penalties).
+ * Greedy (temperature <= 0, or rng NULL) draws nothing from rng; otherwise the draw is from
+ * softmax(logits / temperature) restricted by top-k, min-p and top-p (tokens tied at a cut are
  * all kept). NaN logits are never picked. Allocation-free. */
-uint32_t kvs_sample(const float *logits, uint32_t vocab, const kvs_sample_params_t *params,
-                    kvs_rng_t *rng);
+uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                    const kvs_sample_history_t *history, kvs_rng_t *rng);
 
 #endif

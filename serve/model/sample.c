@@ -1,12 +1,46 @@
-/* Token sampling: greedy, or temperature with a nucleus (top-p) cut. The nucleus is found
- * without sorting or allocating: it is always {i : logits[i] >= cut} for some logit value cut,
- * and the mass above a cut only shrinks as the cut rises, so a binary search over the float
- * values (in their order-preserving integer encoding) finds the highest cut that still holds
- * top_p of the mass. */
+/* Token sampling as OpenAI and vLLM clients expect, in one fixed order:
+ *   1. logit bias   logits[id] += bias, for each entry.
+ *   2. penalties    repetition (vLLM) over every token of the history, prompt included: a
+ *                   positive logit is divided by it, a negative one multiplied; then frequency
+ *                   and presence (OpenAI) over the generated tokens only: logit -= count *
+ *                   frequency + presence.
+ *   3. temperature  0: greedy, the argmax of the biased, penalised logits (4-7 cannot move the
+ *                   argmax and are skipped); otherwise weights exp((logit - max) / temperature).
+ *   4. top-k        keeps the k largest logits.
+ *   5. min-p        keeps the weights >= min_p (the top token weighs 1).
+ *   6. top-p        keeps the smallest set of the most likely survivors holding top_p of the
+ *                   survivors' mass.
+ *   7. draw         one uniform double from rng, walked over the kept weights in id order.
+ * Each of 4-6 keeps {i : logits[i] >= cut} for some logit value cut (the weights rise with the
+ * logit), so they compose by raising one cut in turn, and tokens tied at a cut are all kept.
+ * A cut is found without sorting or allocating: the count (top-k) or mass (top-p) above a cut
+ * only shrinks as the cut rises, so a binary search over the float values (in their
+ * order-preserving integer encoding) finds the highest cut that still holds enough. */
 #include <math.h>
 #include <string.h>
 
 #include "model/model.h"
+
+const char *kvs_sample_params_invalid(const kvs_sample_params_t *p, uint32_t vocab)
+{
+    const float pen = KVS_SAMPLE_PENALTY_MAX;
+    if (!(p->temperature >= 0) || isinf(p->temperature))
+        return "temperature must be finite and >= 0";
+    if (!(p->top_p >= 0 && p->top_p <= 1)) return "top_p must be in [0, 1]";
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return "min_p must be in [0, 1]";
+    if (!(fabsf(p->presence_penalty) <= pen)) return "presence_penalty must be in [-2, 2]";
+    if (!(fabsf(p->frequency_penalty) <= pen)) return "frequency_penalty must be in [-2, 2]";
+    if (!(p->repetition_penalty >= 0 && p->repetition_penalty <= pen))
+        return "repetition_penalty must be in (0, 2] (0: off)";
+    if (p->n_bias > KVS_SAMPLE_BIAS_LIMIT) return "logit_bias has more than 300 entries";
+    if (p->n_bias > 0 && p->bias == NULL) return "logit_bias entries missing";
+    for (uint32_t i = 0; i < p->n_bias; i++) {
+        if (p->bias[i].token >= vocab) return "a logit_bias token is outside the vocabulary";
+        if (!(fabsf(p->bias[i].bias) <= KVS_SAMPLE_BIAS_MAX))
+            return "a logit_bias value must be in [-100, 100]";
+    }
+    return NULL;
+}
 
 /* Lowest id among the largest non-NaN logits; 0 when every logit is NaN. */
 static uint32_t argmax(const float *logits, uint32_t vocab)
@@ -17,6 +51,37 @@ static uint32_t argmax(const float *logits, uint32_t vocab)
         if (best == UINT32_MAX || logits[i] > logits[best]) best = i;
     }
     return best == UINT32_MAX ? 0 : best;
+}
+
+/* Steps 1 and 2. The counts scratch holds, per token of the history, a seen bit and the
+ * number of generated occurrences; the second walk applies each token's penalties once and
+ * clears its count. */
+static void bias_and_penalise(float *logits, uint32_t vocab, const kvs_sample_params_t *p,
+                              const kvs_sample_history_t *h)
+{
+    for (uint32_t i = 0; i < p->n_bias; i++)
+        if (p->bias[i].token < vocab) logits[p->bias[i].token] += p->bias[i].bias;
+    const float rep = p->repetition_penalty;
+    const int repeat = rep > 0 && rep != 1;
+    if (h == NULL || h->counts == NULL ||
+        !(repeat || p->presence_penalty != 0 || p->frequency_penalty != 0))
+        return;
+    const uint32_t seen = 0x80000000u;
+    uint32_t *c = h->counts;
+    for (uint32_t i = 0; i < h->len; i++) {
+        const uint32_t t = h->tokens[i];
+        if (t < vocab) c[t] = (c[t] | seen) + (i >= h->prompt_len);
+    }
+    for (uint32_t i = 0; i < h->len; i++) {
+        const uint32_t t = h->tokens[i];
+        if (t >= vocab || c[t] == 0) continue;
+        float l = logits[t];
+        if (repeat) l = l > 0 ? l / rep : l * rep;
+        const uint32_t n = c[t] & ~seen;
+        if (n > 0) l -= (float) n * p->frequency_penalty + p->presence_penalty;
+        logits[t] = l;
+        c[t] = 0;
+    }
 }
 
 /* An encoding of floats as unsigned integers that keeps their order (-0 just below +0). */
@@ -41,15 +106,32 @@ static inline double weight(float logit, float max, double inv_temp)
     return exp(((double) logit - (double) max) * inv_temp);
 }
 
-/* Mass of the tokens with logit >= cut, summed in id order; stops early once it reaches
- * stop (pass INFINITY for the whole sum). NaN logits never count. */
-static double mass_above(const float *logits, uint32_t vocab, float cut, float max, double inv_temp,
-                         double stop)
+/* The tokens with logit >= cut, summed in id order: their count (by_count) or their mass;
+ * stops early once the sum reaches stop (pass INFINITY for the whole sum). NaN logits never
+ * count. */
+static double sum_above(const float *logits, uint32_t vocab, float cut, float max, double inv_temp,
+                        int by_count, double stop)
 {
     double sum = 0;
     for (uint32_t i = 0; i < vocab && sum < stop; i++)
-        if (logits[i] >= cut) sum += weight(logits[i], max, inv_temp);
+        if (logits[i] >= cut) sum += by_count ? 1.0 : weight(logits[i], max, inv_temp);
     return sum;
+}
+
+/* The highest cut in [low, max] whose sum above still reaches target; the sum above low
+ * must reach it. */
+static float highest_cut(const float *logits, uint32_t vocab, float low, float max, double inv_temp,
+                         int by_count, double target)
+{
+    uint32_t lo = float_key(low), hi = float_key(max);
+    while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo + 1) / 2;
+        if (sum_above(logits, vocab, key_float(mid), max, inv_temp, by_count, target) >= target)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return key_float(lo);
 }
 
 /* Uniform double in [0, 1). */
@@ -58,10 +140,11 @@ static double uniform01(kvs_rng_t *rng)
     return (double) (kvs_rng_next(rng) >> 11) * 0x1p-53;
 }
 
-uint32_t kvs_sample(const float *logits, uint32_t vocab, const kvs_sample_params_t *params,
-                    kvs_rng_t *rng)
+uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                    const kvs_sample_history_t *history, kvs_rng_t *rng)
 {
     if (logits == NULL || vocab == 0) return 0;
+    if (params != NULL) bias_and_penalise(logits, vocab, params, history);
     const uint32_t best = argmax(logits, vocab);
     if (params == NULL || !(params->temperature > 0.0f) || rng == NULL) return best;
     const float max = logits[best];
@@ -69,23 +152,25 @@ uint32_t kvs_sample(const float *logits, uint32_t vocab, const kvs_sample_params
     const double inv_temp = 1.0 / params->temperature;
 
     float cut = -INFINITY;
+    if (params->top_k > 0 &&
+        sum_above(logits, vocab, cut, max, inv_temp, 1, INFINITY) > params->top_k)
+        cut = highest_cut(logits, vocab, cut, max, inv_temp, 1, params->top_k);
+    if (params->min_p > 0) {
+        float low = max; /* the lowest logit whose weight reaches min_p: the top's does */
+        for (uint32_t i = 0; i < vocab; i++)
+            if (logits[i] >= cut && logits[i] < low &&
+                weight(logits[i], max, inv_temp) >= params->min_p)
+                low = logits[i];
+        cut = low;
+    }
     if (!(params->top_p >= 1.0f)) {
-        const double total = mass_above(logits, vocab, -INFINITY, max, inv_temp, INFINITY);
+        const double total = sum_above(logits, vocab, cut, max, inv_temp, 0, INFINITY);
+        /* A tiny target keeps the top logit alone. */
         const double target = params->top_p > 0.0f ? params->top_p * total : 0.0;
-        /* Invariant: the cut encoded by lo keeps at least target; the top logit alone is a
-         * valid answer when target is tiny. */
-        uint32_t lo = float_key(-INFINITY), hi = float_key(max);
-        while (lo < hi) {
-            const uint32_t mid = lo + (hi - lo + 1) / 2;
-            if (mass_above(logits, vocab, key_float(mid), max, inv_temp, target) >= target)
-                lo = mid;
-            else
-                hi = mid - 1;
-        }
-        cut = key_float(lo);
+        cut = highest_cut(logits, vocab, cut, max, inv_temp, 0, target);
     }
 
-    const double kept = mass_above(logits, vocab, cut, max, inv_temp, INFINITY);
+    const double kept = sum_above(logits, vocab, cut, max, inv_temp, 0, INFINITY);
     const double r = uniform01(rng) * kept;
     double acc = 0;
     uint32_t last = best;

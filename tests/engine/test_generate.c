@@ -172,6 +172,35 @@ static void test_smollm2_tp3_to_tp1(void **state)
     }
 }
 
+/* The sampling knobs on SmolLM2: penalties change the greedy continuation of "The capital of
+ * France is"; with penalties, top-k, min-p, top-p and a seed, disaggregated generates exactly
+ * the colocated tokens (and they differ from the greedy ones: the sampling acted). */
+#define SMOL_PENALTIES "--presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.2"
+#define SMOL_SAMPLED                                                                               \
+    "--temperature 0.9 --top-k 40 --min-p 0.02 --top-p 0.95 --seed 4242 " SMOL_PENALTIES
+#define SMOL_TWO "--prompt 'The capital of France is' --prompt 'Once upon a time' --max-tokens 16"
+
+static void test_smollm2_sampling(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    need_smollm2();
+    result_t greedy, ref, r;
+    generate("--colocated " SMOL_PENALTIES " " SMOL_TWO, &greedy);
+    assert_int_equal(greedy.n, 2);
+    assert_int_equal(greedy.nids[0], 16);
+    if (memcmp(greedy.ids[0], smol_expect, sizeof(smol_expect)) == 0)
+        fail_msg("the penalties left the greedy continuation as it was");
+    generate("--colocated " SMOL_SAMPLED " " SMOL_TWO, &ref);
+    int differs = 0;
+    for (uint32_t k = 0; k < 2; k++)
+        differs |= ref.nids[k] != greedy.nids[k] ||
+                   memcmp(ref.ids[k], greedy.ids[k], ref.nids[k] * sizeof(uint32_t)) != 0;
+    if (!differs) fail_msg("sampling gave the greedy tokens");
+    generate("--prefill-tp 1 --decode-tp 1 " SMOL_SAMPLED " " SMOL_TWO, &r);
+    expect_same_tokens(&r, &ref, "sampled, disaggregated");
+}
+
 /* The human-readable output streams the text and reports the transfer. */
 static void test_smollm2_text(void **state)
 {
@@ -292,11 +321,14 @@ static void test_rank_pipe(void **state)
     FILE *p = popen(cmd, "w");
     assert_non_null(p);
     fputs("hello\n"
-          "submit 1 4 0 1 0 -1 3 1 2 3\n"
-          "submit 2 4 0 1 0 -1 2 1 99999\n"
-          "submit 3 4 0 1 0 -1 2 5 6 7\n"
-          "submit 5 96 0 1 0 -1 9 1 2 3 4 5 6 7 8 9\n"
-          "submit 4 100 0 1 0 -1 3 1 2 3\n"
+          "submit 1 4 0 1 0 0 0 0 0 0 -1 0 3 1 2 3\n"
+          "submit 2 4 0 1 0 0 0 0 0 0 -1 0 2 1 99999\n"
+          "submit 3 4 0 1 0 0 0 0 0 0 -1 0 2 5 6 7\n"
+          "submit 5 96 0 1 0 0 0 0 0 0 -1 0 9 1 2 3 4 5 6 7 8 9\n"
+          "submit 4 100 0 1 0 0 0 0 0 0 -1 0 3 1 2 3\n"
+          /* sampling parameters the engine refuses: min_p 2, a bias outside the vocabulary */
+          "submit 6 4 0 1 0 2 0 0 0 0 -1 0 3 1 2 3\n"
+          "submit 7 4 0 1 0 0 0 0 0 0 -1 1 512 1 3 1 2 3\n"
           "stop 4\n"
           "match 3 1 2 3\n"
           "match 3 1 2\n"
@@ -319,6 +351,8 @@ static void test_rank_pipe(void **state)
         "{\"event\":\"rejected\",\"room\":2,",
         "{\"event\":\"error\",\"message\":\"bad request line: more token ids than N\"}",
         "{\"event\":\"rejected\",\"room\":5,",
+        "{\"event\":\"rejected\",\"room\":6,",
+        "{\"event\":\"rejected\",\"room\":7,",
         "{\"event\":\"token\",\"room\":1,\"token\":",
         "\"index\":3}",
         "{\"event\":\"done\",\"room\":1,\"status\":\"ok\",\"finish\":\"length\","
@@ -389,7 +423,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_flags),         cmocka_unit_test(test_rank_pipe),
         cmocka_unit_test(test_smollm2_text),      cmocka_unit_test(test_smollm2_tp3_to_tp1),
-        cmocka_unit_test(test_seeded_tp_changes), cmocka_unit_test(test_seeded_small_pool),
+        cmocka_unit_test(test_smollm2_sampling),  cmocka_unit_test(test_seeded_tp_changes),
+        cmocka_unit_test(test_seeded_small_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

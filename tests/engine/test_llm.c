@@ -42,7 +42,8 @@ static uint32_t g_len[NPROMPTS] = {70, 55, 93, 21};
 static uint32_t g_ref[NPROMPTS][MAX_NEW]; /* greedy reference */
 /* What runs must produce: g_ref when greedy; a colocated sampled run's tokens when sampling. */
 static uint32_t (*g_expect)[MAX_NEW] = g_ref;
-static float g_temperature; /* of every request; 0: greedy */
+static const kvs_sample_params_t GREEDY = {.top_p = 0.95f};
+static kvs_sample_params_t g_sampling = {.top_p = 0.95f}; /* of every request */
 /* Pages of the engines' pools: 64 hold every request at once; 10 force preemptions (prompts 0
  * and 1 are admitted together in 9 and grow to 13). */
 #define ROOMY_POOL 64
@@ -87,7 +88,7 @@ static void reference(void)
             .tokens = g_prompt[p], .n = g_len[p], .pos0 = 0, .pages = pages, .npages = 32};
         assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
         for (int t = 0; t < MAX_NEW; t++) {
-            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL);
+            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL, NULL);
             s = (kvs_model_seq_t){
                 .tokens = &g_ref[p][t], .n = 1, .pos0 = g_len[p] + t, .pages = pages, .npages = 32};
             if (t + 1 < MAX_NEW)
@@ -138,7 +139,7 @@ static kvs_llm_request_t request(int p)
                                .prompt = g_prompt[p],
                                .prompt_len = g_len[p],
                                .max_new_tokens = MAX_NEW,
-                               .sampling = {.temperature = g_temperature, .top_p = 0.95f},
+                               .sampling = g_sampling,
                                .seed = 1000 + (uint64_t) p,
                                .eos = UINT32_MAX};
 }
@@ -458,35 +459,70 @@ static void test_disaggregated_hostile_network(void **state)
     kvs_assert_no_leaks();
 }
 
-/* Sampling (temperature 0.9, top-p 0.95): every token's draw depends on (seed, token index)
- * only, so the prefill side's first token and the decode side's later ones give exactly the
- * tokens of one colocated run. */
+/* Sampling: every token's draw depends on (seed, token index) only, and its penalties on the
+ * prompt and the tokens before it, which the decode side has too (the prompt, and the first
+ * token from the prefill side); so the prefill side's first token and the decode side's later
+ * ones give exactly the tokens of one colocated run (and TP2 ranks, which each sample from the
+ * broadcast parameters, those of TP1). Greedy with penalties and a bias, temperature and top-p
+ * alone, and every knob together. */
 static void test_disaggregated_sampling(void **state)
 {
     (void) state;
+    static const kvs_logit_bias_t bias[3] = {{0, 3}, {17, -100}, {200, 1.5f}};
+    /* Three tokens lifted far above the rest: the penalties of what was generated before
+     * (the first token included, on the decode side) decide between them at every step. */
+    static const kvs_logit_bias_t top3[3] = {{5, 100}, {6, 100}, {7, 100}};
+    const kvs_sample_params_t sets[4] = {
+        {.top_p = 1,
+         .presence_penalty = 0.8f,
+         .frequency_penalty = 0.6f,
+         .repetition_penalty = 1.4f,
+         .bias = bias,
+         .n_bias = 3},
+        {.temperature = 0.9f, .top_p = 0.95f},
+        {.temperature = 0.8f,
+         .top_p = 0.9f,
+         .top_k = 20,
+         .min_p = 0.02f,
+         .presence_penalty = 0.4f,
+         .frequency_penalty = -0.3f,
+         .repetition_penalty = 1.3f,
+         .bias = bias,
+         .n_bias = 3},
+        {.top_p = 1,
+         .presence_penalty = 1.5f,
+         .frequency_penalty = 1.5f,
+         .bias = top3,
+         .n_bias = 3},
+    };
     static uint32_t sampled[NPROMPTS][MAX_NEW];
-    outcome_t o;
-    g_temperature = 0.9f;
-    g_expect = sampled;
-    /* The colocated run defines the expectation: fill it from a first run, then require it. */
-    int differs = 0;
-    colocated(0, 0, &o, NULL);
-    for (int p = 0; p < NPROMPTS; p++) {
-        assert_int_equal(o.ntokens[p], MAX_NEW);
-        memcpy(sampled[p], o.tokens[p], sizeof(sampled[p]));
-        differs |= memcmp(sampled[p], g_ref[p], sizeof(sampled[p])) != 0;
+    for (int k = 0; k < 4; k++) {
+        outcome_t o;
+        g_sampling = sets[k];
+        g_expect = sampled;
+        /* The colocated run defines the expectation: fill it from a first run, then require
+         * it. */
+        int differs = 0;
+        colocated(0, 0, &o, NULL);
+        for (int p = 0; p < NPROMPTS; p++) {
+            assert_int_equal(o.ntokens[p], MAX_NEW);
+            memcpy(sampled[p], o.tokens[p], sizeof(sampled[p]));
+            differs |= memcmp(sampled[p], g_ref[p], sizeof(sampled[p])) != 0;
+        }
+        /* the knobs changed something, or this test would prove nothing */
+        if (!differs) fail_msg("parameter set %d gives the greedy reference", k);
+        run_colocated(1, 1);
+        run_tp2_threads();
+        run_disaggregated(NULL, 1, 1, 0, NULL);
+        run_disaggregated(NULL, 0, 1, 0, NULL);
+        g_pool_pages = SMALL_POOL; /* sampled tokens survive a preemption too */
+        kvs_llm_stats_t st;
+        colocated(1, 0, &o, &st);
+        assert_true(st.preemptions > 0);
+        for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+        g_pool_pages = ROOMY_POOL;
     }
-    assert_true(differs); /* sampling changed something, or this test would prove nothing */
-    run_colocated(1, 1);
-    run_disaggregated(NULL, 1, 1, 0, NULL);
-    run_disaggregated(NULL, 0, 1, 0, NULL);
-    g_pool_pages = SMALL_POOL; /* sampled tokens survive a preemption too */
-    kvs_llm_stats_t st;
-    colocated(1, 0, &o, &st);
-    assert_true(st.preemptions > 0);
-    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
-    g_pool_pages = ROOMY_POOL;
-    g_temperature = 0.0f;
+    g_sampling = GREEDY;
     g_expect = g_ref;
     kvs_assert_no_leaks();
 }
@@ -554,12 +590,20 @@ static void test_submit_refusals(void **state)
     q.prompt = bad;
     q.prompt_len = 3;
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    const kvs_logit_bias_t outside[1] = {{256, 1}};
+    q = request(0);
+    q.sampling.bias = outside;
+    q.sampling.n_bias = 1;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    q = request(0);
+    q.sampling.frequency_penalty = 2.5f;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
     q = request(0);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID); /* room already live */
     assert_int_equal(kvs_llm_stop(s.llm, 99), KVS_ERR_NOT_FOUND);
     kvs_log_set_sink(NULL, NULL);
-    assert_int_equal(cap.calls, 5);
+    assert_int_equal(cap.calls, 7);
     /* A stop ends the request at the next step, with what it generated so far. */
     assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
     int quit;

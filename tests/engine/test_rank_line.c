@@ -19,12 +19,14 @@ static char *exact(const char *s, size_t *len_p)
     return p;
 }
 
+static kvs_logit_bias_t g_bias[KVS_SAMPLE_BIAS_LIMIT]; /* decoded logit biases */
+
 static kvs_status_t req_decode(const char *s, uint32_t *ids, uint32_t cap,
                                kvs_rank_line_request_t *q, const char **why)
 {
     size_t n;
     char *p = exact(s, &n);
-    kvs_status_t st = kvs_rank_line_request_decode(p, n, ids, cap, q, why);
+    kvs_status_t st = kvs_rank_line_request_decode(p, n, ids, cap, g_bias, q, why);
     free(p);
     return st;
 }
@@ -65,25 +67,40 @@ static void test_requests_round_trip(void **state)
     (void) state;
     uint32_t ids[16], prompt[5] = {1, 22, 333, 4294967295u, 0};
     kvs_rank_line_request_t back;
+    const kvs_logit_bias_t bias[2] = {{4294967295u, -100.0f}, {0, 0.1f}};
 
     kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_SUBMIT,
                                  .submit = {.room = 18446744073709551615ull,
                                             .max_new = 4294967295u,
-                                            .temperature = 0.5f,
-                                            .top_p = 0.9f,
+                                            .sampling = {.temperature = 0.5f,
+                                                         .top_p = 0.9f,
+                                                         .top_k = 4294967295u,
+                                                         .min_p = 0.05f,
+                                                         .presence_penalty = -2.0f,
+                                                         .frequency_penalty = 1.5f,
+                                                         .repetition_penalty = 1.25f,
+                                                         .bias = bias,
+                                                         .n_bias = 2},
                                             .seed = 7,
                                             .eos = -1,
                                             .prompt_len = 5,
                                             .prompt = prompt}};
     req_round_trip(&q,
-                   "submit 18446744073709551615 4294967295 0.5 0.899999976 7 -1 5 1 22 333 "
+                   "submit 18446744073709551615 4294967295 0.5 0.899999976 4294967295 "
+                   "0.0500000007 -2 1.5 1.25 7 -1 2 4294967295 -100 0 0.100000001 5 1 22 333 "
                    "4294967295 0\n",
                    &back, ids, 16);
     assert_int_equal(back.kind, KVS_RANK_LINE_SUBMIT);
     assert_true(back.submit.room == q.submit.room);
     assert_int_equal(back.submit.max_new, q.submit.max_new);
-    assert_true(back.submit.temperature == q.submit.temperature);
-    assert_true(back.submit.top_p == q.submit.top_p);
+    const kvs_sample_params_t *a = &q.submit.sampling, *b = &back.submit.sampling;
+    assert_true(b->temperature == a->temperature && b->top_p == a->top_p && b->top_k == a->top_k &&
+                b->min_p == a->min_p && b->presence_penalty == a->presence_penalty &&
+                b->frequency_penalty == a->frequency_penalty &&
+                b->repetition_penalty == a->repetition_penalty);
+    assert_int_equal(b->n_bias, 2);
+    assert_ptr_equal(b->bias, g_bias);
+    assert_memory_equal(g_bias, bias, sizeof(bias));
     assert_int_equal(back.submit.seed, 7);
     assert_int_equal(back.submit.eos, -1);
     assert_int_equal(back.submit.prompt_len, 5);
@@ -91,11 +108,10 @@ static void test_requests_round_trip(void **state)
     assert_memory_equal(ids, prompt, sizeof(prompt));
 
     q.submit.eos = 4294967294ll;
-    q.submit.temperature = 0;
-    q.submit.top_p = 1;
+    q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 7 4294967294 1 1\n", &back, ids,
-                   16);
+    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 0 1 1\n",
+                   &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
 
     kvs_rank_line_request_t stop = {.kind = KVS_RANK_LINE_STOP, .room = 42};
@@ -124,6 +140,9 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = -2;
     assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
     q.submit.eos = -1;
+    q.submit.sampling.n_bias = 1; /* biases missing */
+    assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
+    q.submit.sampling.n_bias = 0;
     q.submit.prompt = NULL;
     assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
     assert_int_equal(kvs_rank_line_request_encode(&stats, buf, 0, &n), KVS_ERR_NOSPACE);
@@ -137,12 +156,19 @@ static void test_request_literals(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     assert_int_equal(
-        req_decode("submit 5 5 0.5 0.899999976 7 99 10 1 2 3 4 5 6 7 8 9 10", ids, 16, &q, &why),
+        req_decode("submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 1 3 2.5 10 1 2 3 4 5 6 7 "
+                   "8 9 10",
+                   ids, 16, &q, &why),
         KVS_OK);
     assert_int_equal(q.submit.room, 5);
     assert_int_equal(q.submit.max_new, 5);
-    assert_true((float) q.submit.temperature == 0.5f);
-    assert_true((float) q.submit.top_p == 0.9f);
+    const kvs_sample_params_t *sp = &q.submit.sampling;
+    assert_true(sp->temperature == 0.5f && sp->top_p == 0.9f && sp->top_k == 40 &&
+                sp->min_p == 0.1f && sp->presence_penalty == 0.5f &&
+                sp->frequency_penalty == -0.25f && sp->repetition_penalty == 1.1f);
+    assert_int_equal(sp->n_bias, 1);
+    assert_int_equal(sp->bias[0].token, 3);
+    assert_true(sp->bias[0].bias == 2.5f);
     assert_int_equal(q.submit.seed, 7);
     assert_int_equal(q.submit.eos, 99);
     assert_int_equal(q.submit.prompt_len, 10);
@@ -172,38 +198,67 @@ static void test_bad_requests(void **state)
         {"quit now", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         /* truncated */
         {"submit 1 2 0.5 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 3 -1 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "prompt token ids"},
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match 3 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
         /* bad numbers */
-        {"submit x 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 zero 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5x 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 1e99 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 4294967296 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit"},
-        {"submit 18446744073709551616 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 3 -2 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 3 4294967295 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS"},
-        {"submit 1 2 0.5 1 3 -1 1 4294967296", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit"},
+        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "EOS must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "EOS"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 4294967296", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
-        {"submit 1 2 0.5 1 3 -1 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "prompt token ids"},
+        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "at most 300"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "B must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "logit biases"},
         {"submit  1 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"stop 1x", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"stop 1 2", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match x 1", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         {"match 0", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         /* N mismatching the ids */
-        {"submit 1 2 0.5 1 3 -1 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids than N"},
-        {"submit 1 2 0.5 1 3 -1 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "more token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "more token ids"},
         {"match 1 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: more token ids than N"},
         /* N the rank refuses: submit's ids are not read, match's are checked */
-        {"submit 1 2 0.5 1 3 -1 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt length"},
-        {"submit 1 2 0.5 1 3 -1 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt length"},
-        {"submit 1 2 0.5 1 3 -1 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE, "prompt"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt length"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt length"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+         "prompt"},
         {"match 5 1 2 3 4 5", KVS_RANK_LINE_MATCH, KVS_ERR_NOSPACE, "match: more token ids"},
         {"match 5 1 2 3 4 x", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
     };
@@ -220,18 +275,20 @@ static void test_bad_requests(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     /* A refused submit still names its room (rank 0 answers with a rejected line). */
-    assert_int_equal(req_decode("submit 9 2 0.5 1 3 -1 5 1", ids, 4, &q, &why), KVS_ERR_NOSPACE);
+    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 0 5 1", ids, 4, &q, &why),
+                     KVS_ERR_NOSPACE);
     assert_int_equal(q.submit.room, 9);
     assert_int_equal(req_decode("match 5 1 2 3 4 5", ids, 4, &q, &why), KVS_ERR_NOSPACE);
     assert_int_equal(q.match_len, 5);
     /* A NUL ends the line; a line over the limit is refused without being read. */
-    assert_int_equal(kvs_rank_line_request_decode("stop 3\0 junk", 12, ids, 4, &q, &why), KVS_OK);
+    assert_int_equal(kvs_rank_line_request_decode("stop 3\0 junk", 12, ids, 4, g_bias, &q, &why),
+                     KVS_OK);
     assert_int_equal(q.room, 3);
-    assert_int_equal(
-        kvs_rank_line_request_decode("stats", (size_t) KVS_RANK_LINE_MAX + 1, ids, 4, &q, &why),
-        KVS_ERR_INVALID);
+    assert_int_equal(kvs_rank_line_request_decode("stats", (size_t) KVS_RANK_LINE_MAX + 1, ids, 4,
+                                                  g_bias, &q, &why),
+                     KVS_ERR_INVALID);
     /* Every truncation of a good submit that loses an id or more is refused. */
-    const char *good = "submit 12 3 0.25 0.75 99 7 3 10 20 30";
+    const char *good = "submit 12 3 0.25 0.75 0 0 0 0 0 99 7 0 3 10 20 30";
     for (size_t cut = 0; cut + 2 <= strlen(good); cut++) {
         char buf[64];
         memcpy(buf, good, cut);

@@ -304,6 +304,10 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
     rec->role = r->role;
     rec->prompt_len = r->prompt_len;
     rec->max_tokens = r->max_tokens;
+    rec->sampling = q->sampling;
+    rec->sampling.bias = NULL; /* borrowed for submit only */
+    rec->seed = q->seed;
+    rec->n_stop_ids = q->n_stop_ids;
     if (q->bootstrap) snprintf(rec->bootstrap, sizeof(rec->bootstrap), "%s", q->bootstrap);
     f->live[f->n_live++] = r;
     f->counts.submitted++;

@@ -51,7 +51,10 @@ typedef struct {
     int cancelled; /* cancel() reached it while live */
     int done;      /* on_done was called */
     kvs_server_finish_t finish;
-    char bootstrap[128]; /* "" when none */
+    char bootstrap[128];          /* "" when none */
+    kvs_sample_params_t sampling; /* as submitted; bias NULL (n_bias kept) */
+    uint64_t seed;
+    uint32_t n_stop_ids;
 } kvs_server_fake_record_t;
 /* KVS_ERR_NOT_FOUND (not logged) for a room it does not know. */
 kvs_status_t kvs_server_fake_record(kvs_server_fake_t *fake, uint64_t room,

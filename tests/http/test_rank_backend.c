@@ -129,6 +129,8 @@ static int wait_done(rec_t *r, int n)
     }
 }
 
+static const kvs_logit_bias_t g_bias[2] = {{3, -1.5f}, {99, 100}};
+
 static kvs_server_request_t request(uint64_t room, kvs_server_role_t role, const uint32_t *prompt,
                                     uint32_t n, const uint32_t *stops, uint32_t nstops)
 {
@@ -137,8 +139,15 @@ static kvs_server_request_t request(uint64_t room, kvs_server_role_t role, const
                                   .prompt = prompt,
                                   .prompt_len = n,
                                   .max_tokens = 5,
-                                  .temperature = 0.5f,
-                                  .top_p = 0.9f,
+                                  .sampling = {.temperature = 0.5f,
+                                               .top_p = 0.9f,
+                                               .top_k = 20,
+                                               .min_p = 0.125f,
+                                               .presence_penalty = 0.5f,
+                                               .frequency_penalty = -1,
+                                               .repetition_penalty = 1.5f,
+                                               .bias = g_bias,
+                                               .n_bias = 2},
                                   .seed = 7,
                                   .stop_ids = stops,
                                   .n_stop_ids = nstops};
@@ -179,6 +188,14 @@ static void test_lines_and_events(void **state)
     static uint32_t longp[20]; /* with its 5 new tokens one above the context */
     bad = request(6, KVS_SERVER_ROLE_DECODE, longp, 20, stops, 2);
     assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
+    const kvs_logit_bias_t far[1] = {{100, 1}}; /* outside the vocabulary of 100 */
+    bad = request(6, KVS_SERVER_ROLE_DECODE, prompt, 10, stops, 2);
+    bad.sampling.bias = far;
+    bad.sampling.n_bias = 1;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
+    bad.sampling.n_bias = 0;
+    bad.sampling.min_p = 2;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &bad, &sink), KVS_ERR_INVALID);
 
     /* A submit line: the first stop id is rank 0's EOS. */
     q.bootstrap = "tcp://p:1";
@@ -186,7 +203,9 @@ static void test_lines_and_events(void **state)
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_INVALID); /* live */
     char line[512];
     next_line(&f, line, sizeof(line));
-    assert_string_equal(line, "submit 5 5 0.5 0.899999976 7 99 10 1 2 3 4 5 6 7 8 9 10");
+    assert_string_equal(line,
+                        "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 2 3 -1.5 99 100 10 "
+                        "1 2 3 4 5 6 7 8 9 10");
 
     /* Tokens, then the second stop id: reported, a stop sent, later tokens dropped. */
     say(&f, "{\"event\":\"token\",\"room\":5,\"token\":11,\"index\":0}\n"

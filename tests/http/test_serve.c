@@ -547,6 +547,60 @@ static void test_refusals(void **state)
     kvs_assert_no_leaks();
 }
 
+/* A sampled completion (every knob on; seed < 0: none given) through port: its text, and the
+ * seed its "kvstage" object reports. */
+static uint64_t sampled(uint16_t port, long long seed, char *text, size_t cap)
+{
+    char body[512], given[64] = "";
+    if (seed >= 0) snprintf(given, sizeof(given), ",\"seed\":%lld", seed);
+    snprintf(body, sizeof(body),
+             "{\"prompt\":\"Tell me a story\",\"max_tokens\":24,\"temperature\":1.2,"
+             "\"top_p\":0.95,\"top_k\":100,\"min_p\":0.01,\"presence_penalty\":0.3,"
+             "\"frequency_penalty\":0.2,\"repetition_penalty\":1.1,\"logit_bias\":{\"0\":-100},"
+             "\"ignore_eos\":true%s}",
+             given);
+    http_resp_t r = {0};
+    http_call(port, NULL, "/v1/completions", body, &r);
+    if (r.status != 200) fail_msg("port %u answered %ld: %s", port, r.status, r.body.ptr);
+    json_t *j = parse_nul(r.body.ptr, r.body.len);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    text[0] = '\0';
+    append_text(text, 0, cap, json_object_get(c, "text"));
+    /* ignore_eos: the EOS (256, rendered as nothing) does not end it */
+    assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "length");
+    uint64_t got = kvstage_field(j, "seed");
+    json_decref(j);
+    http_resp_fini(&r);
+    return got;
+}
+
+/* Unseeded sampled requests through the router each draw a seed (the router gives both legs
+ * the same one, or the prefill side's first token would not fit the decode side's stream) and
+ * report it; replaying the seed, through the router or on the colocated server, gives the
+ * same text. */
+static void test_unseeded_sampling(void **state)
+{
+    (void) state;
+    char text[2][4096], again[4096];
+    uint64_t seed[2];
+    for (int k = 0; k < 2; k++) seed[k] = sampled(g_d.router->port, -1, text[k], sizeof(text[k]));
+    assert_true(seed[0] != seed[1]);
+    assert_true(seed[0] < (UINT64_C(1) << 53) && seed[1] < (UINT64_C(1) << 53));
+    if (strcmp(text[0], text[1]) == 0) fail_msg("two seeds, one text: '%s'", text[0]);
+    for (int k = 0; k < 2; k++) {
+        assert_true(sampled(g_d.router->port, (long long) seed[k], again, sizeof(again)) ==
+                    seed[k]);
+        if (strcmp(again, text[k]) != 0)
+            fail_msg("seed %llu: '%s', replayed '%s'", (unsigned long long) seed[k], text[k],
+                     again);
+        assert_true(sampled(g_d.colo->port, (long long) seed[k], again, sizeof(again)) == seed[k]);
+        if (strcmp(again, text[k]) != 0)
+            fail_msg("seed %llu: '%s' through the router, '%s' colocated",
+                     (unsigned long long) seed[k], text[k], again);
+    }
+    kvs_assert_no_leaks();
+}
+
 typedef struct {
     char body[1024];
     http_resp_t r;
@@ -698,6 +752,7 @@ int main(void)
         cmocka_unit_test(test_prefix_aware_choice),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_unseeded_sampling),
         cmocka_unit_test(test_killed_decode_server), /* last: it takes a server down */
     };
     const struct CMUnitTest demo[] = {

@@ -694,9 +694,6 @@ static void test_bad_inputs(void **state)
          400, "stop"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}",
          400, "stream_options"},
-        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"presence_penalty\":3}", 400,
-         "presence_penalty"},
-        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logit_bias\":{\"1\":5}}", 400, "logit_bias"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"seed\":\"s\"}", 400, "seed"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stop_token_ids\":[300]}", 400,
          "stop_token_ids"},
@@ -783,6 +780,122 @@ static void test_bad_inputs(void **state)
                 &r);
     assert_string_equal(str_at(j, "choices.0.message.content"), "sy"); /* developer = system */
     json_decref(j);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* Every sampling field outside its range: 400 naming the field, the message the range. */
+static void test_bad_sampling(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    static char many[4096];
+    size_t at = (size_t) snprintf(many, sizeof(many), "{\"prompt\":\"x\",\"logit_bias\":{");
+    for (int i = 0; i <= 300; i++)
+        at += (size_t) snprintf(many + at, sizeof(many) - at, "%s\"%d\":1", i ? "," : "", i);
+    snprintf(many + at, sizeof(many) - at, "}}");
+    static const struct {
+        const char *fields, *param, *says;
+    } cases[] = {
+        {"\"temperature\":2.5", "temperature", "[0, 2]"},
+        {"\"top_p\":0", "top_p", "(0, 1]"},
+        {"\"presence_penalty\":3", "presence_penalty", "[-2, 2]"},
+        {"\"presence_penalty\":-2.01", "presence_penalty", "[-2, 2]"},
+        {"\"frequency_penalty\":-2.5", "frequency_penalty", "[-2, 2]"},
+        {"\"frequency_penalty\":\"x\"", "frequency_penalty", "must be a number"},
+        {"\"repetition_penalty\":0", "repetition_penalty", "(0, 2]"},
+        {"\"repetition_penalty\":2.5", "repetition_penalty", "(0, 2]"},
+        {"\"min_p\":1.5", "min_p", "[0, 1]"},
+        {"\"min_p\":-0.1", "min_p", "[0, 1]"},
+        {"\"top_k\":-2", "top_k", "-1 or 0 (off), or at least 1"},
+        {"\"top_k\":1.5", "top_k", "-1 or 0 (off), or at least 1"},
+        {"\"top_k\":\"5\"", "top_k", "-1 or 0 (off), or at least 1"},
+        {"\"logit_bias\":[]", "logit_bias", "must be an object"},
+        {"\"logit_bias\":{\"257\":1}", "logit_bias", "not a token id below 257"},
+        {"\"logit_bias\":{\"01\":1}", "logit_bias", "not a token id below 257"},
+        {"\"logit_bias\":{\"a\":1}", "logit_bias", "not a token id below 257"},
+        {"\"logit_bias\":{\"\":1}", "logit_bias", "not a token id below 257"},
+        {"\"logit_bias\":{\"1\":100.5}", "logit_bias", "[-100, 100]"},
+        {"\"logit_bias\":{\"1\":-101}", "logit_bias", "[-100, 100]"},
+        {"\"logit_bias\":{\"1\":\"x\"}", "logit_bias", "[-100, 100]"},
+        {"\"ignore_eos\":1", "ignore_eos", "must be a boolean"},
+        {"\"seed\":1.5", "seed", "must be an integer"},
+        {NULL, "logit_bias", "at most 300"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char body[256];
+        snprintf(body, sizeof(body), "{\"prompt\":\"x\",%s}", cases[i].fields);
+        http_resp_t r = {0};
+        http_call(f.port, NULL, "/v1/completions", cases[i].fields ? body : many, &r);
+        expect_error_json(&r, 400, "invalid_request_error", cases[i].param);
+        json_t *j = http_json(&r);
+        const char *msg = str_at(j, "error.message");
+        if (strstr(msg, cases[i].says) == NULL || strstr(msg, cases[i].param) == NULL)
+            fail_msg("%s: message '%s' lacks '%s'", cases[i].fields ? body : "301 biases", msg,
+                     cases[i].says);
+        json_decref(j);
+        http_resp_fini(&r);
+    }
+    kvs_server_fake_counts_t counts;
+    kvs_server_fake_counts(f.fake, &counts);
+    assert_int_equal(counts.submitted, 0);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* The sampling fields reach the backend as given; the seed, given or drawn, comes back in
+ * "kvstage" (non-streaming, and the usage chunk). */
+static void test_sampling_fields(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/completions",
+                        "{\"prompt\":\"x\",\"max_tokens\":2,\"temperature\":0.7,\"top_p\":0.9,"
+                        "\"top_k\":40,\"min_p\":0.05,\"presence_penalty\":0.5,"
+                        "\"frequency_penalty\":-0.5,\"repetition_penalty\":1.2,"
+                        "\"logit_bias\":{\"10\":-100,\"256\":2.5},\"ignore_eos\":true,\"seed\":42}",
+                        &r);
+    assert_int_equal(int_at(j, "kvstage.seed"), 42);
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+    const kvs_sample_params_t *sp = &rec.sampling;
+    assert_true(sp->temperature == 0.7f && sp->top_p == 0.9f && sp->top_k == 40 &&
+                sp->min_p == 0.05f && sp->presence_penalty == 0.5f &&
+                sp->frequency_penalty == -0.5f && sp->repetition_penalty == 1.2f);
+    assert_int_equal(sp->n_bias, 2);
+    assert_int_equal(rec.seed, 42);
+    assert_int_equal(rec.n_stop_ids, 0); /* ignore_eos: not even the EOS */
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* No seed: each request draws its own and reports it. */
+    uint64_t seeds[2];
+    for (int k = 0; k < 2; k++) {
+        j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":1}", &r);
+        seeds[k] = (uint64_t) int_at(j, "kvstage.seed");
+        assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+        assert_true(rec.seed == seeds[k]);
+        assert_int_equal(rec.n_stop_ids, 1); /* the EOS */
+        assert_true(rec.sampling.repetition_penalty == 1.0f && rec.sampling.top_k == 0);
+        json_decref(j);
+        http_resp_fini(&r);
+    }
+    assert_true(seeds[0] != seeds[1]);
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"x\",\"max_tokens\":1,\"stream\":true,\"seed\":-7,"
+              "\"stream_options\":{\"include_usage\":true}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    char *ev[16];
+    size_t n = sse_split(&r.body, ev, 16);
+    assert_true(n >= 3);
+    json_t *usage = json_loads(ev[n - 2], 0, NULL);
+    assert_int_equal(int_at(usage, "kvstage.seed"), -7); /* as given */
+    json_decref(usage);
     http_resp_fini(&r);
     stop(&f);
     kvs_assert_no_leaks();
@@ -1133,6 +1246,8 @@ int main(void)
         cmocka_unit_test(test_backend_failure),
         cmocka_unit_test(test_client_disconnect),
         cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_bad_sampling),
+        cmocka_unit_test(test_sampling_fields),
         cmocka_unit_test(test_health),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_real_tokenizer),

@@ -174,13 +174,21 @@ static void test_parse_defaults(void **state)
     assert_int_equal(q.prompt_len, 3);
     assert_int_equal(q.prompt[2], 'c');
     assert_int_equal(q.max_tokens, 16);
-    assert_true(q.temperature == 1.0f);
-    assert_true(q.top_p == 1.0f);
+    const kvs_sample_params_t *sp = &q.sampling;
+    assert_true(sp->temperature == 1.0f && sp->top_p == 1.0f && sp->top_k == 0 && sp->min_p == 0 &&
+                sp->presence_penalty == 0 && sp->frequency_penalty == 0 &&
+                sp->repetition_penalty == 1.0f && sp->n_bias == 0 && sp->bias == NULL);
     assert_int_equal(q.n_stop_ids, 1);
     assert_int_equal(q.stop_ids[0], 256);
     assert_false(q.stream);
     assert_false(q.has_room);
     assert_int_equal(q.role, KVS_SERVER_ROLE_NONE);
+    /* No seed: a fresh one each time, exact as a JSON number. */
+    const uint64_t seed = q.seed;
+    assert_true(seed < (UINT64_C(1) << 53));
+    kvs__api_req_fini(&q);
+    assert_int_equal(kvs__api_parse(&l, &tok, 0, body, strlen(body), &q, &err), KVS_OK);
+    assert_true(q.seed != seed && q.seed < (UINT64_C(1) << 53));
     kvs__api_req_fini(&q);
 
     /* The default is bounded by the context. */
@@ -191,6 +199,8 @@ static void test_parse_defaults(void **state)
 
     body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"stop\":[\"a\",\"bc\"],"
            "\"stop_token_ids\":[7,9],\"temperature\":0.5,\"top_p\":0.25,\"seed\":-3,"
+           "\"top_k\":-1,\"min_p\":0.5,\"presence_penalty\":-2,\"frequency_penalty\":2,"
+           "\"repetition_penalty\":0.5,\"logit_bias\":{\"0\":-100,\"255\":100,\"7\":0.5},"
            "\"stream\":true,\"stream_options\":{\"include_usage\":true},\"max_tokens\":5,"
            "\"kvstage\":{\"room\":123,\"role\":\"decode\",\"bootstrap\":\"tcp://h:1\","
            "\"prefill\":\"http://p\"}}";
@@ -201,8 +211,15 @@ static void test_parse_defaults(void **state)
     assert_int_equal(q.stop_lens[1], 2);
     assert_int_equal(q.n_stop_ids, 3);
     assert_int_equal(q.stop_ids[2], 9);
-    assert_true(q.temperature == 0.5f);
-    assert_true(q.top_p == 0.25f);
+    assert_true(sp->temperature == 0.5f && sp->top_p == 0.25f && sp->top_k == 0 &&
+                sp->min_p == 0.5f && sp->presence_penalty == -2 && sp->frequency_penalty == 2 &&
+                sp->repetition_penalty == 0.5f);
+    assert_int_equal(sp->n_bias, 3);
+    assert_int_equal(sp->bias[0].token, 0);
+    assert_true(sp->bias[0].bias == -100);
+    assert_int_equal(sp->bias[1].token, 255);
+    assert_int_equal(sp->bias[2].token, 7);
+    assert_true(sp->bias[2].bias == 0.5f);
     assert_true(q.seed == (uint64_t) -3);
     assert_true(q.stream && q.include_usage);
     assert_int_equal(q.max_tokens, 5);
@@ -210,6 +227,14 @@ static void test_parse_defaults(void **state)
     assert_int_equal(q.room, 123);
     assert_int_equal(q.role, KVS_SERVER_ROLE_DECODE);
     assert_string_equal(q.bootstrap, "tcp://h:1");
+    kvs__api_req_fini(&q);
+
+    /* top_k above the vocabulary keeps it all; ignore_eos leaves the EOS out of the stop ids. */
+    body = "{\"prompt\":\"abc\",\"top_k\":100000,\"ignore_eos\":true,\"stop_token_ids\":[5]}";
+    assert_int_equal(kvs__api_parse(&l, &tok, 0, body, strlen(body), &q, &err), KVS_OK);
+    assert_int_equal(q.sampling.top_k, tok.vocab_size);
+    assert_int_equal(q.n_stop_ids, 1);
+    assert_int_equal(q.stop_ids[0], 5);
     kvs__api_req_fini(&q);
 
     /* Token ids nested one deep; one string in an array. */

@@ -768,7 +768,7 @@ static void *smol_main(void *arg)
             .tokens = seq + from, .n = len - from, .pos0 = from, .pages = r->pages[0], .npages = 1};
         st = kvs_model_forward(r->model, r->pool, &q, 1, reduce, rarg, r->logits);
         if (i == 0) s->prefill_s = now_s() - t0;
-        s->out[i] = seq[len] = kvs_sample(r->logits, V, NULL, NULL);
+        s->out[i] = seq[len] = kvs_sample(r->logits, V, NULL, NULL, NULL);
         from = len++;
     }
     s->decode_s = now_s() - t0 - s->prefill_s;

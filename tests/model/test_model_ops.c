@@ -2,7 +2,7 @@
  * double: rmsnorm, RoPE (including a rotation checked by hand), projections (and their
  * batch independence), the row-split partials (exactly split-invariant), SwiGLU, K/V writes
  * and attention over a paged pool with random page tables in NHD and HND at several page
- * sizes; and token sampling (greedy ties, nucleus cuts, reproducibility, distributions). */
+ * sizes. Token sampling is tested in test_sample.c. */
 #include "kvs_test.h"
 
 #include <math.h>
@@ -392,118 +392,13 @@ static void test_attention_paged(void **state)
     kvs_assert_no_leaks();
 }
 
-/* ---- sampling ---- */
-
-static void test_sample_greedy(void **state)
-{
-    (void) state;
-    const float ties[] = {1, 3, 3, 2, 3};
-    assert_int_equal(kvs_sample(ties, 5, NULL, NULL), 1);
-    kvs_sample_params_t greedy = {.temperature = 0, .top_p = 1};
-    assert_int_equal(kvs_sample(ties, 5, &greedy, NULL), 1);
-    const float with_nan[] = {NAN, 1, 2, NAN};
-    assert_int_equal(kvs_sample(with_nan, 4, &greedy, NULL), 2);
-    const float neg[] = {-5, -1, -INFINITY, -1.5f};
-    assert_int_equal(kvs_sample(neg, 4, &greedy, NULL), 1);
-
-    /* a tiny nucleus keeps only the most likely token */
-    kvs_rng_t rng;
-    kvs_rng_seed(&rng, kvs_test_seed(17));
-    const float l[] = {0.5f, 2.0f, 1.9f, -1.0f, 1.99f};
-    kvs_sample_params_t tiny = {.temperature = 1.0f, .top_p = 1e-6f};
-    for (int i = 0; i < 200; i++) assert_int_equal(kvs_sample(l, 5, &tiny, &rng), 1);
-    kvs_sample_params_t zero = {.temperature = 0.7f, .top_p = 0.0f};
-    for (int i = 0; i < 50; i++) assert_int_equal(kvs_sample(l, 5, &zero, &rng), 1);
-}
-
-static void test_sample_reproducible(void **state)
-{
-    (void) state;
-    const uint64_t seed = kvs_test_seed(18);
-    float l[50];
-    kvs_rng_t g;
-    kvs_rng_seed(&g, seed);
-    fill(&g, l, 50);
-    kvs_sample_params_t p = {.temperature = 1.5f, .top_p = 0.9f};
-    uint32_t a[64], b[64], c[64];
-    kvs_rng_t r1, r2, r3;
-    kvs_rng_seed(&r1, seed);
-    kvs_rng_seed(&r2, seed);
-    kvs_rng_seed(&r3, seed + 1);
-    int differ = 0;
-    for (int i = 0; i < 64; i++) {
-        a[i] = kvs_sample(l, 50, &p, &r1);
-        b[i] = kvs_sample(l, 50, &p, &r2);
-        c[i] = kvs_sample(l, 50, &p, &r3);
-        assert_true(a[i] < 50);
-        differ |= a[i] != c[i];
-    }
-    assert_memory_equal(a, b, sizeof(a));
-    assert_true(differ); /* another seed draws another sequence */
-}
-
-/* Draws `draws` samples and checks each token's frequency against want (within tol). */
-static void check_freq(const float *l, uint32_t v, kvs_sample_params_t p, const double *want,
-                       uint64_t seed)
-{
-    kvs_rng_t rng;
-    kvs_rng_seed(&rng, seed);
-    const uint32_t draws = 40000;
-    uint32_t count[8] = {0};
-    for (uint32_t i = 0; i < draws; i++) {
-        uint32_t t = kvs_sample(l, v, &p, &rng);
-        assert_true(t < v);
-        count[t]++;
-    }
-    for (uint32_t i = 0; i < v; i++) {
-        const double f = (double) count[i] / draws;
-        if (fabs(f - want[i]) > 0.012)
-            fail_msg("token %u drawn with frequency %.4f, want %.4f (T %.2f, top_p %.2f, seed "
-                     "%llu)",
-                     i, f, want[i], (double) p.temperature, (double) p.top_p,
-                     (unsigned long long) seed);
-    }
-}
-
-static void test_sample_distribution(void **state)
-{
-    (void) state;
-    const uint64_t seed = kvs_test_seed(19);
-    const float l[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
-    const double plain[4] = {0.1, 0.2, 0.3, 0.4};
-    check_freq(l, 4, (kvs_sample_params_t){1.0f, 1.0f}, plain, seed);
-    /* top_p 0.5: {0.4} is not enough, {0.4, 0.3} is; renormalised */
-    const double nucleus[4] = {0, 0, 3.0 / 7, 4.0 / 7};
-    check_freq(l, 4, (kvs_sample_params_t){1.0f, 0.5f}, nucleus, seed);
-    /* temperature 2: p^(1/2) renormalised */
-    double hot[4], z = 0;
-    for (int i = 0; i < 4; i++) z += (hot[i] = sqrt(plain[i]));
-    for (int i = 0; i < 4; i++) hot[i] /= z;
-    check_freq(l, 4, (kvs_sample_params_t){2.0f, 1.0f}, hot, seed);
-    /* tokens tied at the cut are all kept */
-    const float flat[4] = {0, 0, 0, 0};
-    const double quarter[4] = {0.25, 0.25, 0.25, 0.25};
-    check_freq(flat, 4, (kvs_sample_params_t){1.0f, 0.3f}, quarter, seed);
-    /* NaN is never drawn */
-    const float nan_l[3] = {0, NAN, 0};
-    const double halves[3] = {0.5, 0, 0.5};
-    check_freq(nan_l, 3, (kvs_sample_params_t){1.0f, 1.0f}, halves, seed);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope_by_hand),
-        cmocka_unit_test(test_rope_random),
-        cmocka_unit_test(test_matmul),
-        cmocka_unit_test(test_matmul_order),
-        cmocka_unit_test(test_matmul_partial),
-        cmocka_unit_test(test_silu_mul),
-        cmocka_unit_test(test_attention_paged),
-        cmocka_unit_test(test_sample_greedy),
-        cmocka_unit_test(test_sample_reproducible),
-        cmocka_unit_test(test_sample_distribution),
+        cmocka_unit_test(test_rmsnorm),      cmocka_unit_test(test_rope_by_hand),
+        cmocka_unit_test(test_rope_random),  cmocka_unit_test(test_matmul),
+        cmocka_unit_test(test_matmul_order), cmocka_unit_test(test_matmul_partial),
+        cmocka_unit_test(test_silu_mul),     cmocka_unit_test(test_attention_paged),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

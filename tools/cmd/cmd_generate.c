@@ -241,7 +241,9 @@ typedef struct {
     uint32_t max_tokens, prefill_tp, decode_tp, tp, page_size, chunk, timeout_s, max_running;
     uint32_t max_model_len; /* 0 until checked: the model's context */
     uint64_t seed, model_seed, kv_tokens;
-    double temperature, top_p;
+    double temperature, top_p, min_p, presence, frequency, repetition;
+    uint32_t top_k;
+    int ignore_eos;
     int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
     const char *system, *model, *seeded;
     /* model */
@@ -317,13 +319,23 @@ static void send_stop(child_t *c, uint64_t room)
     send_request(c, KVS_RANK_LINE_STOP, room);
 }
 
+static kvs_sample_params_t sampling_of(const gen_t *g)
+{
+    return (kvs_sample_params_t){.temperature = (float) g->temperature,
+                                 .top_p = (float) g->top_p,
+                                 .top_k = g->top_k,
+                                 .min_p = (float) g->min_p,
+                                 .presence_penalty = (float) g->presence,
+                                 .frequency_penalty = (float) g->frequency,
+                                 .repetition_penalty = (float) g->repetition};
+}
+
 static void submit(gen_t *g, req_t *r)
 {
     kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_SUBMIT,
                                  .submit = {.room = r->room,
                                             .max_new = g->max_tokens,
-                                            .temperature = g->temperature,
-                                            .top_p = g->top_p,
+                                            .sampling = sampling_of(g),
                                             .seed = g->seed + r->room - 1,
                                             .eos = g->eos == UINT32_MAX ? -1 : (int64_t) g->eos,
                                             .prompt_len = r->prompt_len,
@@ -997,6 +1009,7 @@ static void gen_default(gen_t *g)
     g->t0 = kvs_now_ns();
     g->max_tokens = 32;
     g->top_p = 1.0;
+    g->repetition = 1.0;
     g->prefill_tp = g->decode_tp = 1;
     g->page_size = 16;
     g->chunk = 64;
@@ -1018,6 +1031,18 @@ static void add_sampling_flags(kvs_arg_table_t *t, gen_t *g)
         {"temperature", KVS_ARG_DOUBLE, &g->temperature, "sampling temperature (0: greedy)",
          "[0,100]", NULL},
         {"top-p", KVS_ARG_DOUBLE, &g->top_p, "nucleus mass (1)", "(0,1]", NULL},
+        {"top-k", KVS_ARG_U32, &g->top_k, "keep the k most likely tokens (0: off)", "[0,1048576]",
+         NULL},
+        {"min-p", KVS_ARG_DOUBLE, &g->min_p,
+         "keep tokens at least this fraction as likely as the top (0)", "[0,1]", NULL},
+        {"presence-penalty", KVS_ARG_DOUBLE, &g->presence,
+         "minus this for tokens generated before (0)", "[-2,2]", NULL},
+        {"frequency-penalty", KVS_ARG_DOUBLE, &g->frequency,
+         "minus this per time a token was generated (0)", "[-2,2]", NULL},
+        {"repetition-penalty", KVS_ARG_DOUBLE, &g->repetition,
+         "divides (or multiplies) the logits of prompt and generated tokens (1)", "(0,2]", NULL},
+        {"ignore-eos", KVS_ARG_FLAG, &g->ignore_eos,
+         "the end-of-text token (with --chat, end-of-turn too) does not end a request", NULL, NULL},
         {"seed", KVS_ARG_U64, &g->seed, "sampling seed of the first request (+1 for each next)",
          NULL, NULL},
     };
@@ -1102,7 +1127,10 @@ static int parse_flags(const kvs_arg_table_t *t, int argc, char **argv, prompts_
 /* The checks that need no model; 0, or 2 after saying why. */
 static int check_flags(gen_t *g)
 {
-    /* The ranges are the flag table's. */
+    /* The ranges are the flag table's; the sampler's own check covers what they do not. */
+    const kvs_sample_params_t sp = sampling_of(g);
+    const char *why = kvs_sample_params_invalid(&sp, 0);
+    if (why != NULL) return kvs_args_error(NULL, NULL, "bad sampling flags: %s", why);
     if (!g->colocated && g->tp_seen)
         return kvs_args_error("--tp", "--tp with --colocated, else --prefill-tp and --decode-tp",
                               "is for --colocated");
@@ -1122,9 +1150,9 @@ static int check_model(gen_t *g)
         return 2;
     if (kvs_check_context_flags(&g->max_model_len, g->kv_tokens, g->page_size, g->mc.max_ctx) != 0)
         return 2;
-    g->eos = g->tok ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
+    g->eos = g->tok && !g->ignore_eos ? kvs_tokenizer_eos(g->tok) : UINT32_MAX;
     g->stop_id = g->eos;
-    if (g->chat) {
+    if (g->chat && !g->ignore_eos) {
         uint32_t id;
         if (kvs_tokenizer_token_id(g->tok, "<|im_end|>", 10, &id) == KVS_OK) g->stop_id = id;
     }

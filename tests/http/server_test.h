@@ -363,4 +363,81 @@ static inline double expect_histogram(const char *text, const char *name)
     return count;
 }
 
+/* ---- shared checks ---- */
+
+typedef struct {
+    const char *method, *path, *body;
+    long status; /* with the key */
+} endpoint_case_t;
+
+/* Every case answers 401 (OpenAI error, WWW-Authenticate: Bearer, code invalid_api_key)
+ * without the key or with a wrong one, and its own status with key; /health and /metrics need
+ * none. */
+static inline void expect_key_required(uint16_t port, const char *key, const endpoint_case_t *cases,
+                                size_t n)
+{
+    const char *wrong[] = {NULL, "", "wrong", "sekrit-but-longer"};
+    for (size_t i = 0; i < n; i++) {
+        const endpoint_case_t *c = &cases[i];
+        for (size_t w = 0; w < sizeof(wrong) / sizeof(wrong[0]); w++) {
+            http_resp_t r = {.api_key = wrong[w]};
+            http_call(port, c->method, c->path, c->body, &r);
+            if (r.status != 401)
+                fail_msg("%s %s with key '%s': status %ld, expected 401", c->method ? c->method : "",
+                         c->path, wrong[w] ? wrong[w] : "(none)", r.status);
+            expect_error_json(&r, 401, "invalid_request_error", NULL);
+            assert_string_equal(r.www_auth, "Bearer");
+            json_t *j = http_json(&r);
+            assert_string_equal(
+                json_string_value(json_object_get(json_object_get(j, "error"), "code")),
+                "invalid_api_key");
+            json_decref(j);
+            http_resp_fini(&r);
+        }
+        http_resp_t r = {.api_key = key};
+        http_call(port, c->method, c->path, c->body, &r);
+        if (r.status != c->status)
+            fail_msg("%s with the key: status %ld, expected %ld: %s", c->path, r.status, c->status,
+                     r.body.ptr);
+        http_resp_fini(&r);
+    }
+    /* /health and /metrics need none. */
+    const char *open_paths[] = {"/health", "/metrics"};
+    for (int i = 0; i < 2; i++) {
+        http_resp_t r = {0};
+        http_call(port, NULL, open_paths[i], NULL, &r);
+        assert_int_equal(r.status, 200);
+        http_resp_fini(&r);
+    }
+}
+
+#define HALF_OPEN 1200
+
+/* HALF_OPEN connections that sent part of a request line and then nothing, more than
+ * libmicrohttpd's default limit (FD_SETSIZE - 4, 1020) would take; a normal request still gets
+ * its answer at once. */
+static inline void expect_answers_past_half_open(uint16_t port, const char *path, const char *body)
+{
+    if (!raise_fd_limit(2 * HALF_OPEN + 512)) {
+        print_message("skipped: the open-file hard limit is below %d (ulimit -Hn)\n",
+                      2 * HALF_OPEN + 512);
+        return;
+    }
+    static int fds[HALF_OPEN];
+    for (int i = 0; i < HALF_OPEN; i++) {
+        fds[i] = raw_connect(port, "GET /v1/mo");
+        if (fds[i] < 0) fail_msg("connection %d failed", i);
+    }
+    sleep_ms(300); /* let the server accept them all */
+    uint64_t t0 = kvs_now_ns();
+    http_resp_t r = {0};
+    http_call(port, NULL, path, body, &r);
+    uint64_t ms = (kvs_now_ns() - t0) / 1000000u;
+    if (r.status != 200) fail_msg("status %ld (curl %d) after %llu ms", r.status, (int) r.result,
+                                  (unsigned long long) ms);
+    assert_true(ms < 3000);
+    http_resp_fini(&r);
+    for (int i = 0; i < HALF_OPEN; i++) close(fds[i]);
+}
+
 #endif

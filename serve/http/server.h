@@ -257,6 +257,10 @@ uint16_t kvs_server_port(const kvs_server_t *server);
  * server allocated (the backend's sinks still refer to it). */
 void kvs_server_destroy(kvs_server_t *server);
 
+/* 1 when key can be an API key (config.api_key): 1 to 1024 printable ASCII characters without
+ * spaces, so that it fits an Authorization header as it is. */
+int kvs_server_api_key_valid(const char *key);
+
 /* The /metrics text (NUL-terminated, from kvs_malloc). */
 kvs_status_t kvs_server_metrics(kvs_server_t *server, char **text_p);
 

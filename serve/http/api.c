@@ -200,6 +200,7 @@ static void ignored_add(kvs__api_ignored_t *ign, const char *prefix, const char 
                 name[n++] = (char) *c;
         }
     }
+    if (n == 0) n = (size_t) snprintf(name, sizeof(name), "\"\""); /* the empty key */
     name[n] = '\0';
     size_t len = strlen(ign->names);
     size_t sep = len ? 2 : 0;
@@ -246,9 +247,9 @@ kvs_status_t kvs__api_check_fields(json_t *root, int chat, int strict, int remov
                     "'%s' belongs to %s requests; this endpoint takes '%s'", wrong,
                     chat ? "/v1/completions" : "/v1/chat/completions",
                     chat ? "messages" : "prompt");
-    kvs_status_t st = check_object(root, "", k_common_fields,
-                                   chat ? k_chat_fields : k_completion_fields, strict, remove, ign,
-                                   err);
+    kvs_status_t st =
+        check_object(root, "", k_common_fields, chat ? k_chat_fields : k_completion_fields, strict,
+                     remove, ign, err);
     json_t *v = json_object_get(root, "messages");
     for (size_t i = 0; chat && st == KVS_OK && i < json_array_size(v); i++) {
         json_t *m = json_array_get(v, i);

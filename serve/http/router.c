@@ -53,8 +53,8 @@ struct kvs_router {
     uint32_t health_interval_ms, connect_timeout_ms, request_timeout_ms, match_timeout_ms;
     size_t max_body;
     int strict;
-    char *api_key;    /* required of clients, or NULL */
-    char *server_key; /* sent to the servers, or NULL */
+    char *api_key;      /* required of clients, or NULL */
+    char *server_key;   /* sent to the servers, or NULL */
     uint64_t next_room; /* atomic */
     struct MHD_Daemon *daemon;
     uint16_t port;
@@ -97,9 +97,9 @@ typedef struct {
     int sse;         /* the answer is an event stream */
     kvs__sb_t buf;   /* answer bytes not yet handed to MHD */
     size_t complete; /* sse: bytes of buf up to the end of its last whole event */
-    int finished;  /* no more bytes will come */
-    int broken;    /* finished by a failure after the headers: end the body with an error */
-    int failed;    /* finished by a failure before the headers: answer fail_* */
+    int finished;    /* no more bytes will come */
+    int broken;      /* finished by a failure after the headers: end the body with an error */
+    int failed;      /* finished by a failure before the headers: answer fail_* */
     unsigned fail_status;
     const char *fail_code;
     char fail_msg[256];
@@ -298,8 +298,7 @@ static void leg_fini(leg_t *leg)
 /* Sets up a request to server + path (with the router's key for the servers, if any); payload
  * (owned from now on) NULL means GET. */
 static kvs_status_t leg_init(leg_t *leg, kvs_router_t *rt, job_t *j, rserver_t *s, const char *path,
-                             char *payload,
-                             uint32_t timeout_ms, int to_client)
+                             char *payload, uint32_t timeout_ms, int to_client)
 {
     memset(leg, 0, sizeof(*leg));
     leg->job = j;
@@ -644,7 +643,8 @@ static void run_proxy_get(job_t *j, const char *path)
     }
     leg_t leg;
     CURLM *multi = curl_multi_init();
-    if (multi == NULL || leg_init(&leg, rt, j, dec, path, NULL, rt->request_timeout_ms, 1) != KVS_OK) {
+    if (multi == NULL ||
+        leg_init(&leg, rt, j, dec, path, NULL, rt->request_timeout_ms, 1) != KVS_OK) {
         if (multi) leg_fini(&leg);
         if (multi) curl_multi_cleanup(multi);
         job_fail(j, 500, NULL, "out of memory forwarding %s", path);

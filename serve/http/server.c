@@ -251,7 +251,8 @@ static enum MHD_Result send_json_steal(req_t *r, unsigned status, json_t *obj)
     char *text = kvs__json_dump_steal(obj);
     if (text == NULL) {
         COUNT(r->srv->http_codes[500]);
-        return kvs__http_send_error(r->conn, 500, "out of memory", "server_error", NULL, NULL, NULL);
+        return kvs__http_send_error(r->conn, 500, "out of memory", "server_error", NULL, NULL,
+                                    NULL);
     }
     enum MHD_Result res = send_text(r, status, "application/json", text);
     kvs_free(text);
@@ -902,13 +903,12 @@ static enum MHD_Result handle(req_t *r)
         return res;
     }
     case EP_MODELS:
-        return send_json_steal(r, 200,
-                               json_pack("{s:s, s:[o]}", "object", "list", "data", model_json(srv)));
+        return send_json_steal(
+            r, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model_json(srv)));
     case EP_MODEL: {
         if (r->model_ok) return send_json_steal(r, 200, model_json(srv));
         char msg[160];
-        snprintf(msg, sizeof(msg), "the model '%s' does not exist",
-                 r->path + strlen(MODEL_PREFIX));
+        snprintf(msg, sizeof(msg), "the model '%s' does not exist", r->path + strlen(MODEL_PREFIX));
         return send_error(r, 404, msg, "model", "model_not_found");
     }
     case EP_INFO:

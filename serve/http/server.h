@@ -42,12 +42,12 @@
  * "stream_options" and "kvstage" are ignored; the server logs one warning per request naming
  * them, and every answer to the request carries the header
  *   X-Kvstage-Ignored-Fields: a, b, messages[0].c
- * (bytes outside printable ASCII, ',' and '%' written %XX; ", ..." ends a list cut at about 500
- * bytes). With config.strict (`--strict`) they are refused: 400, "param" naming the field, code
- * "unknown_field". Fields OpenAI or vLLM define that kvstage does not support are not unknown:
- * a value other than their neutral one is a 400 naming them in either mode; so is the other
- * endpoint's input ("prompt" in a chat request, "messages" in a completions one, code
- * "wrong_endpoint").
+ * (bytes outside printable ASCII, ',' and '%' written %XX, the empty name as ""; ", ..." ends a
+ * list cut at about 500 bytes). With config.strict (`--strict`) they are refused: 400, "param"
+ * naming the field, code "unknown_field". Fields OpenAI or vLLM define that kvstage does not
+ * support are not unknown: a value other than their neutral one is a 400 naming them in either
+ * mode; so is the other endpoint's input ("prompt" in a chat request, "messages" in a completions
+ * one, code "wrong_endpoint").
  *
  * API key: with config.api_key, every endpoint but /health and /metrics requires the header
  * "Authorization: Bearer KEY" (compared in constant time); the body of a request without it is

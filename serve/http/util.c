@@ -373,9 +373,9 @@ kvs_status_t kvs__http_start(const kvs__http_opts_t *o, struct MHD_Daemon **daem
     /* epoll: no FD_SETSIZE ceiling on the descriptors a connection may get. */
     unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     unsigned pool = o->threads ? o->threads : 4;
-    unsigned limit = afford_connections(
-        o->max_connections ? o->max_connections : KVS__HTTP_MAX_CONNECTIONS,
-        o->fds_per_connection ? o->fds_per_connection : 1);
+    unsigned limit =
+        afford_connections(o->max_connections ? o->max_connections : KVS__HTTP_MAX_CONNECTIONS,
+                           o->fds_per_connection ? o->fds_per_connection : 1);
     unsigned idle = o->idle_timeout_s ? o->idle_timeout_s : KVS__HTTP_IDLE_TIMEOUT_S;
     /* libmicrohttpd splits the limit among the pool's threads; each needs one at least. */
     if (pool > limit) pool = limit;
@@ -389,8 +389,8 @@ kvs_status_t kvs__http_start(const kvs__http_opts_t *o, struct MHD_Daemon **daem
         {pool > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END, pool, NULL},
         {MHD_OPTION_END, 0, NULL},
     };
-    struct MHD_Daemon *d = MHD_start_daemon(flags, o->port, NULL, NULL, o->handler,
-                                            o->handler_cls, MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
+    struct MHD_Daemon *d = MHD_start_daemon(flags, o->port, NULL, NULL, o->handler, o->handler_cls,
+                                            MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (d == NULL) {
         kvs_error("http: cannot listen on %s:%u", h, (unsigned) o->port);
         return KVS_ERR_IO;
@@ -480,9 +480,9 @@ enum MHD_Result kvs__http_send_error(struct MHD_Connection *conn, unsigned statu
     char *text = kvs__json_error(message, type, param, code);
     static const char fallback[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
                                    "\"server_error\",\"param\":null,\"code\":null}}";
-    enum MHD_Result r = kvs__http_send(conn, text ? status : 500, "application/json",
-                                       text ? text : fallback, strlen(text ? text : fallback),
-                                       headers);
+    enum MHD_Result r =
+        kvs__http_send(conn, text ? status : 500, "application/json", text ? text : fallback,
+                       strlen(text ? text : fallback), headers);
     kvs_free(text);
     return r;
 }

@@ -180,8 +180,7 @@ static inline size_t sse_split(kvs__sb_t *body, char **events, size_t cap)
 
 /* A stream that failed after it started: the last event is {"error": {...}} of type
  * server_error whose message contains what, and no [DONE] anywhere. Returns the event count. */
-static inline size_t sse_expect_failed(kvs__sb_t *body, char **events, size_t cap,
-                                       const char *what)
+static inline size_t sse_expect_failed(kvs__sb_t *body, char **events, size_t cap, const char *what)
 {
     size_t n = sse_split_any(body, events, cap);
     assert_true(n >= 1);
@@ -374,7 +373,7 @@ typedef struct {
  * without the key or with a wrong one, and its own status with key; /health and /metrics need
  * none. */
 static inline void expect_key_required(uint16_t port, const char *key, const endpoint_case_t *cases,
-                                size_t n)
+                                       size_t n)
 {
     const char *wrong[] = {NULL, "", "wrong", "sekrit-but-longer"};
     for (size_t i = 0; i < n; i++) {
@@ -383,8 +382,9 @@ static inline void expect_key_required(uint16_t port, const char *key, const end
             http_resp_t r = {.api_key = wrong[w]};
             http_call(port, c->method, c->path, c->body, &r);
             if (r.status != 401)
-                fail_msg("%s %s with key '%s': status %ld, expected 401", c->method ? c->method : "",
-                         c->path, wrong[w] ? wrong[w] : "(none)", r.status);
+                fail_msg("%s %s with key '%s': status %ld, expected 401",
+                         c->method ? c->method : "", c->path, wrong[w] ? wrong[w] : "(none)",
+                         r.status);
             expect_error_json(&r, 401, "invalid_request_error", NULL);
             assert_string_equal(r.www_auth, "Bearer");
             json_t *j = http_json(&r);
@@ -433,8 +433,9 @@ static inline void expect_answers_past_half_open(uint16_t port, const char *path
     http_resp_t r = {0};
     http_call(port, NULL, path, body, &r);
     uint64_t ms = (kvs_now_ns() - t0) / 1000000u;
-    if (r.status != 200) fail_msg("status %ld (curl %d) after %llu ms", r.status, (int) r.result,
-                                  (unsigned long long) ms);
+    if (r.status != 200)
+        fail_msg("status %ld (curl %d) after %llu ms", r.status, (int) r.result,
+                 (unsigned long long) ms);
     assert_true(ms < 3000);
     http_resp_fini(&r);
     for (int i = 0; i < HALF_OPEN; i++) close(fds[i]);

@@ -76,7 +76,8 @@ static void router_start(deploy_t *d, kvs_router_policy_t prefill_policy, uint32
     d->rport = kvs_router_port(d->rt);
 }
 
-static void deploy_start_opts(deploy_t *d, const deploy_opts_t *o, kvs_router_policy_t prefill_policy,
+static void deploy_start_opts(deploy_t *d, const deploy_opts_t *o,
+                              kvs_router_policy_t prefill_policy,
                               const kvs_server_fake_config_t *prefill_fc,
                               const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
 {
@@ -567,8 +568,7 @@ typedef struct {
     char last[512];
 } warn_capture_t;
 
-static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                      const char *msg)
+static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg)
 {
     (void) file, (void) line;
     warn_capture_t *c = arg;
@@ -774,7 +774,8 @@ static void test_router_half_open(void **state)
     (void) state;
     deploy_t d;
     deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
-    expect_answers_past_half_open(d.rport, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}");
+    expect_answers_past_half_open(d.rport, "/v1/completions",
+                                  "{\"prompt\":\"ab\",\"max_tokens\":2}");
     deploy_stop(&d);
     kvs_assert_no_leaks();
 }

@@ -1175,8 +1175,7 @@ typedef struct {
     char last[512];
 } warn_capture_t;
 
-static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line,
-                      const char *msg)
+static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg)
 {
     (void) file, (void) line;
     warn_capture_t *c = arg;
@@ -1200,10 +1199,12 @@ static void test_unknown_fields(void **state)
     static const unknown_case_t cases[] = {
         {"/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"foo\":1}", "foo", "foo"},
         {"/v1/completions",
-         "{\"prompt\":\"ab\",\"service_tier\":\"auto\",\"max_tokens\":2,\"reasoning_effort\":\"low\"}",
+         "{\"prompt\":\"ab\",\"service_tier\":\"auto\",\"max_tokens\":2,\"reasoning_effort\":"
+         "\"low\"}",
          "service_tier, reasoning_effort", "service_tier"},
         {"/v1/completions",
-         "{\"prompt\":\"ab\",\"max_tokens\":2,\"kvstage\":{\"room\":5,\"role\":\"decode\",\"zz\":1}}",
+         "{\"prompt\":\"ab\",\"max_tokens\":2,\"kvstage\":{\"room\":5,\"role\":\"decode\",\"zz\":1}"
+         "}",
          "kvstage.zz", "kvstage.zz"},
         {"/v1/chat/completions",
          "{\"messages\":[{\"role\":\"user\",\"content\":\"ab\"},{\"role\":\"assistant\","
@@ -1327,8 +1328,7 @@ static void test_model_retrieve(void **state)
     json_decref(list);
     json_decref(one);
     http_resp_fini(&r);
-    const char *misses[] = {"/v1/models/org", "/v1/models/org/some-model/x",
-                            "/v1/models/other"};
+    const char *misses[] = {"/v1/models/org", "/v1/models/org/some-model/x", "/v1/models/other"};
     for (int i = 0; i < 3; i++) {
         http_call(f.port, NULL, misses[i], NULL, &r);
         expect_error_json(&r, 404, "invalid_request_error", "model");
@@ -1373,7 +1373,8 @@ static void test_api_key(void **state)
     fixture_t f;
     const fixture_opts_t o = {.api_key = "sekrit"};
     start_opts(&f, NULL, &o);
-    expect_key_required(f.port, "sekrit", k_endpoints, sizeof(k_endpoints) / sizeof(k_endpoints[0]));
+    expect_key_required(f.port, "sekrit", k_endpoints,
+                        sizeof(k_endpoints) / sizeof(k_endpoints[0]));
     kvs_server_fake_counts_t c;
     kvs_server_fake_counts(f.fake, &c);
     assert_int_equal(c.submitted, 3); /* only the requests with the key */
@@ -1438,7 +1439,8 @@ static void test_half_open(void **state)
     (void) state;
     fixture_t f;
     start(&f, NULL);
-    expect_answers_past_half_open(f.port, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}");
+    expect_answers_past_half_open(f.port, "/v1/completions",
+                                  "{\"prompt\":\"ab\",\"max_tokens\":2}");
     stop(&f);
     kvs_assert_no_leaks();
 }

@@ -17,8 +17,8 @@ void kvs_http_flags_add(kvs_arg_table_t *t, kvs_http_flags_t *f)
     f->idle_timeout_s = 60;
     const kvs_arg_t g[] = {
         {"strict", KVS_ARG_FLAG, &f->strict,
-         "refuse unknown request fields (400); default: ignore them, named in a header",
-         NULL, NULL},
+         "refuse unknown request fields (400); default: ignore them, named in a header", NULL,
+         NULL},
         {"api-key", KVS_ARG_STR, &f->api_key,
          "require 'Authorization: Bearer KEY' but on /health, /metrics (default $KVS_API_KEY)",
          NULL, NULL},

@@ -769,6 +769,80 @@ static void test_router_stream_failure(void **state)
     kvs_assert_no_leaks();
 }
 
+/* A decode server that streams one whole event and half of the next, then drops the
+ * connection: the router passes the whole event, drops the half and ends with its own error
+ * event, without [DONE]. */
+static ssize_t broken_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void) cls;
+    static const char part[] = "data: {\"choices\":[{\"text\":\"ok\"}]}\n\ndata: {\"choi";
+    if (pos < sizeof(part) - 1) {
+        size_t n = sizeof(part) - 1 - (size_t) pos;
+        if (n > max) n = max;
+        memcpy(buf, part + pos, n);
+        return (ssize_t) n;
+    }
+    sleep_ms(100); /* the half event is on its way before the connection drops */
+    return MHD_CONTENT_READER_END_WITH_ERROR;
+}
+
+static enum MHD_Result broken_decode(void *cls, struct MHD_Connection *c, const char *url,
+                                     const char *method, const char *version,
+                                     const char *upload, size_t *upload_size, void **con_cls)
+{
+    (void) cls, (void) method, (void) version, (void) upload;
+    if (*con_cls == NULL) {
+        *con_cls = c;
+        return MHD_YES;
+    }
+    if (*upload_size != 0) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (strcmp(url, "/health") == 0)
+        return kvs__http_send(c, 200, "application/json", "{\"status\":\"ok\"}", 15, NULL);
+    if (strcmp(url, "/internal/info") == 0) {
+        static const char info[] = "{\"model\":\"m\",\"role\":\"decode\"}";
+        return kvs__http_send(c, 200, "application/json", info, sizeof(info) - 1, NULL);
+    }
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 256, broken_read, NULL, NULL);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    enum MHD_Result r = MHD_queue_response(c, 200, resp);
+    MHD_destroy_response(resp);
+    return r;
+}
+
+static void test_router_stream_cut(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    kvs__http_opts_t ho = {.threads = 1, .handler = broken_decode};
+    struct MHD_Daemon *daemon;
+    uint16_t port;
+    assert_int_equal(kvs__http_start(&ho, &daemon, &port), KVS_OK);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", (unsigned) port);
+    const char *pre[1] = {d.url[P][0]}, *dec[1] = {url};
+    kvs_router_config_t rc = {.prefill = pre, .n_prefill = 1, .decode = dec, .n_decode = 1};
+    kvs_router_t *rt;
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_OK);
+    http_resp_t r = {0};
+    http_call(kvs_router_port(rt), NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":8,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[8];
+    size_t n = sse_expect_failed(&r.body, ev, 8, url);
+    assert_int_equal(n, 2);
+    assert_string_equal(ev[0], "{\"choices\":[{\"text\":\"ok\"}]}");
+    http_resp_fini(&r);
+    kvs_router_destroy(rt);
+    MHD_stop_daemon(daemon);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
 static void test_router_half_open(void **state)
 {
     (void) state;
@@ -799,6 +873,7 @@ int main(void)
         cmocka_unit_test(test_router_models),
         cmocka_unit_test(test_router_api_key),
         cmocka_unit_test(test_router_stream_failure),
+        cmocka_unit_test(test_router_stream_cut),
         cmocka_unit_test(test_router_half_open),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

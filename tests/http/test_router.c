@@ -2,7 +2,9 @@
  * decode) on loopback: round robin with the room and bootstrap reaching both sides, streaming
  * through the router, prefix-aware choice, a stopped decode server and an unhealthy prefill
  * server taken out of rotation (and back), a failing prefill, a client hanging up, bad inputs,
- * /health, /v1/models and /metrics. */
+ * /health, /v1/models and /metrics; unknown fields removed before forwarding (strict servers
+ * behind) or refused by a strict router, /v1/models/{id}, the API key towards clients and
+ * servers, failing decode streams (whole and cut mid-event), 1200 half-open connections. */
 #include "server_test.h"
 
 #include <pthread.h>
@@ -787,8 +789,8 @@ static ssize_t broken_read(void *cls, uint64_t pos, char *buf, size_t max)
 }
 
 static enum MHD_Result broken_decode(void *cls, struct MHD_Connection *c, const char *url,
-                                     const char *method, const char *version,
-                                     const char *upload, size_t *upload_size, void **con_cls)
+                                     const char *method, const char *version, const char *upload,
+                                     size_t *upload_size, void **con_cls)
 {
     (void) cls, (void) method, (void) version, (void) upload;
     if (*con_cls == NULL) {

@@ -2,7 +2,10 @@
  * and chat completions (plain and streamed, exact JSON fields, SSE framing), stop strings and
  * stop tokens, concurrent clients, a backend failing mid-stream, a client hanging up mid-stream,
  * every bad input with its status, health, metrics, the internal endpoints, the real tokenizer
- * behind the adapter, and shutting down with requests in flight. */
+ * behind the adapter, shutting down with requests in flight, unknown fields ignored (header,
+ * warning) or refused (strict), GET /v1/models/{id}, the API key on every endpoint class, 1200
+ * half-open connections, the connection limit and idle timeout, and bodies declared too large
+ * or never completed. */
 #include "server_test.h"
 
 #include <pthread.h>

@@ -6,8 +6,9 @@
  * clients all get theirs; the router sends a prompt to the pair whose prefill cache holds its
  * prefix; /metrics parses and its counters move; the servers refuse requests that are not for
  * them; a killed decode server fails its requests with a 5xx JSON error while the other pair
- * keeps serving. Every process a test starts leads its own process group, and the teardown
- * kills every group, whatever happened. */
+ * keeps serving; the HTTP flags (--strict, --api-key or KVS_API_KEY, --server-api-key, limits)
+ * act and their bad values are usage errors. Every process a test starts leads its own process
+ * group, and the teardown kills every group, whatever happened. */
 #include "http/server_test.h"
 
 #include <errno.h>
@@ -726,6 +727,69 @@ static void test_sigterm_to_process_group(void **state)
                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
 }
 
+/* The HTTP flags of both commands: --strict, --api-key (or KVS_API_KEY), --server-api-key,
+ * --max-connections, --idle-timeout-s. */
+static void test_http_flags(void **state)
+{
+    (void) state;
+    const char *args[] = {
+        "serve",    "--role",    "colocated", "--seeded",          SEEDED, "--port",           "0",
+        "--strict", "--api-key", "k3y",       "--max-connections", "64",   "--idle-timeout-s", "5",
+        NULL};
+    proc_t *srv = spawn_tool(args);
+    wait_up(srv, "serving on");
+    http_resp_t r = {0};
+    http_call(srv->port, NULL, "/v1/models", NULL, &r);
+    expect_error_json(&r, 401, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    http_call(srv->port, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    r.api_key = "k3y";
+    http_call(srv->port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"foo\":1}",
+              &r);
+    expect_error_json(&r, 400, "invalid_request_error", "foo");
+    http_resp_fini(&r);
+
+    /* The router's own key from the environment, and the servers' key apart. */
+    setenv("KVS_API_KEY", "r0uter", 1);
+    const char *rargs[] = {"router", "--prefill", srv->url,           "--decode", srv->url,
+                           "--port", "0",         "--server-api-key", "k3y",      NULL};
+    proc_t *rt = spawn_tool(rargs);
+    unsetenv("KVS_API_KEY");
+    wait_up(rt, "routing on");
+    r.api_key = NULL;
+    http_call(rt->port, NULL, "/v1/models", NULL, &r);
+    expect_error_json(&r, 401, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    r.api_key = "r0uter";
+    http_call(rt->port, NULL, "/v1/models", NULL, &r); /* proxied to the server with k3y */
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body.ptr, "\"object\":\"list\""));
+    http_resp_fini(&r);
+
+    /* Bad values are usage errors. */
+    const char *const bad[][8] = {
+        {"serve", "--role", "colocated", "--seeded", SEEDED, "--api-key", "a b", NULL},
+        {"serve", "--role", "colocated", "--seeded", SEEDED, "--max-connections", "0", NULL},
+        {"router", "--prefill", "http://x:1", "--decode", "http://y:2", "--idle-timeout-s", "0",
+         NULL},
+        {"router", "--prefill", "http://x:1", "--decode", "http://y:2", "--server-api-key", "",
+         NULL},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        proc_t *p = spawn_tool(bad[i]);
+        int status = 0;
+        while (waitpid(p->pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        p->pid = 0;
+        close(p->out_fd);
+        p->out_fd = -1;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 2)
+            fail_msg("case %zu: not a usage error (status %d)", i, status);
+    }
+}
+
 /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
 static int demo_teardown(void **state)
 {
@@ -758,6 +822,7 @@ int main(void)
     const struct CMUnitTest demo[] = {
         cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
         cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
+        cmocka_unit_test_teardown(test_http_flags, demo_teardown),
     };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);

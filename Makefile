@@ -32,7 +32,7 @@ FUZZ_SECONDS ?= 30
 FUZZ_TARGETS = codec gguf api tokenizer
 FUZZ_CFLAGS = -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
   -Wall -Wextra -Wno-unused-parameter -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc -Iserve -Itests
-FUZZ_HTTP = serve/http/util.c serve/http/tokenize.c serve/model/tokenizer.c \
+FUZZ_HTTP = serve/http/util.c serve/http/tokenize.c serve/model/tokenizer.c serve/model/sample.c \
   serve/model/unicode.c serve/model/gguf.c serve/model/quant.c src/base/*.c \
   $(shell pkg-config --libs jansson libmicrohttpd) -lpthread -lm
 fuzz: setup

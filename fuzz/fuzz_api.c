@@ -45,14 +45,17 @@ static void check_accepted(const kvs__api_limits_t *lim, const kvs_server_tokeni
     for (uint32_t i = 0; i < q->prompt_len; i++)
         if (q->prompt[i] >= tok->vocab_size) abort();
     if (q->max_tokens < 1 || (uint64_t) q->prompt_len + q->max_tokens > lim->max_context) abort();
-    if (!(q->temperature >= 0 && q->temperature <= 2) || !(q->top_p > 0 && q->top_p <= 1)) abort();
+    const kvs_sample_params_t *sp = &q->sampling;
+    if (!(sp->temperature >= 0 && sp->temperature <= 2) || !(sp->top_p > 0 && sp->top_p <= 1))
+        abort();
+    if (kvs_sample_params_invalid(sp, tok->vocab_size) != NULL) abort();
     if (q->include_usage && !q->stream) abort();
     if (q->n_stops > KVS__MAX_STOPS) abort();
     for (uint32_t i = 0; i < q->n_stops; i++)
         if (q->stop_lens[i] < 1 || q->stop_lens[i] > KVS__MAX_STOP_LEN ||
             strlen(q->stops[i]) != q->stop_lens[i])
             abort();
-    if (q->n_stop_ids < 1 || q->stop_ids == NULL || q->stop_ids[0] != tok->eos) abort();
+    if (q->stop_ids == NULL) abort(); /* the EOS first, unless ignore_eos dropped it */
     for (uint32_t i = 0; i < q->n_stop_ids; i++)
         if (q->stop_ids[i] >= tok->vocab_size) abort();
     if (q->has_room != (q->role != KVS_SERVER_ROLE_NONE)) abort();

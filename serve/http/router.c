@@ -1027,6 +1027,16 @@ static enum MHD_Result start_job(job_t *j)
             j->body.len = strlen(text);
             j->body.cap = j->body.len + 1;
         }
+        /* The servers' checks that need no tokenizer, once, before either server starts work:
+         * a request they would refuse for a field's type or range never reaches them. (Its
+         * length and token ids are theirs to judge; a side that refuses frees the other.) */
+        const kvs__api_limits_t lim = {.max_context = UINT32_MAX, .strict = rt->strict};
+        const kvs_server_tokenizer_t shape = kvs__shape_tokenizer();
+        kvs__api_req_t api;
+        if (kvs__api_parse(&lim, &shape, j->ep == EP_CHAT, j->body.data, j->body.len, &api, &err) !=
+            KVS_OK)
+            return send_error(j, (unsigned) err.status, err.message, err.param, err.code);
+        kvs__api_req_fini(&api);
     }
     pthread_mutex_lock(&rt->mu);
     if (rt->stopping) {

@@ -44,6 +44,11 @@
  * HTTP codes, requests, in flight, cancels sent, KV bytes and a handoff-time histogram from the
  * servers' reports, and per server up, chosen, failures, prefix hits).
  *
+ * Before choosing servers the router checks the request with the servers' own parser
+ * (http/server_internal.h's kvs__api_parse over a shape-only tokenizer): a field of the wrong
+ * type or out of range is answered 400 here, and neither server starts work on it. The
+ * prompt's length and token ids need the model's tokenizer and stay the servers' to judge.
+ *
  * As the servers (http/server.h): unknown fields are ignored and named in a warning and in the
  * X-Kvstage-Ignored-Fields header, and removed from what is forwarded, so the servers never see
  * them; with strict the router refuses them (400) itself. With api_key, every endpoint but

@@ -110,6 +110,12 @@ typedef struct {
     char message[256];
 } kvs__api_err_t;
 
+/* For checking a request's shape where no tokenizer is (the router): every text encodes to one
+ * token, every id below 2^32 - 1 is valid, no EOS. With max_context UINT32_MAX, kvs__api_parse
+ * then refuses what the servers would refuse for its fields, types and ranges, not its length
+ * or its token ids. */
+kvs_server_tokenizer_t kvs__shape_tokenizer(void);
+
 /* Parses and validates one request body (unknown fields as kvs__api_check_fields says, with
  * limits->strict, listed in req_p->ignored). KVS_ERR_INVALID with *err_p filled for a request to
  * refuse (status 400 or 404); KVS_ERR_NOMEM (err_p filled with 500). Client errors are logged

@@ -493,7 +493,7 @@ int kvs_cmd_serve(int argc, char **argv)
     s.inst.in_fd = s.inst.out_fd = -1; /* not started: nothing to close */
     if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
     /* The model's limits first: a bad --tp is a usage error even before a prefill answers. */
-    if ((rc = check_model(&f, &mc)) != 0) return rc;
+    if ((rc = check_model(&f, &mc)) != 0) return serve_teardown(&s, rc);
     if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f, s.deadline)) == 0)
         rc = check_model(&f, &mc); /* --peer-tp may be the prefill instance's now */
     if (rc == 0) rc = serve_instance(&s);

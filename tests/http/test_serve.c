@@ -706,6 +706,78 @@ static void test_serve_demo_smollm2(void **state)
     assert_non_null(strstr(out, "every process exited cleanly"));
 }
 
+/* A free TCP port on 127.0.0.1 (bound, read back and closed: free a moment later too). */
+static uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    assert_int_equal(bind(fd, (struct sockaddr *) &a, sizeof(a)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* A prefill server killed (SIGKILL to its whole group) and started again on the same HTTP
+ * port and registry, with new ports for its ranks: the decode server, never restarted, finds
+ * the new instance through the registry and serves correctly again, leaking no room. */
+static void test_prefill_restart(void **state)
+{
+    (void) state;
+    char port[8], reg[64];
+    snprintf(port, sizeof(port), "%u", free_port());
+    snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", free_port());
+    const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED, "--model-seed",
+                           "11",    "--port", port,      "--registry", reg,    "--max-model-len",
+                           MAX_LEN, NULL};
+    proc_t *pre = spawn_tool(pargs);
+    wait_up(pre, "serving on");
+    const char *dargs[] = {"serve", "--role", "decode", "--seeded",    SEEDED, "--model-seed",
+                           "11",    "--port", "0",      "--bootstrap", reg,    "--max-model-len",
+                           MAX_LEN, NULL};
+    proc_t *dec = spawn_tool(dargs);
+    wait_up(dec, "serving on");
+    char pre_url[64];
+    snprintf(pre_url, sizeof(pre_url), "http://127.0.0.1:%s", port);
+    const char *rargs[] = {"router", "--prefill", pre_url, "--decode",
+                           dec->url, "--port",    "0",     "--health-interval-ms",
+                           "200",    NULL};
+    proc_t *rt = spawn_tool(rargs);
+    wait_up(rt, "routing on");
+    const char *prompt = "a prompt that outlives its prefill server";
+    char want[2048], text[2048];
+    assert_int_equal(complete(rt->port, prompt, 8, 0, want, sizeof(want), NULL), 200);
+
+    kill_proc(pre);
+    pre = spawn_tool(pargs);
+    wait_up(pre, "serving on");
+    /* The router has the server back within its health interval, the decode ranks the new
+     * prefill ranks within a second of their silence. */
+    long st = 0;
+    uint64_t end = kvs_now_ns() + 30ull * 1000000000ull;
+    while ((st = complete(rt->port, prompt, 8, 0, text, sizeof(text), NULL)) != 200) {
+        if (kvs_now_ns() > end) fail_msg("no request served after the restart: %ld %s", st, text);
+        sleep_ms(200);
+    }
+    assert_string_equal(text, want);
+    for (int k = 0; k < 4; k++) {
+        st = complete(rt->port, prompt, 8, k % 2, text, sizeof(text), NULL);
+        if (st != 200) fail_msg("request %d after the restart: %ld %s", k, st, text);
+        assert_string_equal(text, want);
+    }
+    assert_int_equal(kill(dec->pid, 0), 0); /* the same decode server throughout */
+    end = kvs_now_ns() + 10ull * 1000000000ull;
+    while (metric_of(dec->port, "kvstage_rooms_live") != 0 ||
+           metric_of(dec->port, "kvstage_requests_live") != 0) {
+        if (kvs_now_ns() > end) fail_msg("the decode server still holds rooms");
+        sleep_ms(100);
+    }
+}
+
 /* A service manager stops a server by signalling its whole process group (its rank processes
  * too): the server still shuts its instance down cleanly and exits 0. */
 static void test_sigterm_to_process_group(void **state)
@@ -822,6 +894,7 @@ int main(void)
     const struct CMUnitTest demo[] = {
         cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
         cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
+        cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
         cmocka_unit_test_teardown(test_http_flags, demo_teardown),
     };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);

@@ -65,13 +65,14 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
 {
     uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
     kvs_status_t st = kvs_engine_check_pools("prefill engine", "prefill", pools, tp,
-                                             config->geo.page_size, config->max_prompt_len);
+                                             kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL),
+                                             config->max_prompt_len);
     if (st != KVS_OK) return st;
     kvs_prefill_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
     e->tp = tp;
-    e->page = config->geo.page_size;
+    e->page = kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL);
     e->done = done;
     e->done_arg = done_arg;
     e->senders = kvs_calloc(e->tp, sizeof(*e->senders));

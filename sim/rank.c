@@ -101,7 +101,7 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     if (!c.deadline_ns) c.deadline_ns = 600ull * 1000000000ull;
     if (!c.drain_ns) c.drain_ns = 500ull * 1000000ull;
     const uint64_t t0 = kvs_now_ns();
-    const uint64_t P = c.geo.page_size;
+    const uint64_t P = kvs_pd_geometry_page(&c.geo, c.side);
 
     kvs_workload_t *wl = NULL;
     kvs_pool_t *pool = NULL;
@@ -116,7 +116,7 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     uint64_t pages_per_room = (c.workload.prompt_len + P - 1) / P;
     kvs_pool_config_t pc = {.shape = c.geo.shape,
                             .tp = {tp, c.rank},
-                            .page_size = c.geo.page_size,
+                            .page_size = (uint32_t) P,
                             .num_pages = (uint32_t) (pages_per_room * c.concurrency + 16),
                             .layout = c.layout,
                             .mem = c.mem,

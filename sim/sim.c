@@ -61,6 +61,12 @@ void kvs_sim_faults_str(uint32_t faults, char *buf, size_t cap)
     if (used == 0) snprintf(buf, cap, "none");
 }
 
+/* One side's page size (prefill_page_size 0: the decode one). */
+static uint32_t sim_page(const kvs_sim_config_t *c, kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL && c->prefill_page_size ? c->prefill_page_size : c->page_size;
+}
+
 void kvs_sim_config_default(kvs_sim_config_t *c)
 {
     memset(c, 0, sizeof(*c));
@@ -111,19 +117,20 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
                  c->shape.kv_heads, c->shape.head_dim_k, c->shape.head_dim_v);
     snprintf(buf, cap,
              "kvstage sim --prefill-tp %u --decode-tp %u %s --layers %u --dtype-bytes %u "
-             "--page-size %u --chunk %u %s --prefill-layout %s --decode-layout %s "
+             "--prefill-page-size %u --decode-page-size %u --chunk %u %s --prefill-layout %s "
+             "--decode-layout %s "
              "--prefill-pool-pages %u --decode-pool-pages %u --window %u --staging-buffers %u "
              "--prefill-batch %u --requests %u --concurrency %u --workload %s --prompt-len %u "
              "--prefix-len %u --groups %u --repeat-permille %u --decode-radix %s "
              "--prefill-radix %s --faults %s --fault-rooms %u --seed %llu",
-             c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes, c->page_size,
-             c->chunk_tokens, ring, lay[c->prefill_layout & 1], lay[c->decode_layout & 1],
-             c->prefill_pool_pages, c->decode_pool_pages, c->window_chunks, c->staging_buffers,
-             c->prefill_batch, c->workload.requests, c->concurrency,
-             kvs_workload_kind_str(c->workload.kind), c->workload.prompt_len,
-             c->workload.prefix_len, c->workload.groups, c->workload.repeat_permille,
-             c->decode_radix ? "on" : "off", c->prefill_radix ? "on" : "off", faults,
-             c->fault_rooms, (unsigned long long) c->seed);
+             c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes,
+             sim_page(c, KVS_SIDE_PREFILL), c->page_size, c->chunk_tokens, ring,
+             lay[c->prefill_layout & 1], lay[c->decode_layout & 1], c->prefill_pool_pages,
+             c->decode_pool_pages, c->window_chunks, c->staging_buffers, c->prefill_batch,
+             c->workload.requests, c->concurrency, kvs_workload_kind_str(c->workload.kind),
+             c->workload.prompt_len, c->workload.prefix_len, c->workload.groups,
+             c->workload.repeat_permille, c->decode_radix ? "on" : "off",
+             c->prefill_radix ? "on" : "off", faults, c->fault_rooms, (unsigned long long) c->seed);
     /* Knobs that differ from the defaults, so the line replays the same run. */
     kvs_sim_config_t d;
     kvs_sim_config_default(&d);
@@ -258,6 +265,7 @@ uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *c)
                              .prefill_tp = c->prefill_tp,
                              .decode_tp = c->decode_tp,
                              .page_size = c->page_size,
+                             .prefill_page_size = c->prefill_page_size,
                              .chunk_tokens = c->chunk_tokens};
     uint64_t max = 0;
     /* Writer counts (hence region alignment) differ between decode ranks. No prompt is too long
@@ -283,14 +291,16 @@ static uint32_t fault_rooms_per_kind(const kvs_sim_config_t *c)
  * fault must stay local to them, not starve admission. */
 static void pool_pages(const kvs_sim_config_t *c, uint32_t *prefill_p, uint32_t *decode_p)
 {
-    uint32_t max_pages = (c->workload.prompt_len + c->page_size - 1) / c->page_size + 1;
+    uint32_t pf_max =
+        kvs_engine_prompt_pages(c->workload.prompt_len, sim_page(c, KVS_SIDE_PREFILL)) + 1;
+    uint32_t dc_max = kvs_engine_prompt_pages(c->workload.prompt_len, c->page_size) + 1;
     uint32_t inflight =
         c->concurrency < c->workload.requests ? c->concurrency : c->workload.requests;
     uint32_t dc_prompts = inflight / 4 > 4 ? inflight / 4 : 4;
     uint32_t stalls = c->faults & KVS_SIM_FAULT_TIMEOUT ? fault_rooms_per_kind(c) : 0;
     *prefill_p =
-        c->prefill_pool_pages ? c->prefill_pool_pages : max_pages * (c->prefill_batch + 2 + stalls);
-    *decode_p = c->decode_pool_pages ? c->decode_pool_pages : max_pages * (dc_prompts + stalls);
+        c->prefill_pool_pages ? c->prefill_pool_pages : pf_max * (c->prefill_batch + 2 + stalls);
+    *decode_p = c->decode_pool_pages ? c->decode_pool_pages : dc_max * (dc_prompts + stalls);
 }
 
 /* A pool or ring that cannot hold one request of the longest prompt the workload makes can
@@ -302,7 +312,7 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     pool_pages(c, &pf_pages, &dc_pages);
     uint32_t longest = c->workload.prompt_len;
     kvs_status_t st = kvs_engine_check_pool("sim", "prefill", "--prefill-pool-pages", pf_pages,
-                                            c->page_size, longest);
+                                            sim_page(c, KVS_SIDE_PREFILL), longest);
     if (st == KVS_OK)
         st = kvs_engine_check_pool("sim", "decode", "--decode-pool-pages", dc_pages, c->page_size,
                                    longest);
@@ -311,12 +321,13 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     return st;
 }
 
-static kvs_status_t make_pool(const kvs_sim_config_t *c, uint32_t tp, uint32_t rank, uint32_t pages,
-                              kvs_pool_layout_t layout, int device, kvs_pool_t **pool_p)
+static kvs_status_t make_pool(const kvs_sim_config_t *c, kvs_side_t side, uint32_t tp,
+                              uint32_t rank, uint32_t pages, kvs_pool_layout_t layout, int device,
+                              kvs_pool_t **pool_p)
 {
     kvs_pool_config_t pc = {.shape = c->shape,
                             .tp = {.tp_size = tp, .tp_rank = rank},
-                            .page_size = c->page_size,
+                            .page_size = sim_page(c, side),
                             .num_pages = pages,
                             .layout = layout,
                             .mem = c->mem,
@@ -515,8 +526,8 @@ static kvs_status_t sim_setup(sim_t *s)
     pool_pages(c, &pf_pages, &dc_pages);
     kvs_pd_timeouts_t to = sim_timeouts(c);
     for (uint32_t r = 0; r < c->prefill_tp; r++) {
-        if ((st = make_pool(c, c->prefill_tp, r, pf_pages, c->prefill_layout, c->prefill_device,
-                            &s->pf_pools[r])) != KVS_OK ||
+        if ((st = make_pool(c, KVS_SIDE_PREFILL, c->prefill_tp, r, pf_pages, c->prefill_layout,
+                            c->prefill_device, &s->pf_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_PREFILL, r, &s->pf_links[r])) != KVS_OK)
             return st;
         kvs_sender_config_t sc = {.geo = s->geo,
@@ -531,8 +542,8 @@ static kvs_status_t sim_setup(sim_t *s)
     }
     uint64_t ring = c->ring_bytes ? c->ring_bytes : c->ring_slots * kvs_sim_full_slot_bytes(c);
     for (uint32_t r = 0; r < c->decode_tp; r++) {
-        if ((st = make_pool(c, c->decode_tp, r, dc_pages, c->decode_layout, c->decode_device,
-                            &s->dc_pools[r])) != KVS_OK ||
+        if ((st = make_pool(c, KVS_SIDE_DECODE, c->decode_tp, r, dc_pages, c->decode_layout,
+                            c->decode_device, &s->dc_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_DECODE, r, &s->dc_links[r])) != KVS_OK)
             return st;
         kvs_receiver_config_t rc = {.geo = s->geo, .rank = r, .timeouts = to, .ring_bytes = ring};
@@ -753,6 +764,7 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
                              .prefill_tp = config->prefill_tp,
                              .decode_tp = config->decode_tp,
                              .page_size = config->page_size,
+                             .prefill_page_size = config->prefill_page_size,
                              .chunk_tokens = config->chunk_tokens,
                              .no_checksum = config->no_checksum ? 1u : 0u};
     kvs_status_t st = sim_validate(config, &geo);

@@ -123,7 +123,9 @@ typedef void (*kvs_sim_progress_fn)(void *arg, const kvs_sim_progress_t *progres
 typedef struct {
     kvs_kv_shape_t shape;
     uint32_t prefill_tp, decode_tp;
-    uint32_t page_size, chunk_tokens;
+    uint32_t page_size;         /* decode pages (the grid's); prefill too unless set below */
+    uint32_t prefill_page_size; /* 0 = page_size */
+    uint32_t chunk_tokens;
     kvs_pool_layout_t prefill_layout, decode_layout;
     uint32_t prefill_pool_pages, decode_pool_pages; /* per rank; 0 = sized from the workload */
     uint64_t ring_bytes; /* per decode rank; 0 = ring_slots slots of the full slot size */

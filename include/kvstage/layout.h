@@ -8,9 +8,10 @@
 
 #include "kvstage/status.h"
 
-#define KVS_MAX_TP       64  /* largest TP size on either side */
-#define KVS_MAX_WRITERS  64  /* most writers one decode rank can have for one slot */
-#define KVS_REGION_ALIGN 256 /* writer regions in a slot start at multiples of this */
+#define KVS_MAX_TP        64         /* largest TP size on either side */
+#define KVS_MAX_WRITERS   64         /* most writers one decode rank can have for one slot */
+#define KVS_REGION_ALIGN  256        /* writer regions in a slot start at multiples of this */
+#define KVS_MAX_PAGE_SIZE (1u << 20) /* largest page size in tokens on either side */
 
 typedef enum {
     KVS_ATTN_MHA = 0, /* MHA or GQA: K and V per KV head, sharded by head */
@@ -118,13 +119,23 @@ typedef struct {
     kvs_kv_shape_t shape;
     uint32_t prefill_tp;
     uint32_t decode_tp;
-    uint32_t page_size;    /* P */
-    uint32_t chunk_tokens; /* C: chunked-prefill size; G = max(1, C/P) * P */
+    /* Pd: the decode pool's page size, to which the grid is aligned (protocol.md §1). */
+    uint32_t page_size;
+    /* Pp: the prefill pool's page size; 0 = page_size. Any pair works: prefill pages are
+     * gathered at any token offset (protocol.md §1, "page sizes"). */
+    uint32_t prefill_page_size;
+    uint32_t chunk_tokens; /* C: chunked-prefill size, a multiple of Pd; G = C */
     /* 0 (the default): every CHUNK_READY carries its region's checksum and decode verifies it
      * before the chunk counts (protocol.md §5.5); 1: off. Both sides must agree. */
     uint32_t no_checksum;
 } kvs_pd_geometry_t;
 
+/* Checks the shape, both TP layouts, both page sizes in [1, KVS_MAX_PAGE_SIZE] and the chunk
+ * size (a positive multiple of the decode page); logs what is wrong, naming the numbers. */
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
+
+/* The page size of one side's pools: page_size for decode, prefill_page_size (or page_size when
+ * that is 0) for prefill. */
+uint32_t kvs_pd_geometry_page(const kvs_pd_geometry_t *geo, kvs_side_t side);
 
 #endif

@@ -321,11 +321,19 @@ static uint64_t chunk_pages(const kvs_receiver_t *rx, const rroom_t *r, uint64_t
     return kvs_grid_chunk_pages(chunk, r->total_pages, rx->grid, rx->cfg.geo.page_size);
 }
 
+/* Tokens in a chunk's slot: its pages' tokens, up to where the prefill pages end too
+ * (protocol.md §1). */
+static uint64_t chunk_tokens(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk)
+{
+    const kvs_pd_geometry_t *g = &rx->cfg.geo;
+    return kvs_grid_slot_tokens(chunk, r->prompt_len, r->base, rx->grid, g->page_size,
+                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+}
+
 static uint64_t slot_bytes(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk,
                            uint64_t *offsets_p)
 {
-    uint64_t tokens = chunk_pages(rx, r, chunk) * rx->cfg.geo.page_size;
-    return kvs_slot_layout(r->writers, r->nwriters, tokens, offsets_p);
+    return kvs_slot_layout(r->writers, r->nwriters, chunk_tokens(rx, r, chunk), offsets_p);
 }
 
 static void free_slot(kvs_receiver_t *rx, rroom_t *r, rchunk_t *c)
@@ -341,6 +349,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     rchunk_t *c = &r->chunks[chunk];
     uint64_t offsets[KVS_MAX_WRITERS];
     uint64_t npages = chunk_pages(rx, r, chunk);
+    uint64_t tokens = chunk_tokens(rx, r, chunk);
     slot_bytes(rx, r, chunk, offsets);
     /* The writes completed before their CHUNK_READY was sent; make them visible here. */
     kvs_status_t st = rx->link->ops->flush(rx->link->ctx);
@@ -357,6 +366,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
             .pages = r->pages + chunk * F, /* scatter lands at token base + chunk*F*P */
             .npages = (uint32_t) npages,
             .page_size = rx->cfg.geo.page_size,
+            .tokens = tokens, /* from the first page's start: base and G are page multiples */
             .pool_head = r->writers[w].dst_head,
             .heads = r->writers[w].heads,
             .pool_pages = kvs_pool_total_pages(rx->pool),
@@ -367,7 +377,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
         };
         st = kvs_copy_submit(&rx->copy, KVS_COPY_SCATTER, &d, &c->ticket);
         if (st != KVS_OK) return st;
-        rx->m.bytes += npages * rx->cfg.geo.page_size * r->writers[w].bytes_per_token;
+        rx->m.bytes += tokens * r->writers[w].bytes_per_token;
     }
     rx->m.data_ns += kvs_now_ns() - t0;
     c->state = RCH_SCATTERING;
@@ -645,7 +655,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
     }
     rchunk_t *c = &r->chunks[cr->chunk];
     uint64_t npages = chunk_pages(rx, r, cr->chunk);
-    uint64_t bytes = npages * rx->cfg.geo.page_size * r->writers[cr->writer].bytes_per_token;
+    uint64_t bytes = chunk_tokens(rx, r, cr->chunk) * r->writers[cr->writer].bytes_per_token;
     send_ack(rx, cr->room, KVS_MSG_CHUNK_READY, cr->chunk, cr->writer, cr->prefill_rank);
     if (r->status == KVS_ROOM_FAILED || c->state == RCH_SCATTERING || c->state == RCH_DONE ||
         (c->arrived & KVS_BIT(cr->writer))) {

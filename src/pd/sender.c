@@ -110,7 +110,8 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     if (st != KVS_OK) return st;
     const kvs_pool_config_t *pc = kvs_pool_config(pool);
     if (config->rank >= config->geo.prefill_tp || pc->tp.tp_size != config->geo.prefill_tp ||
-        pc->tp.tp_rank != config->rank || pc->page_size != config->geo.page_size ||
+        pc->tp.tp_rank != config->rank ||
+        pc->page_size != kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL) ||
         memcmp(&pc->shape, &config->geo.shape, sizeof(pc->shape)) != 0) {
         kvs_error("sender: prefill rank %u of %u does not match its pool (rank %u of %u, "
                   "page %u)",
@@ -233,6 +234,15 @@ void kvs_sender_destroy(kvs_sender_t *tx)
 
 /* ---- sending ---- */
 
+/* Tokens in chunk k's slot (protocol.md §1): the decode pages', up to where this rank's pages
+ * end. */
+static uint64_t chunk_tokens(const kvs_sender_t *tx, const sroom_t *r, uint64_t k)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    return kvs_grid_slot_tokens(k, r->prompt_len, r->base, tx->grid, g->page_size,
+                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+}
+
 /* The slot of chunk k at destination d as the decode rank lays it out: its total size, and this
  * writer's region offset in it (both NULL-able). */
 static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, uint32_t d,
@@ -244,8 +254,7 @@ static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, 
     uint32_t n = 0;
     kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, r->dests[d].decode_rank, r->id,
                      writers, &n);
-    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
-    uint64_t size = kvs_slot_layout(writers, n, pages * g->page_size, offsets);
+    uint64_t size = kvs_slot_layout(writers, n, chunk_tokens(tx, r, k), offsets);
     if (region_offset_p) *region_offset_p = offsets[r->dests[d].writer];
     return size;
 }
@@ -278,7 +287,7 @@ static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .writer = dest->writer,
         .suffix_page_start = chunk * (tx->grid / g->page_size),
         .pages = (uint32_t) pages,
-        .bytes = pages * g->page_size * dest->w.bytes_per_token,
+        .bytes = chunk_tokens(tx, r, chunk) * dest->w.bytes_per_token,
         .checksum = r->cd[chunk * r->ndests + d].checksum,
     };
     kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
@@ -764,8 +773,11 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     sdest_t *sd = &r->cd[k * r->ndests + d];
     const kvs_dest_t *dest = &r->dests[d];
-    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
-    uint64_t bytes = pages * g->page_size * dest->w.bytes_per_token;
+    const uint64_t tokens = chunk_tokens(tx, r, k);
+    const uint64_t bytes = tokens * dest->w.bytes_per_token;
+    /* The chunk starts at base + k*G, on a decode page but anywhere in a prefill page. */
+    const uint32_t Pp = kvs_pd_geometry_page(g, KVS_SIDE_PREFILL);
+    const kvs_page_span_t src = kvs_grid_page_span(r->base + k * tx->grid, tokens, Pp);
     uint64_t at;
     dest_slot(tx, r, k, d, &at);
     if (at > sd->size || bytes > sd->size - at) {
@@ -783,15 +795,16 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     }
     int b = -1;
     if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
-    const uint64_t first_page = (r->base / g->page_size) + k * (tx->grid / g->page_size);
     kvs_copy_desc_t desc = {
         .regions = kvs_pool_region(tx->pool, 0, 0),
         .layers = g->shape.layers,
         .components = kvs_kv_shape_components(&g->shape),
         .shape = &g->shape,
-        .pages = r->page_table + first_page,
-        .npages = (uint32_t) pages,
-        .page_size = g->page_size,
+        .pages = r->page_table + src.first,
+        .npages = (uint32_t) src.count,
+        .page_size = Pp,
+        .first_token = (uint32_t) src.offset,
+        .tokens = tokens,
         .pool_head = dest->w.src_head,
         .heads = dest->w.heads,
         .pool_pages = kvs_pool_total_pages(tx->pool),

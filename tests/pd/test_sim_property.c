@@ -1,9 +1,9 @@
 /* Seeded property test: random small deployments (TP pairs with non-integer ratios and
- * replication, MLA, page and chunk sizes, ring sizes, workloads, radix on/off, pool layouts) under
- * random fault mixes, and random large ones (prompts of hundreds of chunks, dozens of rooms
- * sharing rings of a few slots, uneven TP pairs), each checked against every protocol.md §7
- * invariant the simulation can observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a
- * soak); a failure prints the `kvstage sim` command line that replays it. */
+ * replication, MLA, page and chunk sizes, a page size per side, ring sizes, workloads, radix
+ * on/off, pool layouts) under random fault mixes, and random large ones (prompts of hundreds of
+ * chunks, dozens of rooms sharing rings of a few slots, uneven TP pairs), each checked against
+ * every protocol.md §7 invariant the simulation can observe. KVS_SEED picks the seed, KVS_ITERS the
+ * scenario count (a soak); a failure prints the `kvstage sim` command line that replays it. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -44,6 +44,20 @@ static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t
         c->write_delay_ns = kvs_rng_range(rng, 1, max_delay) * c->tick_ns;
     if (c->page_size > 1 && kvs_rng_chance(rng, 1, 10))
         c->misaligned_request = (int64_t) kvs_rng_below(rng, c->workload.requests);
+}
+
+/* Half the time a prefill page size of its own (protocol.md §1): a power of two from 1 to
+ * max_pow2, or now and then any size up to max_any, so that chunk boundaries fall anywhere in
+ * a prefill page and the last chunk may end inside either side's last page. Drawn after the
+ * rest, so each scenario is otherwise the one it was. */
+static void random_prefill_page(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t max_pow2,
+                                uint32_t max_any)
+{
+    if (!kvs_rng_chance(rng, 1, 2)) return;
+    if (kvs_rng_chance(rng, 1, 4))
+        c->prefill_page_size = (uint32_t) kvs_rng_range(rng, 1, max_any);
+    else
+        c->prefill_page_size = 1u << kvs_rng_below(rng, (uint64_t) __builtin_ctz(max_pow2) + 1);
 }
 
 /* Room-level timeouts from the waiting timeout (in ticks): completion half of it, release a
@@ -109,6 +123,7 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     c->concurrency = (uint32_t) kvs_rng_range(rng, 1, 12);
 
     random_ring_and_faults(rng, c, 5, 3, 400);
+    random_prefill_page(rng, c, 64, 48);
     /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
      * stalled rooms end quickly. */
     set_timeouts(c, 200000, 3000000);
@@ -179,6 +194,7 @@ static void draw_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     /* Late writes of at most 40 ticks: longer ones, one slot at a time over tens of thousands
      * of chunks, take minutes. */
     random_ring_and_faults(rng, c, 4, 4, 40);
+    random_prefill_page(rng, c, 8, 6);
     /* A healthy room here may wait behind dozens of others for each of hundreds of chunks: the
      * room-level timeouts sit far above a whole scenario's virtual time, so only the faults
      * fail rooms (a stalled room then waits this long, which costs idle jumps, not work). */

@@ -213,11 +213,17 @@ static void print_deployment(const kvs_rank_config_t *c, const int gpu[2],
     if (c->mem == KVS_MEM_DEVICE)
         snprintf(data, sizeof(data), "CUDA IPC data (prefill pools on GPU %d, decode on GPU %d)",
                  gpu[0], gpu[1]);
+    char pages[48];
+    if (kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL) != c->geo.page_size)
+        snprintf(pages, sizeof(pages), "pages %u prefill / %u decode",
+                 kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL), c->geo.page_size);
+    else
+        snprintf(pages, sizeof(pages), "page %u", c->geo.page_size);
     printf("kvstage demo: prefill TP%u -> decode TP%u, each rank a process; ZeroMQ control, "
-           "%s;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
+           "%s;\n%u KV heads x %u layers x %u dims x %u B, %s, chunk %u; %u "
            "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
            c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads, c->geo.shape.layers,
-           c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, c->geo.page_size, c->geo.chunk_tokens,
+           c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, pages, c->geo.chunk_tokens,
            c->workload.requests, c->workload.prompt_len, c->concurrency,
            kvs_registry_endpoint(registry));
     fflush(stdout);

@@ -15,7 +15,7 @@
 typedef struct {
     uint32_t prefill_tp, decode_tp;
     kvs_kv_shape_t shape;
-    uint32_t page, chunk;
+    uint32_t page, prefill_page, chunk; /* page: decode's; prefill_page 0: the same */
     uint64_t room;
     int json;
 } plan_cfg_t;
@@ -23,6 +23,10 @@ typedef struct {
 /* The whole plan, computed once through the library and then printed either way. */
 typedef struct {
     uint64_t grid_tokens, pages_per_slot;
+    /* A page size per side: the most prefill pages one full slot's gather reads (slots start
+     * on decode pages, so anywhere in a prefill page that is a multiple of gcd(Pd, Pp)), and
+     * the pieces a per-page path would cut a slot into (at either side's page boundaries). */
+    uint64_t prefill_pages_per_slot, pieces_per_slot;
     kvs_writer_t writers[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint64_t offsets[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint32_t writer_count[KVS_MAX_TP];
@@ -42,7 +46,8 @@ static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 }
 
 /* Validates the configuration through the library; on error prints the one error line (the
- * library's reason in it) and returns 0. Page and chunk ranges are the flag table's. */
+ * library's reason in it) and returns 0. Page and chunk ranges are the flag table's; the chunk
+ * must be a multiple of the decode page. */
 static int plan_validate(const plan_cfg_t *cfg, int mla)
 {
     kvs_args_capture_t cap;
@@ -60,12 +65,28 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
         tp = cfg->decode_tp;
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
     }
+    if (st == KVS_OK) {
+        /* The ranges are the flag table's; what is left is the chunk against the decode page. */
+        flag = "--chunk";
+        tp = 0;
+        kvs_pd_geometry_t geo = {.shape = cfg->shape,
+                                 .prefill_tp = cfg->prefill_tp,
+                                 .decode_tp = cfg->decode_tp,
+                                 .page_size = cfg->page,
+                                 .prefill_page_size = cfg->prefill_page,
+                                 .chunk_tokens = cfg->chunk};
+        st = kvs_pd_geometry_validate(&geo);
+    }
     kvs_args_capture_end(&cap, st != KVS_OK);
     if (st == KVS_OK) return 1;
     const char *why = cap.msg[0] ? cap.msg : kvs_status_str(st);
     if (tp == 0) {
-        kvs_args_error(flag, mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL, "%s",
-                       why);
+        const int shape = strcmp(flag, "--chunk") != 0;
+        kvs_args_error(flag,
+                       !shape ? "a positive multiple of the decode page size"
+                       : mla  ? "--kv-heads 1 and --head-dim-v 0 (or neither)"
+                              : NULL,
+                       "%s", why);
     } else {
         char sizes[512];
         kvs_args_error(flag, kvs_args_tp_sizes(&cfg->shape, sizes, sizeof(sizes)), "%u: %s", tp,
@@ -74,11 +95,30 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
     return 0;
 }
 
+static uint64_t gcd_u64(uint64_t a, uint64_t b)
+{
+    while (b != 0) {
+        uint64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+static uint32_t prefill_page(const plan_cfg_t *cfg)
+{
+    return cfg->prefill_page ? cfg->prefill_page : cfg->page;
+}
+
 static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
 {
     const kvs_kv_shape_t *s = &cfg->shape;
     plan->grid_tokens = kvs_grid_tokens(cfg->chunk, cfg->page);
     plan->pages_per_slot = plan->grid_tokens / cfg->page;
+    const uint64_t G = plan->grid_tokens, pd = cfg->page, pp = prefill_page(cfg);
+    const uint64_t g = gcd_u64(pd, pp), lcm = pd / g * pp;
+    plan->prefill_pages_per_slot = (pp - g + G + pp - 1) / pp;
+    plan->pieces_per_slot = (G - 1) / pd + (G - 1) / pp - (G - 1) / lcm + 1;
     plan->bulk_writes = 0;
     for (uint32_t d = 0; d < cfg->decode_tp; d++) {
         if (kvs_plan_writers(s, cfg->prefill_tp, cfg->decode_tp, d, cfg->room, plan->writers[d],
@@ -107,9 +147,10 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
                                   &plan->decode_peer_count[p]) != KVS_OK)
             return 0;
     }
-    /* The per-page path posts one write per page x layer x component for every writer. */
+    /* The per-page path posts one write per page piece x layer x component for every writer
+     * (a piece: a run of tokens in one page on both sides). */
     uint64_t per_writer;
-    if (!mul_ok(plan->pages_per_slot, s->layers, &per_writer) ||
+    if (!mul_ok(plan->pieces_per_slot, s->layers, &per_writer) ||
         !mul_ok(per_writer, kvs_kv_shape_components(s), &per_writer) ||
         !mul_ok(per_writer, plan->bulk_writes, &plan->per_page_writes)) {
         kvs_args_error("--layers", "fewer layers or a smaller --chunk",
@@ -180,9 +221,21 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
     else
         printf("  model: MHA, %u KV heads, %u layers, head dim K %u / V %u, %u-byte elements\n",
                s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v, s->elem_bytes);
-    printf("  grid: page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
-           " pages per slot)\n",
-           cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+    if (prefill_page(cfg) == cfg->page) {
+        printf("  grid: page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
+               " pages per slot)\n",
+               cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+    } else {
+        printf("  grid: decode page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
+               " decode pages per slot), anchored at the decode prefix\n",
+               cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+        printf("  prefill page %u: a slot starts at a multiple of %" PRIu64
+               " tokens into a prefill page and its gather reads up to %" PRIu64
+               " prefill pages;\n  the last slot ends where both sides' pages cover the prompt "
+               "(the shorter of its two page roundings)\n",
+               prefill_page(cfg), gcd_u64(cfg->page, prefill_page(cfg)),
+               plan->prefill_pages_per_slot);
+    }
     printf("  heads per rank: prefill %u (replication %u), decode %u (replication %u)\n",
            kvs_tp_heads_per_rank(s, cfg->prefill_tp), kvs_tp_replication(s, cfg->prefill_tp),
            kvs_tp_heads_per_rank(s, cfg->decode_tp), kvs_tp_replication(s, cfg->decode_tp));
@@ -231,7 +284,7 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
              "per-page (page x layer x %s x writer):", s->attn == KVS_ATTN_MLA ? "latent" : "K/V");
     printf("  %-44s %12" PRIu64 "\n", "staged (one bulk write per writer):", plan->bulk_writes);
     printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u layers x %u x %" PRIu64 " writers\n",
-           label, plan->per_page_writes, plan->pages_per_slot, s->layers,
+           label, plan->per_page_writes, plan->pieces_per_slot, s->layers,
            kvs_kv_shape_components(s), plan->bulk_writes);
     printf("  %-44s %11" PRIu64 "x\n", "reduction:", plan->per_page_writes / plan->bulk_writes);
 }
@@ -269,11 +322,15 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_u64(&j, "head_dim_v", s->head_dim_v);
     kvs_json_u64(&j, "dtype_bytes", s->elem_bytes);
     kvs_json_u64(&j, "page_size", cfg->page);
+    kvs_json_u64(&j, "prefill_page_size", prefill_page(cfg));
+    kvs_json_u64(&j, "decode_page_size", cfg->page);
     kvs_json_u64(&j, "chunk", cfg->chunk);
     kvs_json_u64(&j, "room", cfg->room);
     kvs_json_object_end(&j);
     kvs_json_u64(&j, "grid_tokens", plan->grid_tokens);
     kvs_json_u64(&j, "pages_per_slot", plan->pages_per_slot);
+    kvs_json_u64(&j, "prefill_pages_per_slot", plan->prefill_pages_per_slot);
+    kvs_json_u64(&j, "page_pieces_per_slot", plan->pieces_per_slot);
 
     uint64_t max_slot = 0;
     kvs_json_array_begin(&j, "decode");
@@ -332,6 +389,9 @@ int kvs_cmd_plan(int argc, char **argv)
     plan_cfg_t cfg = {.prefill_tp = 4, .decode_tp = 2, .page = 16, .chunk = 256};
     uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0;
     int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0, dtype = 1;
+    kvs_args_pages_t pages = {0};
+    kvs_arg_t page_rows[3];
+    kvs_args_page_rows(&pages, page_rows);
     const kvs_arg_t args[] = {
         {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", KVS_ARGS_TP,
          NULL},
@@ -347,7 +407,9 @@ int kvs_cmd_plan(int argc, char **argv)
         {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token, held whole by every rank", NULL,
          NULL},
-        {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", "[1,1048576]", NULL},
+        page_rows[0],
+        page_rows[1],
+        page_rows[2],
         {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", "[1,16777216]",
          NULL},
         {"room", KVS_ARG_U64, &cfg.room, "room id, picks among prefill replicas (0)", NULL, NULL},
@@ -357,6 +419,7 @@ int kvs_cmd_plan(int argc, char **argv)
         kvs_args_parse("kvstage plan [flags]", args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
     if (rc == KVS_ARGS_HELP) return 0;
     if (rc != KVS_ARGS_OK) return 2;
+    if (kvs_args_page_sizes(&pages, &cfg.page, &cfg.prefill_page) != 0) return 2;
 
     /* MLA has one latent and no V: its defaults follow, but explicit flags still win so that
      * a contradictory request is refused by the shape check rather than silently fixed. */

@@ -44,6 +44,7 @@ static void seed_register(kvs_msg_register_t *reg)
 {
     reg->rank = 1;
     reg->tp_size = 2;
+    reg->pp_size = 2;
     reg->shape = (kvs_kv_shape_t){.layers = 32,
                                   .kv_heads = 8,
                                   .head_dim_k = 128,

@@ -117,20 +117,22 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
                  c->shape.kv_heads, c->shape.head_dim_k, c->shape.head_dim_v);
     snprintf(buf, cap,
              "kvstage sim --prefill-tp %u --decode-tp %u %s --layers %u --dtype-bytes %u "
-             "--prefill-page-size %u --decode-page-size %u --chunk %u %s --prefill-layout %s "
+             "--prefill-pp %u --prefill-page-size %u --decode-page-size %u --chunk %u %s "
+             "--prefill-layout %s "
              "--decode-layout %s "
              "--prefill-pool-pages %u --decode-pool-pages %u --window %u --staging-buffers %u "
              "--prefill-batch %u --requests %u --concurrency %u --workload %s --prompt-len %u "
              "--prefix-len %u --groups %u --repeat-permille %u --decode-radix %s "
              "--prefill-radix %s --faults %s --fault-rooms %u --seed %llu",
              c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes,
-             sim_page(c, KVS_SIDE_PREFILL), c->page_size, c->chunk_tokens, ring,
-             lay[c->prefill_layout & 1], lay[c->decode_layout & 1], c->prefill_pool_pages,
-             c->decode_pool_pages, c->window_chunks, c->staging_buffers, c->prefill_batch,
-             c->workload.requests, c->concurrency, kvs_workload_kind_str(c->workload.kind),
-             c->workload.prompt_len, c->workload.prefix_len, c->workload.groups,
-             c->workload.repeat_permille, c->decode_radix ? "on" : "off",
-             c->prefill_radix ? "on" : "off", faults, c->fault_rooms, (unsigned long long) c->seed);
+             c->prefill_pp ? c->prefill_pp : 1, sim_page(c, KVS_SIDE_PREFILL), c->page_size,
+             c->chunk_tokens, ring, lay[c->prefill_layout & 1], lay[c->decode_layout & 1],
+             c->prefill_pool_pages, c->decode_pool_pages, c->window_chunks, c->staging_buffers,
+             c->prefill_batch, c->workload.requests, c->concurrency,
+             kvs_workload_kind_str(c->workload.kind), c->workload.prompt_len,
+             c->workload.prefix_len, c->workload.groups, c->workload.repeat_permille,
+             c->decode_radix ? "on" : "off", c->prefill_radix ? "on" : "off", faults,
+             c->fault_rooms, (unsigned long long) c->seed);
     /* Knobs that differ from the defaults, so the line replays the same run. */
     kvs_sim_config_t d;
     kvs_sim_config_default(&d);
@@ -259,14 +261,22 @@ static uint64_t sim_now(void *arg)
     return ((const sim_t *) arg)->now;
 }
 
+/* What both sides of the simulated deployment agree on. */
+static kvs_pd_geometry_t sim_geometry(const kvs_sim_config_t *c)
+{
+    return (kvs_pd_geometry_t){.shape = c->shape,
+                               .prefill_tp = c->prefill_tp,
+                               .decode_tp = c->decode_tp,
+                               .page_size = c->page_size,
+                               .prefill_page_size = c->prefill_page_size,
+                               .chunk_tokens = c->chunk_tokens,
+                               .prefill_pp = c->prefill_pp,
+                               .no_checksum = c->no_checksum ? 1u : 0u};
+}
+
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *c)
 {
-    kvs_pd_geometry_t geo = {.shape = c->shape,
-                             .prefill_tp = c->prefill_tp,
-                             .decode_tp = c->decode_tp,
-                             .page_size = c->page_size,
-                             .prefill_page_size = c->prefill_page_size,
-                             .chunk_tokens = c->chunk_tokens};
+    kvs_pd_geometry_t geo = sim_geometry(c);
     uint64_t max = 0;
     /* Writer counts (hence region alignment) differ between decode ranks. No prompt is too long
      * for a full slot. */
@@ -321,17 +331,23 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     return st;
 }
 
-static kvs_status_t make_pool(const kvs_sim_config_t *c, kvs_side_t side, uint32_t tp,
-                              uint32_t rank, uint32_t pages, kvs_pool_layout_t layout, int device,
+/* A rank's pool: a prefill rank's holds its stage's layers (rank = stage * TP + TP rank). */
+static kvs_status_t make_pool(const kvs_sim_config_t *c, kvs_side_t side, uint32_t rank,
+                              uint32_t pages, kvs_pool_layout_t layout, int device,
                               kvs_pool_t **pool_p)
 {
-    kvs_pool_config_t pc = {.shape = c->shape,
-                            .tp = {.tp_size = tp, .tp_rank = rank},
-                            .page_size = sim_page(c, side),
-                            .num_pages = pages,
-                            .layout = layout,
-                            .mem = c->mem,
-                            .device = device};
+    const kvs_pd_geometry_t geo = sim_geometry(c);
+    const uint32_t tp = side == KVS_SIDE_PREFILL ? c->prefill_tp : c->decode_tp;
+    kvs_pool_config_t pc = {
+        .shape = side == KVS_SIDE_PREFILL
+                     ? kvs_pp_stage_shape(&c->shape, kvs_pd_geometry_pp(&geo), rank / tp)
+                     : c->shape,
+        .tp = {.tp_size = tp, .tp_rank = rank % tp},
+        .page_size = sim_page(c, side),
+        .num_pages = pages,
+        .layout = layout,
+        .mem = c->mem,
+        .device = device};
     return kvs_pool_create(&pc, pool_p);
 }
 
@@ -354,7 +370,8 @@ static void on_decode_done(void *arg, const kvs_request_t *req, const kvs_engine
 }
 
 /* What a per-page transfer path would issue for a succeeded room: one write per page, layer,
- * component and writer (the head slice of one writer is contiguous within a page row). */
+ * component and writer (the head slice of one writer is contiguous within a page row; a
+ * stage's writer writes its layers). */
 static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t total_pages)
 {
     const kvs_sim_config_t *c = s->cfg;
@@ -362,10 +379,9 @@ static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t total_page
     uint32_t comps = kvs_kv_shape_components(&c->shape);
     for (uint32_t d = 0; d < c->decode_tp; d++) {
         uint32_t n = 0;
-        if (kvs_plan_writers(&c->shape, c->prefill_tp, c->decode_tp, d, req->room, writers, &n) !=
-            KVS_OK)
-            continue;
-        s->res.per_page_writes += total_pages * n * c->shape.layers * comps;
+        if (kvs_plan_geo_writers(&s->geo, d, req->room, writers, &n) != KVS_OK) continue;
+        for (uint32_t i = 0; i < n; i++)
+            s->res.per_page_writes += total_pages * writers[i].layers * comps;
         s->res.expected_chunks += kvs_grid_chunk_count(
             total_pages, kvs_grid_tokens(c->chunk_tokens, c->page_size), c->page_size);
     }
@@ -509,8 +525,8 @@ static kvs_status_t sim_setup(sim_t *s)
     if (c->faults & KVS_SIM_FAULT_DUP) nf.dup_permille = 50;
     if (c->faults & KVS_SIM_FAULT_DROP) nf.drop_permille = 30;
     if (c->faults & KVS_SIM_FAULT_CORRUPT) nf.corrupt_permille = 20;
-    if ((st = kvs_inproc_net_create(c->prefill_tp, c->decode_tp, &nf, &s->clock, &s->net)) !=
-        KVS_OK)
+    if ((st = kvs_inproc_net_create(kvs_pd_geometry_prefill_ranks(&s->geo), c->decode_tp, &nf,
+                                    &s->clock, &s->net)) != KVS_OK)
         return st;
 
     if (c->mem == KVS_MEM_DEVICE && c->prefill_device != c->decode_device &&
@@ -525,9 +541,9 @@ static kvs_status_t sim_setup(sim_t *s)
     uint32_t pf_pages, dc_pages;
     pool_pages(c, &pf_pages, &dc_pages);
     kvs_pd_timeouts_t to = sim_timeouts(c);
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
-        if ((st = make_pool(c, KVS_SIDE_PREFILL, c->prefill_tp, r, pf_pages, c->prefill_layout,
-                            c->prefill_device, &s->pf_pools[r])) != KVS_OK ||
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
+        if ((st = make_pool(c, KVS_SIDE_PREFILL, r, pf_pages, c->prefill_layout, c->prefill_device,
+                            &s->pf_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_PREFILL, r, &s->pf_links[r])) != KVS_OK)
             return st;
         kvs_sender_config_t sc = {.geo = s->geo,
@@ -542,8 +558,8 @@ static kvs_status_t sim_setup(sim_t *s)
     }
     uint64_t ring = c->ring_bytes ? c->ring_bytes : c->ring_slots * kvs_sim_full_slot_bytes(c);
     for (uint32_t r = 0; r < c->decode_tp; r++) {
-        if ((st = make_pool(c, KVS_SIDE_DECODE, c->decode_tp, r, dc_pages, c->decode_layout,
-                            c->decode_device, &s->dc_pools[r])) != KVS_OK ||
+        if ((st = make_pool(c, KVS_SIDE_DECODE, r, dc_pages, c->decode_layout, c->decode_device,
+                            &s->dc_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_DECODE, r, &s->dc_links[r])) != KVS_OK)
             return st;
         kvs_receiver_config_t rc = {.geo = s->geo, .rank = r, .timeouts = to, .ring_bytes = ring};
@@ -571,7 +587,7 @@ static void sim_teardown(sim_t *s)
     const kvs_sim_config_t *c = s->cfg;
     kvs_prefill_engine_destroy(s->pe); /* radix caches hand their pages back to the pools */
     kvs_decode_engine_destroy(s->de);
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         if (s->senders[r]) kvs_sender_destroy(s->senders[r]);
         kvs_link_destroy(s->pf_links[r]);
     }
@@ -579,7 +595,7 @@ static void sim_teardown(sim_t *s)
         if (s->receivers[r]) kvs_receiver_destroy(s->receivers[r]);
         kvs_link_destroy(s->dc_links[r]);
     }
-    for (uint32_t r = 0; r < c->prefill_tp; r++)
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++)
         if (s->pf_pools[r]) kvs_pool_destroy(s->pf_pools[r]);
     for (uint32_t r = 0; r < c->decode_tp; r++)
         if (s->dc_pools[r]) kvs_pool_destroy(s->dc_pools[r]);
@@ -596,7 +612,7 @@ static void check_leaks(sim_t *s)
     /* Each side's counters summed over its ranks: writes and bytes are the senders', chunks
      * scattered the receivers', messages and time both sides'. */
     kvs_pd_metrics_t m, tx = {0}, rx = {0};
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         kvs_sender_metrics(s->senders[r], &m);
         kvs_pd_metrics_add(&tx, &m);
         uint64_t total = kvs_pool_total_pages(s->pf_pools[r]);
@@ -640,7 +656,8 @@ static void check_leaks(sim_t *s)
 static uint64_t progress_all(sim_t *s)
 {
     uint64_t work = 0;
-    for (uint32_t r = 0; r < s->cfg->prefill_tp; r++) work += kvs_sender_progress(s->senders[r]);
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++)
+        work += kvs_sender_progress(s->senders[r]);
     for (uint32_t r = 0; r < s->cfg->decode_tp; r++) work += kvs_receiver_progress(s->receivers[r]);
     return work;
 }
@@ -722,7 +739,7 @@ static void sim_loop(sim_t *s)
 static int sim_quiet(sim_t *s)
 {
     kvs_pd_metrics_t m;
-    for (uint32_t r = 0; r < s->cfg->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         kvs_sender_metrics(s->senders[r], &m);
         if (m.live_rooms) return 0;
     }
@@ -760,13 +777,7 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
         kvs_error("sim: NULL config or result");
         return KVS_ERR_INVALID;
     }
-    kvs_pd_geometry_t geo = {.shape = config->shape,
-                             .prefill_tp = config->prefill_tp,
-                             .decode_tp = config->decode_tp,
-                             .page_size = config->page_size,
-                             .prefill_page_size = config->prefill_page_size,
-                             .chunk_tokens = config->chunk_tokens,
-                             .no_checksum = config->no_checksum ? 1u : 0u};
+    kvs_pd_geometry_t geo = sim_geometry(config);
     kvs_status_t st = sim_validate(config, &geo);
     if (st == KVS_OK) st = sim_check_fit(config, &geo);
     if (st != KVS_OK) return st;

@@ -159,8 +159,9 @@ static const kvs_msg_field_t kvs_msg_fields_ack[] = {
 
 /* A registration: all of REGISTER, and QUERY_REPLY's tail when found. */
 #define REGISTRATION(S) \
-    U32(S,   rank,             BELOW(S, tp_size)), \
+    U32(S,   rank,             RANGE(0, KVS_MAX_TP - 1)), \
     U32(S,   tp_size,          RANGE(1, KVS_MAX_TP)), \
+    U32(S,   pp_size,          RANGE(1, KVS_MAX_TP)), \
     U32(S,   shape.layers,     ANY), \
     U32(S,   shape.kv_heads,   ANY), \
     U32(S,   shape.head_dim_k, ANY), \

@@ -76,6 +76,9 @@ struct kvs_receiver {
     kvs_map_t early;    /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
     uint64_t next_serial;
     uint64_t grid; /* G */
+    /* [stages] the layers each prefill stage writes, as a shape: a stage writer's region is
+     * [K of its layers][V of its layers] (protocol.md §2) */
+    kvs_kv_shape_t stage_shapes[KVS_MAX_TP];
     kvs_pd_metrics_t m;
     uint64_t srtt_ns; /* smoothed round trip to the prefill ranks (kvs_pd_rto) */
 };
@@ -137,6 +140,9 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     rx->link = link;
     rx->clock = *clock;
     rx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
+    for (uint32_t s = 0; s < kvs_pd_geometry_pp(&config->geo); s++)
+        rx->stage_shapes[s] =
+            kvs_pp_stage_shape(&config->geo.shape, kvs_pd_geometry_pp(&config->geo), s);
     kvs_map_init(&rx->rooms);
     kvs_map_init(&rx->serials);
     kvs_map_init(&rx->early);
@@ -354,12 +360,13 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     /* The writes completed before their CHUNK_READY was sent; make them visible here. */
     kvs_status_t st = rx->link->ops->flush(rx->link->ctx);
     if (st != KVS_OK) return st;
-    const kvs_kv_shape_t *shape = &rx->cfg.geo.shape;
     uint64_t t0 = kvs_now_ns();
     const uint64_t F = rx->grid / rx->cfg.geo.page_size;
     for (uint32_t w = 0; w < r->nwriters; w++) {
+        /* into the layers of the writer's stage */
+        const kvs_kv_shape_t *shape = &rx->stage_shapes[r->writers[w].stage];
         kvs_copy_desc_t d = {
-            .regions = kvs_pool_region(rx->pool, 0, 0),
+            .regions = kvs_pool_region(rx->pool, r->writers[w].first_layer, 0),
             .layers = shape->layers,
             .components = kvs_kv_shape_components(shape),
             .shape = shape,
@@ -484,11 +491,8 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
     r->pages = delta_pages;
     r->status = KVS_ROOM_BOOTSTRAPPING;
     const kvs_pd_geometry_t *g = &rx->cfg.geo;
-    kvs_status_t st = kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, rx->cfg.rank, room,
-                                       r->writers, &r->nwriters);
-    if (st == KVS_OK)
-        st = kvs_plan_peers(&g->shape, g->prefill_tp, g->decode_tp, rx->cfg.rank, r->peers,
-                            &r->npeers);
+    kvs_status_t st = kvs_plan_geo_writers(g, rx->cfg.rank, room, r->writers, &r->nwriters);
+    if (st == KVS_OK) st = kvs_plan_geo_peers(g, rx->cfg.rank, r->peers, &r->npeers);
     if (st == KVS_OK && !g->no_checksum && nchunks > 0) {
         r->sums = kvs_calloc(nchunks * r->nwriters * 2, sizeof(uint64_t));
         if (r->sums == NULL) st = KVS_ERR_NOMEM;

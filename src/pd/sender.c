@@ -85,6 +85,7 @@ struct kvs_sender {
     kvs_link_t *link;
     kvs_clock_t clock;
     kvs_copy_backend_t copy;
+    kvs_kv_shape_t shape; /* of the layers this rank's stage holds: its pool's */
     uint64_t grid;
     uint64_t buffer_bytes; /* one writer region of a full slot, at most */
     uint8_t **buffers;     /* [staging_buffers][buffer_bytes], in the pool's memory kind; NULL
@@ -109,14 +110,17 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     kvs_status_t st = kvs_pd_geometry_validate(&config->geo);
     if (st != KVS_OK) return st;
     const kvs_pool_config_t *pc = kvs_pool_config(pool);
-    if (config->rank >= config->geo.prefill_tp || pc->tp.tp_size != config->geo.prefill_tp ||
-        pc->tp.tp_rank != config->rank ||
+    /* The pool holds this rank's heads of its stage's layers (protocol.md §2). */
+    const uint32_t pp = kvs_pd_geometry_pp(&config->geo), tp = config->geo.prefill_tp;
+    const uint32_t stage = config->rank / tp;
+    const kvs_kv_shape_t shape = kvs_pp_stage_shape(&config->geo.shape, pp, stage % pp);
+    if (config->rank >= pp * tp || pc->tp.tp_size != tp || pc->tp.tp_rank != config->rank % tp ||
         pc->page_size != kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL) ||
-        memcmp(&pc->shape, &config->geo.shape, sizeof(pc->shape)) != 0) {
-        kvs_error("sender: prefill rank %u of %u does not match its pool (rank %u of %u, "
-                  "page %u)",
-                  config->rank, config->geo.prefill_tp, pc->tp.tp_rank, pc->tp.tp_size,
-                  pc->page_size);
+        memcmp(&pc->shape, &shape, sizeof(pc->shape)) != 0) {
+        kvs_error("sender: prefill rank %u (stage %u of %u, TP rank %u of %u, %u layers) does "
+                  "not match its pool (TP rank %u of %u, %u layers, page %u)",
+                  config->rank, stage, pp, config->rank % tp, tp, shape.layers, pc->tp.tp_rank,
+                  pc->tp.tp_size, pc->shape.layers, pc->page_size);
         return KVS_ERR_INVALID;
     }
     if (config->window_chunks == 0 || config->staging_buffers == 0) {
@@ -135,13 +139,14 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     kvs_sender_t *tx = kvs_calloc(1, sizeof(*tx));
     if (tx == NULL) return KVS_ERR_NOMEM;
     tx->cfg = *config;
+    tx->shape = shape;
     tx->pool = pool;
     tx->link = link;
     tx->clock = *clock;
     tx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
     kvs_map_init(&tx->rooms);
     kvs_map_init(&tx->stash);
-    const kvs_kv_shape_t *s = &config->geo.shape;
+    const kvs_kv_shape_t *s = &tx->shape;
     uint64_t heads = kvs_tp_heads_per_rank(s, config->geo.prefill_tp);
     uint64_t dims = s->attn == KVS_ATTN_MLA ? s->head_dim_k : s->head_dim_k + s->head_dim_v;
     tx->buffer_bytes = tx->grid * s->layers * heads * dims * s->elem_bytes;
@@ -252,8 +257,7 @@ static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, 
     kvs_writer_t writers[KVS_MAX_WRITERS];
     uint64_t offsets[KVS_MAX_WRITERS];
     uint32_t n = 0;
-    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, r->dests[d].decode_rank, r->id,
-                     writers, &n);
+    kvs_plan_geo_writers(g, r->dests[d].decode_rank, r->id, writers, &n);
     uint64_t size = kvs_slot_layout(writers, n, chunk_tokens(tx, r, k), offsets);
     if (region_offset_p) *region_offset_p = offsets[r->dests[d].writer];
     return size;
@@ -407,11 +411,8 @@ kvs_status_t kvs_sender_add_room(kvs_sender_t *tx, uint64_t room, uint64_t promp
     r->page_table = page_table;
     r->status = KVS_ROOM_BOOTSTRAPPING;
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
-    kvs_status_t st = kvs_plan_destinations(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank,
-                                            room, r->dests, &r->ndests);
-    if (st == KVS_OK)
-        st = kvs_plan_decode_peers(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank, r->dpeers,
-                                   &r->ndpeers);
+    kvs_status_t st = kvs_plan_geo_destinations(g, tx->cfg.rank, room, r->dests, &r->ndests);
+    if (st == KVS_OK) st = kvs_plan_geo_decode_peers(g, tx->cfg.rank, r->dpeers, &r->ndpeers);
     if (st == KVS_OK) st = kvs_map_put(&tx->rooms, room, r);
     if (st != KVS_OK) {
         room_free(r);
@@ -797,9 +798,9 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
     kvs_copy_desc_t desc = {
         .regions = kvs_pool_region(tx->pool, 0, 0),
-        .layers = g->shape.layers,
-        .components = kvs_kv_shape_components(&g->shape),
-        .shape = &g->shape,
+        .layers = tx->shape.layers,
+        .components = kvs_kv_shape_components(&tx->shape),
+        .shape = &tx->shape, /* its stage's layers: the region is [K of them][V of them] */
         .pages = r->page_table + src.first,
         .npages = (uint32_t) src.count,
         .page_size = Pp,

@@ -252,6 +252,35 @@ static void test_geometry_page_sizes(void **state)
         if (strstr(cap.msg, bad[i].needle) == NULL)
             fail_msg("case %zu: '%s' lacks '%s'", i, cap.msg, bad[i].needle);
     }
+    /* pipeline stages: at most one per layer, at most KVS_MAX_TP prefill ranks */
+    g.page_size = 16;
+    g.prefill_page_size = 0;
+    g.chunk_tokens = 256;
+    g.shape.layers = 4;
+    g.prefill_pp = 4;
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_prefill_ranks(&g), 16);
+    static const struct {
+        uint32_t pp, tp;
+        const char *needle;
+    } stages[] = {
+        {5, 4, "5 prefill pipeline stages for 4 layers: a stage needs at least one layer"},
+        {4, 32, "prefill PP 4 x TP 32 = 128 ranks, more than the 64"},
+    };
+    for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++) {
+        g.prefill_pp = stages[i].pp;
+        g.prefill_tp = stages[i].tp;
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        kvs_status_t st = kvs_pd_geometry_validate(&g);
+        kvs_log_set_sink(NULL, NULL);
+        assert_int_equal(st, KVS_ERR_INVALID);
+        if (strstr(cap.msg, stages[i].needle) == NULL)
+            fail_msg("stages %zu: '%s' lacks '%s'", i, cap.msg, stages[i].needle);
+    }
+    g.prefill_pp = 0;
+    g.prefill_tp = 4;
+    g.shape.layers = mha(8).layers;
     /* every pair of powers of two from 1 to 256 */
     for (uint32_t d = 1; d <= 256; d *= 2) {
         for (uint32_t p = 1; p <= 256; p *= 2) {

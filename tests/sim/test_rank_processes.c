@@ -129,6 +129,19 @@ static void test_page_sizes_per_side(void **state)
             "--decode-page-size 64 --data tcp --net-device lo --write-mode staged");
 }
 
+/* Pipeline-parallel prefill (protocol.md §2): every (stage, TP rank) a process writing its
+ * layers, uneven stages, over shared memory and over TCP; and with a page size per side. */
+static void test_prefill_pipeline_stages(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 12 --prefill-pp 2 --data shm");
+    demo_ok("--requests 12 --prefill-pp 3 --prefill-tp 2 --decode-tp 4 --layers 5 --data tcp "
+            "--net-device lo --write-mode staged");
+    demo_ok("--requests 8 --prefill-pp 2 --prefill-tp 3 --decode-tp 2 --mla --head-dim 48 "
+            "--prefill-page-size 4 --decode-page-size 64");
+}
+
 static void test_incompatible_decode_refused(void **state)
 {
     (void) state;
@@ -224,6 +237,7 @@ int main(void)
         cmocka_unit_test(test_tp2_to_tp4_tcp),
         cmocka_unit_test(test_replicated_and_mla),
         cmocka_unit_test(test_page_sizes_per_side),
+        cmocka_unit_test(test_prefill_pipeline_stages),
         cmocka_unit_test(test_incompatible_decode_refused),
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_ring_smaller_than_slot_refused),

@@ -1,5 +1,6 @@
-/* `kvstage plan`: prints the transfer plan between a prefill and a decode TP layout (who writes
- * which heads where, slot layout, status peers) and what staging saves over per-page writes. */
+/* `kvstage plan`: prints the transfer plan between a prefill layout (PP x TP) and a decode TP
+ * layout (who writes which heads of which layers where, slot layout, status peers) and what
+ * staging saves over per-page writes. */
 #include "cmd/commands.h"
 
 #include <inttypes.h>
@@ -16,6 +17,7 @@ typedef struct {
     uint32_t prefill_tp, decode_tp;
     kvs_kv_shape_t shape;
     uint32_t page, prefill_page, chunk; /* page: decode's; prefill_page 0: the same */
+    uint32_t pp;                        /* prefill pipeline stages */
     uint64_t room;
     int json;
 } plan_cfg_t;
@@ -36,7 +38,19 @@ typedef struct {
     uint32_t dest_count[KVS_MAX_TP];
     uint32_t decode_peers[KVS_MAX_TP][KVS_MAX_TP], decode_peer_count[KVS_MAX_TP];
     uint64_t bulk_writes, per_page_writes;
+    uint64_t writer_layers; /* over every writer of every decode rank: the layers it writes */
 } plan_t;
+
+static kvs_pd_geometry_t plan_geo(const plan_cfg_t *cfg)
+{
+    return (kvs_pd_geometry_t){.shape = cfg->shape,
+                               .prefill_tp = cfg->prefill_tp,
+                               .decode_tp = cfg->decode_tp,
+                               .page_size = cfg->page,
+                               .prefill_page_size = cfg->prefill_page,
+                               .chunk_tokens = cfg->chunk,
+                               .prefill_pp = cfg->pp};
+}
 
 static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 {
@@ -65,28 +79,30 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
         tp = cfg->decode_tp;
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
     }
+    kvs_pd_geometry_t geo = plan_geo(cfg);
+    if (st == KVS_OK) {
+        /* The stages against the layers and the rank limit (the geometry checks them before
+         * the chunk, which a chunk of one page always passes). */
+        flag = "--prefill-pp";
+        tp = 0;
+        kvs_pd_geometry_t stages = geo;
+        stages.chunk_tokens = cfg->page;
+        st = kvs_pd_geometry_validate(&stages);
+    }
     if (st == KVS_OK) {
         /* The ranges are the flag table's; what is left is the chunk against the decode page. */
         flag = "--chunk";
-        tp = 0;
-        kvs_pd_geometry_t geo = {.shape = cfg->shape,
-                                 .prefill_tp = cfg->prefill_tp,
-                                 .decode_tp = cfg->decode_tp,
-                                 .page_size = cfg->page,
-                                 .prefill_page_size = cfg->prefill_page,
-                                 .chunk_tokens = cfg->chunk};
         st = kvs_pd_geometry_validate(&geo);
     }
     kvs_args_capture_end(&cap, st != KVS_OK);
     if (st == KVS_OK) return 1;
     const char *why = cap.msg[0] ? cap.msg : kvs_status_str(st);
     if (tp == 0) {
-        const int shape = strcmp(flag, "--chunk") != 0;
-        kvs_args_error(flag,
-                       !shape ? "a positive multiple of the decode page size"
-                       : mla  ? "--kv-heads 1 and --head-dim-v 0 (or neither)"
-                              : NULL,
-                       "%s", why);
+        const char *accepted = mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL;
+        if (strcmp(flag, "--chunk") == 0) accepted = "a positive multiple of the decode page size";
+        if (strcmp(flag, "--prefill-pp") == 0)
+            accepted = "at most one stage per layer and at most 64 prefill ranks (PP x TP)";
+        kvs_args_error(flag, accepted, "%s", why);
     } else {
         char sizes[512];
         kvs_args_error(flag, kvs_args_tp_sizes(&cfg->shape, sizes, sizeof(sizes)), "%u: %s", tp,
@@ -113,6 +129,7 @@ static uint32_t prefill_page(const plan_cfg_t *cfg)
 static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
 {
     const kvs_kv_shape_t *s = &cfg->shape;
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
     plan->grid_tokens = kvs_grid_tokens(cfg->chunk, cfg->page);
     plan->pages_per_slot = plan->grid_tokens / cfg->page;
     const uint64_t G = plan->grid_tokens, pd = cfg->page, pp = prefill_page(cfg);
@@ -121,11 +138,12 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
     plan->pieces_per_slot = (G - 1) / pd + (G - 1) / pp - (G - 1) / lcm + 1;
     plan->bulk_writes = 0;
     for (uint32_t d = 0; d < cfg->decode_tp; d++) {
-        if (kvs_plan_writers(s, cfg->prefill_tp, cfg->decode_tp, d, cfg->room, plan->writers[d],
-                             &plan->writer_count[d]) != KVS_OK ||
-            kvs_plan_peers(s, cfg->prefill_tp, cfg->decode_tp, d, plan->peers[d],
-                           &plan->peer_count[d]) != KVS_OK)
+        if (kvs_plan_geo_writers(&geo, d, cfg->room, plan->writers[d], &plan->writer_count[d]) !=
+                KVS_OK ||
+            kvs_plan_geo_peers(&geo, d, plan->peers[d], &plan->peer_count[d]) != KVS_OK)
             return 0;
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++)
+            plan->writer_layers += plan->writers[d][i].layers;
         /* The slot layout is plain uint64 arithmetic: refuse sizes it cannot represent. */
         uint64_t per_token = 0, payload;
         for (uint32_t i = 0; i < plan->writer_count[d]; i++)
@@ -140,19 +158,18 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
                                               plan->grid_tokens, plan->offsets[d]);
         plan->bulk_writes += plan->writer_count[d];
     }
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
-        if (kvs_plan_destinations(s, cfg->prefill_tp, cfg->decode_tp, p, cfg->room, plan->dests[p],
-                                  &plan->dest_count[p]) != KVS_OK ||
-            kvs_plan_decode_peers(s, cfg->prefill_tp, cfg->decode_tp, p, plan->decode_peers[p],
-                                  &plan->decode_peer_count[p]) != KVS_OK)
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        if (kvs_plan_geo_destinations(&geo, p, cfg->room, plan->dests[p], &plan->dest_count[p]) !=
+                KVS_OK ||
+            kvs_plan_geo_decode_peers(&geo, p, plan->decode_peers[p],
+                                      &plan->decode_peer_count[p]) != KVS_OK)
             return 0;
     }
-    /* The per-page path posts one write per page piece x layer x component for every writer
+    /* The per-page path posts one write per page piece x component x layer of every writer
      * (a piece: a run of tokens in one page on both sides). */
-    uint64_t per_writer;
-    if (!mul_ok(plan->pieces_per_slot, s->layers, &per_writer) ||
-        !mul_ok(per_writer, kvs_kv_shape_components(s), &per_writer) ||
-        !mul_ok(per_writer, plan->bulk_writes, &plan->per_page_writes)) {
+    uint64_t per_piece;
+    if (!mul_ok(plan->writer_layers, kvs_kv_shape_components(s), &per_piece) ||
+        !mul_ok(per_piece, plan->pieces_per_slot, &plan->per_page_writes)) {
         kvs_args_error("--layers", "fewer layers or a smaller --chunk",
                        "the per-page write count overflows");
         return 0;
@@ -213,8 +230,14 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
 {
     const kvs_kv_shape_t *s = &cfg->shape;
     char buf[64], buf2[64];
-    printf("kvstage plan: prefill TP%u -> decode TP%u, room %" PRIu64 "\n", cfg->prefill_tp,
-           cfg->decode_tp, cfg->room);
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
+    const uint32_t pp = kvs_pd_geometry_pp(&geo);
+    if (pp > 1)
+        printf("kvstage plan: prefill PP%u x TP%u -> decode TP%u, room %" PRIu64 "\n", pp,
+               cfg->prefill_tp, cfg->decode_tp, cfg->room);
+    else
+        printf("kvstage plan: prefill TP%u -> decode TP%u, room %" PRIu64 "\n", cfg->prefill_tp,
+               cfg->decode_tp, cfg->room);
     if (s->attn == KVS_ATTN_MLA)
         printf("  model: MLA latent of %u elements, %u layers, %u-byte elements\n", s->head_dim_k,
                s->layers, s->elem_bytes);
@@ -248,22 +271,32 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
                plan->writer_count[d], plan->writer_count[d] == 1 ? "" : "s", plan->slot_bytes[d],
                buf2);
         print_ranks("status peers: prefill", plan->peers[d], plan->peer_count[d]);
-        printf("\n  %6s %8s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "global heads",
-               "src head", "dst head", "heads", "region offset", "bytes/slot");
+        printf("\n  %6s %8s %5s %9s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "stage",
+               "layers", "global heads", "src head", "dst head", "heads", "region offset",
+               "bytes/slot");
         for (uint32_t i = 0; i < plan->writer_count[d]; i++) {
             const kvs_writer_t *w = &plan->writers[d][i];
             format_heads(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->decode_tp, d) + w->dst_head,
                          w->heads);
-            printf("  %6u %8u %13s %9u %9u %6u %14" PRIu64 " %14" PRIu64 "\n", i, w->prefill_rank,
-                   buf, w->src_head, w->dst_head, w->heads, plan->offsets[d][i],
-                   region_bytes(plan, w));
+            snprintf(buf2, sizeof(buf2), "%u-%u", w->first_layer, w->first_layer + w->layers - 1);
+            printf("  %6u %8u %5u %9s %13s %9u %9u %6u %14" PRIu64 " %14" PRIu64 "\n", i,
+                   w->prefill_rank, w->stage, buf2, buf, w->src_head, w->dst_head, w->heads,
+                   plan->offsets[d][i], region_bytes(plan, w));
         }
     }
     printf("\n");
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
-        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->prefill_tp, p),
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        const uint32_t tp_rank = p % cfg->prefill_tp;
+        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->prefill_tp, tp_rank),
                      kvs_tp_heads_per_rank(s, cfg->prefill_tp));
-        printf("prefill rank %u (%s): ", p, buf);
+        if (pp > 1) {
+            uint32_t first, layers;
+            kvs_pp_stage(s->layers, pp, p / cfg->prefill_tp, &first, &layers);
+            printf("prefill rank %u (stage %u, TP rank %u: layers %u-%u, %s): ", p,
+                   p / cfg->prefill_tp, tp_rank, first, first + layers - 1, buf);
+        } else {
+            printf("prefill rank %u (%s): ", p, buf);
+        }
         print_ranks("status peers: decode", plan->decode_peers[p], plan->decode_peer_count[p]);
         printf("\n");
         if (plan->dest_count[p] == 0)
@@ -283,9 +316,10 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
     snprintf(label, sizeof(label),
              "per-page (page x layer x %s x writer):", s->attn == KVS_ATTN_MLA ? "latent" : "K/V");
     printf("  %-44s %12" PRIu64 "\n", "staged (one bulk write per writer):", plan->bulk_writes);
-    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u layers x %u x %" PRIu64 " writers\n",
-           label, plan->per_page_writes, plan->pieces_per_slot, s->layers,
-           kvs_kv_shape_components(s), plan->bulk_writes);
+    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u x %" PRIu64 " layers of the %" PRIu64
+           " writers\n",
+           label, plan->per_page_writes, plan->pieces_per_slot, kvs_kv_shape_components(s),
+           plan->writer_layers, plan->bulk_writes);
     printf("  %-44s %11" PRIu64 "x\n", "reduction:", plan->per_page_writes / plan->bulk_writes);
 }
 
@@ -299,6 +333,9 @@ static void json_ranks(kvs_json_t *j, const char *key, const uint32_t *ranks, ui
 static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t offset,
                                uint64_t bytes)
 {
+    kvs_json_u64(j, "stage", w->stage);
+    kvs_json_u64(j, "first_layer", w->first_layer);
+    kvs_json_u64(j, "layers", w->layers);
     kvs_json_u64(j, "src_head", w->src_head);
     kvs_json_u64(j, "dst_head", w->dst_head);
     kvs_json_u64(j, "heads", w->heads);
@@ -314,6 +351,7 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_begin(&j, stdout);
     kvs_json_object_begin(&j, "config");
     kvs_json_u64(&j, "prefill_tp", cfg->prefill_tp);
+    kvs_json_u64(&j, "prefill_pp", cfg->pp ? cfg->pp : 1);
     kvs_json_u64(&j, "decode_tp", cfg->decode_tp);
     kvs_json_str(&j, "attn", s->attn == KVS_ATTN_MLA ? "mla" : "mha");
     kvs_json_u64(&j, "kv_heads", s->kv_heads);
@@ -356,10 +394,18 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_array_end(&j);
 
     kvs_json_array_begin(&j, "prefill");
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
+    const uint32_t pp = kvs_pd_geometry_pp(&geo);
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        uint32_t first, layers;
+        kvs_pp_stage(s->layers, pp, p / cfg->prefill_tp, &first, &layers);
         kvs_json_object_begin(&j, NULL);
         kvs_json_u64(&j, "rank", p);
-        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->prefill_tp, p));
+        kvs_json_u64(&j, "stage", p / cfg->prefill_tp);
+        kvs_json_u64(&j, "tp_rank", p % cfg->prefill_tp);
+        kvs_json_u64(&j, "first_layer", first);
+        kvs_json_u64(&j, "layers", layers);
+        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->prefill_tp, p % cfg->prefill_tp));
         kvs_json_u64(&j, "heads", kvs_tp_heads_per_rank(s, cfg->prefill_tp));
         json_ranks(&j, "decode_peers", plan->decode_peers[p], plan->decode_peer_count[p]);
         kvs_json_array_begin(&j, "destinations");
@@ -395,6 +441,8 @@ int kvs_cmd_plan(int argc, char **argv)
     const kvs_arg_t args[] = {
         {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", KVS_ARGS_TP,
          NULL},
+        {"prefill-pp", KVS_ARG_U32, &cfg.pp,
+         "prefill pipeline stages, each a contiguous range of layers (1)", "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", KVS_ARGS_TP,
          NULL},
         {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", "[1,65536]",

@@ -55,6 +55,7 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     }
     kvs_json_str(&j, "write_mode", write_modes[c->write_mode]);
     kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
+    kvs_json_u64(&j, "prefill_pp", c->prefill_pp ? c->prefill_pp : 1);
     kvs_json_u64(&j, "decode_tp", c->decode_tp);
     kvs_json_u64(&j, "requests", r->requests);
     kvs_json_u64(&j, "succeeded", r->succeeded);
@@ -113,16 +114,18 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
                  c->page_size);
     else
         snprintf(pages, sizeof(pages), "page %u", c->page_size);
+    char pp[24] = "";
+    if (c->prefill_pp > 1) snprintf(pp, sizeof(pp), "PP%u x ", c->prefill_pp);
     if (s->attn == KVS_ATTN_MLA)
-        printf("kvstage sim: prefill TP%u -> decode TP%u, MLA latent %u x %u layers x %u B, "
+        printf("kvstage sim: prefill %sTP%u -> decode TP%u, MLA latent %u x %u layers x %u B, "
                "%s, chunk %u\n",
-               c->prefill_tp, c->decode_tp, s->head_dim_k, s->layers, s->elem_bytes, pages,
+               pp, c->prefill_tp, c->decode_tp, s->head_dim_k, s->layers, s->elem_bytes, pages,
                c->chunk_tokens);
     else
-        printf("kvstage sim: prefill TP%u -> decode TP%u, %u KV heads x %u layers x %u/%u dim x "
+        printf("kvstage sim: prefill %sTP%u -> decode TP%u, %u KV heads x %u layers x %u/%u dim x "
                "%u B, %s, chunk %u\n",
-               c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v,
-               s->elem_bytes, pages, c->chunk_tokens);
+               pp, c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k,
+               s->head_dim_v, s->elem_bytes, pages, c->chunk_tokens);
     if (c->mem == KVS_MEM_DEVICE)
         printf("memory: CUDA devices, prefill ranks on GPU %d, decode ranks on GPU %d; write "
                "mode %s\n",
@@ -238,6 +241,9 @@ static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
+        {"prefill-pp", KVS_ARG_U32, &c->prefill_pp,
+         "prefill pipeline stages: PP x TP ranks, each stage a contiguous range of layers (1)",
+         "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
         {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", "[1,65536]", NULL},
         {"layers", KVS_ARG_U32, &o->layers, "layers (4)", "[1,65536]", NULL},

@@ -261,8 +261,7 @@ static uint64_t sim_now(void *arg)
     return ((const sim_t *) arg)->now;
 }
 
-/* What both sides of the simulated deployment agree on. */
-static kvs_pd_geometry_t sim_geometry(const kvs_sim_config_t *c)
+kvs_pd_geometry_t kvs_sim_geometry(const kvs_sim_config_t *c)
 {
     return (kvs_pd_geometry_t){.shape = c->shape,
                                .prefill_tp = c->prefill_tp,
@@ -276,7 +275,7 @@ static kvs_pd_geometry_t sim_geometry(const kvs_sim_config_t *c)
 
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *c)
 {
-    kvs_pd_geometry_t geo = sim_geometry(c);
+    kvs_pd_geometry_t geo = kvs_sim_geometry(c);
     uint64_t max = 0;
     /* Writer counts (hence region alignment) differ between decode ranks. No prompt is too long
      * for a full slot. */
@@ -336,7 +335,7 @@ static kvs_status_t make_pool(const kvs_sim_config_t *c, kvs_side_t side, uint32
                               uint32_t pages, kvs_pool_layout_t layout, int device,
                               kvs_pool_t **pool_p)
 {
-    const kvs_pd_geometry_t geo = sim_geometry(c);
+    const kvs_pd_geometry_t geo = kvs_sim_geometry(c);
     const uint32_t tp = side == KVS_SIDE_PREFILL ? c->prefill_tp : c->decode_tp;
     kvs_pool_config_t pc = {
         .shape = side == KVS_SIDE_PREFILL
@@ -777,7 +776,7 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
         kvs_error("sim: NULL config or result");
         return KVS_ERR_INVALID;
     }
-    kvs_pd_geometry_t geo = sim_geometry(config);
+    kvs_pd_geometry_t geo = kvs_sim_geometry(config);
     kvs_status_t st = sim_validate(config, &geo);
     if (st == KVS_OK) st = sim_check_fit(config, &geo);
     if (st != KVS_OK) return st;

@@ -167,6 +167,9 @@ void kvs_sim_config_default(kvs_sim_config_t *config_p);
 
 /* Bytes of the largest full slot (G tokens) on any decode rank: the unit of ring_slots. 0 for
  * an invalid layout. */
+/* What both sides of the simulated deployment agree on. */
+kvs_pd_geometry_t kvs_sim_geometry(const kvs_sim_config_t *config);
+
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *config);
 
 /* Writes the `kvstage sim` command line that reproduces config. */

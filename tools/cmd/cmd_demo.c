@@ -339,6 +339,8 @@ static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t
     kvs_json_u64(&j, "prefill_tp", c->geo.prefill_tp);
     kvs_json_u64(&j, "prefill_pp", kvs_pd_geometry_pp(&c->geo));
     kvs_json_u64(&j, "decode_tp", c->geo.decode_tp);
+    kvs_json_u64(&j, "prefill_page_size", kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL));
+    kvs_json_u64(&j, "decode_page_size", c->geo.page_size);
     kvs_json_u64(&j, "requests", c->workload.requests);
     kvs_json_u64(&j, "succeeded", t->succeeded);
     kvs_json_u64(&j, "failed", t->failed);

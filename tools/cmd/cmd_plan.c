@@ -60,8 +60,8 @@ static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 }
 
 /* Validates the configuration through the library; on error prints the one error line (the
- * library's reason in it) and returns 0. Page and chunk ranges are the flag table's; the chunk
- * must be a multiple of the decode page. */
+ * library's reason in it) and returns 0. Page and chunk ranges are the flag table's; stages and
+ * the chunk are checked as every command checks them (kvs_args_check_layout). */
 static int plan_validate(const plan_cfg_t *cfg, int mla)
 {
     kvs_args_capture_t cap;
@@ -79,30 +79,15 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
         tp = cfg->decode_tp;
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
     }
-    kvs_pd_geometry_t geo = plan_geo(cfg);
-    if (st == KVS_OK) {
-        /* The stages against the layers and the rank limit (the geometry checks them before
-         * the chunk, which a chunk of one page always passes). */
-        flag = "--prefill-pp";
-        tp = 0;
-        kvs_pd_geometry_t stages = geo;
-        stages.chunk_tokens = cfg->page;
-        st = kvs_pd_geometry_validate(&stages);
-    }
-    if (st == KVS_OK) {
-        /* The ranges are the flag table's; what is left is the chunk against the decode page. */
-        flag = "--chunk";
-        st = kvs_pd_geometry_validate(&geo);
-    }
     kvs_args_capture_end(&cap, st != KVS_OK);
-    if (st == KVS_OK) return 1;
+    if (st == KVS_OK) {
+        const kvs_pd_geometry_t geo = plan_geo(cfg);
+        return kvs_args_check_layout(&geo) == 0;
+    }
     const char *why = cap.msg[0] ? cap.msg : kvs_status_str(st);
     if (tp == 0) {
-        const char *accepted = mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL;
-        if (strcmp(flag, "--chunk") == 0) accepted = "a positive multiple of the decode page size";
-        if (strcmp(flag, "--prefill-pp") == 0)
-            accepted = "at most one stage per layer and at most 64 prefill ranks (PP x TP)";
-        kvs_args_error(flag, accepted, "%s", why);
+        kvs_args_error(flag, mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL, "%s",
+                       why);
     } else {
         char sizes[512];
         kvs_args_error(flag, kvs_args_tp_sizes(&cfg->shape, sizes, sizeof(sizes)), "%u: %s", tp,

@@ -57,6 +57,9 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
     kvs_json_u64(&j, "prefill_pp", c->prefill_pp ? c->prefill_pp : 1);
     kvs_json_u64(&j, "decode_tp", c->decode_tp);
+    kvs_json_u64(&j, "prefill_page_size",
+                 c->prefill_page_size ? c->prefill_page_size : c->page_size);
+    kvs_json_u64(&j, "decode_page_size", c->page_size);
     kvs_json_u64(&j, "requests", r->requests);
     kvs_json_u64(&j, "succeeded", r->succeeded);
     kvs_json_u64(&j, "failed", r->failed);
@@ -480,7 +483,8 @@ static int sim_config_build(sim_opts_t *o)
             return kvs_args_error(names[i], kvs_args_tp_sizes(&o->c.shape, sizes, sizeof(sizes)),
                                   "%u: %s", tps[i], cap.msg);
     }
-    return 0;
+    const kvs_pd_geometry_t geo = kvs_sim_geometry(&o->c);
+    return kvs_args_check_layout(&geo);
 }
 
 /* Runs the simulation and prints its result; the exit code: 0 pass, 1 fail, 2 a configuration

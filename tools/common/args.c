@@ -426,3 +426,25 @@ int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint3
     if (*prefill_p == *decode_p) *prefill_p = 0;
     return 0;
 }
+
+int kvs_args_check_layout(const kvs_pd_geometry_t *geo)
+{
+    /* The geometry checks the stages before the chunk, which one decode page always passes. */
+    kvs_pd_geometry_t stages = *geo;
+    stages.chunk_tokens = geo->page_size;
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
+    kvs_status_t st = kvs_pd_geometry_validate(&stages);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error("--prefill-pp",
+                              "at most one stage per layer and at most 64 prefill ranks (PP x TP)",
+                              "%s", cap.msg);
+    kvs_args_capture_begin(&cap);
+    st = kvs_pd_geometry_validate(geo);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error("--chunk", "a positive multiple of the decode page size", "%s",
+                              cap.msg);
+    return 0;
+}

@@ -108,6 +108,11 @@ void kvs_args_page_rows(kvs_args_pages_t *pages, kvs_arg_t *rows_p);
  * error line. */
 int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint32_t *prefill_p);
 
+/* The layout checks past the TP sizes (callers check those first), each naming its flag:
+ * --prefill-pp against the layers and the prefill rank limit, then --chunk against the decode
+ * page. 0, or 2 after the one error line. */
+int kvs_args_check_layout(const kvs_pd_geometry_t *geo);
+
 /* Prints "usage + one line per flag" to f. */
 void kvs_args_usage(void *file, const char *usage, const kvs_arg_t *args, size_t count);
 

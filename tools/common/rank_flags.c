@@ -149,6 +149,7 @@ int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *cmd)
             return kvs_args_error(names[i], kvs_args_tp_sizes(&c->geo.shape, sizes, sizeof(sizes)),
                                   "%u: %s", tps[i], cap.msg);
     }
+    if (kvs_args_check_layout(&c->geo) != 0) return 2;
     const kvs_workload_config_t *w = &c->workload;
     if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len)
         return kvs_args_error("--prefix-len", "below --prompt-len",

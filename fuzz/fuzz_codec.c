@@ -44,6 +44,7 @@ static void seed_register(kvs_msg_register_t *reg)
 {
     reg->rank = 1;
     reg->tp_size = 2;
+    reg->pp_size = 2;
     reg->shape = (kvs_kv_shape_t){.layers = 32,
                                   .kv_heads = 8,
                                   .head_dim_k = 128,
@@ -51,6 +52,7 @@ static void seed_register(kvs_msg_register_t *reg)
                                   .elem_bytes = 2,
                                   .attn = KVS_ATTN_MHA};
     reg->page_size = 16;
+    reg->decode_page_size = 32;
     reg->chunk_tokens = 512;
     reg->checksum = 1;
     reg->layout_hash = 0x5eed5eed12345678ull;

@@ -101,12 +101,17 @@ typedef struct {
     uint32_t batch; /* rooms per forward pass */
     int radix;      /* prefill radix cache on/off */
     uint32_t max_prompt_len;
-    /* Ranks this engine drives: pools and senders hold this many (0 = all prefill_tp ranks of
-     * the instance; 1 = one rank per process, each process running the same schedule). */
+    /* Ranks this engine drives: pools and senders hold this many (0 = all PP x TP ranks of the
+     * instance; 1 = one rank per process, each process running the same schedule), from
+     * instance rank first_rank on (rank = stage * TP + TP rank). */
     uint32_t local_ranks;
+    uint32_t first_rank;
 } kvs_prefill_engine_config_t;
 
-/* pools and senders: [local_ranks or geo.prefill_tp], owned by the caller, outliving the engine.
+/* pools and senders: [local_ranks or all prefill ranks], owned by the caller, outliving the
+ * engine; a rank's pool holds its stage's layers (kvs_pp_stage_shape). With pipeline stages a
+ * forward pass moves each chunk one stage on: stage s computes a chunk's layers one step after
+ * stage s - 1, and its ranks report it computed (and send it) then.
  * KVS_ERR_INVALID (logged) when a pool cannot hold one prompt of max_prompt_len tokens. A
  * submitted request longer than max_prompt_len fails alone at admission (KVS_ERR_NOSPACE). */
 kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config,

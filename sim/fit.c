@@ -24,9 +24,7 @@ uint64_t kvs_engine_slot_bytes(const kvs_pd_geometry_t *geo, uint32_t decode_ran
     uint64_t max = 0;
     /* The room id only picks which replica writes, not the region sizes; check two anyway. */
     for (uint64_t room = 0; room < 2; room++) {
-        if (kvs_plan_writers(&geo->shape, geo->prefill_tp, geo->decode_tp, decode_rank, room,
-                             writers, &n) != KVS_OK)
-            return 0;
+        if (kvs_plan_geo_writers(geo, decode_rank, room, writers, &n) != KVS_OK) return 0;
         uint64_t bytes = kvs_slot_layout(writers, n, tokens, NULL);
         if (bytes > max) max = bytes;
     }

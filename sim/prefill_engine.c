@@ -20,7 +20,8 @@
 typedef enum {
     PF_QUEUED,   /* added on every rank, waiting for pages */
     PF_RUNNING,  /* admitted: one chunk per forward pass */
-    PF_STALLED,  /* fault: the engine stopped computing it (a hung request) */
+    PF_STALLED,  /* fault: the engine stopped computing it (a hung request); with pipeline
+                    stages, the later ones still finish the chunks already in the pipeline */
     PF_FINISHED, /* whole prompt computed, finish() called: the transfer drains */
     PF_FAILING,  /* a rank failed or the engine aborted it: waiting for quiescence */
 } pf_state_t;
@@ -37,14 +38,19 @@ typedef struct {
     uint32_t npages;
     kvs_radix_node_t *node; /* locked radix match, NULL when none */
     uint64_t cached;        /* the at-rest radix hit, snapshot at admission */
-    uint64_t computed;      /* KV for [0, computed) is at rest */
-    uint64_t scheduled;     /* the running forward pass covers [computed, scheduled) */
+    uint64_t computed;      /* stage 0: KV for [0, computed) is at rest */
+    uint64_t scheduled;     /* stage 0: the running forward pass covers [computed, scheduled) */
     uint32_t chunks_done;
+    /* [stages] the same per pipeline stage: stage s computes what stage s - 1 finished in the
+     * pass before (stage 0's are computed and scheduled) */
+    uint64_t *stage_computed, *stage_scheduled;
 } pf_room_t;
 
 struct kvs_prefill_engine {
     kvs_prefill_engine_config_t config;
-    uint32_t tp;
+    uint32_t tp;     /* local ranks */
+    uint32_t stages; /* of the instance */
+    uint32_t *stage; /* [tp] each local rank's stage */
     uint32_t page;
     kvs_pool_t *const *pools; /* [tp], held by ls */
     kvs_sender_t **senders;   /* [tp] */
@@ -63,24 +69,30 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
                                        kvs_engine_done_fn done, void *done_arg,
                                        kvs_prefill_engine_t **engine_p)
 {
-    uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.prefill_tp;
+    uint32_t tp =
+        config->local_ranks ? config->local_ranks : kvs_pd_geometry_prefill_ranks(&config->geo);
     kvs_status_t st = kvs_engine_check_pools("prefill engine", "prefill", pools, tp,
-                                             config->geo.page_size, config->max_prompt_len);
+                                             kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL),
+                                             config->max_prompt_len);
     if (st != KVS_OK) return st;
     kvs_prefill_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
     e->tp = tp;
-    e->page = config->geo.page_size;
+    e->stages = kvs_pd_geometry_pp(&config->geo);
+    e->page = kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL);
     e->done = done;
     e->done_arg = done_arg;
     e->senders = kvs_calloc(e->tp, sizeof(*e->senders));
     e->infos = kvs_calloc(e->tp, sizeof(*e->infos));
+    e->stage = kvs_calloc(e->tp, sizeof(*e->stage));
     uint32_t max_pages = (config->max_prompt_len + e->page - 1) / e->page;
-    if (e->senders == NULL || e->infos == NULL ||
+    if (e->senders == NULL || e->infos == NULL || e->stage == NULL ||
         kvs_lockstep_init(&e->ls, pools, e->tp, e->page, max_pages, config->radix) != KVS_OK)
         goto err_free;
     memcpy(e->senders, senders, e->tp * sizeof(*e->senders));
+    for (uint32_t k = 0; k < e->tp; k++)
+        e->stage[k] = (config->first_rank + k) / config->geo.prefill_tp % e->stages;
     e->pools = e->ls.pools;
     e->radix = e->ls.radix;
     *engine_p = e;
@@ -88,6 +100,7 @@ kvs_status_t kvs_prefill_engine_create(const kvs_prefill_engine_config_t *config
 
 err_free:
     kvs_lockstep_fini(&e->ls);
+    kvs_free(e->stage);
     kvs_free(e->infos);
     kvs_free(e->senders);
     kvs_free(e);
@@ -100,6 +113,7 @@ static void room_free(pf_room_t *r)
 {
     kvs_free(r->hashes);
     kvs_free(r->pages);
+    kvs_free(r->stage_computed);
     kvs_free(r);
 }
 
@@ -109,6 +123,7 @@ void kvs_prefill_engine_destroy(kvs_prefill_engine_t *e)
     for (uint32_t i = 0; i < e->nrooms; i++) room_free(e->rooms[i]);
     kvs_free(e->rooms);
     kvs_lockstep_fini(&e->ls); /* the radix cache hands its pages back to the pools */
+    kvs_free(e->stage);
     kvs_free(e->infos);
     kvs_free(e->senders);
     kvs_free(e);
@@ -131,7 +146,9 @@ kvs_status_t kvs_prefill_engine_submit(kvs_prefill_engine_t *e, const kvs_reques
     r->npages = (req->len + e->page - 1) / e->page;
     r->hashes = kvs_malloc((size_t) req->len * sizeof(uint64_t));
     r->pages = kvs_calloc(r->npages, sizeof(uint32_t));
-    if (r->hashes == NULL || r->pages == NULL) {
+    r->stage_computed = kvs_calloc(2 * (size_t) e->stages, sizeof(uint64_t));
+    r->stage_scheduled = r->stage_computed ? r->stage_computed + e->stages : NULL;
+    if (r->hashes == NULL || r->pages == NULL || r->stage_computed == NULL) {
         room_free(r);
         goto err_nomem;
     }
@@ -165,12 +182,23 @@ err_nomem:
     return KVS_ERR_NOMEM;
 }
 
-static void advance_all(kvs_prefill_engine_t *e, pf_room_t *r, uint64_t computed,
-                        uint64_t scheduled)
+/* Reports each rank its stage's progress. */
+static void advance_all(kvs_prefill_engine_t *e, pf_room_t *r)
 {
     for (uint32_t k = 0; k < e->tp; k++) {
         /* A rank that fails the call has failed the room; poll() sees it and aborts the rest. */
-        (void) kvs_sender_advance(e->senders[k], r->req->room, computed, scheduled);
+        uint32_t s = e->stage[k];
+        (void) kvs_sender_advance(e->senders[k], r->req->room, r->stage_computed[s],
+                                  r->stage_scheduled[s]);
+    }
+}
+
+/* Every stage's progress set to [0, computed) at rest and [computed, scheduled) running. */
+static void set_stages(kvs_prefill_engine_t *e, pf_room_t *r, uint64_t computed, uint64_t scheduled)
+{
+    for (uint32_t s = 0; s < e->stages; s++) {
+        r->stage_computed[s] = computed;
+        r->stage_scheduled[s] = scheduled;
     }
 }
 
@@ -195,7 +223,8 @@ static void finish_room(kvs_prefill_engine_t *e, pf_room_t *r)
     int32_t first = kvs_synth_first_token(r->hashes[r->req->len - 1]);
     uint8_t meta[4] = {(uint8_t) first, (uint8_t) (first >> 8), (uint8_t) (first >> 16),
                        (uint8_t) (first >> 24)};
-    advance_all(e, r, r->req->len, r->req->len);
+    set_stages(e, r, r->req->len, r->req->len);
+    advance_all(e, r);
     for (uint32_t k = 0; k < e->tp; k++)
         (void) kvs_sender_finish(e->senders[k], r->req->room, meta, sizeof(meta));
     e->running--;
@@ -205,20 +234,36 @@ static void finish_room(kvs_prefill_engine_t *e, pf_room_t *r)
 /* The forward pass launched by the previous step completes: its KV is written (only now, so a
  * sender that read pages before advance() reported them computed would ship zeros and fail
  * verification). */
+static int pipeline_busy(const kvs_prefill_engine_t *e, const pf_room_t *r)
+{
+    for (uint32_t s = 0; s < e->stages; s++)
+        if (r->stage_scheduled[s] != r->stage_computed[s]) return 1;
+    return 0;
+}
+
 static uint32_t complete_forward(kvs_prefill_engine_t *e)
 {
     uint32_t changed = 0;
     for (uint32_t i = 0; i < e->nrooms; i++) {
         pf_room_t *r = e->rooms[i];
-        if (r->state != PF_RUNNING || r->scheduled == r->computed) continue;
-        for (uint32_t k = 0; k < e->tp; k++)
-            kvs_synth_write(e->pools[k], r->hashes, r->pages, r->computed, r->scheduled);
+        const uint32_t last = e->stages - 1;
+        if ((r->state != PF_RUNNING && r->state != PF_STALLED) || !pipeline_busy(e, r)) continue;
+        /* Each stage's pass completes: its layers of [computed, scheduled) are written (the
+         * pipeline's stages run at once, on what the stage before finished a pass earlier). */
+        for (uint32_t k = 0; k < e->tp; k++) {
+            uint32_t s = e->stage[k], first, layers;
+            kvs_pp_stage(e->config.geo.shape.layers, e->stages, s, &first, &layers);
+            kvs_synth_write_layers(e->pools[k], first, r->hashes, r->pages, r->stage_computed[s],
+                                   r->stage_scheduled[s]);
+        }
+        for (uint32_t s = 0; s < e->stages; s++) r->stage_computed[s] = r->stage_scheduled[s];
+        if (r->scheduled != r->computed) r->chunks_done++;
         r->computed = r->scheduled;
-        r->chunks_done++;
         changed++;
+        if (r->state == PF_STALLED) continue;
         if (r->fault.kind == KVS_ENGINE_FAULT_ABORT && r->chunks_done >= r->fault.at) {
             abort_all(e, r);
-        } else if (r->computed == r->req->len) {
+        } else if (r->stage_computed[last] == r->req->len) {
             finish_room(e, r);
         }
     }
@@ -250,6 +295,7 @@ static int try_admit(kvs_prefill_engine_t *e, pf_room_t *r)
     }
     r->node = node;
     r->cached = r->computed = r->scheduled = cached;
+    set_stages(e, r, cached, cached);
     r->admitted = 1;
     r->state = PF_RUNNING;
     e->running++;
@@ -288,19 +334,34 @@ static uint32_t launch_forward(kvs_prefill_engine_t *e)
     uint64_t chunk = e->config.geo.chunk_tokens;
     for (uint32_t i = 0; i < e->nrooms; i++) {
         pf_room_t *r = e->rooms[i];
+        if (r->state == PF_STALLED) {
+            /* Stage 0 launches nothing; the later stages drain what it computed, and report
+             * what the last pass did. */
+            for (uint32_t s = 1; s < e->stages; s++)
+                r->stage_scheduled[s] = r->stage_computed[s - 1];
+            advance_all(e, r);
+            continue;
+        }
         if (r->state != PF_RUNNING) continue;
-        if (r->fault.kind == KVS_ENGINE_FAULT_STALL && r->chunks_done >= r->fault.at) {
+        if (r->fault.kind == KVS_ENGINE_FAULT_STALL && r->chunks_done >= r->fault.at &&
+            r->computed < r->req->len) {
             /* A hung request: never scheduled again. What the last pass computed is reported
              * at rest, and nothing as scheduled, so the sender asks for no slot whose compute
-             * will never come. */
-            advance_all(e, r, r->computed, r->computed);
+             * will never come (a later stage's slot comes within a pass per stage). */
+            r->stage_scheduled[0] = r->stage_computed[0];
+            for (uint32_t s = 1; s < e->stages; s++)
+                r->stage_scheduled[s] = r->stage_computed[s - 1];
+            advance_all(e, r);
             e->running--;
             r->state = PF_STALLED;
             continue;
         }
         uint64_t end = r->computed + chunk < r->req->len ? r->computed + chunk : r->req->len;
-        advance_all(e, r, r->computed, end);
         r->scheduled = end;
+        /* The next pass: stage 0 the next chunk, every later stage what the one before did. */
+        r->stage_scheduled[0] = end;
+        for (uint32_t s = 1; s < e->stages; s++) r->stage_scheduled[s] = r->stage_computed[s - 1];
+        advance_all(e, r);
         launched++;
     }
     return launched;
@@ -392,7 +453,10 @@ uint32_t kvs_prefill_engine_step(kvs_prefill_engine_t *e)
 
 int kvs_prefill_engine_busy(const kvs_prefill_engine_t *e)
 {
-    return e->running > 0;
+    if (e->running > 0) return 1;
+    for (uint32_t i = 0; i < e->nrooms; i++)
+        if (e->rooms[i]->state == PF_STALLED && pipeline_busy(e, e->rooms[i])) return 1;
+    return 0;
 }
 
 uint32_t kvs_prefill_engine_live_rooms(const kvs_prefill_engine_t *e)

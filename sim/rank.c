@@ -88,20 +88,22 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     memset(&res, 0, sizeof(res));
     rank_t rk = {&c, &res, 0};
     const int prefill = c.side == KVS_SIDE_PREFILL;
+    /* prefill: every rank of every stage (rank = stage * TP + TP rank) */
+    const uint32_t ranks = prefill ? kvs_pd_geometry_prefill_ranks(&c.geo) : c.geo.decode_tp;
     const uint32_t tp = prefill ? c.geo.prefill_tp : c.geo.decode_tp;
     char who[32];
     snprintf(who, sizeof(who), "%s rank %u", prefill ? "prefill" : "decode", c.rank);
     kvs_status_t st = kvs_rank_check(&c, who);
     if (st != KVS_OK) return st;
-    if (c.rank >= tp || c.registry == NULL) {
-        kvs_error("rank: rank %u of TP %u, registry %s: invalid", c.rank, tp,
+    if (c.rank >= ranks || c.registry == NULL) {
+        kvs_error("rank: rank %u of %u, registry %s: invalid", c.rank, ranks,
                   c.registry ? c.registry : "(none)");
         return KVS_ERR_INVALID;
     }
     if (!c.deadline_ns) c.deadline_ns = 600ull * 1000000000ull;
     if (!c.drain_ns) c.drain_ns = 500ull * 1000000ull;
     const uint64_t t0 = kvs_now_ns();
-    const uint64_t P = c.geo.page_size;
+    const uint64_t P = kvs_pd_geometry_page(&c.geo, c.side);
 
     kvs_workload_t *wl = NULL;
     kvs_pool_t *pool = NULL;
@@ -114,13 +116,15 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
     res.requests = wl->count;
 
     uint64_t pages_per_room = (c.workload.prompt_len + P - 1) / P;
-    kvs_pool_config_t pc = {.shape = c.geo.shape,
-                            .tp = {tp, c.rank},
-                            .page_size = c.geo.page_size,
-                            .num_pages = (uint32_t) (pages_per_room * c.concurrency + 16),
-                            .layout = c.layout,
-                            .mem = c.mem,
-                            .device = c.device};
+    kvs_pool_config_t pc = {
+        .shape = prefill ? kvs_pp_stage_shape(&c.geo.shape, kvs_pd_geometry_pp(&c.geo), c.rank / tp)
+                         : c.geo.shape,
+        .tp = {tp, c.rank % tp},
+        .page_size = (uint32_t) P,
+        .num_pages = (uint32_t) (pages_per_room * c.concurrency + 16),
+        .layout = c.layout,
+        .mem = c.mem,
+        .device = c.device};
     if ((st = kvs_pool_create(&pc, &pool)) != KVS_OK) goto out;
 
     kvs_plumbing_config_t plc = {.side = c.side,
@@ -143,7 +147,8 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
         kvs_prefill_engine_config_t ec = {.geo = c.geo,
                                           .batch = c.concurrency,
                                           .max_prompt_len = c.workload.prompt_len,
-                                          .local_ranks = 1};
+                                          .local_ranks = 1,
+                                          .first_rank = c.rank};
         if ((st = kvs_prefill_engine_create(&ec, &pool, &pl.sender, on_done, &rk, &pe)) != KVS_OK)
             goto out;
     } else {

@@ -61,6 +61,12 @@ void kvs_sim_faults_str(uint32_t faults, char *buf, size_t cap)
     if (used == 0) snprintf(buf, cap, "none");
 }
 
+/* One side's page size (prefill_page_size 0: the decode one). */
+static uint32_t sim_page(const kvs_sim_config_t *c, kvs_side_t side)
+{
+    return side == KVS_SIDE_PREFILL && c->prefill_page_size ? c->prefill_page_size : c->page_size;
+}
+
 void kvs_sim_config_default(kvs_sim_config_t *c)
 {
     memset(c, 0, sizeof(*c));
@@ -111,12 +117,15 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
                  c->shape.kv_heads, c->shape.head_dim_k, c->shape.head_dim_v);
     snprintf(buf, cap,
              "kvstage sim --prefill-tp %u --decode-tp %u %s --layers %u --dtype-bytes %u "
-             "--page-size %u --chunk %u %s --prefill-layout %s --decode-layout %s "
+             "--prefill-pp %u --prefill-page-size %u --decode-page-size %u --chunk %u %s "
+             "--prefill-layout %s "
+             "--decode-layout %s "
              "--prefill-pool-pages %u --decode-pool-pages %u --window %u --staging-buffers %u "
              "--prefill-batch %u --requests %u --concurrency %u --workload %s --prompt-len %u "
              "--prefix-len %u --groups %u --repeat-permille %u --decode-radix %s "
              "--prefill-radix %s --faults %s --fault-rooms %u --seed %llu",
-             c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes, c->page_size,
+             c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes,
+             c->prefill_pp ? c->prefill_pp : 1, sim_page(c, KVS_SIDE_PREFILL), c->page_size,
              c->chunk_tokens, ring, lay[c->prefill_layout & 1], lay[c->decode_layout & 1],
              c->prefill_pool_pages, c->decode_pool_pages, c->window_chunks, c->staging_buffers,
              c->prefill_batch, c->workload.requests, c->concurrency,
@@ -252,13 +261,21 @@ static uint64_t sim_now(void *arg)
     return ((const sim_t *) arg)->now;
 }
 
+kvs_pd_geometry_t kvs_sim_geometry(const kvs_sim_config_t *c)
+{
+    return (kvs_pd_geometry_t){.shape = c->shape,
+                               .prefill_tp = c->prefill_tp,
+                               .decode_tp = c->decode_tp,
+                               .page_size = c->page_size,
+                               .prefill_page_size = c->prefill_page_size,
+                               .chunk_tokens = c->chunk_tokens,
+                               .prefill_pp = c->prefill_pp,
+                               .no_checksum = c->no_checksum ? 1u : 0u};
+}
+
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *c)
 {
-    kvs_pd_geometry_t geo = {.shape = c->shape,
-                             .prefill_tp = c->prefill_tp,
-                             .decode_tp = c->decode_tp,
-                             .page_size = c->page_size,
-                             .chunk_tokens = c->chunk_tokens};
+    kvs_pd_geometry_t geo = kvs_sim_geometry(c);
     uint64_t max = 0;
     /* Writer counts (hence region alignment) differ between decode ranks. No prompt is too long
      * for a full slot. */
@@ -283,14 +300,16 @@ static uint32_t fault_rooms_per_kind(const kvs_sim_config_t *c)
  * fault must stay local to them, not starve admission. */
 static void pool_pages(const kvs_sim_config_t *c, uint32_t *prefill_p, uint32_t *decode_p)
 {
-    uint32_t max_pages = (c->workload.prompt_len + c->page_size - 1) / c->page_size + 1;
+    uint32_t pf_max =
+        kvs_engine_prompt_pages(c->workload.prompt_len, sim_page(c, KVS_SIDE_PREFILL)) + 1;
+    uint32_t dc_max = kvs_engine_prompt_pages(c->workload.prompt_len, c->page_size) + 1;
     uint32_t inflight =
         c->concurrency < c->workload.requests ? c->concurrency : c->workload.requests;
     uint32_t dc_prompts = inflight / 4 > 4 ? inflight / 4 : 4;
     uint32_t stalls = c->faults & KVS_SIM_FAULT_TIMEOUT ? fault_rooms_per_kind(c) : 0;
     *prefill_p =
-        c->prefill_pool_pages ? c->prefill_pool_pages : max_pages * (c->prefill_batch + 2 + stalls);
-    *decode_p = c->decode_pool_pages ? c->decode_pool_pages : max_pages * (dc_prompts + stalls);
+        c->prefill_pool_pages ? c->prefill_pool_pages : pf_max * (c->prefill_batch + 2 + stalls);
+    *decode_p = c->decode_pool_pages ? c->decode_pool_pages : dc_max * (dc_prompts + stalls);
 }
 
 /* A pool or ring that cannot hold one request of the longest prompt the workload makes can
@@ -302,7 +321,7 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     pool_pages(c, &pf_pages, &dc_pages);
     uint32_t longest = c->workload.prompt_len;
     kvs_status_t st = kvs_engine_check_pool("sim", "prefill", "--prefill-pool-pages", pf_pages,
-                                            c->page_size, longest);
+                                            sim_page(c, KVS_SIDE_PREFILL), longest);
     if (st == KVS_OK)
         st = kvs_engine_check_pool("sim", "decode", "--decode-pool-pages", dc_pages, c->page_size,
                                    longest);
@@ -311,16 +330,23 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     return st;
 }
 
-static kvs_status_t make_pool(const kvs_sim_config_t *c, uint32_t tp, uint32_t rank, uint32_t pages,
-                              kvs_pool_layout_t layout, int device, kvs_pool_t **pool_p)
+/* A rank's pool: a prefill rank's holds its stage's layers (rank = stage * TP + TP rank). */
+static kvs_status_t make_pool(const kvs_sim_config_t *c, kvs_side_t side, uint32_t rank,
+                              uint32_t pages, kvs_pool_layout_t layout, int device,
+                              kvs_pool_t **pool_p)
 {
-    kvs_pool_config_t pc = {.shape = c->shape,
-                            .tp = {.tp_size = tp, .tp_rank = rank},
-                            .page_size = c->page_size,
-                            .num_pages = pages,
-                            .layout = layout,
-                            .mem = c->mem,
-                            .device = device};
+    const kvs_pd_geometry_t geo = kvs_sim_geometry(c);
+    const uint32_t tp = side == KVS_SIDE_PREFILL ? c->prefill_tp : c->decode_tp;
+    kvs_pool_config_t pc = {
+        .shape = side == KVS_SIDE_PREFILL
+                     ? kvs_pp_stage_shape(&c->shape, kvs_pd_geometry_pp(&geo), rank / tp)
+                     : c->shape,
+        .tp = {.tp_size = tp, .tp_rank = rank % tp},
+        .page_size = sim_page(c, side),
+        .num_pages = pages,
+        .layout = layout,
+        .mem = c->mem,
+        .device = device};
     return kvs_pool_create(&pc, pool_p);
 }
 
@@ -343,7 +369,8 @@ static void on_decode_done(void *arg, const kvs_request_t *req, const kvs_engine
 }
 
 /* What a per-page transfer path would issue for a succeeded room: one write per page, layer,
- * component and writer (the head slice of one writer is contiguous within a page row). */
+ * component and writer (the head slice of one writer is contiguous within a page row; a
+ * stage's writer writes its layers). */
 static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t total_pages)
 {
     const kvs_sim_config_t *c = s->cfg;
@@ -351,10 +378,9 @@ static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t total_page
     uint32_t comps = kvs_kv_shape_components(&c->shape);
     for (uint32_t d = 0; d < c->decode_tp; d++) {
         uint32_t n = 0;
-        if (kvs_plan_writers(&c->shape, c->prefill_tp, c->decode_tp, d, req->room, writers, &n) !=
-            KVS_OK)
-            continue;
-        s->res.per_page_writes += total_pages * n * c->shape.layers * comps;
+        if (kvs_plan_geo_writers(&s->geo, d, req->room, writers, &n) != KVS_OK) continue;
+        for (uint32_t i = 0; i < n; i++)
+            s->res.per_page_writes += total_pages * writers[i].layers * comps;
         s->res.expected_chunks += kvs_grid_chunk_count(
             total_pages, kvs_grid_tokens(c->chunk_tokens, c->page_size), c->page_size);
     }
@@ -498,8 +524,8 @@ static kvs_status_t sim_setup(sim_t *s)
     if (c->faults & KVS_SIM_FAULT_DUP) nf.dup_permille = 50;
     if (c->faults & KVS_SIM_FAULT_DROP) nf.drop_permille = 30;
     if (c->faults & KVS_SIM_FAULT_CORRUPT) nf.corrupt_permille = 20;
-    if ((st = kvs_inproc_net_create(c->prefill_tp, c->decode_tp, &nf, &s->clock, &s->net)) !=
-        KVS_OK)
+    if ((st = kvs_inproc_net_create(kvs_pd_geometry_prefill_ranks(&s->geo), c->decode_tp, &nf,
+                                    &s->clock, &s->net)) != KVS_OK)
         return st;
 
     if (c->mem == KVS_MEM_DEVICE && c->prefill_device != c->decode_device &&
@@ -514,8 +540,8 @@ static kvs_status_t sim_setup(sim_t *s)
     uint32_t pf_pages, dc_pages;
     pool_pages(c, &pf_pages, &dc_pages);
     kvs_pd_timeouts_t to = sim_timeouts(c);
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
-        if ((st = make_pool(c, c->prefill_tp, r, pf_pages, c->prefill_layout, c->prefill_device,
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
+        if ((st = make_pool(c, KVS_SIDE_PREFILL, r, pf_pages, c->prefill_layout, c->prefill_device,
                             &s->pf_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_PREFILL, r, &s->pf_links[r])) != KVS_OK)
             return st;
@@ -531,7 +557,7 @@ static kvs_status_t sim_setup(sim_t *s)
     }
     uint64_t ring = c->ring_bytes ? c->ring_bytes : c->ring_slots * kvs_sim_full_slot_bytes(c);
     for (uint32_t r = 0; r < c->decode_tp; r++) {
-        if ((st = make_pool(c, c->decode_tp, r, dc_pages, c->decode_layout, c->decode_device,
+        if ((st = make_pool(c, KVS_SIDE_DECODE, r, dc_pages, c->decode_layout, c->decode_device,
                             &s->dc_pools[r])) != KVS_OK ||
             (st = kvs_inproc_link_create(s->net, KVS_SIDE_DECODE, r, &s->dc_links[r])) != KVS_OK)
             return st;
@@ -560,7 +586,7 @@ static void sim_teardown(sim_t *s)
     const kvs_sim_config_t *c = s->cfg;
     kvs_prefill_engine_destroy(s->pe); /* radix caches hand their pages back to the pools */
     kvs_decode_engine_destroy(s->de);
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         if (s->senders[r]) kvs_sender_destroy(s->senders[r]);
         kvs_link_destroy(s->pf_links[r]);
     }
@@ -568,7 +594,7 @@ static void sim_teardown(sim_t *s)
         if (s->receivers[r]) kvs_receiver_destroy(s->receivers[r]);
         kvs_link_destroy(s->dc_links[r]);
     }
-    for (uint32_t r = 0; r < c->prefill_tp; r++)
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++)
         if (s->pf_pools[r]) kvs_pool_destroy(s->pf_pools[r]);
     for (uint32_t r = 0; r < c->decode_tp; r++)
         if (s->dc_pools[r]) kvs_pool_destroy(s->dc_pools[r]);
@@ -585,7 +611,7 @@ static void check_leaks(sim_t *s)
     /* Each side's counters summed over its ranks: writes and bytes are the senders', chunks
      * scattered the receivers', messages and time both sides'. */
     kvs_pd_metrics_t m, tx = {0}, rx = {0};
-    for (uint32_t r = 0; r < c->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         kvs_sender_metrics(s->senders[r], &m);
         kvs_pd_metrics_add(&tx, &m);
         uint64_t total = kvs_pool_total_pages(s->pf_pools[r]);
@@ -629,7 +655,8 @@ static void check_leaks(sim_t *s)
 static uint64_t progress_all(sim_t *s)
 {
     uint64_t work = 0;
-    for (uint32_t r = 0; r < s->cfg->prefill_tp; r++) work += kvs_sender_progress(s->senders[r]);
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++)
+        work += kvs_sender_progress(s->senders[r]);
     for (uint32_t r = 0; r < s->cfg->decode_tp; r++) work += kvs_receiver_progress(s->receivers[r]);
     return work;
 }
@@ -711,7 +738,7 @@ static void sim_loop(sim_t *s)
 static int sim_quiet(sim_t *s)
 {
     kvs_pd_metrics_t m;
-    for (uint32_t r = 0; r < s->cfg->prefill_tp; r++) {
+    for (uint32_t r = 0; r < kvs_pd_geometry_prefill_ranks(&s->geo); r++) {
         kvs_sender_metrics(s->senders[r], &m);
         if (m.live_rooms) return 0;
     }
@@ -749,12 +776,7 @@ kvs_status_t kvs_sim_run(const kvs_sim_config_t *config, kvs_sim_result_t *resul
         kvs_error("sim: NULL config or result");
         return KVS_ERR_INVALID;
     }
-    kvs_pd_geometry_t geo = {.shape = config->shape,
-                             .prefill_tp = config->prefill_tp,
-                             .decode_tp = config->decode_tp,
-                             .page_size = config->page_size,
-                             .chunk_tokens = config->chunk_tokens,
-                             .no_checksum = config->no_checksum ? 1u : 0u};
+    kvs_pd_geometry_t geo = kvs_sim_geometry(config);
     kvs_status_t st = sim_validate(config, &geo);
     if (st == KVS_OK) st = sim_check_fit(config, &geo);
     if (st != KVS_OK) return st;

@@ -32,6 +32,9 @@ uint8_t kvs_synth_byte(uint64_t hash, uint32_t layer, uint32_t component, uint32
  * page_table[pos / P] at token pos % P. Any strides (NHD, HND). */
 void kvs_synth_write(kvs_pool_t *pool, const uint64_t *hashes, const uint32_t *page_table,
                      uint64_t start, uint64_t end);
+/* The same for a pool of a pipeline stage: its layer l is the model's first_layer + l. */
+void kvs_synth_write_layers(kvs_pool_t *pool, uint32_t first_layer, const uint64_t *hashes,
+                            const uint32_t *page_table, uint64_t start, uint64_t end);
 
 /* Compares positions [start, end) against the synthetic KV; returns the number of bytes that
  * differ (0 = exact). */
@@ -123,7 +126,10 @@ typedef void (*kvs_sim_progress_fn)(void *arg, const kvs_sim_progress_t *progres
 typedef struct {
     kvs_kv_shape_t shape;
     uint32_t prefill_tp, decode_tp;
-    uint32_t page_size, chunk_tokens;
+    uint32_t prefill_pp;        /* pipeline stages on prefill (0 or 1: none) */
+    uint32_t page_size;         /* decode pages (the grid's); prefill too unless set below */
+    uint32_t prefill_page_size; /* 0 = page_size */
+    uint32_t chunk_tokens;
     kvs_pool_layout_t prefill_layout, decode_layout;
     uint32_t prefill_pool_pages, decode_pool_pages; /* per rank; 0 = sized from the workload */
     uint64_t ring_bytes; /* per decode rank; 0 = ring_slots slots of the full slot size */
@@ -161,6 +167,9 @@ void kvs_sim_config_default(kvs_sim_config_t *config_p);
 
 /* Bytes of the largest full slot (G tokens) on any decode rank: the unit of ring_slots. 0 for
  * an invalid layout. */
+/* What both sides of the simulated deployment agree on. */
+kvs_pd_geometry_t kvs_sim_geometry(const kvs_sim_config_t *config);
+
 uint64_t kvs_sim_full_slot_bytes(const kvs_sim_config_t *config);
 
 /* Writes the `kvstage sim` command line that reproduces config. */

@@ -117,7 +117,7 @@ static uint64_t run_walk(const kvs_region_t *r, uint8_t *pages, uint64_t first_p
  * either writing the expected bytes or counting how many differ. Positions are taken in runs
  * of consecutive page ids; for a device pool each run is staged through a host buffer (read,
  * written or checked, written back), so a pool of either kind costs a few copies per run. */
-static uint64_t synth_walk(const kvs_pool_t *pool, const uint64_t *hashes,
+static uint64_t synth_walk(const kvs_pool_t *pool, uint32_t first_layer, const uint64_t *hashes,
                            const uint32_t *page_table, uint64_t start, uint64_t end, int write)
 {
     const kvs_pool_config_t *c = kvs_pool_config(pool);
@@ -158,8 +158,8 @@ static uint64_t synth_walk(const kvs_pool_t *pool, const uint64_t *hashes,
                     pos = stop;
                     continue;
                 }
-                mismatched += run_walk(r, device ? host : mem, idx, hashes, l, comp, first,
-                                       (uint32_t) P, pos, stop, write);
+                mismatched += run_walk(r, device ? host : mem, idx, hashes, first_layer + l, comp,
+                                       first, (uint32_t) P, pos, stop, write);
                 if (device && write) (void) kvs_mem_copy(mem, host, bytes); /* logs failures */
                 pos = stop;
             }
@@ -172,13 +172,19 @@ static uint64_t synth_walk(const kvs_pool_t *pool, const uint64_t *hashes,
 void kvs_synth_write(kvs_pool_t *pool, const uint64_t *hashes, const uint32_t *page_table,
                      uint64_t start, uint64_t end)
 {
-    synth_walk(pool, hashes, page_table, start, end, 1);
+    synth_walk(pool, 0, hashes, page_table, start, end, 1);
+}
+
+void kvs_synth_write_layers(kvs_pool_t *pool, uint32_t first_layer, const uint64_t *hashes,
+                            const uint32_t *page_table, uint64_t start, uint64_t end)
+{
+    synth_walk(pool, first_layer, hashes, page_table, start, end, 1);
 }
 
 uint64_t kvs_synth_verify(const kvs_pool_t *pool, const uint64_t *hashes,
                           const uint32_t *page_table, uint64_t start, uint64_t end)
 {
-    return synth_walk(pool, hashes, page_table, start, end, 0);
+    return synth_walk(pool, 0, hashes, page_table, start, end, 0);
 }
 
 int32_t kvs_synth_first_token(uint64_t last_hash)

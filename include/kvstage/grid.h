@@ -36,4 +36,21 @@ uint64_t kvs_grid_chunk_pages(uint64_t chunk, uint64_t total_pages, uint64_t gri
 /* Chunk index of a sub-send that starts at suffix page `suffix_page_start`. */
 uint64_t kvs_grid_chunk_of(uint64_t suffix_page_start, uint64_t grid, uint64_t page);
 
+/* Tokens in chunk k's slot: from base + k*G to the next boundary or to the transfer's end
+ * E = min(prompt_len rounded up to the decode page, rounded up to the prefill page), the last
+ * position both sides' pages cover; 0 past the end. With equal page sizes this is
+ * chunk_pages * P. */
+uint64_t kvs_grid_slot_tokens(uint64_t chunk, uint64_t prompt_len, uint64_t base, uint64_t grid,
+                              uint64_t decode_page, uint64_t prefill_page);
+
+/* Where tokens [start, start + tokens) lie in one side's pages of `page` tokens: page index
+ * `first` (of the prompt's page table), at token `offset` in it, over `count` pages. */
+typedef struct {
+    uint64_t first;
+    uint64_t offset;
+    uint64_t count;
+} kvs_page_span_t;
+
+kvs_page_span_t kvs_grid_page_span(uint64_t start, uint64_t tokens, uint64_t page);
+
 #endif

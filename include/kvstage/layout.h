@@ -1,5 +1,5 @@
-/* KV shape, tensor-parallel layout and the transfer plan (protocol.md §1 and §2).
- * Everything here is a pure function of its arguments. */
+/* KV shape, tensor-parallel layout, pipeline stages and the transfer plan (protocol.md §1 and
+ * §2). Everything here is a pure function of its arguments. */
 #ifndef KVSTAGE_LAYOUT_H
 #define KVSTAGE_LAYOUT_H
 
@@ -8,9 +8,10 @@
 
 #include "kvstage/status.h"
 
-#define KVS_MAX_TP       64  /* largest TP size on either side */
-#define KVS_MAX_WRITERS  64  /* most writers one decode rank can have for one slot */
-#define KVS_REGION_ALIGN 256 /* writer regions in a slot start at multiples of this */
+#define KVS_MAX_TP        64  /* largest TP size on either side; most prefill ranks (PP x TP) */
+#define KVS_MAX_WRITERS   64  /* most writers one decode rank can have for one slot */
+#define KVS_REGION_ALIGN  256 /* writer regions in a slot start at multiples of this */
+#define KVS_MAX_PAGE_SIZE (1u << 20) /* largest page size in tokens on either side */
 
 typedef enum {
     KVS_ATTN_MHA = 0, /* MHA or GQA: K and V per KV head, sharded by head */
@@ -51,13 +52,17 @@ uint32_t kvs_tp_replication(const kvs_kv_shape_t *shape, uint32_t tp_size);
 /* First global head held by rank r: (r / R) * h (0 for MLA). */
 uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32_t rank);
 
-/* One writer of a decode rank's slot: a run of consecutive heads from one prefill rank. */
+/* One writer of a decode rank's slot: a run of consecutive heads from one prefill rank, over
+ * the layers that rank holds (all of them without pipeline parallelism). */
 typedef struct {
-    uint32_t prefill_rank;
+    uint32_t prefill_rank; /* stage * prefill TP + TP rank */
+    uint32_t stage;        /* the prefill rank's pipeline stage (0 without PP) */
+    uint32_t first_layer;  /* it writes layers [first_layer, first_layer + layers) */
+    uint32_t layers;
     uint32_t src_head;        /* head offset within the prefill rank's heads */
     uint32_t dst_head;        /* head offset within the decode rank's heads */
     uint32_t heads;           /* head count (1 for MLA: the latent) */
-    uint64_t bytes_per_token; /* L * heads * (Dk + Dv) * E, or L * Dk * E for MLA */
+    uint64_t bytes_per_token; /* layers * heads * (Dk + Dv) * E, or layers * Dk * E for MLA */
 } kvs_writer_t;
 
 /* One destination of a prefill rank: it is writer number `writer` of decode rank
@@ -68,7 +73,8 @@ typedef struct {
     kvs_writer_t w;
 } kvs_dest_t;
 
-/* Writers of decode rank d, in writer order (ascending dst_head). Replicated prefill heads
+/* The TP plan (one prefill stage holding every layer). Writers of decode rank d, in writer
+ * order (ascending dst_head). Replicated prefill heads
  * ship once, from the replica chosen by room id; MLA has one writer per decode rank, chosen
  * by room id. writers_p needs KVS_MAX_WRITERS entries. */
 kvs_status_t kvs_plan_writers(const kvs_kv_shape_t *shape, uint32_t prefill_tp, uint32_t decode_tp,
@@ -95,13 +101,14 @@ kvs_status_t kvs_plan_decode_peers(const kvs_kv_shape_t *shape, uint32_t prefill
 
 /* Slot layout for `tokens` tokens: writer i's region starts at offsets_p[i] (multiples of
  * KVS_REGION_ALIGN, in writer order) and holds tokens * bytes_per_token bytes laid out as
- * [K layer 0..L-1][V layer 0..L-1], each layer block [tokens][heads][D]. Returns the slot's
+ * [K of its layers][V of its layers], each layer block [tokens][heads][D]. Returns the slot's
  * total size (end of the last region rounded up to KVS_REGION_ALIGN). offsets_p may be NULL. */
 uint64_t kvs_slot_layout(const kvs_writer_t *writers, uint32_t count, uint64_t tokens,
                          uint64_t *offsets_p);
 
 /* Byte offset, inside one writer region of `tokens` tokens, of the block for (layer,
- * component): component 0 = K (or latent), 1 = V. */
+ * component): component 0 = K (or latent), 1 = V. A pipeline stage's writer passes its stage's
+ * shape (kvs_pp_stage_shape) and a layer counted from its first. */
 uint64_t kvs_region_block_offset(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens,
                                  uint32_t layer, uint32_t component);
 
@@ -118,13 +125,55 @@ typedef struct {
     kvs_kv_shape_t shape;
     uint32_t prefill_tp;
     uint32_t decode_tp;
-    uint32_t page_size;    /* P */
-    uint32_t chunk_tokens; /* C: chunked-prefill size; G = max(1, C/P) * P */
+    /* Pd: the decode pool's page size, to which the grid is aligned (protocol.md §1). */
+    uint32_t page_size;
+    /* Pp: the prefill pool's page size; 0 = page_size. Any pair works: prefill pages are
+     * gathered at any token offset (protocol.md §1, "page sizes"). */
+    uint32_t prefill_page_size;
+    uint32_t chunk_tokens; /* C: chunked-prefill size, a multiple of Pd; G = C */
+    /* Pipeline stages on prefill (0 or 1: none): the prefill instance is prefill_pp x
+     * prefill_tp ranks, rank = stage * prefill_tp + TP rank, stage s holding the layers
+     * kvs_pp_stage gives it (protocol.md §2, "Pipeline stages"). */
+    uint32_t prefill_pp;
     /* 0 (the default): every CHUNK_READY carries its region's checksum and decode verifies it
      * before the chunk counts (protocol.md §5.5); 1: off. Both sides must agree. */
     uint32_t no_checksum;
 } kvs_pd_geometry_t;
 
+/* Checks the shape, both TP layouts, both page sizes in [1, KVS_MAX_PAGE_SIZE], the chunk
+ * size (a positive multiple of the decode page) and the prefill stages (at most one per layer,
+ * at most KVS_MAX_TP prefill ranks); logs what is wrong, naming the numbers. */
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
+
+/* The page size of one side's pools: page_size for decode, prefill_page_size (or page_size when
+ * that is 0) for prefill. */
+uint32_t kvs_pd_geometry_page(const kvs_pd_geometry_t *geo, kvs_side_t side);
+
+/* ---- pipeline stages (protocol.md §2, "Pipeline stages") ---- */
+
+/* Stage s of pp over L layers holds L/pp layers, one more for the first L % pp stages, in
+ * order: first_p = s * (L/pp) + min(s, L % pp). Needs 1 <= pp <= L and s < pp. */
+void kvs_pp_stage(uint32_t layers, uint32_t pp, uint32_t stage, uint32_t *first_p,
+                  uint32_t *count_p);
+/* The KV shape of the layers stage s holds (layers = its count): its pools' shape. */
+kvs_kv_shape_t kvs_pp_stage_shape(const kvs_kv_shape_t *shape, uint32_t pp, uint32_t stage);
+
+/* Pipeline stages of the geometry's prefill side (prefill_pp, or 1 when 0). */
+uint32_t kvs_pd_geometry_pp(const kvs_pd_geometry_t *geo);
+/* Prefill ranks: stages x prefill TP. */
+uint32_t kvs_pd_geometry_prefill_ranks(const kvs_pd_geometry_t *geo);
+
+/* The plan of a whole deployment: the TP plan once per prefill stage. Decode rank d's writers
+ * are stage 0's TP writers, then stage 1's, ... (each for its stage's layers); a prefill rank
+ * (stage s, TP rank p) has p's TP destinations, as writers of stage s; a decode rank's peers
+ * are its TP peers in every stage. Output capacities as for the TP functions. */
+kvs_status_t kvs_plan_geo_writers(const kvs_pd_geometry_t *geo, uint32_t decode_rank, uint64_t room,
+                                  kvs_writer_t *writers_p, uint32_t *count_p);
+kvs_status_t kvs_plan_geo_destinations(const kvs_pd_geometry_t *geo, uint32_t prefill_rank,
+                                       uint64_t room, kvs_dest_t *dests_p, uint32_t *count_p);
+kvs_status_t kvs_plan_geo_peers(const kvs_pd_geometry_t *geo, uint32_t decode_rank,
+                                uint32_t *ranks_p, uint32_t *count_p);
+kvs_status_t kvs_plan_geo_decode_peers(const kvs_pd_geometry_t *geo, uint32_t prefill_rank,
+                                       uint32_t *ranks_p, uint32_t *count_p);
 
 #endif

@@ -13,8 +13,10 @@
 #include "kvstage/layout.h"
 #include "kvstage/status.h"
 
-#define KVS_MSG_MAGIC        0x3153564bu
-#define KVS_MSG_VERSION      2 /* 2: CHUNK_READY checksum, the registration's checksum setting */
+#define KVS_MSG_MAGIC 0x3153564bu
+/* 2: CHUNK_READY checksum, the registration's checksum setting; 3: the registration's decode
+ * page size (a page size per side); 4: its pipeline stages (rank: stage * TP + TP rank) */
+#define KVS_MSG_VERSION      4
 #define KVS_MSG_HEADER_SIZE  12
 #define KVS_MSG_MAX_SIZE     1024 /* no valid message is larger */
 #define KVS_MSG_FINAL_MAX    64   /* bytes of final metadata (e.g. the first generated token) */
@@ -120,10 +122,12 @@ typedef struct {
 } kvs_msg_ack_t;
 
 typedef struct {
-    uint32_t rank;
+    uint32_t rank; /* stage * tp_size + TP rank, below tp_size * pp_size */
     uint32_t tp_size;
-    kvs_kv_shape_t shape;
-    uint32_t page_size;
+    uint32_t pp_size;          /* pipeline stages of the prefill instance */
+    kvs_kv_shape_t shape;      /* the whole model's (every stage registers the same) */
+    uint32_t page_size;        /* the registering prefill rank's pool pages */
+    uint32_t decode_page_size; /* the decode page size that rank's geometry expects */
     uint32_t chunk_tokens;
     uint32_t checksum;    /* 1: chunk checksums on (the default), 0: off */
     uint64_t layout_hash; /* hash of pool layout details both sides must agree on */

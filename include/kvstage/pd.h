@@ -156,27 +156,29 @@ typedef enum {
 
 typedef struct {
     kvs_pd_geometry_t geo;
-    uint32_t rank; /* this prefill rank */
+    uint32_t rank; /* this prefill rank: stage * prefill TP + TP rank */
     kvs_pd_timeouts_t timeouts;
     uint32_t window_chunks;   /* most chunks per room with an allocation outstanding (>= 1) */
     uint32_t staging_buffers; /* gather buffers per rank (>= 1; unused in direct mode) */
     kvs_write_mode_t write_mode;
 } kvs_sender_config_t;
 
-/* pool: this rank's KV pool (geometry must match); link: this rank's prefill link. Both must
- * outlive the sender. The clock is copied. */
+/* pool: this rank's KV pool (geometry must match: the prefill page size, this TP rank's heads
+ * of its stage's layers); link: this rank's prefill link. Both must outlive the sender. The
+ * clock is copied. */
 kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *pool,
                                kvs_link_t *link, const kvs_clock_t *clock, kvs_sender_t **sender_p);
 /* Frees everything, including rooms still live (their writes are waited for first). */
 void kvs_sender_destroy(kvs_sender_t *sender);
 
-/* page_table: the engine's page ids for tokens [0, prompt_len), ceil(prompt_len / P) entries,
+/* page_table: the engine's page ids for tokens [0, prompt_len), ceil(prompt_len / Pp) entries,
  * owned by the engine and kept valid until release; an entry must be set before advance()
  * reports its tokens as computed or scheduled. */
 kvs_status_t kvs_sender_add_room(kvs_sender_t *sender, uint64_t room, uint64_t prompt_len,
                                  const uint32_t *page_table);
 /* KV for [0, computed) is at rest; the forward pass now running covers up to scheduled
- * (>= computed). Monotonic. Sends [sent, floor_to_grid(computed)) as soon as bootstrapped. */
+ * (>= computed). Monotonic. Sends [sent, floor_to_grid(computed)) as soon as bootstrapped.
+ * With pipeline stages both are this rank's stage's: its layers of those tokens. */
 kvs_status_t kvs_sender_advance(kvs_sender_t *sender, uint64_t room, uint64_t computed,
                                 uint64_t scheduled);
 /* The whole prompt is computed; final metadata (<= KVS_MSG_FINAL_MAX bytes) rides with the last

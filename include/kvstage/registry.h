@@ -24,12 +24,13 @@ const char *kvs_registry_endpoint(const kvs_registry_t *registry);
  * answered. Malformed requests are counted (kvs_registry_rejected) and dropped. */
 uint32_t kvs_registry_serve(kvs_registry_t *registry, int timeout_ms);
 uint32_t kvs_registry_count(const kvs_registry_t *registry);
-/* Registers a rank of the process that serves the registry, without a round trip. A TP size
- * that differs from earlier registrations is refused (KVS_ERR_INCOMPATIBLE). */
+/* Registers a rank of the process that serves the registry, without a round trip. A TP size or
+ * stage count that differs from earlier registrations is refused (KVS_ERR_INCOMPATIBLE). */
 kvs_status_t kvs_registry_add(kvs_registry_t *registry, const kvs_msg_register_t *reg);
 uint64_t kvs_registry_rejected(const kvs_registry_t *registry);
 
-/* What a prefill rank registers: its place in the deployment and what decode must match. */
+/* What a prefill rank registers: its place in the deployment (rank = stage * TP + TP rank)
+ * and what decode must match. */
 void kvs_registry_describe(const kvs_pd_geometry_t *geo, uint32_t rank, const char *endpoint,
                            kvs_msg_register_t *reg_p);
 

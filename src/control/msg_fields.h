@@ -159,8 +159,9 @@ static const kvs_msg_field_t kvs_msg_fields_ack[] = {
 
 /* A registration: all of REGISTER, and QUERY_REPLY's tail when found. */
 #define REGISTRATION(S) \
-    U32(S,   rank,             BELOW(S, tp_size)), \
+    U32(S,   rank,             RANGE(0, KVS_MAX_TP - 1)), \
     U32(S,   tp_size,          RANGE(1, KVS_MAX_TP)), \
+    U32(S,   pp_size,          RANGE(1, KVS_MAX_TP)), \
     U32(S,   shape.layers,     ANY), \
     U32(S,   shape.kv_heads,   ANY), \
     U32(S,   shape.head_dim_k, ANY), \
@@ -168,6 +169,7 @@ static const kvs_msg_field_t kvs_msg_fields_ack[] = {
     U32(S,   shape.elem_bytes, SET(BIT(1) | BIT(2) | BIT(4), "1, 2 or 4")), \
     U32(S,   shape.attn,       SET(BIT(KVS_ATTN_MHA) | BIT(KVS_ATTN_MLA), "0 or 1")), \
     U32(S,   page_size,        ANY), \
+    U32(S,   decode_page_size, ANY), \
     U32(S,   chunk_tokens,     ANY), \
     U32(S,   checksum,         SET(BIT(0) | BIT(1), "0 or 1")), \
     U64(S,   layout_hash,      ANY), \

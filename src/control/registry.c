@@ -93,13 +93,18 @@ static void reply(kvs_registry_t *r, const void *id, size_t id_len, const kvs_ms
 
 kvs_status_t kvs_registry_add(kvs_registry_t *r, const kvs_msg_register_t *reg)
 {
-    if (reg->tp_size == 0 || reg->tp_size > KVS_MAX_TP || reg->rank >= reg->tp_size) {
-        kvs_error("registry: rank %u of TP %u is out of range", reg->rank, reg->tp_size);
+    if (reg->tp_size == 0 || reg->pp_size == 0 ||
+        (uint64_t) reg->tp_size * reg->pp_size > KVS_MAX_TP ||
+        reg->rank >= reg->tp_size * reg->pp_size) {
+        kvs_error("registry: rank %u of PP %u x TP %u is out of range (at most %d ranks)",
+                  reg->rank, reg->pp_size, reg->tp_size, KVS_MAX_TP);
         return KVS_ERR_INVALID;
     }
-    if (r->have != 0 && r->regs[__builtin_ctzll(r->have)].tp_size != reg->tp_size) {
-        kvs_warn("registry: rank %u registers TP %u, but earlier ranks registered TP %u", reg->rank,
-                 reg->tp_size, r->regs[__builtin_ctzll(r->have)].tp_size);
+    const kvs_msg_register_t *first = r->have != 0 ? &r->regs[__builtin_ctzll(r->have)] : NULL;
+    if (first != NULL && (first->tp_size != reg->tp_size || first->pp_size != reg->pp_size)) {
+        kvs_warn("registry: rank %u registers PP %u x TP %u, but earlier ranks registered PP %u x "
+                 "TP %u",
+                 reg->rank, reg->pp_size, reg->tp_size, first->pp_size, first->tp_size);
         return KVS_ERR_INCOMPATIBLE;
     }
     if ((r->have >> reg->rank) & 1)
@@ -254,9 +259,12 @@ kvs_status_t kvs_registry_query(const char *registry, uint32_t rank, uint64_t ti
 uint64_t kvs_registry_layout_hash(const kvs_pd_geometry_t *geo)
 {
     const kvs_kv_shape_t *s = &geo->shape;
-    const uint64_t fields[] = {KVS_MSG_VERSION, KVS_REGION_ALIGN, s->layers,     s->kv_heads,
-                               s->head_dim_k,   s->head_dim_v,    s->elem_bytes, s->attn,
-                               geo->page_size,  geo->chunk_tokens};
+    const uint64_t fields[] = {KVS_MSG_VERSION,   KVS_REGION_ALIGN,
+                               s->layers,         s->kv_heads,
+                               s->head_dim_k,     s->head_dim_v,
+                               s->elem_bytes,     s->attn,
+                               geo->page_size,    kvs_pd_geometry_page(geo, KVS_SIDE_PREFILL),
+                               geo->chunk_tokens, kvs_pd_geometry_pp(geo)};
     uint64_t h = 0x6b7673746167656bull;
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) h = kvs_mix64(h ^ fields[i]);
     return h;
@@ -268,8 +276,10 @@ void kvs_registry_describe(const kvs_pd_geometry_t *geo, uint32_t rank, const ch
     memset(reg_p, 0, sizeof(*reg_p));
     reg_p->rank = rank;
     reg_p->tp_size = geo->prefill_tp;
+    reg_p->pp_size = kvs_pd_geometry_pp(geo);
     reg_p->shape = geo->shape;
-    reg_p->page_size = geo->page_size;
+    reg_p->page_size = kvs_pd_geometry_page(geo, KVS_SIDE_PREFILL);
+    reg_p->decode_page_size = geo->page_size;
     reg_p->chunk_tokens = geo->chunk_tokens;
     reg_p->checksum = geo->no_checksum ? 0 : 1;
     reg_p->layout_hash = kvs_registry_layout_hash(geo);
@@ -294,11 +304,18 @@ kvs_status_t kvs_registry_check(const kvs_msg_register_t *p, const kvs_pd_geomet
                  "KV shape %u layers x %u heads x %u/%u dims vs %u x %u x %u/%u here", a->layers,
                  a->kv_heads, a->head_dim_k, a->head_dim_v, b->layers, b->kv_heads, b->head_dim_k,
                  b->head_dim_v);
+    else if (p->pp_size != kvs_pd_geometry_pp(mine))
+        snprintf(msg, sizeof(msg), "prefill pipeline stages %u vs %u here", p->pp_size,
+                 kvs_pd_geometry_pp(mine));
     else if (a->elem_bytes != b->elem_bytes)
         snprintf(msg, sizeof(msg), "element size %u bytes vs %u here", a->elem_bytes,
                  b->elem_bytes);
-    else if (p->page_size != mine->page_size)
-        snprintf(msg, sizeof(msg), "page size %u vs %u here", p->page_size, mine->page_size);
+    else if (p->page_size != kvs_pd_geometry_page(mine, KVS_SIDE_PREFILL))
+        snprintf(msg, sizeof(msg), "prefill page size %u vs %u here", p->page_size,
+                 kvs_pd_geometry_page(mine, KVS_SIDE_PREFILL));
+    else if (p->decode_page_size != mine->page_size)
+        snprintf(msg, sizeof(msg), "decode page size %u expected there vs %u here",
+                 p->decode_page_size, mine->page_size);
     else if (p->chunk_tokens != mine->chunk_tokens)
         snprintf(msg, sizeof(msg), "chunk size %u vs %u here", p->chunk_tokens, mine->chunk_tokens);
     else if (p->checksum != (mine->no_checksum ? 0u : 1u))

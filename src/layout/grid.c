@@ -84,3 +84,29 @@ uint64_t kvs_grid_chunk_of(uint64_t suffix_page_start, uint64_t grid, uint64_t p
     uint64_t f = pages_per_slot(grid, page);
     return f > 0 ? suffix_page_start / f : 0;
 }
+
+static uint64_t round_up(uint64_t x, uint64_t a)
+{
+    return x % a == 0 ? x : x + (a - x % a);
+}
+
+uint64_t kvs_grid_slot_tokens(uint64_t chunk, uint64_t prompt_len, uint64_t base, uint64_t grid,
+                              uint64_t decode_page, uint64_t prefill_page)
+{
+    if (grid == 0 || decode_page == 0 || prefill_page == 0 || prompt_len <= base) return 0;
+    uint64_t e_decode = round_up(prompt_len, decode_page);
+    uint64_t e_prefill = round_up(prompt_len, prefill_page);
+    uint64_t end = e_decode < e_prefill ? e_decode : e_prefill;
+    if (chunk > (end - base) / grid) return 0;
+    uint64_t start = base + chunk * grid;
+    if (start >= end) return 0;
+    return end - start < grid ? end - start : grid;
+}
+
+kvs_page_span_t kvs_grid_page_span(uint64_t start, uint64_t tokens, uint64_t page)
+{
+    if (page == 0) return (kvs_page_span_t){0, 0, 0};
+    kvs_page_span_t s = {.first = start / page, .offset = start % page};
+    s.count = tokens == 0 ? 0 : (s.offset + tokens + page - 1) / page;
+    return s;
+}

@@ -1,5 +1,6 @@
-/* The transfer plan of protocol.md §2: which prefill rank writes which heads of each decode
- * rank's slot, the converse destinations and status peers, and the slot's region layout. */
+/* The transfer plan of protocol.md §2: which prefill rank writes which heads (and, with
+ * pipeline stages, which layers) of each decode rank's slot, the converse destinations and
+ * status peers, and the slot's region layout. */
 #include "kvstage/layout.h"
 
 #include <assert.h>
@@ -18,10 +19,10 @@ static kvs_status_t plan_check(const kvs_kv_shape_t *shape, uint32_t prefill_tp,
     return kvs_tp_validate(shape, &d);
 }
 
-static uint64_t writer_bytes_per_token(const kvs_kv_shape_t *shape, uint32_t heads)
+static uint64_t writer_bytes_per_token(const kvs_kv_shape_t *shape, uint32_t layers, uint32_t heads)
 {
     uint64_t dims = (uint64_t) shape->head_dim_k + shape->head_dim_v;
-    return (uint64_t) shape->layers * heads * dims * shape->elem_bytes;
+    return (uint64_t) layers * heads * dims * shape->elem_bytes;
 }
 
 /* The prefill rank that ships global head g to decode rank d. When prefill replicates the
@@ -60,8 +61,9 @@ static uint32_t plan_writers_valid(const kvs_kv_shape_t *shape, uint32_t prefill
             .prefill_rank = (uint32_t) ((room % prefill_tp + decode_rank) % prefill_tp),
             .src_head = 0,
             .dst_head = 0,
+            .layers = shape->layers,
             .heads = 1,
-            .bytes_per_token = writer_bytes_per_token(shape, 1),
+            .bytes_per_token = writer_bytes_per_token(shape, shape->layers, 1),
         };
         return 1;
     }
@@ -81,11 +83,12 @@ static uint32_t plan_writers_valid(const kvs_kv_shape_t *shape, uint32_t prefill
             .prefill_rank = p,
             .src_head = g - kvs_tp_first_head(shape, prefill_tp, p),
             .dst_head = g - first,
+            .layers = shape->layers,
             .heads = 1,
         };
     }
     for (uint32_t i = 0; i < n; i++)
-        writers[i].bytes_per_token = writer_bytes_per_token(shape, writers[i].heads);
+        writers[i].bytes_per_token = writer_bytes_per_token(shape, shape->layers, writers[i].heads);
     return n;
 }
 
@@ -150,6 +153,95 @@ kvs_status_t kvs_plan_decode_peers(const kvs_kv_shape_t *shape, uint32_t prefill
     }
     *count_p = n;
     return KVS_OK;
+}
+
+/* ---- pipeline stages: the TP plan once per stage ---- */
+
+/* Validates the geometry and the rank asked about (decode, or prefill among all stages). */
+static kvs_status_t geo_check(const kvs_pd_geometry_t *geo, kvs_side_t side, uint32_t rank)
+{
+    kvs_status_t st = kvs_pd_geometry_validate(geo);
+    if (st != KVS_OK) return st;
+    uint32_t n = side == KVS_SIDE_PREFILL ? kvs_pd_geometry_prefill_ranks(geo) : geo->decode_tp;
+    if (rank >= n) {
+        kvs_error("%s rank %u is out of range for %u %s ranks", kvs_side_str(side), rank, n,
+                  kvs_side_str(side));
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+/* A TP writer as the writer of stage s: its rank in that stage, and that stage's layers. */
+static kvs_writer_t stage_writer(const kvs_pd_geometry_t *geo, kvs_writer_t w, uint32_t s)
+{
+    const uint32_t pp = kvs_pd_geometry_pp(geo);
+    w.prefill_rank += s * geo->prefill_tp;
+    w.stage = s;
+    kvs_pp_stage(geo->shape.layers, pp, s, &w.first_layer, &w.layers);
+    w.bytes_per_token = writer_bytes_per_token(&geo->shape, w.layers, w.heads);
+    return w;
+}
+
+kvs_status_t kvs_plan_geo_writers(const kvs_pd_geometry_t *geo, uint32_t decode_rank, uint64_t room,
+                                  kvs_writer_t *writers_p, uint32_t *count_p)
+{
+    kvs_status_t st = geo_check(geo, KVS_SIDE_DECODE, decode_rank);
+    if (st != KVS_OK) return st;
+    kvs_writer_t tp[KVS_MAX_WRITERS];
+    uint32_t n =
+        plan_writers_valid(&geo->shape, geo->prefill_tp, geo->decode_tp, decode_rank, room, tp);
+    /* n <= prefill TP, so stages x n <= the prefill ranks <= KVS_MAX_WRITERS */
+    const uint32_t pp = kvs_pd_geometry_pp(geo);
+    for (uint32_t s = 0; s < pp; s++)
+        for (uint32_t i = 0; i < n; i++) writers_p[s * n + i] = stage_writer(geo, tp[i], s);
+    *count_p = pp * n;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_plan_geo_destinations(const kvs_pd_geometry_t *geo, uint32_t prefill_rank,
+                                       uint64_t room, kvs_dest_t *dests_p, uint32_t *count_p)
+{
+    kvs_status_t st = geo_check(geo, KVS_SIDE_PREFILL, prefill_rank);
+    if (st != KVS_OK) return st;
+    const uint32_t s = prefill_rank / geo->prefill_tp;
+    kvs_dest_t tp[KVS_MAX_TP];
+    uint32_t n = 0;
+    kvs_plan_destinations(&geo->shape, geo->prefill_tp, geo->decode_tp,
+                          prefill_rank % geo->prefill_tp, room, tp, &n);
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_writer_t w[KVS_MAX_WRITERS];
+        uint32_t nw = plan_writers_valid(&geo->shape, geo->prefill_tp, geo->decode_tp,
+                                         tp[i].decode_rank, room, w);
+        dests_p[i] = (kvs_dest_t){.decode_rank = tp[i].decode_rank,
+                                  .writer = s * nw + tp[i].writer,
+                                  .w = stage_writer(geo, tp[i].w, s)};
+    }
+    *count_p = n;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_plan_geo_peers(const kvs_pd_geometry_t *geo, uint32_t decode_rank,
+                                uint32_t *ranks_p, uint32_t *count_p)
+{
+    kvs_status_t st = geo_check(geo, KVS_SIDE_DECODE, decode_rank);
+    if (st != KVS_OK) return st;
+    uint32_t tp[KVS_MAX_TP], n = 0;
+    kvs_plan_peers(&geo->shape, geo->prefill_tp, geo->decode_tp, decode_rank, tp, &n);
+    const uint32_t pp = kvs_pd_geometry_pp(geo);
+    for (uint32_t s = 0; s < pp; s++)
+        for (uint32_t i = 0; i < n; i++) ranks_p[s * n + i] = s * geo->prefill_tp + tp[i];
+    *count_p = pp * n;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_plan_geo_decode_peers(const kvs_pd_geometry_t *geo, uint32_t prefill_rank,
+                                       uint32_t *ranks_p, uint32_t *count_p)
+{
+    kvs_status_t st = geo_check(geo, KVS_SIDE_PREFILL, prefill_rank);
+    if (st != KVS_OK) return st;
+    /* A stage's rank talks to the decode ranks its TP rank talks to. */
+    return kvs_plan_decode_peers(&geo->shape, geo->prefill_tp, geo->decode_tp,
+                                 prefill_rank % geo->prefill_tp, ranks_p, count_p);
 }
 
 static uint64_t align_up(uint64_t x, uint64_t a)

@@ -137,14 +137,64 @@ kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
     kvs_tp_t p = {geo->prefill_tp, 0}, d = {geo->decode_tp, 0};
     if ((st = kvs_tp_validate(&geo->shape, &p)) != KVS_OK) return st;
     if ((st = kvs_tp_validate(&geo->shape, &d)) != KVS_OK) return st;
-    if (geo->page_size == 0) {
-        kvs_error("page size must be > 0");
+    if (geo->page_size == 0 || geo->page_size > KVS_MAX_PAGE_SIZE) {
+        kvs_error("decode page size %u is out of range [1, %u]", geo->page_size, KVS_MAX_PAGE_SIZE);
         return KVS_ERR_INVALID;
     }
+    if (geo->prefill_page_size > KVS_MAX_PAGE_SIZE) {
+        kvs_error("prefill page size %u is out of range [1, %u] (0: the decode page size)",
+                  geo->prefill_page_size, KVS_MAX_PAGE_SIZE);
+        return KVS_ERR_INVALID;
+    }
+    uint32_t pp = kvs_pd_geometry_pp(geo);
+    if (pp > geo->shape.layers) {
+        kvs_error("%u prefill pipeline stages for %u layers: a stage needs at least one layer", pp,
+                  geo->shape.layers);
+        return KVS_ERR_INVALID;
+    }
+    if ((uint64_t) pp * geo->prefill_tp > KVS_MAX_TP) {
+        kvs_error("prefill PP %u x TP %u = %u ranks, more than the %d a deployment supports", pp,
+                  geo->prefill_tp, pp * geo->prefill_tp, KVS_MAX_TP);
+        return KVS_ERR_INVALID;
+    }
+    /* Slot boundaries lie at base + k*C and must fall on decode pages; prefill pages are
+     * gathered at any offset, so C need not be a multiple of the prefill page. */
     if (geo->chunk_tokens == 0 || geo->chunk_tokens % geo->page_size != 0) {
-        kvs_error("chunk size %u must be a positive multiple of the page size %u",
+        kvs_error("chunk size %u must be a positive multiple of the decode page size %u",
                   geo->chunk_tokens, geo->page_size);
         return KVS_ERR_INVALID;
     }
     return KVS_OK;
+}
+
+uint32_t kvs_pd_geometry_pp(const kvs_pd_geometry_t *geo)
+{
+    return geo->prefill_pp > 1 ? geo->prefill_pp : 1;
+}
+
+uint32_t kvs_pd_geometry_prefill_ranks(const kvs_pd_geometry_t *geo)
+{
+    return kvs_pd_geometry_pp(geo) * geo->prefill_tp;
+}
+
+void kvs_pp_stage(uint32_t layers, uint32_t pp, uint32_t stage, uint32_t *first_p,
+                  uint32_t *count_p)
+{
+    const uint32_t base = layers / pp, extra = layers % pp;
+    *first_p = stage * base + (stage < extra ? stage : extra);
+    *count_p = base + (stage < extra);
+}
+
+kvs_kv_shape_t kvs_pp_stage_shape(const kvs_kv_shape_t *shape, uint32_t pp, uint32_t stage)
+{
+    kvs_kv_shape_t s = *shape;
+    uint32_t first;
+    kvs_pp_stage(shape->layers, pp, stage, &first, &s.layers);
+    return s;
+}
+
+uint32_t kvs_pd_geometry_page(const kvs_pd_geometry_t *geo, kvs_side_t side)
+{
+    if (side == KVS_SIDE_PREFILL && geo->prefill_page_size != 0) return geo->prefill_page_size;
+    return geo->page_size;
 }

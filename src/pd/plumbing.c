@@ -24,7 +24,7 @@ static void fill_timeouts(kvs_pd_timeouts_t *t)
 static kvs_status_t bootstrap_decode(const kvs_plumbing_config_t *c, kvs_link_t *link,
                                      uint64_t timeout_ns)
 {
-    for (uint32_t p = 0; p < c->geo.prefill_tp; p++) {
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&c->geo); p++) {
         kvs_msg_register_t reg;
         kvs_status_t st = kvs_registry_query(c->registry, p, timeout_ns, &reg);
         if (st != KVS_OK) {
@@ -48,7 +48,7 @@ static kvs_status_t bootstrap_decode(const kvs_plumbing_config_t *c, kvs_link_t 
 static kvs_status_t serve_until_registered(const kvs_plumbing_config_t *c, kvs_registry_t *registry,
                                            kvs_link_t *link, uint64_t timeout_ns)
 {
-    const uint32_t ranks = c->geo.prefill_tp;
+    const uint32_t ranks = kvs_pd_geometry_prefill_ranks(&c->geo);
     uint64_t end = kvs_now_ns() + timeout_ns;
     while (kvs_registry_count(registry) < ranks) {
         if (kvs_now_ns() >= end) {
@@ -79,7 +79,7 @@ static uint64_t default_ring_bytes(const kvs_pd_geometry_t *geo, uint32_t rank)
 {
     kvs_writer_t w[KVS_MAX_WRITERS];
     uint32_t n = 0;
-    kvs_plan_writers(&geo->shape, geo->prefill_tp, geo->decode_tp, rank, 0, w, &n);
+    kvs_plan_geo_writers(geo, rank, 0, w, &n);
     return 4 * kvs_slot_layout(w, n, kvs_grid_tokens(geo->chunk_tokens, geo->page_size), NULL);
 }
 
@@ -97,7 +97,8 @@ kvs_status_t kvs_plumbing_create(const kvs_plumbing_config_t *config, kvs_pool_t
 
     kvs_net_config_t nc = {.side = c->side,
                            .rank = c->rank,
-                           .peer_tp = prefill ? c->geo.decode_tp : c->geo.prefill_tp,
+                           .peer_tp =
+                               prefill ? c->geo.decode_tp : kvs_pd_geometry_prefill_ranks(&c->geo),
                            .bind = c->bind ? c->bind : "tcp://127.0.0.1:*",
                            .data = c->data,
                            .net_device = c->net_device,

@@ -76,6 +76,9 @@ struct kvs_receiver {
     kvs_map_t early;    /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
     uint64_t next_serial;
     uint64_t grid; /* G */
+    /* [stages] the layers each prefill stage writes, as a shape: a stage writer's region is
+     * [K of its layers][V of its layers] (protocol.md §2) */
+    kvs_kv_shape_t stage_shapes[KVS_MAX_TP];
     kvs_pd_metrics_t m;
     uint64_t srtt_ns; /* smoothed round trip to the prefill ranks (kvs_pd_rto) */
 };
@@ -137,6 +140,9 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     rx->link = link;
     rx->clock = *clock;
     rx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
+    for (uint32_t s = 0; s < kvs_pd_geometry_pp(&config->geo); s++)
+        rx->stage_shapes[s] =
+            kvs_pp_stage_shape(&config->geo.shape, kvs_pd_geometry_pp(&config->geo), s);
     kvs_map_init(&rx->rooms);
     kvs_map_init(&rx->serials);
     kvs_map_init(&rx->early);
@@ -321,11 +327,19 @@ static uint64_t chunk_pages(const kvs_receiver_t *rx, const rroom_t *r, uint64_t
     return kvs_grid_chunk_pages(chunk, r->total_pages, rx->grid, rx->cfg.geo.page_size);
 }
 
+/* Tokens in a chunk's slot: its pages' tokens, up to where the prefill pages end too
+ * (protocol.md §1). */
+static uint64_t chunk_tokens(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk)
+{
+    const kvs_pd_geometry_t *g = &rx->cfg.geo;
+    return kvs_grid_slot_tokens(chunk, r->prompt_len, r->base, rx->grid, g->page_size,
+                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+}
+
 static uint64_t slot_bytes(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk,
                            uint64_t *offsets_p)
 {
-    uint64_t tokens = chunk_pages(rx, r, chunk) * rx->cfg.geo.page_size;
-    return kvs_slot_layout(r->writers, r->nwriters, tokens, offsets_p);
+    return kvs_slot_layout(r->writers, r->nwriters, chunk_tokens(rx, r, chunk), offsets_p);
 }
 
 static void free_slot(kvs_receiver_t *rx, rroom_t *r, rchunk_t *c)
@@ -341,22 +355,25 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     rchunk_t *c = &r->chunks[chunk];
     uint64_t offsets[KVS_MAX_WRITERS];
     uint64_t npages = chunk_pages(rx, r, chunk);
+    uint64_t tokens = chunk_tokens(rx, r, chunk);
     slot_bytes(rx, r, chunk, offsets);
     /* The writes completed before their CHUNK_READY was sent; make them visible here. */
     kvs_status_t st = rx->link->ops->flush(rx->link->ctx);
     if (st != KVS_OK) return st;
-    const kvs_kv_shape_t *shape = &rx->cfg.geo.shape;
     uint64_t t0 = kvs_now_ns();
     const uint64_t F = rx->grid / rx->cfg.geo.page_size;
     for (uint32_t w = 0; w < r->nwriters; w++) {
+        /* into the layers of the writer's stage */
+        const kvs_kv_shape_t *shape = &rx->stage_shapes[r->writers[w].stage];
         kvs_copy_desc_t d = {
-            .regions = kvs_pool_region(rx->pool, 0, 0),
+            .regions = kvs_pool_region(rx->pool, r->writers[w].first_layer, 0),
             .layers = shape->layers,
             .components = kvs_kv_shape_components(shape),
             .shape = shape,
             .pages = r->pages + chunk * F, /* scatter lands at token base + chunk*F*P */
             .npages = (uint32_t) npages,
             .page_size = rx->cfg.geo.page_size,
+            .tokens = tokens, /* from the first page's start: base and G are page multiples */
             .pool_head = r->writers[w].dst_head,
             .heads = r->writers[w].heads,
             .pool_pages = kvs_pool_total_pages(rx->pool),
@@ -367,7 +384,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
         };
         st = kvs_copy_submit(&rx->copy, KVS_COPY_SCATTER, &d, &c->ticket);
         if (st != KVS_OK) return st;
-        rx->m.bytes += npages * rx->cfg.geo.page_size * r->writers[w].bytes_per_token;
+        rx->m.bytes += tokens * r->writers[w].bytes_per_token;
     }
     rx->m.data_ns += kvs_now_ns() - t0;
     c->state = RCH_SCATTERING;
@@ -474,11 +491,8 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
     r->pages = delta_pages;
     r->status = KVS_ROOM_BOOTSTRAPPING;
     const kvs_pd_geometry_t *g = &rx->cfg.geo;
-    kvs_status_t st = kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, rx->cfg.rank, room,
-                                       r->writers, &r->nwriters);
-    if (st == KVS_OK)
-        st = kvs_plan_peers(&g->shape, g->prefill_tp, g->decode_tp, rx->cfg.rank, r->peers,
-                            &r->npeers);
+    kvs_status_t st = kvs_plan_geo_writers(g, rx->cfg.rank, room, r->writers, &r->nwriters);
+    if (st == KVS_OK) st = kvs_plan_geo_peers(g, rx->cfg.rank, r->peers, &r->npeers);
     if (st == KVS_OK && !g->no_checksum && nchunks > 0) {
         r->sums = kvs_calloc(nchunks * r->nwriters * 2, sizeof(uint64_t));
         if (r->sums == NULL) st = KVS_ERR_NOMEM;
@@ -645,7 +659,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
     }
     rchunk_t *c = &r->chunks[cr->chunk];
     uint64_t npages = chunk_pages(rx, r, cr->chunk);
-    uint64_t bytes = npages * rx->cfg.geo.page_size * r->writers[cr->writer].bytes_per_token;
+    uint64_t bytes = chunk_tokens(rx, r, cr->chunk) * r->writers[cr->writer].bytes_per_token;
     send_ack(rx, cr->room, KVS_MSG_CHUNK_READY, cr->chunk, cr->writer, cr->prefill_rank);
     if (r->status == KVS_ROOM_FAILED || c->state == RCH_SCATTERING || c->state == RCH_DONE ||
         (c->arrived & KVS_BIT(cr->writer))) {

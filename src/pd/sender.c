@@ -85,6 +85,7 @@ struct kvs_sender {
     kvs_link_t *link;
     kvs_clock_t clock;
     kvs_copy_backend_t copy;
+    kvs_kv_shape_t shape; /* of the layers this rank's stage holds: its pool's */
     uint64_t grid;
     uint64_t buffer_bytes; /* one writer region of a full slot, at most */
     uint8_t **buffers;     /* [staging_buffers][buffer_bytes], in the pool's memory kind; NULL
@@ -109,13 +110,17 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     kvs_status_t st = kvs_pd_geometry_validate(&config->geo);
     if (st != KVS_OK) return st;
     const kvs_pool_config_t *pc = kvs_pool_config(pool);
-    if (config->rank >= config->geo.prefill_tp || pc->tp.tp_size != config->geo.prefill_tp ||
-        pc->tp.tp_rank != config->rank || pc->page_size != config->geo.page_size ||
-        memcmp(&pc->shape, &config->geo.shape, sizeof(pc->shape)) != 0) {
-        kvs_error("sender: prefill rank %u of %u does not match its pool (rank %u of %u, "
-                  "page %u)",
-                  config->rank, config->geo.prefill_tp, pc->tp.tp_rank, pc->tp.tp_size,
-                  pc->page_size);
+    /* The pool holds this rank's heads of its stage's layers (protocol.md §2). */
+    const uint32_t pp = kvs_pd_geometry_pp(&config->geo), tp = config->geo.prefill_tp;
+    const uint32_t stage = config->rank / tp;
+    const kvs_kv_shape_t shape = kvs_pp_stage_shape(&config->geo.shape, pp, stage % pp);
+    if (config->rank >= pp * tp || pc->tp.tp_size != tp || pc->tp.tp_rank != config->rank % tp ||
+        pc->page_size != kvs_pd_geometry_page(&config->geo, KVS_SIDE_PREFILL) ||
+        memcmp(&pc->shape, &shape, sizeof(pc->shape)) != 0) {
+        kvs_error("sender: prefill rank %u (stage %u of %u, TP rank %u of %u, %u layers) does "
+                  "not match its pool (TP rank %u of %u, %u layers, page %u)",
+                  config->rank, stage, pp, config->rank % tp, tp, shape.layers, pc->tp.tp_rank,
+                  pc->tp.tp_size, pc->shape.layers, pc->page_size);
         return KVS_ERR_INVALID;
     }
     if (config->window_chunks == 0 || config->staging_buffers == 0) {
@@ -134,13 +139,14 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     kvs_sender_t *tx = kvs_calloc(1, sizeof(*tx));
     if (tx == NULL) return KVS_ERR_NOMEM;
     tx->cfg = *config;
+    tx->shape = shape;
     tx->pool = pool;
     tx->link = link;
     tx->clock = *clock;
     tx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
     kvs_map_init(&tx->rooms);
     kvs_map_init(&tx->stash);
-    const kvs_kv_shape_t *s = &config->geo.shape;
+    const kvs_kv_shape_t *s = &tx->shape;
     uint64_t heads = kvs_tp_heads_per_rank(s, config->geo.prefill_tp);
     uint64_t dims = s->attn == KVS_ATTN_MLA ? s->head_dim_k : s->head_dim_k + s->head_dim_v;
     tx->buffer_bytes = tx->grid * s->layers * heads * dims * s->elem_bytes;
@@ -233,6 +239,15 @@ void kvs_sender_destroy(kvs_sender_t *tx)
 
 /* ---- sending ---- */
 
+/* Tokens in chunk k's slot (protocol.md §1): the decode pages', up to where this rank's pages
+ * end. */
+static uint64_t chunk_tokens(const kvs_sender_t *tx, const sroom_t *r, uint64_t k)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    return kvs_grid_slot_tokens(k, r->prompt_len, r->base, tx->grid, g->page_size,
+                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+}
+
 /* The slot of chunk k at destination d as the decode rank lays it out: its total size, and this
  * writer's region offset in it (both NULL-able). */
 static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, uint32_t d,
@@ -242,10 +257,8 @@ static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, 
     kvs_writer_t writers[KVS_MAX_WRITERS];
     uint64_t offsets[KVS_MAX_WRITERS];
     uint32_t n = 0;
-    kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, r->dests[d].decode_rank, r->id,
-                     writers, &n);
-    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
-    uint64_t size = kvs_slot_layout(writers, n, pages * g->page_size, offsets);
+    kvs_plan_geo_writers(g, r->dests[d].decode_rank, r->id, writers, &n);
+    uint64_t size = kvs_slot_layout(writers, n, chunk_tokens(tx, r, k), offsets);
     if (region_offset_p) *region_offset_p = offsets[r->dests[d].writer];
     return size;
 }
@@ -278,7 +291,7 @@ static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .writer = dest->writer,
         .suffix_page_start = chunk * (tx->grid / g->page_size),
         .pages = (uint32_t) pages,
-        .bytes = pages * g->page_size * dest->w.bytes_per_token,
+        .bytes = chunk_tokens(tx, r, chunk) * dest->w.bytes_per_token,
         .checksum = r->cd[chunk * r->ndests + d].checksum,
     };
     kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
@@ -398,11 +411,8 @@ kvs_status_t kvs_sender_add_room(kvs_sender_t *tx, uint64_t room, uint64_t promp
     r->page_table = page_table;
     r->status = KVS_ROOM_BOOTSTRAPPING;
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
-    kvs_status_t st = kvs_plan_destinations(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank,
-                                            room, r->dests, &r->ndests);
-    if (st == KVS_OK)
-        st = kvs_plan_decode_peers(&g->shape, g->prefill_tp, g->decode_tp, tx->cfg.rank, r->dpeers,
-                                   &r->ndpeers);
+    kvs_status_t st = kvs_plan_geo_destinations(g, tx->cfg.rank, room, r->dests, &r->ndests);
+    if (st == KVS_OK) st = kvs_plan_geo_decode_peers(g, tx->cfg.rank, r->dpeers, &r->ndpeers);
     if (st == KVS_OK) st = kvs_map_put(&tx->rooms, room, r);
     if (st != KVS_OK) {
         room_free(r);
@@ -764,8 +774,11 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     sdest_t *sd = &r->cd[k * r->ndests + d];
     const kvs_dest_t *dest = &r->dests[d];
-    uint64_t pages = kvs_grid_chunk_pages(k, r->total_pages, tx->grid, g->page_size);
-    uint64_t bytes = pages * g->page_size * dest->w.bytes_per_token;
+    const uint64_t tokens = chunk_tokens(tx, r, k);
+    const uint64_t bytes = tokens * dest->w.bytes_per_token;
+    /* The chunk starts at base + k*G, on a decode page but anywhere in a prefill page. */
+    const uint32_t Pp = kvs_pd_geometry_page(g, KVS_SIDE_PREFILL);
+    const kvs_page_span_t src = kvs_grid_page_span(r->base + k * tx->grid, tokens, Pp);
     uint64_t at;
     dest_slot(tx, r, k, d, &at);
     if (at > sd->size || bytes > sd->size - at) {
@@ -783,15 +796,16 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     }
     int b = -1;
     if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
-    const uint64_t first_page = (r->base / g->page_size) + k * (tx->grid / g->page_size);
     kvs_copy_desc_t desc = {
         .regions = kvs_pool_region(tx->pool, 0, 0),
-        .layers = g->shape.layers,
-        .components = kvs_kv_shape_components(&g->shape),
-        .shape = &g->shape,
-        .pages = r->page_table + first_page,
-        .npages = (uint32_t) pages,
-        .page_size = g->page_size,
+        .layers = tx->shape.layers,
+        .components = kvs_kv_shape_components(&tx->shape),
+        .shape = &tx->shape, /* its stage's layers: the region is [K of them][V of them] */
+        .pages = r->page_table + src.first,
+        .npages = (uint32_t) src.count,
+        .page_size = Pp,
+        .first_token = (uint32_t) src.offset,
+        .tokens = tokens,
         .pool_head = dest->w.src_head,
         .heads = dest->w.heads,
         .pool_pages = kvs_pool_total_pages(tx->pool),

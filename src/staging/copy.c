@@ -75,15 +75,23 @@ kvs_status_t kvs_copy_desc_validate(kvs_copy_dir_t dir, const kvs_copy_desc_t *d
             return KVS_ERR_INVALID;
         }
     }
-    uint64_t tokens = (uint64_t) d->npages * d->page_size, row = 0, need = 0;
+    const uint64_t tokens = kvs_copy_desc_tokens(d);
+    const uint64_t span = (uint64_t) d->npages * d->page_size;
+    if (d->first_token >= d->page_size || tokens == 0 || tokens > span - d->first_token ||
+        d->first_token + tokens <= span - d->page_size) {
+        kvs_error("copy: %s of %llu tokens from token %u of %u pages of %u tokens: the tokens "
+                  "must start in the first page and end in the last",
+                  what, (unsigned long long) tokens, d->first_token, d->npages, d->page_size);
+        return KVS_ERR_INVALID;
+    }
+    uint64_t row = 0, need = 0;
     uint64_t dims = (uint64_t) kvs_kv_shape_dim(d->shape, 0) +
                     (d->components > 1 ? kvs_kv_shape_dim(d->shape, 1) : 0);
     int fits = mul_u64(tokens, (uint64_t) d->heads * d->shape->elem_bytes, &row) &&
                mul_u64(row, (uint64_t) d->shape->layers * dims, &need);
     if (!fits || d->region_bytes < need) {
-        kvs_error("copy: %s of %u pages x %u tokens x %u heads needs a %llu-byte region, got "
-                  "%llu",
-                  what, d->npages, d->page_size, d->heads,
+        kvs_error("copy: %s of %llu tokens x %u heads needs a %llu-byte region, got %llu", what,
+                  (unsigned long long) tokens, d->heads,
                   fits ? (unsigned long long) need : (unsigned long long) UINT64_MAX,
                   (unsigned long long) d->region_bytes);
         return KVS_ERR_INVALID;

@@ -10,9 +10,12 @@
 #include "kvstage/pool.h"
 #include "kvstage/status.h"
 
-/* One gather or scatter: npages pages (ids in `pages`) of a pool, heads [pool_head, pool_head +
- * heads) of the pool rank, all layers and components, to or from one writer region of a slot.
- * Token t of the region is token t % page_size of page pages[t / page_size]. */
+/* One gather or scatter: `tokens` tokens starting at token `first_token` of the first of npages
+ * pages (ids in `pages`) of a pool, heads [pool_head, pool_head + heads) of the pool rank, all
+ * layers and components, to or from one writer region of a slot. Token t of the region is token
+ * (first_token + t) % page_size of page pages[(first_token + t) / page_size]. first_token and
+ * tokens both 0 mean whole pages (tokens = npages * page_size); otherwise the tokens must end in
+ * the last page (a page size per side, protocol.md §1). */
 typedef struct {
     const kvs_region_t *regions; /* [layers][components], from the pool */
     uint32_t layers, components;
@@ -21,9 +24,11 @@ typedef struct {
     uint32_t npages;
     uint32_t pool_pages; /* pages in the pool: every id must be below it */
     uint32_t page_size;
-    uint32_t pool_head; /* first head, within the pool rank's heads */
+    uint32_t first_token; /* < page_size */
+    uint64_t tokens;      /* 0 with first_token 0: npages * page_size */
+    uint32_t pool_head;   /* first head, within the pool rank's heads */
     uint32_t heads;
-    /* The writer region: npages*page_size tokens laid out as kvs_region_block_offset says,
+    /* The writer region: kvs_copy_desc_tokens() tokens laid out as kvs_region_block_offset says,
      * [K layer 0..L-1][V layer 0..L-1] each [tokens][heads][D]; region_bytes is the room
      * available there, at least kvs_copy_region_bytes() or the copy is refused. */
     uint8_t *region;
@@ -58,6 +63,13 @@ typedef struct {
 
 /* Bytes of one writer region: tokens * heads * E * sum over layers and components of D. */
 uint64_t kvs_copy_region_bytes(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens);
+
+/* The region's token count: tokens, or npages * page_size for whole pages. */
+static inline uint64_t kvs_copy_desc_tokens(const kvs_copy_desc_t *d)
+{
+    if (d->tokens == 0 && d->first_token == 0) return (uint64_t) d->npages * d->page_size;
+    return d->tokens;
+}
 
 /* Checks a descriptor against its shape, regions, pool size and region room; logs the first
  * problem. Backends call it before touching memory. */

@@ -1,5 +1,6 @@
 /* Tests for src/layout/grid.c: the protocol.md §1 test vectors, the worked request, and seeded
- * property tests of segments, floor and chunk numbering. */
+ * property tests of segments, floor and chunk numbering, and of slot tokens and page spans with
+ * a page size per side. */
 #include "kvs_test.h"
 
 #include <inttypes.h>
@@ -286,6 +287,93 @@ static void test_sends_are_whole_chunks_property(void **state)
     }
 }
 
+/* A page size per side (protocol.md §1): a slot's tokens run to the next boundary or to the
+ * end both sides' pages cover. */
+static void test_slot_tokens_vectors(void **state)
+{
+    (void) state;
+    static const struct {
+        uint64_t chunk, prompt_len, base, grid, decode_page, prefill_page, want;
+    } v[] = {
+        /* equal pages: chunk_pages * P (the worked request) */
+        {0, 30000, 6144, 8192, 64, 64, 8192},
+        {1, 30000, 6144, 8192, 64, 64, 8192},
+        {2, 30000, 6144, 8192, 64, 64, 117 * 64},
+        {3, 30000, 6144, 8192, 64, 64, 0},
+        /* prefill pages larger: E = min(112, 128); chunks start inside prefill pages */
+        {0, 100, 16, 32, 16, 64, 32},
+        {2, 100, 16, 32, 16, 64, 32},
+        {3, 100, 16, 32, 16, 64, 0},
+        /* decode pages larger: E = min(128, 112) = 112, the last slot ends inside a decode page */
+        {0, 100, 0, 64, 64, 16, 64},
+        {1, 100, 0, 64, 64, 16, 48},
+        /* not powers of two: E = min(21, 20) */
+        {0, 20, 3, 12, 3, 5, 12},
+        {1, 20, 3, 12, 3, 5, 5},
+        /* nothing to send */
+        {0, 64, 64, 64, 16, 16, 0},
+    };
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        uint64_t got = kvs_grid_slot_tokens(v[i].chunk, v[i].prompt_len, v[i].base, v[i].grid,
+                                            v[i].decode_page, v[i].prefill_page);
+        if (got != v[i].want)
+            fail_msg("case %zu: %" PRIu64 " tokens, want %" PRIu64, i, got, v[i].want);
+    }
+    static const struct {
+        uint64_t start, tokens, page, first, offset, count;
+    } s[] = {
+        {16, 32, 64, 0, 16, 1}, {80, 32, 64, 1, 16, 1}, {48, 32, 64, 0, 48, 2},
+        {15, 5, 5, 3, 0, 1},    {0, 0, 16, 0, 0, 0},    {7, 1, 1, 7, 0, 1},
+    };
+    for (size_t i = 0; i < sizeof(s) / sizeof(s[0]); i++) {
+        kvs_page_span_t got = kvs_grid_page_span(s[i].start, s[i].tokens, s[i].page);
+        if (got.first != s[i].first || got.offset != s[i].offset || got.count != s[i].count)
+            fail_msg("span %zu: (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ")", i, got.first, got.offset,
+                     got.count);
+    }
+}
+
+/* For any pair of page sizes: the slots tile [base, E) with E >= prompt_len, each within its
+ * chunk's decode pages, and each slot's prefill span lies in the prompt's prefill pages. */
+static void test_slot_tokens_property(void **state)
+{
+    (void) state;
+    kvs_rng_t rng;
+    uint64_t seed = kvs_test_seed(0x9a6e5);
+    kvs_rng_seed(&rng, seed);
+    for (int it = 0; it < 20000; it++) {
+        uint64_t pd = kvs_rng_range(&rng, 1, 70), pp = kvs_rng_range(&rng, 1, 70);
+        if (kvs_rng_chance(&rng, 1, 2)) {
+            pd = 1ull << kvs_rng_below(&rng, 9);
+            pp = 1ull << kvs_rng_below(&rng, 9);
+        }
+        uint64_t grid = pd * kvs_rng_range(&rng, 1, 5);
+        uint64_t prompt = kvs_rng_range(&rng, 1, 3000);
+        uint64_t base = pd * kvs_rng_below(&rng, prompt / pd + 1);
+        uint64_t total = kvs_grid_total_pages(prompt, base, pd);
+        uint64_t n = kvs_grid_chunk_count(total, grid, pd);
+        uint64_t at = base;
+        for (uint64_t k = 0; k < n; k++) {
+            uint64_t t = kvs_grid_slot_tokens(k, prompt, base, grid, pd, pp);
+            uint64_t pages = kvs_grid_chunk_pages(k, total, grid, pd);
+            if (t == 0 || t > pages * pd || at != base + k * grid)
+                fail_msg("seed 0x%" PRIx64 ": chunk %" PRIu64 " of P %" PRIu64 "/%" PRIu64
+                         " has %" PRIu64 " tokens",
+                         seed, k, pd, pp, t);
+            kvs_page_span_t sp = kvs_grid_page_span(at, t, pp);
+            assert_true(sp.offset < pp);
+            assert_true(sp.first + sp.count <= (prompt + pp - 1) / pp);
+            assert_true(sp.offset + t <= sp.count * pp && sp.offset + t > (sp.count - 1) * pp);
+            at += t;
+        }
+        assert_int_equal(kvs_grid_slot_tokens(n, prompt, base, grid, pd, pp), 0);
+        if (n > 0) {
+            assert_true(at >= prompt);
+            assert_true(at - prompt < pd && at - prompt < pp);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -296,6 +384,8 @@ int main(void)
         cmocka_unit_test(test_worked_request),
         cmocka_unit_test(test_segments_and_floor_property),
         cmocka_unit_test(test_sends_are_whole_chunks_property),
+        cmocka_unit_test(test_slot_tokens_vectors),
+        cmocka_unit_test(test_slot_tokens_property),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

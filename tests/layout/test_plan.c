@@ -8,6 +8,7 @@
 
 #include "kvstage/layout.h"
 #include "kvstage/log.h"
+#include "kvstage/rng.h"
 
 static void discard_sink(void *arg, kvs_log_level_t level, const char *file, int line,
                          const char *msg)
@@ -424,6 +425,177 @@ static void test_slot_layout_and_blocks(void **state)
 }
 
 /* Runs the built tool (KVS_TOOL) and captures its stdout; returns the exit code. */
+/* The stage split rule (protocol.md §2, "Pipeline stages"): vectors, then every L and PP. */
+static void test_pp_stage_splits(void **state)
+{
+    (void) state;
+    static const struct {
+        uint32_t layers, pp, first[5], count[5];
+    } v[] = {
+        {7, 3, {0, 3, 5}, {3, 2, 2}},
+        {10, 4, {0, 3, 6, 8}, {3, 3, 2, 2}},
+        {32, 4, {0, 8, 16, 24}, {8, 8, 8, 8}},
+        {5, 5, {0, 1, 2, 3, 4}, {1, 1, 1, 1, 1}},
+        {1, 1, {0}, {1}},
+        {30, 1, {0}, {30}},
+    };
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        for (uint32_t st = 0; st < v[i].pp; st++) {
+            uint32_t first = 99, count = 99;
+            kvs_pp_stage(v[i].layers, v[i].pp, st, &first, &count);
+            if (first != v[i].first[st] || count != v[i].count[st])
+                fail_msg("L %u PP %u stage %u: layers [%u, +%u), want [%u, +%u)", v[i].layers,
+                         v[i].pp, st, first, count, v[i].first[st], v[i].count[st]);
+        }
+    }
+    for (uint32_t layers = 1; layers <= 80; layers++) {
+        for (uint32_t pp = 1; pp <= layers && pp <= KVS_MAX_TP; pp++) {
+            uint32_t at = 0, prev = UINT32_MAX;
+            for (uint32_t st = 0; st < pp; st++) {
+                uint32_t first, count;
+                kvs_pp_stage(layers, pp, st, &first, &count);
+                assert_int_equal(first, at);              /* contiguous, in order */
+                assert_true(count >= 1 && count <= prev); /* earlier stages never hold fewer */
+                assert_true(count == layers / pp || count == layers / pp + 1);
+                kvs_kv_shape_t sh = mha(4);
+                sh.layers = layers;
+                assert_int_equal(kvs_pp_stage_shape(&sh, pp, st).layers, count);
+                prev = count;
+                at += count;
+            }
+            assert_int_equal(at, layers);
+        }
+    }
+}
+
+/* The whole-deployment plan over random PP x TP layouts: every (layer, head) a decode rank
+ * needs is written exactly once, by a rank of the stage holding that layer that holds that
+ * head; destinations and peers are the converse; with one stage it is the TP plan. */
+static void test_geo_plan_property(void **state)
+{
+    (void) state;
+    static const uint32_t tps[] = {1, 2, 3, 4, 6, 8};
+    static const uint32_t heads[] = {1, 2, 3, 4, 6, 8, 12};
+    kvs_rng_t rng;
+    const uint64_t seed = kvs_test_seed(0x9e0b1a);
+    kvs_rng_seed(&rng, seed);
+    for (int it = 0; it < 3000; it++) {
+        kvs_pd_geometry_t g = {.page_size = 4, .chunk_tokens = 8};
+        g.shape = kvs_rng_chance(&rng, 1, 5) ? mla() : mha(heads[kvs_rng_below(&rng, 7)]);
+        g.shape.layers = (uint32_t) kvs_rng_range(&rng, 1, 12);
+        const uint32_t h = g.shape.kv_heads;
+        do g.prefill_tp = tps[kvs_rng_below(&rng, 6)];
+        while (g.shape.attn == KVS_ATTN_MHA && h % g.prefill_tp && g.prefill_tp % h);
+        do g.decode_tp = tps[kvs_rng_below(&rng, 6)];
+        while (g.shape.attn == KVS_ATTN_MHA && h % g.decode_tp && g.decode_tp % h);
+        g.prefill_pp = (uint32_t) kvs_rng_range(&rng, 0, g.shape.layers < 8 ? g.shape.layers : 8);
+        const uint32_t pp = kvs_pd_geometry_pp(&g), tp = g.prefill_tp;
+        const uint64_t room = kvs_rng_next(&rng);
+        const uint32_t hd = kvs_tp_heads_per_rank(&g.shape, g.decode_tp);
+        uint8_t written[12][64];
+        kvs_writer_t w[KVS_MAX_TP][KVS_MAX_WRITERS];
+        uint32_t nw[KVS_MAX_TP];
+        for (uint32_t d = 0; d < g.decode_tp; d++) {
+            assert_int_equal(kvs_plan_geo_writers(&g, d, room, w[d], &nw[d]), KVS_OK);
+            kvs_writer_t tpw[KVS_MAX_WRITERS];
+            uint32_t ntp = 0;
+            assert_int_equal(kvs_plan_writers(&g.shape, tp, g.decode_tp, d, room, tpw, &ntp),
+                             KVS_OK);
+            assert_int_equal(nw[d], ntp * pp);
+            memset(written, 0, sizeof(written));
+            const uint32_t dfirst = kvs_tp_first_head(&g.shape, g.decode_tp, d);
+            for (uint32_t i = 0; i < nw[d]; i++) {
+                const kvs_writer_t *x = &w[d][i];
+                uint32_t first, layers;
+                kvs_pp_stage(g.shape.layers, pp, x->stage, &first, &layers);
+                assert_int_equal(x->stage, i / ntp); /* stage-major order */
+                assert_int_equal(x->prefill_rank / tp, x->stage);
+                assert_int_equal(x->first_layer, first);
+                assert_int_equal(x->layers, layers);
+                /* the same heads from the same TP rank as the TP plan's writer */
+                const kvs_writer_t *t = &tpw[i % ntp];
+                assert_int_equal(x->prefill_rank % tp, t->prefill_rank);
+                assert_int_equal(x->src_head, t->src_head);
+                assert_int_equal(x->dst_head, t->dst_head);
+                assert_int_equal(x->heads, t->heads);
+                uint64_t dims = (uint64_t) g.shape.head_dim_k + g.shape.head_dim_v;
+                assert_int_equal(x->bytes_per_token,
+                                 (uint64_t) layers * x->heads * dims * g.shape.elem_bytes);
+                for (uint32_t l = first; l < first + layers; l++)
+                    for (uint32_t j = 0; j < x->heads; j++) {
+                        uint32_t gh = dfirst + x->dst_head + j;
+                        assert_true(g.shape.attn == KVS_ATTN_MLA ||
+                                    holds(&g.shape, tp, x->prefill_rank % tp, gh));
+                        written[l][x->dst_head + j]++;
+                    }
+            }
+            for (uint32_t l = 0; l < g.shape.layers; l++)
+                for (uint32_t j = 0; j < hd; j++)
+                    if (written[l][j] != 1)
+                        fail_msg("seed 0x%llx: decode %u layer %u head %u written %u times",
+                                 (unsigned long long) seed, d, l, j, written[l][j]);
+            /* peers: the TP peers in every stage, the writers among them */
+            uint32_t peers[KVS_MAX_TP], np = 0, tpp[KVS_MAX_TP], ntpp = 0;
+            assert_int_equal(kvs_plan_geo_peers(&g, d, peers, &np), KVS_OK);
+            kvs_plan_peers(&g.shape, tp, g.decode_tp, d, tpp, &ntpp);
+            assert_int_equal(np, ntpp * pp);
+            for (uint32_t i = 0; i < np; i++)
+                assert_int_equal(peers[i], (i / ntpp) * tp + tpp[i % ntpp]);
+            for (uint32_t i = 0; i < nw[d]; i++) {
+                int found = 0;
+                for (uint32_t k = 0; k < np; k++) found |= peers[k] == w[d][i].prefill_rank;
+                assert_true(found);
+            }
+        }
+        /* destinations are the converse of the writers; decode peers of peers */
+        for (uint32_t p = 0; p < pp * tp; p++) {
+            kvs_dest_t dests[KVS_MAX_TP];
+            uint32_t n = 0, expect = 0;
+            assert_int_equal(kvs_plan_geo_destinations(&g, p, room, dests, &n), KVS_OK);
+            for (uint32_t d = 0; d < g.decode_tp; d++)
+                for (uint32_t i = 0; i < nw[d]; i++) expect += w[d][i].prefill_rank == p;
+            assert_int_equal(n, expect);
+            for (uint32_t i = 0; i < n; i++) {
+                const kvs_dest_t *x = &dests[i];
+                assert_true(x->writer < nw[x->decode_rank]);
+                const kvs_writer_t *y = &w[x->decode_rank][x->writer];
+                assert_true(x->w.prefill_rank == y->prefill_rank && x->w.stage == y->stage &&
+                            x->w.first_layer == y->first_layer && x->w.layers == y->layers &&
+                            x->w.src_head == y->src_head && x->w.dst_head == y->dst_head &&
+                            x->w.heads == y->heads && x->w.bytes_per_token == y->bytes_per_token);
+            }
+            uint32_t dp[KVS_MAX_TP], ndp = 0;
+            assert_int_equal(kvs_plan_geo_decode_peers(&g, p, dp, &ndp), KVS_OK);
+            for (uint32_t d = 0; d < g.decode_tp; d++) {
+                uint32_t peers[KVS_MAX_TP], np = 0;
+                kvs_plan_geo_peers(&g, d, peers, &np);
+                int in_peers = 0, in_dp = 0;
+                for (uint32_t k = 0; k < np; k++) in_peers |= peers[k] == p;
+                for (uint32_t k = 0; k < ndp; k++) in_dp |= dp[k] == d;
+                assert_int_equal(in_peers, in_dp);
+            }
+        }
+    }
+    /* out of range: a prefill rank beyond PP x TP, more stages than layers */
+    kvs_pd_geometry_t g = {.shape = mha(4),
+                           .prefill_tp = 2,
+                           .decode_tp = 2,
+                           .page_size = 4,
+                           .chunk_tokens = 8,
+                           .prefill_pp = 2};
+    g.shape.layers = 3;
+    kvs_dest_t dests[KVS_MAX_TP];
+    kvs_writer_t wr[KVS_MAX_WRITERS];
+    uint32_t n;
+    int errors = 0;
+    kvs_log_set_sink(discard_sink, &errors);
+    assert_int_equal(kvs_plan_geo_destinations(&g, 4, 0, dests, &n), KVS_ERR_INVALID);
+    g.prefill_pp = 4;
+    assert_int_equal(kvs_plan_geo_writers(&g, 0, 0, wr, &n), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(errors, 2);
+}
+
 static int run_tool(const char *args, char *out, size_t cap)
 {
     const char *tool = getenv("KVS_TOOL");
@@ -482,6 +654,18 @@ static void test_tool_plan(void **state)
     assert_int_equal(run_tool("plan --dtype-bytes 3", out, sizeof(out)), 2);
     assert_int_equal(run_tool("plan --prefill-tp 65", out, sizeof(out)), 2);
     assert_int_equal(run_tool("plan --no-such-flag", out, sizeof(out)), 2);
+    /* pipeline stages: the same layers in all, over twice the writers; a stage's writer its
+     * layers only */
+    assert_int_equal(run_tool("plan --json --prefill-pp 2", out, sizeof(out)), 0);
+    expect_contains(out, "\"prefill_pp\":2,");
+    expect_contains(out, "\"bulk_writes_per_chunk\":8,");
+    expect_contains(out, "\"per_page_writes_per_chunk\":4096,");
+    expect_contains(out, "\"stage\":1,\"first_layer\":16,\"layers\":16,");
+    expect_contains(out, "\"slot_bytes\":16777216");
+    assert_int_equal(run_tool("plan --prefill-pp 3 --layers 7", out, sizeof(out)), 0);
+    expect_contains(out, "prefill rank 11 (stage 2, TP rank 3: layers 5-6, heads 6-7)");
+    assert_int_equal(run_tool("plan --prefill-pp 9 --layers 8", out, sizeof(out)), 2);
+    assert_int_equal(run_tool("plan --prefill-pp 32", out, sizeof(out)), 2);
     assert_int_equal(run_tool("plan --help", out, sizeof(out)), 0);
     expect_contains(out, "--prefill-tp");
 }
@@ -491,6 +675,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plan_examples),   cmocka_unit_test(test_plan_rejects_invalid),
         cmocka_unit_test(test_plan_exhaustive), cmocka_unit_test(test_slot_layout_and_blocks),
+        cmocka_unit_test(test_pp_stage_splits), cmocka_unit_test(test_geo_plan_property),
         cmocka_unit_test(test_tool_plan),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

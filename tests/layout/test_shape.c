@@ -219,6 +219,79 @@ static void test_tp_layout_exhaustive(void **state)
     assert_int_equal(cap.calls, rejected);
 }
 
+/* A page size per side: each side's page, and the chunk a multiple of the decode page only. */
+static void test_geometry_page_sizes(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g = {
+        .shape = mha(8), .prefill_tp = 4, .decode_tp = 2, .page_size = 16, .chunk_tokens = 256};
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_page(&g, KVS_SIDE_PREFILL), 16);
+    assert_int_equal(kvs_pd_geometry_page(&g, KVS_SIDE_DECODE), 16);
+    g.prefill_page_size = 48; /* not a divisor of the chunk: prefill pages are cut anywhere */
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_page(&g, KVS_SIDE_PREFILL), 48);
+    assert_int_equal(kvs_pd_geometry_page(&g, KVS_SIDE_DECODE), 16);
+    static const struct {
+        uint32_t decode, prefill, chunk;
+        const char *needle;
+    } bad[] = {
+        {64, 16, 96, "chunk size 96 must be a positive multiple of the decode page size 64"},
+        {0, 16, 96, "decode page size 0 is out of range [1, 1048576]"},
+        {16, (1u << 20) + 1, 256, "prefill page size 1048577 is out of range"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        g.page_size = bad[i].decode;
+        g.prefill_page_size = bad[i].prefill;
+        g.chunk_tokens = bad[i].chunk;
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        kvs_status_t st = kvs_pd_geometry_validate(&g);
+        kvs_log_set_sink(NULL, NULL);
+        assert_int_equal(st, KVS_ERR_INVALID);
+        if (strstr(cap.msg, bad[i].needle) == NULL)
+            fail_msg("case %zu: '%s' lacks '%s'", i, cap.msg, bad[i].needle);
+    }
+    /* pipeline stages: at most one per layer, at most KVS_MAX_TP prefill ranks */
+    g.page_size = 16;
+    g.prefill_page_size = 0;
+    g.chunk_tokens = 256;
+    g.shape.layers = 4;
+    g.prefill_pp = 4;
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_prefill_ranks(&g), 16);
+    static const struct {
+        uint32_t pp, tp;
+        const char *needle;
+    } stages[] = {
+        {5, 4, "5 prefill pipeline stages for 4 layers: a stage needs at least one layer"},
+        {4, 32, "prefill PP 4 x TP 32 = 128 ranks, more than the 64"},
+    };
+    for (size_t i = 0; i < sizeof(stages) / sizeof(stages[0]); i++) {
+        g.prefill_pp = stages[i].pp;
+        g.prefill_tp = stages[i].tp;
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        kvs_status_t st = kvs_pd_geometry_validate(&g);
+        kvs_log_set_sink(NULL, NULL);
+        assert_int_equal(st, KVS_ERR_INVALID);
+        if (strstr(cap.msg, stages[i].needle) == NULL)
+            fail_msg("stages %zu: '%s' lacks '%s'", i, cap.msg, stages[i].needle);
+    }
+    g.prefill_pp = 0;
+    g.prefill_tp = 4;
+    g.shape.layers = mha(8).layers;
+    /* every pair of powers of two from 1 to 256 */
+    for (uint32_t d = 1; d <= 256; d *= 2) {
+        for (uint32_t p = 1; p <= 256; p *= 2) {
+            g.page_size = d;
+            g.prefill_page_size = p;
+            g.chunk_tokens = 256;
+            assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -227,6 +300,7 @@ int main(void)
         cmocka_unit_test(test_tp_heads_and_replication),
         cmocka_unit_test(test_tp_validate),
         cmocka_unit_test(test_tp_layout_exhaustive),
+        cmocka_unit_test(test_geometry_page_sizes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

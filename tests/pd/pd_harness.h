@@ -1,7 +1,8 @@
 /* A direct harness for protocol tests: one prefill and one decode deployment over the inproc
  * transport on a virtual clock, host pools filled with position-keyed bytes, and helpers to
  * run rooms and check every byte that decode received. No engine, no radix: tests drive the
- * sender and receiver APIs by hand. */
+ * sender and receiver APIs by hand. Prefill may have pipeline stages (rank = stage * TP + TP
+ * rank, its pool holding its stage's layers) and its own page size. */
 #ifndef KVSTAGE_TESTS_PD_HARNESS_H
 #define KVSTAGE_TESTS_PD_HARNESS_H
 
@@ -34,6 +35,11 @@ typedef struct {
 static uint64_t h_now(void *arg)
 {
     return ((h_t *) arg)->now;
+}
+
+static inline uint32_t h_prefill_ranks(const h_t *h)
+{
+    return kvs_pd_geometry_prefill_ranks(&h->geo);
 }
 
 /* The byte every side must hold for (room, position, layer, component, global head, byte). */
@@ -76,17 +82,22 @@ static inline void h_setup(h_t *h, const kvs_pd_geometry_t *geo, const kvs_inpro
         .completion_timeout_ns = 20000 * H_TICK_NS,
         .release_timeout_ns = 20000 * H_TICK_NS,
     };
-    assert_int_equal(
-        kvs_inproc_net_create(geo->prefill_tp, geo->decode_tp, faults, &h->clock, &h->net), KVS_OK);
+    const uint32_t pranks = kvs_pd_geometry_prefill_ranks(geo);
+    assert_true(pranks <= H_MAX_RANKS);
+    assert_int_equal(kvs_inproc_net_create(pranks, geo->decode_tp, faults, &h->clock, &h->net),
+                     KVS_OK);
     for (uint32_t side = 0; side < 2; side++) {
         uint32_t tp = side == 0 ? geo->prefill_tp : geo->decode_tp;
-        for (uint32_t r = 0; r < tp; r++) {
-            kvs_pool_config_t pc = {.shape = geo->shape,
-                                    .tp = {tp, r},
-                                    .page_size = geo->page_size,
-                                    .num_pages = pool_pages,
-                                    .layout = (r % 2) ? KVS_POOL_HND : KVS_POOL_NHD,
-                                    .mem = KVS_MEM_HOST};
+        for (uint32_t r = 0; r < (side == 0 ? pranks : tp); r++) {
+            kvs_pool_config_t pc = {
+                .shape = side == 0
+                             ? kvs_pp_stage_shape(&geo->shape, kvs_pd_geometry_pp(geo), r / tp)
+                             : geo->shape,
+                .tp = {tp, r % tp},
+                .page_size = kvs_pd_geometry_page(geo, (kvs_side_t) side),
+                .num_pages = pool_pages,
+                .layout = (r % 2) ? KVS_POOL_HND : KVS_POOL_NHD,
+                .mem = KVS_MEM_HOST};
             kvs_pool_t **pool = side == 0 ? &h->ppool[r] : &h->dpool[r];
             kvs_link_t **link = side == 0 ? &h->plink[r] : &h->dlink[r];
             assert_int_equal(kvs_pool_create(&pc, pool), KVS_OK);
@@ -111,7 +122,7 @@ static inline void h_setup(h_t *h, const kvs_pd_geometry_t *geo, const kvs_inpro
 
 static inline void h_teardown(h_t *h)
 {
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
         kvs_sender_destroy(h->tx[r]);
         kvs_link_destroy(h->plink[r]);
         kvs_pool_destroy(h->ppool[r]);
@@ -133,7 +144,7 @@ static inline void h_send_raw(kvs_link_t *link, uint32_t peer, const uint8_t *bu
 static inline void h_step(h_t *h)
 {
     h->now += H_TICK_NS;
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++) kvs_sender_progress(h->tx[r]);
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++) kvs_sender_progress(h->tx[r]);
     for (uint32_t r = 0; r < h->geo.decode_tp; r++) kvs_receiver_progress(h->rx[r]);
 }
 
@@ -142,17 +153,19 @@ static inline void h_fill(h_t *h, uint32_t rank, uint64_t room, const uint32_t *
                           uint64_t from, uint64_t to)
 {
     const kvs_kv_shape_t *s = &h->geo.shape;
+    const uint32_t tp = h->geo.prefill_tp, P = kvs_pd_geometry_page(&h->geo, KVS_SIDE_PREFILL);
     uint32_t heads = kvs_pool_heads(h->ppool[rank]);
-    uint32_t first = kvs_tp_first_head(s, h->geo.prefill_tp, rank);
+    uint32_t first = kvs_tp_first_head(s, tp, rank % tp);
+    uint32_t layer0, layers; /* the rank's stage's */
+    kvs_pp_stage(s->layers, kvs_pd_geometry_pp(&h->geo), rank / tp, &layer0, &layers);
     for (uint64_t pos = from; pos < to; pos++) {
-        for (uint32_t l = 0; l < s->layers; l++) {
+        for (uint32_t l = 0; l < layers; l++) {
             for (uint32_t c = 0; c < kvs_kv_shape_components(s); c++) {
                 const kvs_region_t *reg = kvs_pool_region(h->ppool[rank], l, c);
                 for (uint32_t j = 0; j < heads; j++) {
-                    uint8_t *p = kvs_region_addr(reg, page_table[pos / h->geo.page_size],
-                                                 pos % h->geo.page_size, j);
+                    uint8_t *p = kvs_region_addr(reg, page_table[pos / P], pos % P, j);
                     for (uint32_t b = 0; b < reg->dim * reg->elem_bytes; b++)
-                        p[b] = h_value(room, pos, l, c, first + j, b);
+                        p[b] = h_value(room, pos, layer0 + l, c, first + j, b);
                 }
             }
         }
@@ -200,10 +213,10 @@ static inline void h_room_init(h_t *h, h_room_t *room, uint64_t id, uint64_t pro
     room->id = id;
     room->prompt_len = prompt_len;
     room->base = base;
-    const uint64_t P = h->geo.page_size;
-    room->npp = (uint32_t) ((prompt_len + P - 1) / P);
+    const uint64_t P = h->geo.page_size, Pp = kvs_pd_geometry_page(&h->geo, KVS_SIDE_PREFILL);
+    room->npp = (uint32_t) ((prompt_len + Pp - 1) / Pp);
     room->ndp = (uint32_t) kvs_grid_total_pages(prompt_len, base, P);
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
         uint32_t pages[4096];
         assert_int_equal(kvs_pool_alloc(h->ppool[r], room->npp, pages), KVS_OK);
         if (r == 0)
@@ -223,7 +236,7 @@ static inline void h_room_init(h_t *h, h_room_t *room, uint64_t id, uint64_t pro
 
 static inline void h_room_free(h_t *h, h_room_t *room)
 {
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++)
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++)
         assert_int_equal(kvs_pool_free(h->ppool[r], room->ptable, room->npp), KVS_OK);
     for (uint32_t r = 0; r < h->geo.decode_tp; r++)
         assert_int_equal(kvs_pool_free(h->dpool[r], room->dpages, room->ndp), KVS_OK);
@@ -234,7 +247,7 @@ static inline kvs_room_status_t h_status(h_t *h, int decode, uint64_t room, int 
 {
     kvs_room_status_t min = KVS_ROOM_SUCCESS;
     int q = 1;
-    uint32_t tp = decode ? h->geo.decode_tp : h->geo.prefill_tp;
+    uint32_t tp = decode ? h->geo.decode_tp : h_prefill_ranks(h);
     for (uint32_t r = 0; r < tp; r++) {
         kvs_room_info_t info;
         kvs_status_t st = decode ? kvs_receiver_poll(h->rx[r], room, &info)
@@ -257,7 +270,7 @@ static inline int h_concluded(h_t *h, uint64_t room)
 
 static inline void h_release(h_t *h, uint64_t room)
 {
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++)
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++)
         assert_int_equal(kvs_sender_release(h->tx[r], room), KVS_OK);
     for (uint32_t r = 0; r < h->geo.decode_tp; r++)
         assert_int_equal(kvs_receiver_release(h->rx[r], room), KVS_OK);
@@ -267,7 +280,7 @@ static inline void h_release(h_t *h, uint64_t room)
 static inline void h_assert_idle(h_t *h)
 {
     kvs_pd_metrics_t m;
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
         kvs_sender_metrics(h->tx[r], &m);
         assert_int_equal(m.live_rooms, 0);
     }
@@ -278,7 +291,7 @@ static inline void h_assert_idle(h_t *h)
         assert_int_equal(m.ring_used, 0);
         assert_int_equal(kvs_pool_free_pages(h->dpool[r]), kvs_pool_total_pages(h->dpool[r]));
     }
-    for (uint32_t r = 0; r < h->geo.prefill_tp; r++)
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++)
         assert_int_equal(kvs_pool_free_pages(h->ppool[r]), kvs_pool_total_pages(h->ppool[r]));
 }
 
@@ -315,7 +328,7 @@ static inline uint64_t h_run_rooms(h_t *h, h_run_room_t *rooms, size_t n, uint64
             h_room_t *rm = &rr->room;
             if (rr->released) continue;
             if (!rr->added_prefill && step >= i % 7) {
-                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
                     assert_int_equal(
                         kvs_sender_add_room(h->tx[r], rm->id, rm->prompt_len, rm->ptable), KVS_OK);
                     h_fill(h, r, rm->id, rm->ptable, 0, rr->prefill_hit);
@@ -329,7 +342,7 @@ static inline uint64_t h_run_rooms(h_t *h, h_run_room_t *rooms, size_t n, uint64
             } else if (rr->added_prefill && !rr->finished && !rr->stall && step % 3 == 0) {
                 uint64_t next = rr->computed + C;
                 if (next > rm->prompt_len) next = rm->prompt_len;
-                for (uint32_t r = 0; r < h->geo.prefill_tp; r++) {
+                for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
                     h_fill(h, r, rm->id, rm->ptable, rr->computed, next);
                     if (next == rm->prompt_len) {
                         uint32_t token = (uint32_t) rm->id * 7 + 1;

@@ -1,7 +1,8 @@
 /* Protocol tests driven directly through the sender/receiver API over the inproc transport:
- * every TP pair shape, decode and prefill prefixes, chunked advance, hostile schedules, and the
- * failure paths of protocol.md §3 and §4 (misaligned prefix, oversize slot, abort with
- * quarantine, timeouts), each checked byte for byte and for leaks. */
+ * every TP pair shape, pipeline stages and page sizes per side, decode and prefill prefixes,
+ * chunked advance, hostile schedules, and the failure paths of protocol.md §3 and §4 (misaligned
+ * prefix, oversize slot, abort with quarantine, timeouts), each checked byte for byte and for
+ * leaks. */
 #include "pd/pd_harness.h"
 
 #include "kvstage/log.h"
@@ -51,6 +52,94 @@ static void test_tp_pairs_exact(void **state)
         h_assert_idle(&h);
         h_teardown(&h);
     }
+    kvs_assert_no_leaks();
+}
+
+/* Layouts beyond TP (protocol.md §1 "Slot tokens", §2 "Pipeline stages"): pipeline stages
+ * with uneven layer counts, a page size per side (slots starting inside prefill pages, the last
+ * one ending inside a decode page) and both at once, with prefixes on either side. */
+static void test_layouts_exact(void **state)
+{
+    (void) state;
+    static const struct {
+        pair_t pair;
+        uint32_t layers, pp, prefill_page, decode_page;
+    } layouts[] = {
+        {{4, 2, 8, 0}, 3, 2, 0, 4},  {{1, 2, 2, 0}, 5, 3, 0, 4}, {{2, 1, 1, 1}, 2, 2, 0, 4},
+        {{3, 2, 6, 0}, 2, 1, 8, 4},  {{2, 4, 8, 0}, 2, 1, 2, 8}, {{2, 2, 4, 0}, 4, 2, 3, 4},
+        {{1, 1, 2, 0}, 3, 3, 16, 1}, {{3, 2, 1, 1}, 4, 4, 5, 8},
+    };
+    for (size_t i = 0; i < sizeof(layouts) / sizeof(layouts[0]); i++) {
+        kvs_pd_geometry_t g;
+        set_geo(&g, &layouts[i].pair);
+        g.shape.layers = layouts[i].layers;
+        g.prefill_pp = layouts[i].pp;
+        g.prefill_page_size = layouts[i].prefill_page;
+        g.page_size = layouts[i].decode_page;
+        const uint64_t P = g.page_size;
+        h_t h;
+        h_setup(&h, &g, NULL, 1 << 16, 256);
+        h_run_room_t rooms[4];
+        memset(rooms, 0, sizeof(rooms));
+        h_room_init(&h, &rooms[0].room, 100 + i, 70, 0);
+        h_room_init(&h, &rooms[1].room, 200 + i, 61, 2 * P);
+        h_room_init(&h, &rooms[2].room, 300 + i, 90, P);
+        rooms[2].prefill_hit = 52;
+        h_room_init(&h, &rooms[3].room, 400 + i, 3, 0);
+        h_run_rooms(&h, rooms, 4, 20000);
+        h_assert_all_succeeded(rooms, 4);
+        h_assert_idle(&h);
+        h_teardown(&h);
+    }
+    kvs_assert_no_leaks();
+}
+
+/* Stages send each chunk as soon as their own layers are computed, and a chunk is complete
+ * only when every stage's writers arrived: stage 0 finishes the whole prompt while stage 1 has
+ * computed nothing, and decode scatters nothing until stage 1 writes too. */
+static void test_chunk_waits_for_every_stage(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 1, 1, 2);
+    g.shape.layers = 3;
+    g.prefill_pp = 2;
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 64);
+    h_room_t rm;
+    h_room_init(&h, &rm, 77, 40, 0);
+    assert_int_equal(kvs_receiver_add_room(h.rx[0], rm.id, 0, rm.prompt_len, rm.dpages), KVS_OK);
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(kvs_sender_add_room(h.tx[r], rm.id, rm.prompt_len, rm.ptable), KVS_OK);
+    const uint32_t token = 1234;
+    h_fill(&h, 0, rm.id, rm.ptable, 0, rm.prompt_len);
+    assert_int_equal(kvs_sender_finish(h.tx[0], rm.id, &token, 4), KVS_OK);
+    for (int i = 0; i < 2000; i++) h_step(&h);
+    kvs_pd_metrics_t m;
+    kvs_sender_metrics(h.tx[0], &m);
+    assert_int_equal(m.bulk_writes, 3); /* stage 0 wrote its layers of all three chunks */
+    kvs_sender_metrics(h.tx[1], &m);
+    assert_int_equal(m.bulk_writes, 0);
+    kvs_receiver_metrics(h.rx[0], &m);
+    assert_int_equal(m.chunks, 0); /* no chunk is complete without stage 1 */
+    assert_true(h_status(&h, 1, rm.id, NULL) != KVS_ROOM_SUCCESS);
+    /* stage 1 computes the first chunk only: that chunk, and no other, completes */
+    h_fill(&h, 1, rm.id, rm.ptable, 0, 16);
+    assert_int_equal(kvs_sender_advance(h.tx[1], rm.id, 16, 16), KVS_OK);
+    for (int i = 0; i < 200; i++) h_step(&h);
+    kvs_receiver_metrics(h.rx[0], &m);
+    assert_int_equal(m.chunks, 1);
+    h_fill(&h, 1, rm.id, rm.ptable, 16, rm.prompt_len);
+    assert_int_equal(kvs_sender_finish(h.tx[1], rm.id, &token, 4), KVS_OK);
+    for (int i = 0; i < 2000 && !h_concluded(&h, rm.id); i++) h_step(&h);
+    assert_int_equal(h_status(&h, 1, rm.id, NULL), KVS_ROOM_SUCCESS);
+    assert_int_equal(h_mismatches(&h, 0, rm.id, rm.dpages, 0, rm.prompt_len), 0);
+    kvs_receiver_metrics(h.rx[0], &m);
+    assert_int_equal(m.chunks, 3);
+    h_release(&h, rm.id);
+    h_room_free(&h, &rm);
+    h_assert_idle(&h);
+    h_teardown(&h);
     kvs_assert_no_leaks();
 }
 
@@ -339,6 +428,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tp_pairs_exact),
+        cmocka_unit_test(test_layouts_exact),
+        cmocka_unit_test(test_chunk_waits_for_every_stage),
         cmocka_unit_test(test_hostile_network),
         cmocka_unit_test(test_duplicates_ignored),
         cmocka_unit_test(test_drops_recovered_by_retry),

@@ -1,9 +1,10 @@
 /* Seeded property test: random small deployments (TP pairs with non-integer ratios and
- * replication, MLA, page and chunk sizes, ring sizes, workloads, radix on/off, pool layouts) under
- * random fault mixes, and random large ones (prompts of hundreds of chunks, dozens of rooms
- * sharing rings of a few slots, uneven TP pairs), each checked against every protocol.md §7
- * invariant the simulation can observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a
- * soak); a failure prints the `kvstage sim` command line that replays it. */
+ * replication, MLA, page and chunk sizes, a page size per side, prefill pipeline stages, ring
+ * sizes, workloads, radix on/off, pool layouts) under random fault mixes, and random large ones
+ * (prompts of hundreds of chunks, dozens of rooms sharing rings of a few slots, uneven TP pairs),
+ * each checked against every protocol.md §7 invariant the simulation can observe. KVS_SEED picks
+ * the seed, KVS_ITERS the scenario count (a soak); a failure prints the `kvstage sim` command line
+ * that replays it. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -46,6 +47,31 @@ static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t
         c->misaligned_request = (int64_t) kvs_rng_below(rng, c->workload.requests);
 }
 
+/* Half the time a prefill page size of its own (protocol.md §1): a power of two from 1 to
+ * max_pow2, or now and then any size up to max_any, so that chunk boundaries fall anywhere in
+ * a prefill page and the last chunk may end inside either side's last page. Drawn before the
+ * ring, which is sized in full slots. */
+static void random_prefill_page(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t max_pow2,
+                                uint32_t max_any)
+{
+    if (!kvs_rng_chance(rng, 1, 2)) return;
+    if (kvs_rng_chance(rng, 1, 4))
+        c->prefill_page_size = (uint32_t) kvs_rng_range(rng, 1, max_any);
+    else
+        c->prefill_page_size = 1u << kvs_rng_below(rng, (uint64_t) __builtin_ctz(max_pow2) + 1);
+}
+
+/* Half the time pipeline stages on prefill (protocol.md §2): 2 to one per layer, within the
+ * prefill rank limit, so stages hold uneven layer counts and send each chunk at different
+ * times. Drawn before the ring: stages add writers, so region padding, to a slot. */
+static void random_prefill_pp(kvs_rng_t *rng, kvs_sim_config_t *c)
+{
+    if (c->shape.layers < 2 || !kvs_rng_chance(rng, 1, 2)) return;
+    uint32_t most =
+        c->shape.layers < KVS_MAX_TP / c->prefill_tp ? c->shape.layers : KVS_MAX_TP / c->prefill_tp;
+    if (most >= 2) c->prefill_pp = (uint32_t) kvs_rng_range(rng, 2, most);
+}
+
 /* Room-level timeouts from the waiting timeout (in ticks): completion half of it, release a
  * quarter, bootstrap and transfer twice; and the iteration limit. */
 static void set_timeouts(kvs_sim_config_t *c, uint64_t waiting, uint64_t max_iterations)
@@ -66,7 +92,7 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     static const uint32_t pages[] = {1, 2, 4, 8, 16, 32};
     kvs_sim_config_default(c);
     c->seed = kvs_rng_next(rng);
-    c->shape.layers = (uint32_t) kvs_rng_range(rng, 1, 3);
+    c->shape.layers = (uint32_t) kvs_rng_range(rng, 1, 5);
     c->shape.elem_bytes = pick(rng, elem, 3);
     if (kvs_rng_chance(rng, 1, 6)) {
         c->shape.attn = KVS_ATTN_MLA;
@@ -108,6 +134,8 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
     w->repeat_permille = kvs_rng_chance(rng, 1, 3) ? 250 : 0;
     c->concurrency = (uint32_t) kvs_rng_range(rng, 1, 12);
 
+    random_prefill_page(rng, c, 64, 48);
+    random_prefill_pp(rng, c);
     random_ring_and_faults(rng, c, 5, 3, 400);
     /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
      * stalled rooms end quickly. */
@@ -178,6 +206,8 @@ static void draw_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
 
     /* Late writes of at most 40 ticks: longer ones, one slot at a time over tens of thousands
      * of chunks, take minutes. */
+    random_prefill_page(rng, c, 8, 6);
+    random_prefill_pp(rng, c);
     random_ring_and_faults(rng, c, 4, 4, 40);
     /* A healthy room here may wait behind dozens of others for each of hundreds of chunks: the
      * room-level timeouts sit far above a whole scenario's virtual time, so only the faults
@@ -197,7 +227,7 @@ static double large_cost(const kvs_sim_config_t *c)
     double admitted = inflight / 4 > 4 ? inflight / 4 : 4;
     if (c->decode_pool_pages != 0) admitted = c->decode_pool_pages / prompt_pages;
     if (admitted > inflight) admitted = inflight;
-    double writers = c->prefill_tp + c->decode_tp - 1;
+    double writers = c->prefill_tp * (c->prefill_pp ? c->prefill_pp : 1) + c->decode_tp - 1;
     double latency = 6 + (c->faults & KVS_SIM_FAULT_REORDER ? 20 : 0) +
                      (double) (c->write_delay_ns / c->tick_ns) / 2;
     uint64_t slot = kvs_sim_full_slot_bytes(c);

@@ -9,15 +9,19 @@
 
 typedef struct {
     uint32_t ptp, dtp, heads;
-    uint32_t ring_slots; /* ring capacity in the largest slot of any decode rank */
-    uint32_t rooms;      /* 4 shaped rooms, then long ones */
+    uint32_t ring_slots;               /* ring capacity in the largest slot of any decode rank */
+    uint32_t rooms;                    /* 4 shaped rooms, then long ones */
+    uint32_t pp, prefill_page, layers; /* 0: no stages, the decode page, 2 layers */
 } loss_pair_t;
 
 static const loss_pair_t loss_pairs[] = {
-    {3, 2, 6, 2, 6}, /* non-integer ratio: decode 0 takes heads from prefill 0 and 1 */
-    {2, 4, 4, 1, 6}, /* fan-out, one slot per ring: every chunk waits for the previous one */
-    {8, 2, 8, 2, 6}, /* fan-in */
-    {6, 4, 12, 2, 6},
+    {3, 2, 6, 2, 6, 0, 0, 0}, /* non-integer ratio: decode 0 takes heads from prefill 0 and 1 */
+    {2, 4, 4, 1, 6, 0, 0,
+     0}, /* fan-out, one slot per ring: every chunk waits for the previous one */
+    {8, 2, 8, 2, 6, 0, 0, 0}, /* fan-in */
+    {6, 4, 12, 2, 6, 0, 0, 0},
+    /* prefill pipeline stages of 2 and 1 layers, prefill pages of 8 against decode pages of 4 */
+    {2, 2, 4, 2, 6, 2, 8, 3},
 };
 
 #define LOSS_ROOMS_MAX 6
@@ -30,8 +34,7 @@ static uint64_t max_slot_bytes(const kvs_pd_geometry_t *g)
         kvs_writer_t w[KVS_MAX_WRITERS];
         uint32_t n = 0;
         for (uint64_t room = 0; room < 8; room++) { /* replica choice depends on the room */
-            assert_int_equal(
-                kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, d, room, w, &n), KVS_OK);
+            assert_int_equal(kvs_plan_geo_writers(g, d, room, w, &n), KVS_OK);
             uint64_t bytes = kvs_slot_layout(w, n, g->chunk_tokens, NULL);
             if (bytes > max) max = bytes;
         }
@@ -48,6 +51,9 @@ static uint32_t run_schedule(const loss_pair_t *p, const kvs_inproc_faults_t *fa
 {
     kvs_pd_geometry_t g;
     h_default_geo(&g, p->ptp, p->dtp, p->heads);
+    g.prefill_pp = p->pp;
+    g.prefill_page_size = p->prefill_page;
+    if (p->layers) g.shape.layers = p->layers;
     h_t h;
     h_setup(&h, &g, faults, p->ring_slots * max_slot_bytes(&g), 1024);
     h_run_room_t rooms[LOSS_ROOMS_MAX];
@@ -87,7 +93,8 @@ static uint32_t run_schedule(const loss_pair_t *p, const kvs_inproc_faults_t *fa
     if (bad != 0) { /* free what the unreleased rooms still hold */
         for (size_t i = 0; i < nrooms; i++) {
             if (rooms[i].released) continue;
-            for (uint32_t r = 0; r < g.prefill_tp; r++) kvs_sender_abort(h.tx[r], rooms[i].room.id);
+            for (uint32_t r = 0; r < h_prefill_ranks(&h); r++)
+                kvs_sender_abort(h.tx[r], rooms[i].room.id);
             for (uint32_t r = 0; r < g.decode_tp; r++)
                 kvs_receiver_abort(h.rx[r], rooms[i].room.id);
         }

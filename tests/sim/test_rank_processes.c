@@ -117,6 +117,31 @@ static void test_replicated_and_mla(void **state)
             "--chunk 64");
 }
 
+/* A page size per side (protocol.md §1), over shared memory and over TCP with staged writes:
+ * prefill pages larger than decode's (slots start inside prefill pages), and smaller, with
+ * MLA over an uneven TP pair (the last slot ends inside a decode page). */
+static void test_page_sizes_per_side(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 12 --prefill-page-size 64 --decode-page-size 16 --chunk 48 --data shm");
+    demo_ok("--requests 12 --prefill-tp 3 --decode-tp 2 --mla --head-dim 48 --prefill-page-size 4 "
+            "--decode-page-size 64 --data tcp --net-device lo --write-mode staged");
+}
+
+/* Pipeline-parallel prefill (protocol.md §2): every (stage, TP rank) a process writing its
+ * layers, uneven stages, over shared memory and over TCP; and with a page size per side. */
+static void test_prefill_pipeline_stages(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 12 --prefill-pp 2 --data shm");
+    demo_ok("--requests 12 --prefill-pp 3 --prefill-tp 2 --decode-tp 4 --layers 5 --data tcp "
+            "--net-device lo --write-mode staged");
+    demo_ok("--requests 8 --prefill-pp 2 --prefill-tp 3 --decode-tp 2 --mla --head-dim 48 "
+            "--prefill-page-size 4 --decode-page-size 64");
+}
+
 static void test_incompatible_decode_refused(void **state)
 {
     (void) state;
@@ -211,6 +236,8 @@ int main(void)
         cmocka_unit_test(test_demo_retries_at_most_2_percent),
         cmocka_unit_test(test_tp2_to_tp4_tcp),
         cmocka_unit_test(test_replicated_and_mla),
+        cmocka_unit_test(test_page_sizes_per_side),
+        cmocka_unit_test(test_prefill_pipeline_stages),
         cmocka_unit_test(test_incompatible_decode_refused),
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_ring_smaller_than_slot_refused),

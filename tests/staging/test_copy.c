@@ -288,7 +288,17 @@ static void test_gather_scatter_property(void **state)
             for (uint64_t k = 0; k < pages_b * rb[i].page_stride; k++)
                 rb[i].base[k] = fill_byte(salt_b, i, k);
         }
-        const uint64_t T = (uint64_t) npages * P;
+        /* A third of the time part of the pages (a page size per side): tokens from `first` in
+         * the first page to somewhere in the last. */
+        uint32_t first = 0;
+        uint64_t T = (uint64_t) npages * P;
+        const int partial = kvs_rng_chance(&rng, 1, 3);
+        if (partial) {
+            first = (uint32_t) kvs_rng_below(&rng, P);
+            uint64_t lo = (uint64_t) (npages - 1) * P + 1;
+            lo = lo > first ? lo - first : 1;
+            T = kvs_rng_range(&rng, lo, (uint64_t) npages * P - first);
+        }
         const uint64_t rbytes = kvs_copy_region_bytes(&s, heads, T);
         const uint64_t guard = 64;
         uint8_t *buf = malloc(rbytes + 2 * guard);
@@ -297,6 +307,7 @@ static void test_gather_scatter_property(void **state)
 
         /* gather A -> region */
         kvs_copy_desc_t d = copy_desc(pa, ra, list_a, npages, head_a, heads, region, rbytes);
+        if (partial) d.first_token = first, d.tokens = T;
         uint64_t gsum = 0;
         d.checksum = &gsum; /* the fused checksum equals the one over the region it wrote */
         run_copy(&b, KVS_COPY_GATHER, &d);
@@ -316,8 +327,9 @@ static void test_gather_scatter_property(void **state)
                       "block offset of layer %u component %u", l, c);
                 for (uint64_t t = 0; t < T; t++) {
                     for (uint32_t j = 0; j < heads; j++) {
-                        uint64_t src = ref_pool_offset(lay_a, P, ha, hbytes, list_a[t / P],
-                                                       (uint32_t) (t % P), head_a + j);
+                        uint64_t src =
+                            ref_pool_offset(lay_a, P, ha, hbytes, list_a[(first + t) / P],
+                                            (uint32_t) ((first + t) % P), head_a + j);
                         uint64_t dst = ref_region_offset(&s, heads, T, l, c, t, j);
                         CHECK(dst + hbytes <= rbytes, "reference offset outside the region");
                         for (uint64_t x = 0; x < hbytes; x++)
@@ -340,6 +352,7 @@ static void test_gather_scatter_property(void **state)
         uint8_t *snapshot = malloc(rbytes);
         memcpy(snapshot, region, rbytes);
         d = copy_desc(pb, rb, list_b, npages, head_b, heads, region, rbytes);
+        if (partial) d.first_token = first, d.tokens = T;
         uint64_t ssum = 0;
         d.checksum = &ssum;
         run_copy(&b, KVS_COPY_SCATTER, &d);
@@ -353,7 +366,9 @@ static void test_gather_scatter_property(void **state)
                     for (uint32_t t = 0; t < P; t++) {
                         for (uint32_t h = 0; h < hb; h++) {
                             uint64_t off = ref_pool_offset(lay_b, P, hb, hbytes, p, t, h);
-                            int copied = slot_of_b[p] >= 0 && h >= head_b && h < head_b + heads;
+                            const uint64_t at = (uint64_t) slot_of_b[p] * P + t; /* in the span */
+                            int copied = slot_of_b[p] >= 0 && h >= head_b && h < head_b + heads &&
+                                         at >= first && at < first + T;
                             for (uint64_t x = 0; x < hbytes; x++) {
                                 uint8_t want = fill_byte(salt_b, ri, off + x);
                                 if (copied) {

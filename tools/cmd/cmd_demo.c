@@ -151,9 +151,9 @@ static unsigned long long per_page_writes(const kvs_rank_config_t *c)
         for (uint32_t d = 0; d < g->decode_tp; d++) {
             kvs_writer_t w[KVS_MAX_WRITERS];
             uint32_t nw = 0;
-            if (kvs_plan_writers(&g->shape, g->prefill_tp, g->decode_tp, d, wl->requests[i].room, w,
-                                 &nw) == KVS_OK)
-                n += pages * nw * g->shape.layers * kvs_kv_shape_components(&g->shape);
+            if (kvs_plan_geo_writers(g, d, wl->requests[i].room, w, &nw) != KVS_OK) continue;
+            for (uint32_t k = 0; k < nw; k++)
+                n += pages * w[k].layers * kvs_kv_shape_components(&g->shape);
         }
     }
     kvs_workload_destroy(wl);
@@ -213,12 +213,21 @@ static void print_deployment(const kvs_rank_config_t *c, const int gpu[2],
     if (c->mem == KVS_MEM_DEVICE)
         snprintf(data, sizeof(data), "CUDA IPC data (prefill pools on GPU %d, decode on GPU %d)",
                  gpu[0], gpu[1]);
-    printf("kvstage demo: prefill TP%u -> decode TP%u, each rank a process; ZeroMQ control, "
-           "%s;\n%u KV heads x %u layers x %u dims x %u B, page %u, chunk %u; %u "
+    char pages[48];
+    if (kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL) != c->geo.page_size)
+        snprintf(pages, sizeof(pages), "pages %u prefill / %u decode",
+                 kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL), c->geo.page_size);
+    else
+        snprintf(pages, sizeof(pages), "page %u", c->geo.page_size);
+    char pp[24] = "";
+    if (kvs_pd_geometry_pp(&c->geo) > 1)
+        snprintf(pp, sizeof(pp), "PP%u x ", kvs_pd_geometry_pp(&c->geo));
+    printf("kvstage demo: prefill %sTP%u -> decode TP%u, each rank a process; ZeroMQ control, "
+           "%s;\n%u KV heads x %u layers x %u dims x %u B, %s, chunk %u; %u "
            "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
-           c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads, c->geo.shape.layers,
-           c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, c->geo.page_size, c->geo.chunk_tokens,
-           c->workload.requests, c->workload.prompt_len, c->concurrency,
+           pp, c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads,
+           c->geo.shape.layers, c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, pages,
+           c->geo.chunk_tokens, c->workload.requests, c->workload.prompt_len, c->concurrency,
            kvs_registry_endpoint(registry));
     fflush(stdout);
 }
@@ -230,8 +239,9 @@ static int start_children(child_t *cs, int n, const kvs_rank_config_t *c, const 
 {
     int started = 0;
     for (int i = 0; i < n; i++) {
-        cs[i].side_decode = (uint32_t) i >= c->geo.prefill_tp;
-        cs[i].rank = cs[i].side_decode ? (uint32_t) i - c->geo.prefill_tp : (uint32_t) i;
+        const uint32_t prefill_ranks = kvs_pd_geometry_prefill_ranks(&c->geo);
+        cs[i].side_decode = (uint32_t) i >= prefill_ranks;
+        cs[i].rank = cs[i].side_decode ? (uint32_t) i - prefill_ranks : (uint32_t) i;
         if (c->mem == KVS_MEM_DEVICE)
             snprintf(cs[i].gpu, sizeof(cs[i].gpu), "%d", gpu[cs[i].side_decode]);
         if (spawn(&cs[i], ep, argc, argv, first) < 0) {
@@ -327,7 +337,10 @@ static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t
     kvs_json_bool(&j, "ok", t->ok);
     kvs_json_str(&j, "transport", "ucx");
     kvs_json_u64(&j, "prefill_tp", c->geo.prefill_tp);
+    kvs_json_u64(&j, "prefill_pp", kvs_pd_geometry_pp(&c->geo));
     kvs_json_u64(&j, "decode_tp", c->geo.decode_tp);
+    kvs_json_u64(&j, "prefill_page_size", kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL));
+    kvs_json_u64(&j, "decode_page_size", c->geo.page_size);
     kvs_json_u64(&j, "requests", c->workload.requests);
     kvs_json_u64(&j, "succeeded", t->succeeded);
     kvs_json_u64(&j, "failed", t->failed);
@@ -380,7 +393,7 @@ static int run_processes(int argc, char **argv, int first, const char *gpus)
     const kvs_rank_config_t *c = &f.cfg;
     /* Every rank would refuse it at startup; say so once, before starting any. */
     if (kvs_rank_flags_check(&f, "demo") != 0) return 2;
-    int n = (int) (c->geo.prefill_tp + c->geo.decode_tp);
+    int n = (int) (kvs_pd_geometry_prefill_ranks(&c->geo) + c->geo.decode_tp);
     if (pick_gpus(c, gpus, gpu) != 0) return 2;
     kvs_registry_t *registry;
     if (kvs_registry_create("tcp://127.0.0.1:*", &registry) != KVS_OK) {

@@ -1,5 +1,6 @@
-/* `kvstage plan`: prints the transfer plan between a prefill and a decode TP layout (who writes
- * which heads where, slot layout, status peers) and what staging saves over per-page writes. */
+/* `kvstage plan`: prints the transfer plan between a prefill layout (PP x TP) and a decode TP
+ * layout (who writes which heads of which layers where, slot layout, status peers) and what
+ * staging saves over per-page writes. */
 #include "cmd/commands.h"
 
 #include <inttypes.h>
@@ -15,7 +16,8 @@
 typedef struct {
     uint32_t prefill_tp, decode_tp;
     kvs_kv_shape_t shape;
-    uint32_t page, chunk;
+    uint32_t page, prefill_page, chunk; /* page: decode's; prefill_page 0: the same */
+    uint32_t pp;                        /* prefill pipeline stages */
     uint64_t room;
     int json;
 } plan_cfg_t;
@@ -23,6 +25,10 @@ typedef struct {
 /* The whole plan, computed once through the library and then printed either way. */
 typedef struct {
     uint64_t grid_tokens, pages_per_slot;
+    /* A page size per side: the most prefill pages one full slot's gather reads (slots start
+     * on decode pages, so anywhere in a prefill page that is a multiple of gcd(Pd, Pp)), and
+     * the pieces a per-page path would cut a slot into (at either side's page boundaries). */
+    uint64_t prefill_pages_per_slot, pieces_per_slot;
     kvs_writer_t writers[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint64_t offsets[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint32_t writer_count[KVS_MAX_TP];
@@ -32,7 +38,19 @@ typedef struct {
     uint32_t dest_count[KVS_MAX_TP];
     uint32_t decode_peers[KVS_MAX_TP][KVS_MAX_TP], decode_peer_count[KVS_MAX_TP];
     uint64_t bulk_writes, per_page_writes;
+    uint64_t writer_layers; /* over every writer of every decode rank: the layers it writes */
 } plan_t;
+
+static kvs_pd_geometry_t plan_geo(const plan_cfg_t *cfg)
+{
+    return (kvs_pd_geometry_t){.shape = cfg->shape,
+                               .prefill_tp = cfg->prefill_tp,
+                               .decode_tp = cfg->decode_tp,
+                               .page_size = cfg->page,
+                               .prefill_page_size = cfg->prefill_page,
+                               .chunk_tokens = cfg->chunk,
+                               .prefill_pp = cfg->pp};
+}
 
 static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 {
@@ -42,7 +60,8 @@ static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
 }
 
 /* Validates the configuration through the library; on error prints the one error line (the
- * library's reason in it) and returns 0. Page and chunk ranges are the flag table's. */
+ * library's reason in it) and returns 0. Page and chunk ranges are the flag table's; stages and
+ * the chunk are checked as every command checks them (kvs_args_check_layout). */
 static int plan_validate(const plan_cfg_t *cfg, int mla)
 {
     kvs_args_capture_t cap;
@@ -61,7 +80,10 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
         st = kvs_tp_validate(&cfg->shape, &(kvs_tp_t){.tp_size = cfg->decode_tp});
     }
     kvs_args_capture_end(&cap, st != KVS_OK);
-    if (st == KVS_OK) return 1;
+    if (st == KVS_OK) {
+        const kvs_pd_geometry_t geo = plan_geo(cfg);
+        return kvs_args_check_layout(&geo) == 0;
+    }
     const char *why = cap.msg[0] ? cap.msg : kvs_status_str(st);
     if (tp == 0) {
         kvs_args_error(flag, mla ? "--kv-heads 1 and --head-dim-v 0 (or neither)" : NULL, "%s",
@@ -74,18 +96,39 @@ static int plan_validate(const plan_cfg_t *cfg, int mla)
     return 0;
 }
 
+static uint64_t gcd_u64(uint64_t a, uint64_t b)
+{
+    while (b != 0) {
+        uint64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+static uint32_t prefill_page(const plan_cfg_t *cfg)
+{
+    return cfg->prefill_page ? cfg->prefill_page : cfg->page;
+}
+
 static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
 {
     const kvs_kv_shape_t *s = &cfg->shape;
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
     plan->grid_tokens = kvs_grid_tokens(cfg->chunk, cfg->page);
     plan->pages_per_slot = plan->grid_tokens / cfg->page;
+    const uint64_t G = plan->grid_tokens, pd = cfg->page, pp = prefill_page(cfg);
+    const uint64_t g = gcd_u64(pd, pp), lcm = pd / g * pp;
+    plan->prefill_pages_per_slot = (pp - g + G + pp - 1) / pp;
+    plan->pieces_per_slot = (G - 1) / pd + (G - 1) / pp - (G - 1) / lcm + 1;
     plan->bulk_writes = 0;
     for (uint32_t d = 0; d < cfg->decode_tp; d++) {
-        if (kvs_plan_writers(s, cfg->prefill_tp, cfg->decode_tp, d, cfg->room, plan->writers[d],
-                             &plan->writer_count[d]) != KVS_OK ||
-            kvs_plan_peers(s, cfg->prefill_tp, cfg->decode_tp, d, plan->peers[d],
-                           &plan->peer_count[d]) != KVS_OK)
+        if (kvs_plan_geo_writers(&geo, d, cfg->room, plan->writers[d], &plan->writer_count[d]) !=
+                KVS_OK ||
+            kvs_plan_geo_peers(&geo, d, plan->peers[d], &plan->peer_count[d]) != KVS_OK)
             return 0;
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++)
+            plan->writer_layers += plan->writers[d][i].layers;
         /* The slot layout is plain uint64 arithmetic: refuse sizes it cannot represent. */
         uint64_t per_token = 0, payload;
         for (uint32_t i = 0; i < plan->writer_count[d]; i++)
@@ -100,18 +143,18 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
                                               plan->grid_tokens, plan->offsets[d]);
         plan->bulk_writes += plan->writer_count[d];
     }
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
-        if (kvs_plan_destinations(s, cfg->prefill_tp, cfg->decode_tp, p, cfg->room, plan->dests[p],
-                                  &plan->dest_count[p]) != KVS_OK ||
-            kvs_plan_decode_peers(s, cfg->prefill_tp, cfg->decode_tp, p, plan->decode_peers[p],
-                                  &plan->decode_peer_count[p]) != KVS_OK)
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        if (kvs_plan_geo_destinations(&geo, p, cfg->room, plan->dests[p], &plan->dest_count[p]) !=
+                KVS_OK ||
+            kvs_plan_geo_decode_peers(&geo, p, plan->decode_peers[p],
+                                      &plan->decode_peer_count[p]) != KVS_OK)
             return 0;
     }
-    /* The per-page path posts one write per page x layer x component for every writer. */
-    uint64_t per_writer;
-    if (!mul_ok(plan->pages_per_slot, s->layers, &per_writer) ||
-        !mul_ok(per_writer, kvs_kv_shape_components(s), &per_writer) ||
-        !mul_ok(per_writer, plan->bulk_writes, &plan->per_page_writes)) {
+    /* The per-page path posts one write per page piece x component x layer of every writer
+     * (a piece: a run of tokens in one page on both sides). */
+    uint64_t per_piece;
+    if (!mul_ok(plan->writer_layers, kvs_kv_shape_components(s), &per_piece) ||
+        !mul_ok(per_piece, plan->pieces_per_slot, &plan->per_page_writes)) {
         kvs_args_error("--layers", "fewer layers or a smaller --chunk",
                        "the per-page write count overflows");
         return 0;
@@ -172,17 +215,35 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
 {
     const kvs_kv_shape_t *s = &cfg->shape;
     char buf[64], buf2[64];
-    printf("kvstage plan: prefill TP%u -> decode TP%u, room %" PRIu64 "\n", cfg->prefill_tp,
-           cfg->decode_tp, cfg->room);
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
+    const uint32_t pp = kvs_pd_geometry_pp(&geo);
+    if (pp > 1)
+        printf("kvstage plan: prefill PP%u x TP%u -> decode TP%u, room %" PRIu64 "\n", pp,
+               cfg->prefill_tp, cfg->decode_tp, cfg->room);
+    else
+        printf("kvstage plan: prefill TP%u -> decode TP%u, room %" PRIu64 "\n", cfg->prefill_tp,
+               cfg->decode_tp, cfg->room);
     if (s->attn == KVS_ATTN_MLA)
         printf("  model: MLA latent of %u elements, %u layers, %u-byte elements\n", s->head_dim_k,
                s->layers, s->elem_bytes);
     else
         printf("  model: MHA, %u KV heads, %u layers, head dim K %u / V %u, %u-byte elements\n",
                s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v, s->elem_bytes);
-    printf("  grid: page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
-           " pages per slot)\n",
-           cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+    if (prefill_page(cfg) == cfg->page) {
+        printf("  grid: page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
+               " pages per slot)\n",
+               cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+    } else {
+        printf("  grid: decode page %u, chunk %u -> G = %" PRIu64 " tokens per slot (%" PRIu64
+               " decode pages per slot), anchored at the decode prefix\n",
+               cfg->page, cfg->chunk, plan->grid_tokens, plan->pages_per_slot);
+        printf("  prefill page %u: a slot starts at a multiple of %" PRIu64
+               " tokens into a prefill page and its gather reads up to %" PRIu64
+               " prefill pages;\n  the last slot ends where both sides' pages cover the prompt "
+               "(the shorter of its two page roundings)\n",
+               prefill_page(cfg), gcd_u64(cfg->page, prefill_page(cfg)),
+               plan->prefill_pages_per_slot);
+    }
     printf("  heads per rank: prefill %u (replication %u), decode %u (replication %u)\n",
            kvs_tp_heads_per_rank(s, cfg->prefill_tp), kvs_tp_replication(s, cfg->prefill_tp),
            kvs_tp_heads_per_rank(s, cfg->decode_tp), kvs_tp_replication(s, cfg->decode_tp));
@@ -195,22 +256,32 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
                plan->writer_count[d], plan->writer_count[d] == 1 ? "" : "s", plan->slot_bytes[d],
                buf2);
         print_ranks("status peers: prefill", plan->peers[d], plan->peer_count[d]);
-        printf("\n  %6s %8s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "global heads",
-               "src head", "dst head", "heads", "region offset", "bytes/slot");
+        printf("\n  %6s %8s %5s %9s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "stage",
+               "layers", "global heads", "src head", "dst head", "heads", "region offset",
+               "bytes/slot");
         for (uint32_t i = 0; i < plan->writer_count[d]; i++) {
             const kvs_writer_t *w = &plan->writers[d][i];
             format_heads(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->decode_tp, d) + w->dst_head,
                          w->heads);
-            printf("  %6u %8u %13s %9u %9u %6u %14" PRIu64 " %14" PRIu64 "\n", i, w->prefill_rank,
-                   buf, w->src_head, w->dst_head, w->heads, plan->offsets[d][i],
-                   region_bytes(plan, w));
+            snprintf(buf2, sizeof(buf2), "%u-%u", w->first_layer, w->first_layer + w->layers - 1);
+            printf("  %6u %8u %5u %9s %13s %9u %9u %6u %14" PRIu64 " %14" PRIu64 "\n", i,
+                   w->prefill_rank, w->stage, buf2, buf, w->src_head, w->dst_head, w->heads,
+                   plan->offsets[d][i], region_bytes(plan, w));
         }
     }
     printf("\n");
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
-        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->prefill_tp, p),
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        const uint32_t tp_rank = p % cfg->prefill_tp;
+        format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->prefill_tp, tp_rank),
                      kvs_tp_heads_per_rank(s, cfg->prefill_tp));
-        printf("prefill rank %u (%s): ", p, buf);
+        if (pp > 1) {
+            uint32_t first, layers;
+            kvs_pp_stage(s->layers, pp, p / cfg->prefill_tp, &first, &layers);
+            printf("prefill rank %u (stage %u, TP rank %u: layers %u-%u, %s): ", p,
+                   p / cfg->prefill_tp, tp_rank, first, first + layers - 1, buf);
+        } else {
+            printf("prefill rank %u (%s): ", p, buf);
+        }
         print_ranks("status peers: decode", plan->decode_peers[p], plan->decode_peer_count[p]);
         printf("\n");
         if (plan->dest_count[p] == 0)
@@ -230,9 +301,10 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
     snprintf(label, sizeof(label),
              "per-page (page x layer x %s x writer):", s->attn == KVS_ATTN_MLA ? "latent" : "K/V");
     printf("  %-44s %12" PRIu64 "\n", "staged (one bulk write per writer):", plan->bulk_writes);
-    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u layers x %u x %" PRIu64 " writers\n",
-           label, plan->per_page_writes, plan->pages_per_slot, s->layers,
-           kvs_kv_shape_components(s), plan->bulk_writes);
+    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u x %" PRIu64 " layers of the %" PRIu64
+           " writers\n",
+           label, plan->per_page_writes, plan->pieces_per_slot, kvs_kv_shape_components(s),
+           plan->writer_layers, plan->bulk_writes);
     printf("  %-44s %11" PRIu64 "x\n", "reduction:", plan->per_page_writes / plan->bulk_writes);
 }
 
@@ -246,6 +318,9 @@ static void json_ranks(kvs_json_t *j, const char *key, const uint32_t *ranks, ui
 static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t offset,
                                uint64_t bytes)
 {
+    kvs_json_u64(j, "stage", w->stage);
+    kvs_json_u64(j, "first_layer", w->first_layer);
+    kvs_json_u64(j, "layers", w->layers);
     kvs_json_u64(j, "src_head", w->src_head);
     kvs_json_u64(j, "dst_head", w->dst_head);
     kvs_json_u64(j, "heads", w->heads);
@@ -261,6 +336,7 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_begin(&j, stdout);
     kvs_json_object_begin(&j, "config");
     kvs_json_u64(&j, "prefill_tp", cfg->prefill_tp);
+    kvs_json_u64(&j, "prefill_pp", cfg->pp ? cfg->pp : 1);
     kvs_json_u64(&j, "decode_tp", cfg->decode_tp);
     kvs_json_str(&j, "attn", s->attn == KVS_ATTN_MLA ? "mla" : "mha");
     kvs_json_u64(&j, "kv_heads", s->kv_heads);
@@ -269,11 +345,15 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_u64(&j, "head_dim_v", s->head_dim_v);
     kvs_json_u64(&j, "dtype_bytes", s->elem_bytes);
     kvs_json_u64(&j, "page_size", cfg->page);
+    kvs_json_u64(&j, "prefill_page_size", prefill_page(cfg));
+    kvs_json_u64(&j, "decode_page_size", cfg->page);
     kvs_json_u64(&j, "chunk", cfg->chunk);
     kvs_json_u64(&j, "room", cfg->room);
     kvs_json_object_end(&j);
     kvs_json_u64(&j, "grid_tokens", plan->grid_tokens);
     kvs_json_u64(&j, "pages_per_slot", plan->pages_per_slot);
+    kvs_json_u64(&j, "prefill_pages_per_slot", plan->prefill_pages_per_slot);
+    kvs_json_u64(&j, "page_pieces_per_slot", plan->pieces_per_slot);
 
     uint64_t max_slot = 0;
     kvs_json_array_begin(&j, "decode");
@@ -299,10 +379,18 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_array_end(&j);
 
     kvs_json_array_begin(&j, "prefill");
-    for (uint32_t p = 0; p < cfg->prefill_tp; p++) {
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
+    const uint32_t pp = kvs_pd_geometry_pp(&geo);
+    for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
+        uint32_t first, layers;
+        kvs_pp_stage(s->layers, pp, p / cfg->prefill_tp, &first, &layers);
         kvs_json_object_begin(&j, NULL);
         kvs_json_u64(&j, "rank", p);
-        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->prefill_tp, p));
+        kvs_json_u64(&j, "stage", p / cfg->prefill_tp);
+        kvs_json_u64(&j, "tp_rank", p % cfg->prefill_tp);
+        kvs_json_u64(&j, "first_layer", first);
+        kvs_json_u64(&j, "layers", layers);
+        kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->prefill_tp, p % cfg->prefill_tp));
         kvs_json_u64(&j, "heads", kvs_tp_heads_per_rank(s, cfg->prefill_tp));
         json_ranks(&j, "decode_peers", plan->decode_peers[p], plan->decode_peer_count[p]);
         kvs_json_array_begin(&j, "destinations");
@@ -332,9 +420,14 @@ int kvs_cmd_plan(int argc, char **argv)
     plan_cfg_t cfg = {.prefill_tp = 4, .decode_tp = 2, .page = 16, .chunk = 256};
     uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0;
     int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0, dtype = 1;
+    kvs_args_pages_t pages = {0};
+    kvs_arg_t page_rows[3];
+    kvs_args_page_rows(&pages, page_rows);
     const kvs_arg_t args[] = {
         {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", KVS_ARGS_TP,
          NULL},
+        {"prefill-pp", KVS_ARG_U32, &cfg.pp,
+         "prefill pipeline stages, each a contiguous range of layers (1)", "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", KVS_ARGS_TP,
          NULL},
         {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", "[1,65536]",
@@ -347,7 +440,9 @@ int kvs_cmd_plan(int argc, char **argv)
         {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token, held whole by every rank", NULL,
          NULL},
-        {"page-size", KVS_ARG_U32, &cfg.page, "tokens per KV page P (16)", "[1,1048576]", NULL},
+        page_rows[0],
+        page_rows[1],
+        page_rows[2],
         {"chunk", KVS_ARG_U32, &cfg.chunk, "chunked-prefill size C in tokens (256)", "[1,16777216]",
          NULL},
         {"room", KVS_ARG_U64, &cfg.room, "room id, picks among prefill replicas (0)", NULL, NULL},
@@ -357,6 +452,7 @@ int kvs_cmd_plan(int argc, char **argv)
         kvs_args_parse("kvstage plan [flags]", args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
     if (rc == KVS_ARGS_HELP) return 0;
     if (rc != KVS_ARGS_OK) return 2;
+    if (kvs_args_page_sizes(&pages, &cfg.page, &cfg.prefill_page) != 0) return 2;
 
     /* MLA has one latent and no V: its defaults follow, but explicit flags still win so that
      * a contradictory request is refused by the shape check rather than silently fixed. */

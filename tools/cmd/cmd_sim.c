@@ -55,7 +55,11 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     }
     kvs_json_str(&j, "write_mode", write_modes[c->write_mode]);
     kvs_json_u64(&j, "prefill_tp", c->prefill_tp);
+    kvs_json_u64(&j, "prefill_pp", c->prefill_pp ? c->prefill_pp : 1);
     kvs_json_u64(&j, "decode_tp", c->decode_tp);
+    kvs_json_u64(&j, "prefill_page_size",
+                 c->prefill_page_size ? c->prefill_page_size : c->page_size);
+    kvs_json_u64(&j, "decode_page_size", c->page_size);
     kvs_json_u64(&j, "requests", r->requests);
     kvs_json_u64(&j, "succeeded", r->succeeded);
     kvs_json_u64(&j, "failed", r->failed);
@@ -107,16 +111,24 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
     char faults[64];
     kvs_sim_faults_str(c->faults, faults, sizeof(faults));
     const kvs_kv_shape_t *s = &c->shape;
+    char pages[48];
+    if (c->prefill_page_size != 0 && c->prefill_page_size != c->page_size)
+        snprintf(pages, sizeof(pages), "pages %u prefill / %u decode", c->prefill_page_size,
+                 c->page_size);
+    else
+        snprintf(pages, sizeof(pages), "page %u", c->page_size);
+    char pp[24] = "";
+    if (c->prefill_pp > 1) snprintf(pp, sizeof(pp), "PP%u x ", c->prefill_pp);
     if (s->attn == KVS_ATTN_MLA)
-        printf("kvstage sim: prefill TP%u -> decode TP%u, MLA latent %u x %u layers x %u B, "
-               "page %u, chunk %u\n",
-               c->prefill_tp, c->decode_tp, s->head_dim_k, s->layers, s->elem_bytes, c->page_size,
+        printf("kvstage sim: prefill %sTP%u -> decode TP%u, MLA latent %u x %u layers x %u B, "
+               "%s, chunk %u\n",
+               pp, c->prefill_tp, c->decode_tp, s->head_dim_k, s->layers, s->elem_bytes, pages,
                c->chunk_tokens);
     else
-        printf("kvstage sim: prefill TP%u -> decode TP%u, %u KV heads x %u layers x %u/%u dim x "
-               "%u B, page %u, chunk %u\n",
-               c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k, s->head_dim_v,
-               s->elem_bytes, c->page_size, c->chunk_tokens);
+        printf("kvstage sim: prefill %sTP%u -> decode TP%u, %u KV heads x %u layers x %u/%u dim x "
+               "%u B, %s, chunk %u\n",
+               pp, c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k,
+               s->head_dim_v, s->elem_bytes, pages, c->chunk_tokens);
     if (c->mem == KVS_MEM_DEVICE)
         printf("memory: CUDA devices, prefill ranks on GPU %d, decode ranks on GPU %d; write "
                "mode %s\n",
@@ -184,6 +196,8 @@ typedef struct {
     int seen_ring_bytes, seen_ring_slots, seen_hd, seen_hdk, seen_hdv, seen_layout, seen_pl,
         seen_dl, seen_pool, seen_mis, seen_gpus;
     const char *faults, *gpus;
+    kvs_args_pages_t pages;
+    kvs_arg_t page_rows[3];
     uint64_t misaligned;
     uint64_t to_us[6]; /* retry, bootstrap, transfer, waiting, completion, release */
     uint64_t write_delay_us, step_us;
@@ -230,6 +244,9 @@ static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
     kvs_sim_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
+        {"prefill-pp", KVS_ARG_U32, &c->prefill_pp,
+         "prefill pipeline stages: PP x TP ranks, each stage a contiguous range of layers (1)",
+         "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
         {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", "[1,65536]", NULL},
         {"layers", KVS_ARG_U32, &o->layers, "layers (4)", "[1,65536]", NULL},
@@ -248,8 +265,11 @@ static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
 static void add_layout_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
+    kvs_args_page_rows(&o->pages, o->page_rows);
     const kvs_arg_t g[] = {
-        {"page-size", KVS_ARG_U32, &c->page_size, "tokens per page (16)", "[1,1048576]", NULL},
+        o->page_rows[0],
+        o->page_rows[1],
+        o->page_rows[2],
         {"chunk", KVS_ARG_U32, &c->chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]",
          NULL},
         {"ring-bytes", KVS_ARG_U64, &c->ring_bytes, "staging ring bytes per decode rank",
@@ -364,6 +384,8 @@ static const char *sim_usage(int demo)
 static int build_layout(sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
+    int rc = kvs_args_page_sizes(&o->pages, &c->page_size, &c->prefill_page_size);
+    if (rc != 0) return rc;
     if (o->seen_ring_bytes && o->seen_ring_slots)
         return kvs_args_error("--ring-slots", "--ring-bytes or --ring-slots",
                               "excludes --ring-bytes");
@@ -461,7 +483,8 @@ static int sim_config_build(sim_opts_t *o)
             return kvs_args_error(names[i], kvs_args_tp_sizes(&o->c.shape, sizes, sizeof(sizes)),
                                   "%u: %s", tps[i], cap.msg);
     }
-    return 0;
+    const kvs_pd_geometry_t geo = kvs_sim_geometry(&o->c);
+    return kvs_args_check_layout(&geo);
 }
 
 /* Runs the simulation and prints its result; the exit code: 0 pass, 1 fail, 2 a configuration

@@ -391,3 +391,60 @@ uint32_t kvs_args_dtype_bytes(int index)
 {
     return 1u << index;
 }
+
+void kvs_args_page_rows(kvs_args_pages_t *pages, kvs_arg_t *rows_p)
+{
+    rows_p[0] = (kvs_arg_t){"page-size",   KVS_ARG_U32,
+                            &pages->both,  "tokens per KV page on both sides (16)",
+                            "[1,1048576]", &pages->seen_both};
+    rows_p[1] = (kvs_arg_t){"prefill-page-size",
+                            KVS_ARG_U32,
+                            &pages->prefill,
+                            "tokens per prefill page (--page-size); prefill pages are gathered "
+                            "at any offset",
+                            "[1,1048576]",
+                            &pages->seen_prefill};
+    rows_p[2] = (kvs_arg_t){
+        "decode-page-size", KVS_ARG_U32,
+        &pages->decode,     "tokens per decode page (--page-size); the grid is aligned to it",
+        "[1,1048576]",      &pages->seen_decode};
+}
+
+int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint32_t *prefill_p)
+{
+    if (pages->seen_both && (pages->seen_prefill || pages->seen_decode))
+        return kvs_args_error("--page-size",
+                              "--page-size, or --prefill-page-size and --decode-page-size",
+                              "sets both sides: it excludes --prefill-page-size and "
+                              "--decode-page-size");
+    if (pages->seen_both) {
+        *decode_p = pages->both;
+        *prefill_p = 0;
+    }
+    if (pages->seen_decode) *decode_p = pages->decode;
+    if (pages->seen_prefill) *prefill_p = pages->prefill;
+    if (*prefill_p == *decode_p) *prefill_p = 0;
+    return 0;
+}
+
+int kvs_args_check_layout(const kvs_pd_geometry_t *geo)
+{
+    /* The geometry checks the stages before the chunk, which one decode page always passes. */
+    kvs_pd_geometry_t stages = *geo;
+    stages.chunk_tokens = geo->page_size;
+    kvs_args_capture_t cap;
+    kvs_args_capture_begin(&cap);
+    kvs_status_t st = kvs_pd_geometry_validate(&stages);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error("--prefill-pp",
+                              "at most one stage per layer and at most 64 prefill ranks (PP x TP)",
+                              "%s", cap.msg);
+    kvs_args_capture_begin(&cap);
+    st = kvs_pd_geometry_validate(geo);
+    kvs_args_capture_end(&cap, st != KVS_OK);
+    if (st != KVS_OK)
+        return kvs_args_error("--chunk", "a positive multiple of the decode page size", "%s",
+                              cap.msg);
+    return 0;
+}

@@ -95,6 +95,24 @@ uint32_t kvs_args_dtype_bytes(int index);
  * for the accepted part of an error; call it outside a capture (it silences the log). */
 const char *kvs_args_tp_sizes(const kvs_kv_shape_t *shape, char *buf, size_t cap);
 
+/* The page-size flags of every command that takes a deployment: --page-size sets both sides'
+ * and excludes --prefill-page-size and --decode-page-size, which set one side each. */
+typedef struct {
+    uint32_t both, prefill, decode; /* the flags' values */
+    int seen_both, seen_prefill, seen_decode;
+} kvs_args_pages_t;
+/* The three flag rows into rows_p[3], over *pages (which must outlive the parse). */
+void kvs_args_page_rows(kvs_args_pages_t *pages, kvs_arg_t *rows_p);
+/* After the parse: the decode page size (the grid's) and the prefill one (0: the same), from
+ * the flags given over the defaults already in *decode_p and *prefill_p. 0, or 2 after the one
+ * error line. */
+int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint32_t *prefill_p);
+
+/* The layout checks past the TP sizes (callers check those first), each naming its flag:
+ * --prefill-pp against the layers and the prefill rank limit, then --chunk against the decode
+ * page. 0, or 2 after the one error line. */
+int kvs_args_check_layout(const kvs_pd_geometry_t *geo);
+
 /* Prints "usage + one line per flag" to f. */
 void kvs_args_usage(void *file, const char *usage, const kvs_arg_t *args, size_t count);
 

@@ -41,6 +41,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     int write_mode = (int) c->write_mode;
     int checksum = !c->geo.no_checksum;
     uint64_t liveness_ms = 0, deadline_s = 0;
+    kvs_args_pages_t pages = {0};
+    kvs_arg_t page_rows[3];
+    kvs_args_page_rows(&pages, page_rows);
     const kvs_arg_t args[] = {
         {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", "[0,63]", NULL},
         {"registry", KVS_ARG_STR, &c->registry, "the prefill instance's registry endpoint", NULL,
@@ -61,6 +64,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
          "memory, CUDA IPC), else through a staging buffer and one bulk write (auto)",
          "auto|staged|direct", NULL},
         {"prefill-tp", KVS_ARG_U32, &c->geo.prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
+        {"prefill-pp", KVS_ARG_U32, &c->geo.prefill_pp,
+         "prefill pipeline stages: PP x TP prefill ranks, rank = stage x TP + TP rank (1)",
+         "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &c->geo.decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
         {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", "[1,65536]", NULL},
         {"layers", KVS_ARG_U32, &layers, "layers (4)", "[1,65536]", NULL},
@@ -68,7 +74,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
          "[1,65536]", &seen_hd},
         {"dtype-bytes", KVS_ARG_CHOICE, &dtype, "element size in bytes (2)", KVS_ARGS_DTYPES, NULL},
         {"mla", KVS_ARG_FLAG, &mla, "MLA: one latent per token and layer", NULL, NULL},
-        {"page-size", KVS_ARG_U32, &c->geo.page_size, "tokens per page (16)", "[1,1048576]", NULL},
+        page_rows[0],
+        page_rows[1],
+        page_rows[2],
         {"chunk", KVS_ARG_U32, &c->geo.chunk_tokens, "chunked-prefill tokens (256)", "[1,16777216]",
          NULL},
         {"corrupt-nth", KVS_ARG_U64, &c->corrupt_nth,
@@ -100,6 +108,8 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     };
     int rc = kvs_args_parse(usage, args, sizeof(args) / sizeof(args[0]), argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc;
+    rc = kvs_args_page_sizes(&pages, &c->geo.page_size, &c->geo.prefill_page_size);
+    if (rc != 0) return rc;
     c->geo.no_checksum = !checksum;
     c->geo.shape.kv_heads = mla ? 1 : kv_heads;
     c->geo.shape.layers = layers;
@@ -139,6 +149,7 @@ int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *cmd)
             return kvs_args_error(names[i], kvs_args_tp_sizes(&c->geo.shape, sizes, sizeof(sizes)),
                                   "%u: %s", tps[i], cap.msg);
     }
+    if (kvs_args_check_layout(&c->geo) != 0) return 2;
     const kvs_workload_config_t *w = &c->workload;
     if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len)
         return kvs_args_error("--prefix-len", "below --prompt-len",

@@ -125,26 +125,30 @@ static inline void move(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t
         copy_bytes_sum(pool, region, n, cs, off);
 }
 
-/* One (layer, component): the region block is [tokens][heads][D]; pool pages are strided. */
+/* One (layer, component): the region block is [tokens][heads][D]; pool pages are strided.
+ * Region token t is token first_token + t counted from the start of the first page. */
 static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs,
                        const kvs_region_t *r, uint8_t *block)
 {
     const uint64_t head_bytes = (uint64_t) r->dim * r->elem_bytes;
     const uint64_t row = d->heads * head_bytes; /* one token of the block */
-    const uint32_t P = d->page_size;
-    /* NHD with every head selected: a whole page is one run of bytes */
+    const uint64_t P = d->page_size;
+    const uint64_t end = d->first_token + kvs_copy_desc_tokens(d); /* from page 0's start */
+    /* NHD with every head selected: a page's run of tokens is one run of bytes */
     const int page_contig = r->head_stride == head_bytes && r->token_stride == row;
     const int heads_contig = r->head_stride == head_bytes;
     for (uint32_t i = 0; i < d->npages; i++) {
+        const uint64_t lo = i == 0 ? d->first_token : 0;
+        const uint64_t hi = end - (uint64_t) i * P < P ? end - (uint64_t) i * P : P;
         uint8_t *pool_page = kvs_region_addr(r, d->pages[i], 0, d->pool_head);
-        uint8_t *reg_page = block + (uint64_t) i * P * row;
+        uint8_t *reg_page = block + ((uint64_t) i * P + lo - d->first_token) * row;
         if (page_contig) {
-            move(dir, d, cs, pool_page, reg_page, P * row);
+            move(dir, d, cs, pool_page + lo * r->token_stride, reg_page, (hi - lo) * row);
             continue;
         }
-        for (uint32_t t = 0; t < P; t++) {
+        for (uint64_t t = lo; t < hi; t++) {
             uint8_t *src = pool_page + t * r->token_stride;
-            uint8_t *dst = reg_page + t * row;
+            uint8_t *dst = reg_page + (t - lo) * row;
             if (heads_contig) {
                 move(dir, d, cs, src, dst, row);
                 continue;
@@ -161,7 +165,7 @@ static kvs_status_t cpu_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_des
     cpu_ctx_t *c = ctx;
     kvs_status_t st = kvs_copy_desc_validate(dir, d);
     if (st != KVS_OK) return st;
-    const uint64_t tokens = (uint64_t) d->npages * d->page_size;
+    const uint64_t tokens = kvs_copy_desc_tokens(d);
     kvs_csum_t cs = {0};
     for (uint32_t l = 0; l < d->layers && d->npages > 0; l++) {
         for (uint32_t comp = 0; comp < d->components; comp++) {

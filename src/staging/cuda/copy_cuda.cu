@@ -701,6 +701,15 @@ kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d
     cuda_ctx_t *c = (cuda_ctx_t *) ctx;
     kvs_status_t st = kvs_copy_desc_validate(dir, d);
     if (st != KVS_OK) return st;
+    if (kvs_copy_desc_tokens(d) != (uint64_t) d->npages * d->page_size) {
+        /* The kernels map region tokens onto whole pages; partial pages (a page size per side,
+         * protocol.md §1) are the CPU backend's for now. */
+        kvs_error("copy(cuda): %s of %llu tokens from token %u of %u pages: partial pages are "
+                  "not supported on the GPU yet (use equal page sizes on both sides)",
+                  dir_name(dir), (unsigned long long) kvs_copy_desc_tokens(d), d->first_token,
+                  d->npages);
+        return KVS_ERR_UNSUPPORTED;
+    }
     kvs_cuda_plan_t plan;
     memset(&plan, 0, sizeof(plan));
     if (d->npages > 0) {

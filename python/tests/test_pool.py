@@ -1,0 +1,140 @@
+"""Pools over numpy arrays: both layouts and any nesting of strides, what is refused, and
+lifetimes (a pool keeps its arrays alive and never frees them)."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import kvstage
+
+
+@pytest.fixture
+def layout():
+    shape = kvstage.Shape(layers=2, kv_heads=4, head_dim=8, head_dim_v=4, elem_bytes=2)
+    return kvstage.Layout(shape, prefill_tp=2, decode_tp=1, page_size=4, chunk_tokens=8)
+
+
+def kv(order, pages=6, heads=2, P=4, dtype=np.uint16):
+    dims = [(pages, P, heads, 8), (pages, P, heads, 4)] if order == "NHD" else \
+        [(pages, heads, P, 8), (pages, heads, P, 4)]
+    return [np.zeros(dims[0], dtype) for _ in range(2)], [np.zeros(dims[1], dtype)
+                                                          for _ in range(2)]
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_regions_are_the_arrays(layout, order):
+    k, v = kv(order)
+    pool = kvstage.Pool(layout, "prefill", 1, k=k, v=v, order=order)
+    assert pool.total_pages == 6 and pool.free_pages == 6 and pool.heads == 2
+    for layer in range(2):
+        for comp, a in enumerate((k[layer], v[layer])):
+            base, ps, ts, hs, heads, dim, e = pool.region(layer, comp)
+            assert base == a.__array_interface__["data"][0]
+            tok, head = (1, 2) if order == "NHD" else (2, 1)
+            assert (ps, ts, hs) == (a.strides[0], a.strides[tok], a.strides[head])
+            assert (heads, dim, e) == (2, a.shape[3], 2)
+    pages = pool.alloc(6)
+    assert sorted(pages) == list(range(6)) and pool.free_pages == 0
+    with pytest.raises(kvstage.NoSpaceError, match="need 1, 0 free of 6"):
+        pool.alloc(1)
+    pool.free(pages[:3])
+    with pytest.raises(kvstage.InvalidError, match="not allocated"):
+        pool.free(pages[:1])
+    assert pool.free_pages == 3
+
+
+def test_one_stacked_array_and_strided_views(layout):
+    """k as one [layers][pages][P][h][D] array, v as views into a wider buffer (non-contiguous
+    page and token strides): only the last axis must be contiguous."""
+    k = np.zeros((2, 6, 4, 2, 8), np.uint16)
+    wide = np.zeros((2, 6, 4, 2, 10), np.uint16)
+    v = wide[:, :, :, :, 3:7]
+    pool = kvstage.Pool(layout, "prefill", 0, k=k, v=v)
+    assert pool.region(1, 1)[0] == v[1].__array_interface__["data"][0]
+    assert pool.region(1, 1)[2] == 2 * 10 * 2
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda k, v: k.__setitem__(0, k[0].astype(np.uint32)), "elements of 4 bytes"),
+    (lambda k, v: k.__setitem__(1, np.zeros((6, 4, 4, 8), np.uint16)), "4 heads"),
+    (lambda k, v: v.__setitem__(0, np.zeros((6, 5, 2, 4), np.uint16)), "layer 0 V: shape"),
+    (lambda k, v: v.__setitem__(1, np.zeros((7, 4, 2, 4), np.uint16)), "layer 1 V: shape"),
+    (lambda k, v: k.__setitem__(0, np.zeros((6, 4, 2, 16), np.uint16)[..., ::2]),
+     "contiguous last axis"),
+    (lambda k, v: k.__setitem__(0, np.zeros((6, 4, 2), np.uint16)), "4-dimensional"),
+    (lambda k, v: k.__setitem__(0, [[1]]), "neither the buffer protocol"),
+    (lambda k, v: k[0].setflags(write=False), "not writable"),
+    (lambda k, v: k.__setitem__(0, np.broadcast_to(np.zeros((1, 4, 2, 8), np.uint16),
+                                                   (6, 4, 2, 8))), "not writable"),
+])
+def test_bad_arrays_are_refused(layout, mutate, match):
+    k, v = kv("NHD")
+    mutate(k, v)
+    with pytest.raises(kvstage.InvalidError, match=match):
+        kvstage.Pool(layout, "prefill", 0, k=k, v=v)
+
+
+def test_overlapping_strides_are_refused(layout):
+    """Heads that alias each other (a writable view with a head stride of 0) would let two
+    heads' KV land on the same bytes: libkvstage refuses the region."""
+    k, v = kv("NHD")
+    a = np.zeros((6, 4, 1, 8), np.uint16)
+    k[0] = np.lib.stride_tricks.as_strided(a, (6, 4, 2, 8), (a.strides[0], a.strides[1], 0, 2))
+    with pytest.raises(kvstage.InvalidError, match="layer 0 K region: strides"):
+        kvstage.Pool(layout, "prefill", 0, k=k, v=v)
+
+
+def test_argument_errors(layout):
+    k, v = kv("NHD")
+    with pytest.raises(kvstage.InvalidError, match="order: 'NDH'"):
+        kvstage.Pool(layout, "prefill", 0, k=k, v=v, order="NDH")
+    with pytest.raises(kvstage.InvalidError, match="MHA pools need k and v"):
+        kvstage.Pool(layout, "prefill", 0, k=k)
+    with pytest.raises(kvstage.InvalidError, match="1/2 layers"):
+        kvstage.Pool(layout, "prefill", 0, k=k[:1], v=v)
+    with pytest.raises(kvstage.InvalidError, match="TP"):
+        kvstage.Pool(layout, "prefill", 2, k=k, v=v)
+
+
+def test_mla_pool():
+    shape = kvstage.Shape.mla(layers=2, latent=16, elem_bytes=4)
+    layout = kvstage.Layout(shape, prefill_tp=2, decode_tp=1, page_size=4, chunk_tokens=8)
+    k = [np.zeros((3, 4, 1, 16), np.float32) for _ in range(2)]
+    pool = kvstage.Pool(layout, "prefill", 1, k=k)
+    assert pool.heads == 1 and pool.region(1, 0)[5] == 16
+    with pytest.raises(kvstage.InvalidError, match="MLA pools take the latent as k only"):
+        kvstage.Pool(layout, "prefill", 1, k=k, v=k)
+
+
+def test_pool_keeps_its_arrays_alive(layout):
+    k, v = kv("HND")
+    refs = [weakref.ref(a) for a in k + v]
+    pool = kvstage.Pool(layout, "prefill", 0, k=k, v=v, order="HND")
+    base = pool.region(0, 0)[0]
+    del k, v
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    # the export pins the array: numpy refuses to resize memory a pool points into
+    with pytest.raises(ValueError):
+        refs[0]().resize((1,))
+    assert pool.region(0, 0)[0] == base
+    del pool
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_sender_keeps_its_pool_and_link_alive(layout):
+    k, v = kv("NHD")
+    net = kvstage.InprocNet(2, 1)
+    pool = kvstage.Pool(layout, "prefill", 0, k=k, v=v)
+    tx = kvstage.Sender(layout, 0, pool, net.link("prefill", 0))
+    refs = [weakref.ref(pool), weakref.ref(net)]
+    del pool, net
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    tx.add_room(1, 8, [0, 1])
+    del tx  # a live room: destroy drains it
+    gc.collect()
+    assert all(r() is None for r in refs)

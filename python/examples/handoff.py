@@ -67,6 +67,7 @@ def prefill(args, conn):
         stop = min(start + layout.chunk_tokens, args.prompt)
         for r, ((kv, _), t) in enumerate(zip(ranks, tables)):
             testing.fill(layout, "prefill", r, kv, "NHD", t, start, stop)
+        testing.synchronize()
         for tx in senders:
             tx.advance(ROOM, stop, min(stop + layout.chunk_tokens, args.prompt))
             tx.progress()
@@ -95,6 +96,7 @@ def decode(args, registry, conn):
     # The prefix decode already holds, as its radix cache would: [0, base) in its own pages.
     prefix = pool.alloc(args.base // P)
     testing.fill(layout, "decode", 0, kv, "HND", prefix, 0, args.base)
+    testing.synchronize()
     delta = pool.alloc((args.prompt - args.base + P - 1) // P)
     t0 = time.monotonic()
     rx.add_room(ROOM, args.base, args.prompt, delta)
@@ -115,7 +117,8 @@ def main():
                     help="tokens decode already holds, a multiple of 16 (default 64)")
     ap.add_argument("--pages", type=int, default=64, help="pages per pool (default 64)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cpu: numpy pools, UCX; cuda: torch tensors on GPUs, CUDA IPC")
+                    help="cpu: numpy pools, UCX; cuda: torch tensors (or, without torch, "
+                         "kvstage.testing.CudaArray) on GPUs, CUDA IPC")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over")
     args = ap.parse_args()
     if args.base % 16 or not 0 <= args.base < args.prompt or args.prompt > args.pages * 16:

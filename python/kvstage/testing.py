@@ -1,8 +1,81 @@
 """Known KV for tests and examples: the value of every element is a function of (position,
 layer, component, global head, element), so any misplaced, stale or missing byte shows. Works
-on numpy arrays and on torch tensors (CPU or GPU) of 2-byte elements."""
+on numpy arrays, torch tensors (CPU or GPU) and, for GPUs without torch, CudaArray (device
+memory through the CUDA runtime, with a host mirror), all of 2-byte elements."""
+
+import ctypes
+import ctypes.util
 
 import numpy as np
+
+
+def _cudart():
+    for name in (ctypes.util.find_library("cudart"), "libcudart.so",
+                 "/usr/local/cuda/lib64/libcudart.so"):
+        if name:
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                pass
+    raise OSError("the CUDA runtime (libcudart) is not found")
+
+
+def cuda_devices():
+    """GPUs the CUDA runtime sees (0 without one or without the runtime)."""
+    try:
+        n = ctypes.c_int(0)
+        return n.value if _cudart().cudaGetDeviceCount(ctypes.byref(n)) == 0 else 0
+    except OSError:
+        return 0
+
+
+class CudaArray:
+    """A zeroed device array with __cuda_array_interface__ and a host mirror: fill and
+    mismatches work on .host and copy the whole array across."""
+
+    class _Device:
+        def __init__(self, index):
+            self.index = index
+
+    def __init__(self, shape, dtype, device):
+        self.rt = _cudart()
+        self.device = self._Device(device)
+        self.host = np.zeros(shape, dtype)
+        self.ptr = ctypes.c_void_p()
+        self._check(self.rt.cudaSetDevice(device), "cudaSetDevice")
+        self._check(self.rt.cudaMalloc(ctypes.byref(self.ptr), ctypes.c_size_t(self.host.nbytes)),
+                    "cudaMalloc")
+        self.upload()
+
+    def _check(self, err, what):
+        if err != 0:
+            raise RuntimeError(f"{what} failed: CUDA error {err}")
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.host.shape, "typestr": self.host.dtype.str,
+                "data": (self.ptr.value, False), "strides": None, "version": 3}
+
+    @property
+    def shape(self):
+        return self.host.shape
+
+    def upload(self):
+        self.rt.cudaSetDevice(self.device.index)
+        self._check(self.rt.cudaMemcpy(self.ptr, self.host.ctypes.data_as(ctypes.c_void_p),
+                                       ctypes.c_size_t(self.host.nbytes), 1), "cudaMemcpy H2D")
+        self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def download(self):
+        self.rt.cudaSetDevice(self.device.index)
+        self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        self._check(self.rt.cudaMemcpy(self.host.ctypes.data_as(ctypes.c_void_p), self.ptr,
+                                       ctypes.c_size_t(self.host.nbytes), 2), "cudaMemcpy D2H")
+        return self.host
+
+    def __del__(self):
+        if getattr(self, "ptr", None) and self.ptr.value:
+            self.rt.cudaFree(self.ptr)
 
 
 def values(positions, layer, comp, heads, dim):
@@ -15,7 +88,8 @@ def values(positions, layer, comp, heads, dim):
 
 def arrays(layout, side, rank, pages, order="NHD", device=None):
     """Zeroed per-layer arrays of one rank, [component][layer] -> [pages][P][h][D] (NHD) or
-    [pages][h][P][D] (HND): numpy, or torch int16 tensors on `device` (e.g. "cuda:0")."""
+    [pages][h][P][D] (HND): numpy, or on GPU `device` (e.g. "cuda:0") torch int16 tensors
+    where torch is installed, CudaArray otherwise."""
     shape = layout.shape
     heads = layout.heads(side, rank)[0]
     P = layout.page_size
@@ -24,7 +98,12 @@ def arrays(layout, side, rank, pages, order="NHD", device=None):
     if device is None:
         return [[np.zeros(dims[c], dtype=np.uint16) for _ in range(shape.layers)]
                 for c in range(shape.components)]
-    import torch
+    try:
+        import torch
+    except ImportError:
+        index = int(device.split(":")[1])
+        return [[CudaArray(dims[c], np.uint16, index) for _ in range(shape.layers)]
+                for c in range(shape.components)]
     return [[torch.zeros(dims[c], dtype=torch.int16, device=device) for _ in range(shape.layers)]
             for c in range(shape.components)]
 
@@ -42,6 +121,13 @@ def _nhd(a, order):
 def _where(table, start, stop, base, P):
     pos = np.arange(start, stop)
     return pos, np.asarray(table, dtype=np.int64)[(pos - base) // P], pos % P
+
+
+def _view(a, order):
+    """An NHD view of a, and what makes changes to it land (a CudaArray's mirror goes up)."""
+    if isinstance(a, CudaArray):
+        return _nhd(a.download(), order), a.upload
+    return _nhd(a, order), lambda: None
 
 
 def _get(v, pages, slots):
@@ -67,8 +153,9 @@ def fill(layout, side, rank, kv, order, table, start, stop, base=0):
     pos, pages, slots = _where(table, start, stop, base, P)
     for c, per_layer in enumerate(kv):
         for layer, a in enumerate(per_layer):
-            v = _nhd(a, order)
+            v, land = _view(a, order)
             _set(v, pages, slots, values(pos, layer, c, first + np.arange(v.shape[2]), v.shape[3]))
+            land()
 
 
 def mismatches(layout, side, rank, kv, order, table, start, stop, base=0):
@@ -78,7 +165,16 @@ def mismatches(layout, side, rank, kv, order, table, start, stop, base=0):
     bad = 0
     for c, per_layer in enumerate(kv):
         for layer, a in enumerate(per_layer):
-            v = _nhd(a, order)
+            v, _ = _view(a, order)
             want = values(pos, layer, c, first + np.arange(v.shape[2]), v.shape[3])
             bad += int(np.count_nonzero(_get(v, pages, slots) != want))
     return bad
+
+
+def synchronize():
+    """Waits for torch's GPU work (the fake forward's writes) before kvstage's copies read it;
+    CudaArray copies are synchronous already."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()

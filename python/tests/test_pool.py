@@ -138,3 +138,46 @@ def test_sender_keeps_its_pool_and_link_alive(layout):
     del tx  # a live room: destroy drains it
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class Interface:
+    """An object with only an array interface dict (no buffer protocol), over a numpy array."""
+
+    def __init__(self, a, name, strides=True):
+        self.a = a
+        d = dict(a.__array_interface__)
+        if not strides:
+            d["strides"] = None
+        setattr(self, name, d)
+
+
+def test_array_interface_objects(layout):
+    """__array_interface__ alone (host), with explicit strides or None (C order)."""
+    k, v = kv("NHD")
+    kk = [Interface(a, "__array_interface__", strides=i == 0) for i, a in enumerate(k)]
+    pool = kvstage.Pool(layout, "prefill", 0, k=kk, v=v)
+    assert pool.region(1, 0)[0] == k[1].__array_interface__["data"][0]
+    assert pool.region(1, 0)[1:4] == (4 * 2 * 8 * 2, 2 * 8 * 2, 8 * 2)
+    assert pool.info()["device"] == -1
+    ro = Interface(k[0], "__array_interface__")
+    ro.__array_interface__["data"] = (ro.__array_interface__["data"][0], True)
+    with pytest.raises(kvstage.InvalidError, match="read-only"):
+        kvstage.Pool(layout, "prefill", 0, k=[ro, k[1]], v=v)
+
+
+def test_cuda_array_interface_makes_a_device_pool(layout):
+    """__cuda_array_interface__ marks the memory as a GPU's (parsed the same way; nothing here
+    touches it): a device pool in CUDA builds, refused by name in others. Mixed kinds are
+    refused either way."""
+    k, v = kv("HND")
+    kk = [Interface(a, "__cuda_array_interface__") for a in k]
+    vv = [Interface(a, "__cuda_array_interface__", strides=False) for a in v]
+    try:
+        pool = kvstage.Pool(layout, "prefill", 0, k=kk, v=vv, order="HND", device=0)
+    except kvstage.UnsupportedError as e:
+        assert "device memory needs a CUDA build" in str(e)
+    else:
+        assert pool.info()["device"] == 0
+        assert pool.region(0, 1)[1:4] == (2 * 4 * 4 * 2, 4 * 2, 4 * 4 * 2)
+    with pytest.raises(kvstage.InvalidError, match="1 of 4 arrays are on a GPU"):
+        kvstage.Pool(layout, "prefill", 0, k=[kk[0], k[1]], v=v, order="HND")

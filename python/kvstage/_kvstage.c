@@ -195,6 +195,17 @@ static int to_u32(PyObject *o, uint32_t *out, const char *name)
     return 1;
 }
 
+/* Seconds as nanoseconds, in [0, 86400] (positive if !zero_ok). */
+static int to_ns(double seconds, const char *name, int zero_ok, uint64_t *out)
+{
+    if (!(seconds >= 0 && seconds <= 86400) || (!zero_ok && seconds == 0)) {
+        raise_invalid("%s: %g s is out of range %s0, 86400]", name, seconds, zero_ok ? "[" : "(");
+        return 0;
+    }
+    *out = (uint64_t) (seconds * 1e9);
+    return 1;
+}
+
 /* shape: (layers, kv_heads, head_dim_k, head_dim_v, elem_bytes, attn) */
 static int parse_shape(PyObject *t, kvs_kv_shape_t *s)
 {
@@ -443,13 +454,18 @@ static Py_ssize_t typestr_itemsize(PyObject *typestr)
 /* Reads a (__cuda_)array_interface__ dict: data, shape, strides (None: C order), typestr. */
 static int read_interface(PyObject *iface, const char *what, array_t *a)
 {
-    PyObject *data = PyDict_GetItemString(iface, "data"),
-             *shape = PyDict_GetItemString(iface, "shape"),
-             *strides = PyDict_GetItemString(iface, "strides"),
-             *typestr = PyDict_GetItemString(iface, "typestr");
-    if (!PyDict_Check(iface) || data == NULL || !PyTuple_Check(data) ||
-        PyTuple_GET_SIZE(data) != 2 || shape == NULL || !PyTuple_Check(shape) || typestr == NULL) {
-        raise_invalid("%s: malformed array interface", what);
+    PyObject *data = NULL, *shape = NULL, *strides = NULL, *typestr = NULL;
+    if (PyDict_Check(iface)) {
+        data = PyDict_GetItemString(iface, "data");
+        shape = PyDict_GetItemString(iface, "shape");
+        strides = PyDict_GetItemString(iface, "strides");
+        typestr = PyDict_GetItemString(iface, "typestr");
+    }
+    if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 || shape == NULL ||
+        !PyTuple_Check(shape) || typestr == NULL ||
+        (strides != NULL && strides != Py_None &&
+         (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != PyTuple_GET_SIZE(shape)))) {
+        raise_invalid("%s: malformed array interface (data, shape, strides, typestr)", what);
         return 0;
     }
     if (PyObject_IsTrue(PyTuple_GET_ITEM(data, 1))) {
@@ -470,7 +486,11 @@ static int read_interface(PyObject *iface, const char *what, array_t *a)
         Py_ssize_t st = a->itemsize;
         for (int i = 3; i >= 0; i--) a->strides[i] = st, st *= a->shape[i];
     }
-    if (PyErr_Occurred()) return 0;
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        raise_invalid("%s: malformed array interface (shape and strides must be integers)", what);
+        return 0;
+    }
     return 1;
 }
 
@@ -587,9 +607,9 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw)
                           c.num_pages, hnd ? "heads" : "page_size", hnd ? "page_size" : "heads");
             goto fail;
         }
-        for (int d = 0; d < 3; d++)
-            if (a.strides[d] < 0) {
-                raise_invalid("%s: negative strides are not supported", what);
+        for (int d = 0; d < 4; d++)
+            if (a.strides[d] < 0 || a.shape[d] <= 0 || a.shape[d] > UINT32_MAX) {
+                raise_invalid("%s: empty axes and negative strides are not supported", what);
                 goto fail;
             }
         regions[i].base = a.data;
@@ -643,7 +663,9 @@ static PyObject *Pool_alloc(PoolObject *self, PyObject *arg)
 {
     uint32_t n;
     if (!pool_ready(self) || !to_u32(arg, &n, "n")) return NULL;
-    uint32_t *pages = PyMem_Malloc(((size_t) n + 1) * sizeof(uint32_t));
+    /* n beyond the free pages fails in libkvstage before it writes: no buffer for them */
+    uint32_t room = n <= kvs_pool_free_pages(self->pool) ? n : 0;
+    uint32_t *pages = PyMem_Malloc(((size_t) room + 1) * sizeof(uint32_t));
     if (pages == NULL) return PyErr_NoMemory();
     ERR_RESET();
     kvs_status_t st = kvs_pool_alloc(self->pool, n, pages);
@@ -822,7 +844,8 @@ static PyTypeObject LinkType;
 
 static void Link_dealloc(LinkObject *self)
 {
-    kvs_link_destroy(self->link);
+    /* under the lock: other links of an in-process net may be progressing on other threads */
+    if (self->link != NULL) IN_DOMAIN(self->dom, kvs_link_destroy(self->link));
     if (self->own_dom) domain_free(self->dom);
     Py_XDECREF(self->net);
     Py_TYPE(self)->tp_free((PyObject *) self);
@@ -896,8 +919,11 @@ static PyObject *py_net_link(PyObject *mod, PyObject *args)
     c.net_device = net_device, c.registry = registry;
     c.mem = device >= 0 ? KVS_MEM_DEVICE : KVS_MEM_HOST;
     c.device = device >= 0 ? device : 0;
-    c.heartbeat_ns = (uint64_t) (hb * 1e9), c.liveness_timeout_ns = (uint64_t) (live * 1e9);
-    c.connect_timeout_ns = (uint64_t) (conn * 1e9), c.write_timeout_ns = (uint64_t) (wr * 1e9);
+    if (!to_ns(hb, "heartbeat", 1, &c.heartbeat_ns) ||
+        !to_ns(live, "liveness_timeout", 1, &c.liveness_timeout_ns) ||
+        !to_ns(conn, "connect_timeout", 1, &c.connect_timeout_ns) ||
+        !to_ns(wr, "write_timeout", 1, &c.write_timeout_ns))
+        return NULL;
     LinkObject *self = PyObject_New(LinkObject, &LinkType);
     if (self == NULL) return NULL;
     self->link = NULL, self->net = NULL, self->own_dom = 1, self->side = c.side,
@@ -1106,10 +1132,12 @@ static PyObject *py_registry_register(PyObject *mod, PyObject *args)
         return NULL;
     if (strlen(ep) > KVS_MSG_ENDPOINT_MAX)
         return raise_invalid("endpoint: longer than %d bytes", KVS_MSG_ENDPOINT_MAX);
+    uint64_t ns;
+    if (!to_ns(timeout, "timeout", 0, &ns)) return NULL;
     kvs_registry_describe(&geo, rank, ep, &reg);
     kvs_status_t st;
     Py_BEGIN_ALLOW_THREADS ERR_RESET();
-    st = kvs_registry_register(registry, &reg, (uint64_t) (timeout * 1e9));
+    st = kvs_registry_register(registry, &reg, ns);
     Py_END_ALLOW_THREADS if (st != KVS_OK) return raise_status(st);
     Py_RETURN_NONE;
 }
@@ -1129,9 +1157,11 @@ static PyObject *py_registry_lookup(PyObject *mod, PyObject *args)
     if (!PyArg_ParseTuple(args, "sOId", &registry, &geo_o, &rank, &timeout) ||
         !parse_geo(geo_o, &geo))
         return NULL;
+    uint64_t ns;
+    if (!to_ns(timeout, "timeout", 0, &ns)) return NULL;
     kvs_status_t st;
     Py_BEGIN_ALLOW_THREADS ERR_RESET();
-    st = kvs_registry_query(registry, rank, (uint64_t) (timeout * 1e9), &reg);
+    st = kvs_registry_query(registry, rank, ns, &reg);
     if (st == KVS_OK) st = kvs_registry_check(&reg, &geo, why, sizeof(why));
     Py_END_ALLOW_THREADS if (st != KVS_OK) return raise_status(st);
     return PyUnicode_FromString(reg.endpoint);
@@ -1353,10 +1383,24 @@ static PyObject *Sender_finish(PdObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* A room id: any integer (numpy's too) in [0, 2^64). */
+static int room_arg(PyObject *arg, unsigned long long *room)
+{
+    PyObject *idx = PyNumber_Index(arg);
+    *room = idx ? PyLong_AsUnsignedLongLong(idx) : 0;
+    Py_XDECREF(idx);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        raise_invalid("room: expected an integer in [0, 2^64)");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *Pd_abort(PdObject *self, PyObject *arg)
 {
-    unsigned long long room = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred() || !pd_open(self)) return NULL;
+    unsigned long long room;
+    if (!room_arg(arg, &room) || !pd_open(self)) return NULL;
     kvs_status_t st;
     if (is_sender(self))
         IN_DOMAIN(self->link->dom, st = kvs_sender_abort(self->handle, room));
@@ -1369,8 +1413,8 @@ static PyObject *Pd_abort(PdObject *self, PyObject *arg)
 /* poll(room) -> (status, reason, quiescent, final bytes) */
 static PyObject *Pd_poll(PdObject *self, PyObject *arg)
 {
-    unsigned long long room = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred() || !pd_open(self)) return NULL;
+    unsigned long long room;
+    if (!room_arg(arg, &room) || !pd_open(self)) return NULL;
     kvs_room_info_t info;
     kvs_status_t st;
     if (is_sender(self))
@@ -1385,15 +1429,17 @@ static PyObject *Pd_poll(PdObject *self, PyObject *arg)
 
 static PyObject *Pd_release(PdObject *self, PyObject *arg)
 {
-    unsigned long long room = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred() || !pd_open(self)) return NULL;
+    unsigned long long room;
+    if (!room_arg(arg, &room) || !pd_open(self)) return NULL;
     kvs_status_t st;
     if (is_sender(self))
         IN_DOMAIN(self->link->dom, st = kvs_sender_release(self->handle, room));
     else
         IN_DOMAIN(self->link->dom, st = kvs_receiver_release(self->handle, room));
     if (st != KVS_OK) return raise_status(st);
-    if (PyDict_DelItem(self->tables, arg) < 0) PyErr_Clear();
+    PyObject *key = PyLong_FromUnsignedLongLong(room);
+    if (key == NULL || PyDict_DelItem(self->tables, key) < 0) PyErr_Clear();
+    Py_XDECREF(key);
     Py_RETURN_NONE;
 }
 

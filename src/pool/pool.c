@@ -94,14 +94,13 @@ static kvs_status_t validate_config(const kvs_pool_config_t *c)
     return KVS_OK;
 }
 
-/* Bytes of one region of component comp, rounded up to POOL_REGION_ALIGN so the next region
- * stays aligned; 0 when it does not fit in 64 bits. */
-static uint64_t region_span(const kvs_pool_t *pool, uint32_t comp)
+/* Bytes of one region of component comp for a rank holding `heads` heads, rounded up to
+ * POOL_REGION_ALIGN so the next region stays aligned; 0 when it does not fit in 64 bits. */
+static uint64_t region_span(const kvs_pool_config_t *c, uint32_t heads, uint32_t comp)
 {
-    const kvs_pool_config_t *c = &pool->config;
     uint64_t head_bytes = (uint64_t) kvs_kv_shape_dim(&c->shape, comp) * c->shape.elem_bytes;
     uint64_t page_bytes, bytes;
-    if (!mul_u64((uint64_t) c->page_size * pool->heads, head_bytes, &page_bytes) ||
+    if (!mul_u64((uint64_t) c->page_size * heads, head_bytes, &page_bytes) ||
         !mul_u64(page_bytes, c->num_pages, &bytes) || bytes > UINT64_MAX - POOL_REGION_ALIGN)
         return 0;
     return (bytes + POOL_REGION_ALIGN - 1) & ~(uint64_t) (POOL_REGION_ALIGN - 1);
@@ -159,29 +158,34 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
     kvs_status_t st = validate_config(config);
     if (st != KVS_OK) return st;
 
-    kvs_pool_t *pool = NULL;
-    st = pool_new(config, &pool);
-    if (st != KVS_OK) return st;
+    /* Sizes first: a pool that cannot fit is refused before anything is allocated. */
     const uint32_t layers = config->shape.layers;
-
+    const uint32_t heads = kvs_tp_heads_per_rank(&config->shape, config->tp.tp_size);
+    const uint32_t components = kvs_kv_shape_components(&config->shape);
     uint64_t span[2] = {0, 0}, layer_bytes = 0, total = 0;
-    for (uint32_t comp = 0; comp < pool->components; comp++) {
-        span[comp] = region_span(pool, comp);
+    for (uint32_t comp = 0; comp < components; comp++) {
+        span[comp] = region_span(config, heads, comp);
         if (span[comp] == 0 || span[comp] > UINT64_MAX - layer_bytes) goto err_too_big;
         layer_bytes += span[comp];
     }
     if (!mul_u64(layer_bytes, layers, &total) || total > SIZE_MAX) goto err_too_big;
 
+    kvs_pool_t *pool = NULL;
+    st = pool_new(config, &pool);
+    if (st != KVS_OK) return st;
     void *memory = NULL;
     st = kvs_mem_alloc(config->mem, config->device, (size_t) total, &memory);
-    if (st != KVS_OK) goto err_free_pool; /* kvs_mem_alloc logs its own failures */
+    if (st != KVS_OK) { /* kvs_mem_alloc logs its own failures */
+        pool_free(pool);
+        return st;
+    }
     pool->memory = memory;
 
     uint64_t off = 0;
     for (uint32_t l = 0; l < layers; l++) {
-        for (uint32_t comp = 0; comp < pool->components; comp++) {
-            kvs_region_t *r = &pool->regions[l * pool->components + comp];
-            *r = kvs_region_strides(config->layout, config->page_size, pool->heads,
+        for (uint32_t comp = 0; comp < components; comp++) {
+            kvs_region_t *r = &pool->regions[l * components + comp];
+            *r = kvs_region_strides(config->layout, config->page_size, heads,
                                     kvs_kv_shape_dim(&config->shape, comp),
                                     config->shape.elem_bytes);
             r->base = pool->memory + off;
@@ -191,7 +195,7 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
 
     kvs_debug("pool: %u pages x %u tokens, %u heads, %u layers x %u components, %s, %llu bytes "
               "of %s memory",
-              config->num_pages, config->page_size, pool->heads, layers, pool->components,
+              config->num_pages, config->page_size, heads, layers, components,
               config->layout == KVS_POOL_HND ? "HND" : "NHD", (unsigned long long) total,
               config->mem == KVS_MEM_DEVICE ? "device" : "host");
     *pool_p = pool;
@@ -199,11 +203,8 @@ kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_
 
 err_too_big:
     kvs_error("pool: %u pages of %u tokens x %u heads x %u layers do not fit in memory",
-              config->num_pages, config->page_size, pool->heads, config->shape.layers);
-    st = KVS_ERR_INVALID;
-err_free_pool:
-    pool_free(pool);
-    return st;
+              config->num_pages, config->page_size, heads, layers);
+    return KVS_ERR_INVALID;
 }
 
 /* Checks one caller region of a wrapped pool: its heads, dim and element size are the pool's,

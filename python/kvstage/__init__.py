@@ -21,7 +21,7 @@ from . import _kvstage
 
 __version__ = _kvstage.VERSION
 __all__ = [
-    "Status", "RoomStatus", "Error", "Shape", "Layout", "Plan", "Writer", "Destination",
+    "Status", "RoomStatus", "Error", "Shape", "Layout", "Plan", "Writer", "Destination", "Slot",
     "plan", "Pool", "InprocNet", "Link", "Registry", "Sender", "Receiver", "RoomInfo",
     "MAX_TP", "FINAL_MAX",
 ]
@@ -172,8 +172,8 @@ Slot = namedtuple("Slot", "offsets bytes")
 Plan = namedtuple("Plan", "writers slots destinations peers decode_peers")
 Plan.__doc__ = """The transfer plan of one room as plain data:
 writers[d]: decode rank d's Writers; slots[d]: their region offsets and the slot size for
-`tokens` tokens (chunk_tokens by default); destinations[p]: prefill rank p's Destinations;
-peers[d] / decode_peers[p]: the ranks each exchanges metadata and status with."""
+`tokens` tokens (a chunk, chunk_tokens, by default); destinations[p]: prefill rank p's
+Destinations; peers[d] / decode_peers[p]: the ranks each exchanges metadata and status with."""
 
 
 def plan(layout, room=0, tokens=None):

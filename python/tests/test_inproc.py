@@ -13,8 +13,9 @@ from conftest import drive
 PROMPT = 100  # 4 chunks of 32 tokens (the last partial), 13 pages of 8
 
 
-def deployment(layout, make_rank, pd_order="NHD", dec_order="HND", pages=32, timeouts=None):
-    net = kvstage.InprocNet(layout.prefill_tp, layout.decode_tp)
+def deployment(layout, make_rank, pd_order="NHD", dec_order="HND", pages=32, timeouts=None,
+               **faults):
+    net = kvstage.InprocNet(layout.prefill_tp, layout.decode_tp, **faults)
     pre = [make_rank(layout, "prefill", r, pages, pd_order) for r in range(layout.prefill_tp)]
     dec = make_rank(layout, "decode", 0, pages, dec_order)
     tx = [kvstage.Sender(layout, r, pre[r].pool, net.link("prefill", r), timeouts=timeouts)
@@ -64,6 +65,28 @@ def test_room_end_to_end(layout, make_rank, pd_order, dec_order, base):
         with pytest.raises(kvstage.NotFoundError):
             s.release(room)
         assert s.rooms_held() == 0
+
+
+def test_room_through_a_lossy_net(layout, make_rank):
+    """The in-process net's adversarial scheduler (drops, duplicates, delays): the protocol
+    recovers and every element still arrives."""
+    net, pre, dec, tx, rx = deployment(layout, make_rank, timeouts={"retry": 0.005}, seed=11,
+                                       drop_permille=150, dup_permille=150,
+                                       delay_max_ns=200_000, write_delay_max_ns=200_000)
+    tables = [p.pool.alloc(13) for p in pre]
+    for p, t in zip(pre, tables):
+        p.fill(t, 0, PROMPT)
+    delta = dec.pool.alloc(13)
+    rx.add_room(8, 0, PROMPT, delta)
+    for s, t in zip(tx, tables):
+        s.add_room(8, PROMPT, t)
+        s.advance(8, PROMPT)
+        s.finish(8, b"")
+    info = drive(tx + [rx], [8], timeout=20)[8]
+    assert info.status == kvstage.RoomStatus.SUCCESS, info
+    assert dec.mismatches(delta, 0, PROMPT) == 0
+    stats = net.stats()
+    assert stats["dropped"] > 0 and stats["duplicated"] > 0
 
 
 def test_receiver_checks_arguments(layout, make_rank):

@@ -91,3 +91,13 @@ def test_heads_of_a_rank():
     assert layout.heads("decode", 1) == (4, 4, 1)
     with pytest.raises(kvstage.InvalidError):
         layout.heads("decode", 2)
+
+
+
+def test_chunks_are_whole_pages():
+    shape = kvstage.Shape(layers=1, kv_heads=1, head_dim=64, elem_bytes=2)
+    with pytest.raises(kvstage.InvalidError, match="multiple of the page size 16"):
+        kvstage.Layout(shape, 1, 1, page_size=16, chunk_tokens=4)
+    layout = kvstage.Layout(shape, 1, 1, page_size=16, chunk_tokens=32)
+    assert layout.plan().slots[0].bytes == 32 * 2 * 64 * 2
+    assert layout.plan(tokens=3).slots[0].bytes == 768  # 3 x 256 bytes, at 256-byte alignment

@@ -56,9 +56,12 @@ static void log_sink(void *arg, kvs_log_level_t level, const char *file, int lin
     static const int py_level[] = {40, 30, 20, 10, 5}; /* logging.ERROR ... TRACE-ish */
     int py = level == KVS_LOG_ERROR && t_raising ? 10 : py_level[level];
     PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *type, *value, *tb; /* an exception being raised on this thread survives the log */
+    PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallMethod(g_logger, "log", "is", py, msg);
     if (r == NULL) PyErr_Clear();
     Py_XDECREF(r);
+    PyErr_Restore(type, value, tb);
     PyGILState_Release(gil);
 }
 

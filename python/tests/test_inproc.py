@@ -126,7 +126,7 @@ def test_abort_fails_the_room_on_both_sides(layout, make_rank):
     assert infos[-1].reason == kvstage.Status.ERR_ABORTED
 
 
-def test_timeout_fails_the_room_and_progress_never_raises(layout, make_rank):
+def test_timeout_fails_the_room_and_progress_never_raises(layout, make_rank, caplog):
     net, pre, dec, tx, rx = deployment(layout, make_rank, timeouts={"waiting": 0.2, "release": 0.2})
     delta = dec.pool.alloc(13)
     rx.add_room(4, 0, PROMPT, delta)  # no prefill rank ever adds it
@@ -135,6 +135,8 @@ def test_timeout_fails_the_room_and_progress_never_raises(layout, make_rank):
     assert info.status == kvstage.RoomStatus.FAILED
     assert info.reason == kvstage.Status.ERR_TIMEOUT
     assert time.monotonic() - t0 >= 0.2
+    assert any(r.name == "kvstage" and r.levelname == "WARNING" and "room 4 failed" in
+               r.getMessage() for r in caplog.records)
     with pytest.raises(kvstage.InvalidError, match=r"timeouts\[waiting\]"):
         kvstage.Receiver(layout, 0, dec.pool, kvstage.InprocNet(2, 1).link("decode", 0),
                          timeouts={"waiting": -1})

@@ -101,3 +101,14 @@ def test_chunks_are_whole_pages():
     layout = kvstage.Layout(shape, 1, 1, page_size=16, chunk_tokens=32)
     assert layout.plan().slots[0].bytes == 32 * 2 * 64 * 2
     assert layout.plan(tokens=3).slots[0].bytes == 768  # 3 x 256 bytes, at 256-byte alignment
+
+
+def test_libkvstage_logs_go_to_python_logging(caplog):
+    """An error that becomes the exception is logged at debug level only; a room's failure
+    found by progress is a warning."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="kvstage")
+    with pytest.raises(kvstage.InvalidError):
+        kvstage.Shape(layers=2, kv_heads=4, head_dim=8, elem_bytes=3)
+    records = [r for r in caplog.records if r.name == "kvstage"]
+    assert [r.levelno for r in records if "elem_bytes = 3" in r.getMessage()] == [logging.DEBUG]

@@ -191,7 +191,8 @@ class Pool(_kvstage.Pool):
     layer axis), each [pages][page_size][heads][dim] for order="NHD" or
     [pages][heads][page_size][dim] for "HND", any strides with a contiguous last axis and the
     layout's element size. numpy (buffer protocol, __array_interface__) for host memory;
-    torch or cupy on a GPU (__cuda_array_interface__) for device memory. MLA: k only."""
+    torch or cupy on a GPU (__cuda_array_interface__) for device memory; otherwise DLPack
+    (__dlpack__: torch CPU tensors, jax). MLA: k only."""
 
     def __init__(self, layout, side, rank, k, v=None, order="NHD", device=None):
         shape = layout.shape

@@ -434,18 +434,86 @@ typedef struct {
     PyObject_HEAD kvs_pool_t *pool;
     Py_buffer *views; /* [nviews] buffer-protocol exports, held until dealloc */
     Py_ssize_t nviews;
-    PyObject *owners; /* the caller's arrays (a list), kept alive for the pool's life */
+    PyObject *owners;   /* the caller's arrays (a list), kept alive for the pool's life */
+    PyObject *capsules; /* DLPack capsules taken from them (a list): their memory's owners */
 } PoolObject;
 
 /* The memory of one array-like: host through the buffer protocol or __array_interface__,
- * device through __cuda_array_interface__. shape and strides in elements and bytes. */
+ * device through __cuda_array_interface__, either through DLPack. shape and strides in
+ * elements and bytes. */
 typedef struct {
     uint8_t *data;
     int ndim;
     Py_ssize_t shape[4], strides[4];
     Py_ssize_t itemsize;
-    int device; /* 1 for __cuda_array_interface__ */
+    int device;    /* 1 for GPU memory */
+    int device_id; /* its GPU when the object says (DLPack), else -1 */
 } array_t;
+
+/* DLPack's ABI (dlpack.h, v0.8 and later): what a "dltensor" capsule points to. */
+typedef struct {
+    int32_t device_type; /* 1 CPU, 2 CUDA, 3 CUDA host (pinned), 13 CUDA managed */
+    int32_t device_id;
+} dl_device_t;
+typedef struct {
+    void *data;
+    dl_device_t device;
+    int32_t ndim;
+    struct {
+        uint8_t code, bits;
+        uint16_t lanes;
+    } dtype;
+    int64_t *shape;
+    int64_t *strides; /* in elements; NULL: C order */
+    uint64_t byte_offset;
+} dl_tensor_t;
+typedef struct dl_managed {
+    dl_tensor_t dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct dl_managed *self);
+} dl_managed_t;
+
+/* Reads obj.__dlpack__(). The capsule is kept unconsumed in *capsule_p: its destructor calls
+ * the producer's deleter when the pool lets it go, which is the lifetime wanted. */
+static int read_dlpack(PyObject *obj, const char *what, array_t *a, PyObject **capsule_p)
+{
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (cap == NULL) {
+        PyErr_Clear();
+        raise_invalid("%s: __dlpack__() failed (a read-only array cannot be exported)", what);
+        return 0;
+    }
+    dl_managed_t *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m == NULL) {
+        PyErr_Clear();
+        Py_DECREF(cap);
+        raise_invalid("%s: __dlpack__() did not return a fresh \"dltensor\" capsule", what);
+        return 0;
+    }
+    const dl_tensor_t *t = &m->dl_tensor;
+    int type = t->device.device_type;
+    if (t->ndim != 4 || t->dtype.lanes != 1 || t->dtype.bits % 8 != 0 ||
+        (type != 1 && type != 2 && type != 3 && type != 13)) {
+        raise_invalid("%s: DLPack tensor of %d dimensions, %u-bit x %u lanes on device type %d; "
+                      "expected 4 dimensions of plain elements on the CPU or a CUDA GPU",
+                      what, (int) t->ndim, t->dtype.bits, t->dtype.lanes, type);
+        Py_DECREF(cap);
+        return 0;
+    }
+    a->data = (uint8_t *) t->data + t->byte_offset;
+    a->ndim = 4;
+    a->itemsize = t->dtype.bits / 8;
+    a->device = type == 2 || type == 13;
+    a->device_id = a->device ? t->device.device_id : -1;
+    Py_ssize_t st = a->itemsize;
+    for (int i = 3; i >= 0; i--) {
+        a->shape[i] = (Py_ssize_t) t->shape[i];
+        a->strides[i] = t->strides ? (Py_ssize_t) t->strides[i] * a->itemsize : st;
+        st *= a->shape[i];
+    }
+    *capsule_p = cap;
+    return 1;
+}
 
 static Py_ssize_t typestr_itemsize(PyObject *typestr)
 {
@@ -497,11 +565,15 @@ static int read_interface(PyObject *iface, const char *what, array_t *a)
     return 1;
 }
 
-/* Fills *a from obj; a buffer-protocol export goes into *view (view->obj set) to hold. */
-static int read_array(PyObject *obj, const char *what, array_t *a, Py_buffer *view)
+/* Fills *a from obj; a buffer-protocol export goes into *view (view->obj set) and a DLPack
+ * capsule into *capsule_p (else NULL), to hold. */
+static int read_array(PyObject *obj, const char *what, array_t *a, Py_buffer *view,
+                      PyObject **capsule_p)
 {
     memset(a, 0, sizeof(*a));
+    a->device_id = -1;
     view->obj = NULL;
+    *capsule_p = NULL;
     PyObject *iface = PyObject_GetAttrString(obj, "__cuda_array_interface__");
     if (iface != NULL) {
         a->device = 1;
@@ -537,8 +609,9 @@ static int read_array(PyObject *obj, const char *what, array_t *a, Py_buffer *vi
         return ok;
     }
     PyErr_Clear();
-    raise_invalid("%s: %s has neither the buffer protocol, __array_interface__ nor "
-                  "__cuda_array_interface__",
+    if (PyObject_HasAttrString(obj, "__dlpack__")) return read_dlpack(obj, what, a, capsule_p);
+    raise_invalid("%s: %s has neither the buffer protocol, __array_interface__, "
+                  "__cuda_array_interface__ nor __dlpack__",
                   what, Py_TYPE(obj)->tp_name);
     return 0;
 }
@@ -590,14 +663,26 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw)
         return -1;
     }
     self->nviews = n;
-    int devices = 0;
+    int devices = 0, first_device = -1;
+    Py_XSETREF(self->capsules, PyList_New(0));
+    if (self->capsules == NULL) {
+        PyMem_Free(regions);
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         char what[64];
         uint32_t layer = (uint32_t) (i / comps), comp = (uint32_t) (i % comps);
         snprintf(what, sizeof(what), "layer %u %s", layer,
                  comps == 1 ? "latent" : (comp == 0 ? "K" : "V"));
         array_t a;
-        if (!read_array(PyList_GET_ITEM(arrays, i), what, &a, &self->views[i])) goto fail;
+        PyObject *capsule;
+        if (!read_array(PyList_GET_ITEM(arrays, i), what, &a, &self->views[i], &capsule)) goto fail;
+        if (capsule != NULL) {
+            int r = PyList_Append(self->capsules, capsule);
+            Py_DECREF(capsule);
+            if (r < 0) goto fail;
+        }
+        if (i == 0) first_device = a.device_id;
         devices += a.device;
         int tok = hnd ? 2 : 1, head = hnd ? 1 : 2;
         if (i == 0) c.num_pages = (uint32_t) a.shape[0];
@@ -628,7 +713,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw)
         goto fail;
     }
     c.mem = devices ? KVS_MEM_DEVICE : KVS_MEM_HOST;
-    c.device = devices ? (device < 0 ? 0 : device) : 0;
+    c.device = !devices ? 0 : device >= 0 ? device : first_device >= 0 ? first_device : 0;
     ERR_RESET();
     kvs_status_t st = kvs_pool_wrap(&c, regions, &self->pool);
     if (st != KVS_OK) {
@@ -642,6 +727,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kw)
 fail:
     PyMem_Free(regions);
     pool_clear_views(self);
+    Py_CLEAR(self->capsules);
     return -1;
 }
 
@@ -649,6 +735,7 @@ static void Pool_dealloc(PoolObject *self)
 {
     kvs_pool_destroy(self->pool);
     pool_clear_views(self);
+    Py_XDECREF(self->capsules);
     Py_XDECREF(self->owners);
     Py_TYPE(self)->tp_free((PyObject *) self);
 }

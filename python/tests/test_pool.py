@@ -181,3 +181,45 @@ def test_cuda_array_interface_makes_a_device_pool(layout):
         assert pool.region(0, 1)[1:4] == (2 * 4 * 4 * 2, 4 * 2, 4 * 4 * 2)
     with pytest.raises(kvstage.InvalidError, match="1 of 4 arrays are on a GPU"):
         kvstage.Pool(layout, "prefill", 0, k=[kk[0], k[1]], v=v, order="HND")
+
+
+class DLPackOnly:
+    """Only __dlpack__ (as a torch CPU tensor or a jax array offers), over a numpy array."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_dlpack_objects(layout):
+    k, v = kv("HND")
+    wide = np.zeros((6, 2, 4, 12), np.uint16)
+    v[1] = wide[..., 2:6]  # strided: DLPack carries strides in elements
+    refs = [weakref.ref(a) for a in k + v]
+    pool = kvstage.Pool(layout, "prefill", 0, k=[DLPackOnly(a) for a in k],
+                        v=[DLPackOnly(a) for a in v], order="HND")
+    assert pool.region(1, 1)[0] == wide.__array_interface__["data"][0] + 2 * 2
+    assert pool.region(1, 1)[1:4] == (2 * 4 * 12 * 2, 12 * 2, 4 * 12 * 2)
+    assert pool.region(0, 0)[1:4] == (2 * 4 * 8 * 2, 8 * 2, 4 * 8 * 2)
+    assert pool.info()["device"] == -1
+    del k, v, wide
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the capsules own the memory now
+    del pool
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_dlpack_refusals(layout):
+    k, v = kv("NHD")
+    ro = k[0].copy()
+    ro.setflags(write=False)
+    with pytest.raises(kvstage.InvalidError, match=r"layer 0 K: __dlpack__\(\) failed"):
+        kvstage.Pool(layout, "prefill", 0, k=[DLPackOnly(ro), k[1]], v=v)
+    with pytest.raises(kvstage.InvalidError, match="DLPack tensor of 3 dimensions"):
+        kvstage.Pool(layout, "prefill", 0, k=[DLPackOnly(k[0][0]), k[1]], v=v)

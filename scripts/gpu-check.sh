@@ -5,7 +5,8 @@
 # own (none may skip): the CUDA copy backend, device memory (test_mem), the simulation's
 # exactness suite on GPUs (test_sim_gpu), the cross-process CUDA IPC test (test_cuda_ipc) and
 # the multi-process deployments (test_rank_processes: GPU pools in every rank process, CUDA
-# IPC through the net link); `kvstage sim --device cuda` and `kvstage demo --device cuda`
+# IPC through the net link), the Python package's GPU tests (py-gpu: needs a venv with torch);
+# `kvstage sim --device cuda` and `kvstage demo --device cuda`
 # (prefill on GPU 0, decode on GPU 1 when there are two); `kvstage bench transfer` (table, and
 # JSON in $LOGS/bench-transfer.json for bench/plot_transfer.py), `kvstage bench kernels` and
 # `kvstage bench transfer --transport ucx` (host memory, this machine's CPUs); then
@@ -195,6 +196,17 @@ for t in "${GPU_TESTS[@]}"; do
         fi
     fi
 done
+
+# The Python package's device pools (python/tests/test_gpu.py: torch tensors on the GPUs, a room
+# over the in-process link, examples/handoff.py --device cuda over CUDA IPC). Needs the venv of
+# scripts/setup.sh with torch added (KVS_VENV names another); none of it may skip.
+if step py-gpu python/tests/run.sh "$BUILD" test_gpu.py -rs && ! skipped py-gpu; then
+    if grep -qi "skipped" "$LOGS/py-gpu.log"; then
+        mark py-gpu-ran "FAIL (the Python GPU tests were skipped: no venv, torch or GPU?)"
+    else
+        mark py-gpu-ran "PASS (no test skipped)"
+    fi
+fi
 
 GPUS=0,0
 [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 1 ] && GPUS=0,1

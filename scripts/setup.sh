@@ -40,11 +40,13 @@ if [ ! -s "$model" ]; then
   mv "$model.part" "$model"
 fi
 
-# Python packages for the tests (the official openai client and pytest, tests/py/requirements.txt)
-# in a project-local venv. Without PyPI the Python tests skip, saying so.
+# Python packages for the tests (the official openai client, pytest, numpy and the build backend,
+# tests/py/requirements.txt) in a project-local venv. Without PyPI the Python tests skip, saying
+# so. The kvstage package itself (python/) is installed into it by its CTest entry
+# (python/tests/run.sh), against the build tree under test.
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${KVS_VENV:-$repo/.venv}"
-if ! "$venv/bin/python" -c 'import openai, pytest' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import openai, pytest, numpy, wheel' 2>/dev/null; then
   echo "setup: installing the Python test packages into $venv" >&2
   if ! { /usr/bin/python3 -m venv "$venv" &&
          "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \

@@ -55,6 +55,15 @@ typedef struct kvs_pool kvs_pool_t;
  * are device pointers (only the copy backends may touch them) and the call fails with
  * KVS_ERR_UNSUPPORTED in builds without CUDA or where the device is absent. */
 kvs_status_t kvs_pool_create(const kvs_pool_config_t *config, kvs_pool_t **pool_p);
+/* A pool over memory the caller owns (an engine's KV cache tensors), which destroy leaves alone.
+ * regions[layer * components + component] (components: 2 for MHA, 1 for MLA) gives each
+ * region's base and strides; its heads, dim and elem_bytes must be this rank's, and no two
+ * (page, token, head) of a region may share a byte (KVS_ERR_INVALID, naming the region,
+ * otherwise). config->layout (NHD or HND) only labels the pool: the strides say it. For
+ * KVS_MEM_DEVICE the bases are device pointers on config->device. The memory must outlive the pool.
+ */
+kvs_status_t kvs_pool_wrap(const kvs_pool_config_t *config, const kvs_region_t *regions,
+                           kvs_pool_t **pool_p);
 void kvs_pool_destroy(kvs_pool_t *pool);
 
 const kvs_pool_config_t *kvs_pool_config(const kvs_pool_t *pool);

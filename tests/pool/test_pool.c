@@ -2,6 +2,7 @@
  * checks, region strides and addresses for NHD and HND, and allocation-failure injection. */
 #include "kvs_test.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvstage/log.h"
@@ -521,6 +522,109 @@ static void test_random_alloc_free(void **state)
     kvs_assert_no_leaks();
 }
 
+/* kvs_pool_wrap: regions over the test's own buffer, in NHD, HND and a page-innermost nesting;
+ * every mismatch or overlap refused naming the region; destroy leaves the memory alone. */
+static void test_wrap(void **state)
+{
+    (void) state;
+    kvs_kv_shape_t shape = mha_shape(2, 4, 8, 6, 2);
+    kvs_pool_config_t c = pool_config(shape, 2, 1, 4, 5, KVS_POOL_NHD); /* 2 heads per rank */
+    const uint64_t kbytes = 5ull * 4 * 2 * 8 * 2, vbytes = 5ull * 4 * 2 * 6 * 2;
+    uint8_t *mem = malloc(2 * (kbytes + vbytes));
+    assert_non_null(mem);
+    for (int layout = KVS_POOL_NHD; layout <= KVS_POOL_HND + 1; layout++) {
+        kvs_region_t regions[4];
+        uint8_t *at = mem;
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint32_t comp = 0; comp < 2; comp++) {
+                uint32_t dim = comp == 0 ? 8 : 6;
+                kvs_region_t *r = &regions[l * 2 + comp];
+                if (layout <= KVS_POOL_HND) {
+                    *r = kvs_region_strides((kvs_pool_layout_t) layout, 4, 2, dim, 2);
+                } else { /* [heads][tokens][pages][dim]: pages innermost */
+                    memset(r, 0, sizeof(*r));
+                    r->page_stride = dim * 2;
+                    r->token_stride = 5 * r->page_stride;
+                    r->head_stride = 4 * r->token_stride;
+                    r->heads = 2, r->dim = dim, r->elem_bytes = 2;
+                }
+                r->base = at;
+                at += comp == 0 ? kbytes : vbytes;
+            }
+        kvs_pool_t *pool = NULL;
+        assert_int_equal(kvs_pool_wrap(&c, regions, &pool), KVS_OK);
+        assert_int_equal(kvs_pool_total_pages(pool), 5);
+        assert_int_equal(kvs_pool_heads(pool), 2);
+        for (uint32_t i = 0; i < 4; i++)
+            assert_memory_equal(kvs_pool_region(pool, i / 2, i % 2), &regions[i],
+                                sizeof(kvs_region_t));
+        uint32_t pages[5];
+        assert_int_equal(kvs_pool_alloc(pool, 5, pages), KVS_OK);
+        assert_int_equal(kvs_pool_free(pool, pages, 5), KVS_OK);
+        kvs_pool_destroy(pool);
+        kvs_assert_no_leaks(); /* and mem is still ours: */
+        memset(mem, 0x5a, 2 * (kbytes + vbytes));
+
+        /* each kind of bad region, in the last slot so the earlier ones were accepted */
+        for (int bad = 0; bad < 6; bad++) {
+            kvs_region_t b[4];
+            memcpy(b, regions, sizeof(b));
+            const char *want = "layer 1 V region";
+            if (bad == 0) b[3].base = NULL;
+            if (bad == 1) b[3].heads = 4;
+            if (bad == 2) b[3].dim = 8;
+            if (bad == 3) b[3].elem_bytes = 4;
+            if (bad == 4) b[3].head_stride = b[3].head_stride / 2 + 1;      /* heads overlap */
+            if (bad == 5) b[2].token_stride = 8, want = "layer 1 K region"; /* tokens overlap */
+            kvs_log_capture_t cap = {0};
+            kvs_log_set_sink(kvs_log_capture_sink, &cap);
+            pool = (kvs_pool_t *) &cap;
+            kvs_status_t st = kvs_pool_wrap(&c, b, &pool);
+            kvs_log_set_sink(NULL, NULL);
+            assert_int_equal(st, KVS_ERR_INVALID);
+            assert_ptr_equal(pool, &cap); /* untouched */
+            assert_non_null(strstr(cap.msg, want));
+            kvs_assert_no_leaks();
+        }
+    }
+    /* an axis of one entry may have any stride (numpy gives size-1 axes arbitrary ones) */
+    kvs_pool_config_t one = pool_config(mla_shape(1, 4, 1), 1, 0, 1, 3, KVS_POOL_NHD);
+    kvs_region_t r = kvs_region_strides(KVS_POOL_NHD, 1, 1, 4, 1);
+    r.base = mem, r.token_stride = 0, r.head_stride = 0;
+    kvs_pool_t *pool = NULL;
+    assert_int_equal(kvs_pool_wrap(&one, &r, &pool), KVS_OK);
+    kvs_pool_destroy(pool);
+    r.page_stride = 3; /* pages of 4 bytes 3 apart */
+    kvs_log_capture_t cap = {0};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    assert_int_equal(kvs_pool_wrap(&one, &r, &pool), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_non_null(strstr(cap.msg, "layer 0 latent region: strides (page 3"));
+
+    /* allocation failures: KVS_ERR_NOMEM and nothing leaked, at every allocation */
+    r.page_stride = 4;
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    int failures = 0;
+    for (uint64_t nth = 1; nth < 16; nth++) {
+        pool = NULL;
+        kvs_alloc_fail_at(nth);
+        kvs_status_t st = kvs_pool_wrap(&one, &r, &pool);
+        kvs_alloc_fail_at(0);
+        if (st == KVS_OK) {
+            kvs_pool_destroy(pool);
+            break;
+        }
+        assert_int_equal(st, KVS_ERR_NOMEM);
+        assert_null(pool);
+        failures++;
+        kvs_assert_no_leaks();
+    }
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(failures, 4); /* pool, regions, free stack, page states */
+    kvs_assert_no_leaks();
+    free(mem);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -532,6 +636,7 @@ int main(void)
         cmocka_unit_test(test_region_addresses),
         cmocka_unit_test(test_create_alloc_failure),
         cmocka_unit_test(test_random_alloc_free),
+        cmocka_unit_test(test_wrap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

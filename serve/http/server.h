@@ -111,6 +111,14 @@ typedef struct {
     const uint32_t *stop_ids;
     uint32_t n_stop_ids;
     int stream; /* informational: the server streams either way from the sink */
+    /* 1: each on_token carries the token's logprobs with top_logprobs (0..KVS_LOGPROBS_TOP_MAX)
+     * alternatives: log-softmax of the model's raw logits at that position, before logit bias,
+     * penalties and temperature (vLLM's default) */
+    int logprobs;
+    uint32_t top_logprobs;
+    /* With logprobs, not DECODE: on_prompt for prompt tokens 1..prompt_len-1 (computed in the
+     * prefill pass; such a request computes its whole prompt, past any cached prefix) */
+    int prompt_logprobs;
 } kvs_server_request_t;
 
 typedef enum {
@@ -139,10 +147,15 @@ typedef struct {
  * call, and the sink never blocks on the network (it only queues and wakes). */
 typedef struct {
     /* piece: the token's text when the backend has it (copied before return); NULL: the
-     * server decodes the id with its tokenizer. */
-    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len);
+     * server decodes the id with its tokenizer. lp: the token's logprobs when the request
+     * asked (copied), else NULL. */
+    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len,
+                     const kvs_logprobs_t *lp);
     void (*on_done)(void *arg, const kvs_server_done_t *done);
     void *arg;
+    /* prompt_logprobs: prompt token number index (1..prompt_len-1, in order, before the first
+     * on_token) and its logprobs given the tokens before it (copied). NULL: not wanted. */
+    void (*on_prompt)(void *arg, uint32_t index, uint32_t token, const kvs_logprobs_t *lp);
 } kvs_server_sink_t;
 
 /* Counters (since start) and gauges (now) for /metrics. */

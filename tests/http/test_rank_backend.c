@@ -25,9 +25,10 @@ typedef struct {
     kvs_server_done_t d;
 } rec_t;
 
-static void on_token(void *arg, uint32_t token, const char *piece, size_t len)
+static void on_token(void *arg, uint32_t token, const char *piece, size_t len,
+                     const kvs_logprobs_t *lp)
 {
-    (void) piece, (void) len;
+    (void) piece, (void) len, (void) lp;
     rec_t *r = arg;
     pthread_mutex_lock(&r->mu);
     if (r->ntokens < 64) r->tokens[r->ntokens++] = token;
@@ -161,7 +162,7 @@ static void test_lines_and_events(void **state)
     rec_t r;
     memset(&r, 0, sizeof(r));
     pthread_mutex_init(&r.mu, NULL);
-    kvs_server_sink_t sink = {on_token, on_done, &r};
+    kvs_server_sink_t sink = {on_token, on_done, &r, NULL};
     const uint32_t prompt[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, stops[2] = {99, 42};
 
     /* Not ready yet: nothing is taken. */
@@ -347,7 +348,7 @@ static void test_questions_and_quit(void **state)
     /* Colocated: requests for a role are not taken. */
     rec_t r;
     memset(&r, 0, sizeof(r));
-    kvs_server_sink_t sink = {on_token, on_done, &r};
+    kvs_server_sink_t sink = {on_token, on_done, &r, NULL};
     kvs_server_request_t q = request(1, KVS_SERVER_ROLE_DECODE, longp, 3, NULL, 0);
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_UNSUPPORTED);
 

@@ -173,7 +173,7 @@ static kvs_status_t parse_logprobs(json_t *root, int chat, kvs__api_req_t *req,
             return fail(err, 400, "top_logprobs", NULL,
                         "'top_logprobs' must be an integer in [0, %d]",
                         KVS__CHAT_TOP_LOGPROBS_MAX);
-        if (!req->logprobs)
+        if (!req->logprobs && k > 0)
             return fail(err, 400, "top_logprobs", NULL,
                         "'top_logprobs' needs 'logprobs' set to true");
         req->top_logprobs = (uint32_t) k;

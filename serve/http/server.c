@@ -810,17 +810,19 @@ static void pump(req_t *r)
                               r->api.n_stops);
         end -= kvs__utf8_incomplete_tail(r->text.ptr + r->emitted, end - r->emitted);
     }
-    if (end > r->emitted) {
-        json_t *s = text_json(r->text.ptr + r->emitted, end - r->emitted);
+    while (end > r->emitted) {
+        /* The echoed prompt is a chunk of its own. */
+        size_t upto = r->emitted < r->echo_len && end > r->echo_len ? r->echo_len : end;
+        json_t *s = text_json(r->text.ptr + r->emitted, upto - r->emitted);
         json_t *content = s && r->api.chat ? json_pack("{s:o}", "content", s) : s;
         if (content == NULL) r->out.oom = 1;
         size_t k = r->lps_sent;
-        while (k < r->n_lps && r->lps[k].end <= end) k++;
+        while (k < r->n_lps && r->lps[k].end <= upto) k++;
         json_t *lp = k > r->lps_sent ? logprobs_json(r, r->lps_sent, k) : NULL;
         r->lps_sent = k;
         if (content) sse_chunk(r, content, NULL, lp);
         if (content == NULL) json_decref(lp);
-        r->emitted = end;
+        r->emitted = upto;
     }
     if (r->finished && !r->stream_ended) sse_finish(r);
 }

@@ -1310,6 +1310,8 @@ static void test_logprobs_chat(void **state)
     assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
     assert_true(rec.logprobs == 1 && rec.top_logprobs == 2 && rec.prompt_logprobs == 0);
     char *want = json_dumps(content, JSON_COMPACT);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* Streamed: the chunks' entries, in order, are the same. */
@@ -1328,9 +1330,11 @@ static void test_logprobs_chat(void **state)
     }
     char *got = json_dumps(all, JSON_COMPACT);
     assert_string_equal(got, want);
-    free(got);
-    free(want);
+    kvs_free(got);
+    kvs_free(want);
     json_decref(all);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* logprobs false: null, and top_logprobs 0 alone is accepted. */
@@ -1339,6 +1343,8 @@ static void test_logprobs_chat(void **state)
                 "\"logprobs\":false,\"top_logprobs\":0}",
                 &r);
     assert_true(json_is_null(json_at(j, "choices.0.logprobs")));
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     /* logprobs true without top_logprobs: empty alternatives. */
     j = call_ok(f.port, "/v1/chat/completions",
@@ -1347,6 +1353,8 @@ static void test_logprobs_chat(void **state)
                 &r);
     assert_int_equal(json_array_size(json_at(j, "choices.0.logprobs.content.1.top_logprobs")), 0);
     assert_true(real_at(j, "choices.0.logprobs.content.1.logprob") == fake_lp('s', 1, 0));
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     stop(&f);
     kvs_assert_no_leaks();
@@ -1381,6 +1389,8 @@ static void test_logprobs_completions(void **state)
         assert_true(json_real_value(json_object_get(d, next)) ==
                     fake_lp((uint8_t) tok[0], i, 0) - 0.5);
     }
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* logprobs 0: the chosen token alone in each dict. */
@@ -1388,6 +1398,8 @@ static void test_logprobs_completions(void **state)
                 &r);
     assert_int_equal(json_object_size(json_at(j, "choices.0.logprobs.top_logprobs.1")), 1);
     assert_true(real_at(j, "choices.0.logprobs.top_logprobs.1.b") == fake_lp('b', 1, 0));
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* Scoring: echo, logprobs 1, max_tokens 1. */
@@ -1407,6 +1419,8 @@ static void test_logprobs_completions(void **state)
     assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
     assert_true(rec.logprobs && rec.top_logprobs == 1 && rec.prompt_logprobs);
     char *want = json_dumps(lp, JSON_COMPACT);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* Streamed: the prompt and its logprobs first, then the completion's. */
@@ -1438,19 +1452,23 @@ static void test_logprobs_completions(void **state)
     json_t *wj = json_loads(want, 0, NULL);
     char *want_sorted = json_dumps(wj, JSON_COMPACT | JSON_SORT_KEYS);
     assert_string_equal(got, want_sorted);
-    free(got);
-    free(want);
-    free(want_sorted);
+    kvs_free(got);
+    kvs_free(want);
+    kvs_free(want_sorted);
     json_decref(wj);
     json_decref(merged);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
 
     /* Echo without logprobs; a stop string applies to the completion only. */
     j = call_ok(f.port, "/v1/completions",
-                "{\"prompt\":\"abc\",\"max_tokens\":5,\"echo\":true,\"stop\":\"b\"}", &r);
-    assert_string_equal(str_at(j, "choices.0.text"), "abca");
+                "{\"prompt\":\"abc\",\"max_tokens\":9,\"echo\":true,\"stop\":\"cab\"}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "abcab"); /* not the "cab" across the join */
     assert_true(json_is_null(json_at(j, "choices.0.logprobs")));
     assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     stop(&f);
     kvs_assert_no_leaks();
@@ -1468,13 +1486,19 @@ static void test_tokenize(void **state)
     assert_int_equal(int_at(j, "tokens.0"), 'h');
     assert_int_equal(int_at(j, "tokens.1"), 'i');
     assert_int_equal(int_at(j, "max_model_len"), 256);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     j = call_ok(f.port, "/tokenize", "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
     assert_int_equal(int_at(j, "count"), (json_int_t) strlen("user: hi\nassistant: "));
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     j = call_ok(f.port, "/tokenize", "{\"prompt\":[7,8,9]}", &r);
     assert_int_equal(int_at(j, "count"), 3);
     assert_int_equal(int_at(j, "tokens.2"), 9);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     /* A prompt longer than the context is counted, not refused. */
     char big[400] = "{\"prompt\":\"";
@@ -1482,12 +1506,18 @@ static void test_tokenize(void **state)
     strcpy(big + 311, "\"}");
     j = call_ok(f.port, "/tokenize", big, &r);
     assert_int_equal(int_at(j, "count"), 300);
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     j = call_ok(f.port, "/detokenize", "{\"tokens\":[104,105,256]}", &r);
     assert_string_equal(str_at(j, "prompt"), "hi"); /* the EOS renders as nothing */
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     j = call_ok(f.port, "/detokenize", "{\"tokens\":[195]}", &r);
     assert_string_equal(str_at(j, "prompt"), "\xef\xbf\xbd"); /* half a character: U+FFFD */
+    json_decref(j);
+    j = NULL;
     http_resp_fini(&r);
     stop(&f);
     kvs_assert_no_leaks();

@@ -985,7 +985,8 @@ static enum MHD_Result handle_generate(req_t *r)
     q.stream = r->api.stream;
     q.logprobs = r->api.logprobs;
     q.top_logprobs = r->api.top_logprobs;
-    q.prompt_logprobs = r->api.echo && r->api.logprobs;
+    /* A decode side has no logits of the prompt: the router takes them from the prefill side. */
+    q.prompt_logprobs = r->api.echo && r->api.logprobs && r->api.role != KVS_SERVER_ROLE_DECODE;
     if (r->api.echo && echo_prompt(r) != KVS_OK)
         return send_error(r, 500, "out of memory echoing the prompt", NULL, NULL);
     kvs_server_sink_t sink = {sink_token, sink_done, r, sink_prompt};

@@ -16,6 +16,19 @@
  *        >= 1), min_p [0, 1], repetition_penalty (0, 2] (over prompt and generated tokens),
  *        ignore_eos (the EOS does not end generation), stop_token_ids [ids]; greedy honours
  *        the bias and the penalties too (model/sample.c: the order they act in).
+ *        Logprobs, in OpenAI's shapes: chat "logprobs": true with "top_logprobs" [0, 20] gives
+ *        choices[0].logprobs {"content": [{"token", "logprob", "bytes", "top_logprobs":
+ *        [{"token", "logprob", "bytes"}]}]}; completions "logprobs" [0, 5] gives {"tokens",
+ *        "token_logprobs", "top_logprobs" (per token a dict of the top N texts and the chosen
+ *        one's), "text_offset" (characters)}; streamed, each chunk carries its tokens' entries.
+ *        A logprob is the log-softmax of the model's raw logits at that position, before
+ *        logit_bias, penalties and temperature (vLLM's default); stop token ids get no entry.
+ *        Completions "echo": true starts the text with the prompt's (streamed: a chunk of its
+ *        own); with logprobs, the prompt's tokens come first, the first one's logprob null, so
+ *        that echo + logprobs + max_tokens 1 scores a text. Prompt logprobs come from the
+ *        prefill pass (an lm-head over every prompt position of such a request); it computes
+ *        its whole prompt, past any radix hit (a cached prefix has no logits). A decode side
+ *        answers null for them: the router fills them in from the prefill side's answer.
  *        Extensions: "kvstage": {...} (below).
  *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
  *        "seed", "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage
@@ -25,6 +38,11 @@
  *        finish_reason only ever holds OpenAI's values ("stop", "length"; "handoff" on the
  *        prefill side of a room, which only the router sees).
  *   GET  /v1/models        the served model.
+ *   POST /tokenize         as vLLM: {"prompt": text or ids} or {"messages": [...]} (rendered
+ *                          with the chat template) -> {"tokens", "count", "max_model_len"}; a
+ *                          prompt beyond the context is counted, not refused.
+ *   POST /detokenize       {"tokens": [ids]} -> {"prompt": their text (invalid UTF-8 as
+ *                          U+FFFD)}.
  *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable"} when the backend's
  *                          health() fails or the server is stopping.
  *   GET  /metrics          Prometheus text format: counters kvstage_http_requests_total{code},

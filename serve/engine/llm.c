@@ -50,14 +50,14 @@ typedef struct {
     kvs_radix_node_t *inserted;
     uint32_t keep_from, keep_to;
     int cached_early;
-    uint32_t preempted; /* times sent back to the queue for want of pages */
+    uint32_t preempted;      /* times sent back to the queue for want of pages */
     uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
     int has_first_lp;        /* decode: the first token's logprobs came with it */
     kvs_logprobs_t first_lp;
-    int in_protocol;    /* added to the sender or receiver, not yet released */
-    int aborted;        /* abort sent to the sender or receiver */
-    int stop;           /* kvs_llm_stop reached this rank */
-    int local_fail;     /* this rank could not add the room to its sender or receiver */
+    int in_protocol; /* added to the sender or receiver, not yet released */
+    int aborted;     /* abort sent to the sender or receiver */
+    int stop;        /* kvs_llm_stop reached this rank */
+    int local_fail;  /* this rank could not add the room to its sender or receiver */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;
@@ -92,8 +92,8 @@ struct kvs_llm {
     float *raw;            /* [vocab] rank 0: a row's logits before sampling rewrites them */
     float *all_logits;     /* [all_cap][vocab] rank 0: every position of prompt-logprobs chunks */
     size_t all_cap;
-    double *agree;         /* [3 * max_running] */
-    uint8_t *wire;         /* broadcast assembly */
+    double *agree; /* [3 * max_running] */
+    uint8_t *wire; /* broadcast assembly */
     size_t wire_cap;
     int want_metrics;          /* rank 0: collect at the next step */
     kvs_pd_metrics_t instance; /* summed over the ranks at the last collection */
@@ -389,8 +389,7 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
         return KVS_ERR_NOSPACE;
     }
     const char *why = kvs_sample_params_invalid(&q->sampling, e->mc.vocab);
-    if (why == NULL && q->top_logprobs > KVS_LOGPROBS_TOP_MAX)
-        why = "top_logprobs must be 0..20";
+    if (why == NULL && q->top_logprobs > KVS_LOGPROBS_TOP_MAX) why = "top_logprobs must be 0..20";
     if (why == NULL && q->prompt_logprobs && !q->logprobs) why = "prompt logprobs need logprobs";
     if (why != NULL) {
         kvs_error("llm: room %llu: %s", (unsigned long long) q->room, why);
@@ -429,8 +428,8 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     put_f32(b + 52, sp->frequency_penalty);
     put_f32(b + 56, sp->repetition_penalty);
     /* bits 0-7: top_logprobs; bit 8: logprobs; bit 9: prompt logprobs */
-    kvs_put_u32(b + 60, q->top_logprobs | (q->logprobs ? 0x100u : 0) |
-                            (q->prompt_logprobs ? 0x200u : 0));
+    kvs_put_u32(b + 60,
+                q->top_logprobs | (q->logprobs ? 0x100u : 0) | (q->prompt_logprobs ? 0x200u : 0));
     uint8_t *at = b + REQ_FIXED;
     for (uint32_t i = 0; i < q->prompt_len; i++, at += 4) kvs_put_u32(at, q->prompt[i]);
     for (uint32_t i = 0; i < sp->n_bias; i++, at += 8) {
@@ -783,8 +782,7 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
         r->generated = 1;
         r->computed = r->req.prompt_len;
         r->ev.kv_ready_ns = r->ev.first_token_ns = kvs_now_ns();
-        emit_token(e, r, first,
-                   r->req.logprobs && r->has_first_lp ? &r->first_lp : NULL);
+        emit_token(e, r, first, r->req.logprobs && r->has_first_lp ? &r->first_lp : NULL);
         if (first == r->req.eos || r->req.max_new_tokens == 1) {
             finish(e, i, KVS_OK, first == r->req.eos ? KVS_LLM_FINISH_EOS : KVS_LLM_FINISH_LENGTH);
             continue;

@@ -12,16 +12,14 @@
  *               computed at once (early send), every pass reports computed/scheduled tokens, and
  *               the first token (sampled from the last prompt logits) is the room's final
  *               metadata, with its logprobs when the request asked (computed on every rank,
- *               as every rank sends the metadata: the logits are identical). Pages are freed (or kept by the radix cache) once every rank's sender
- *               concluded the room.
- *   DECODE    - radix match, pages for [base, prompt), kvstage receiver; once every rank
- *               received the KV (and the first token), the request joins the running batch:
- *               continuous batching, one token per request per pass, until max tokens, EOS or
- *               a stop; finished sequences go into the radix cache.
- * Logprobs: computed by rank 0 (the rank that reports events) from the logits after the
- * all-reduce, before sampling rewrites them; a decode engine reports the first token's from the
- * room's final metadata.
- * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on.
+ *               as every rank sends the metadata: the logits are identical). Pages are freed (or
+ * kept by the radix cache) once every rank's sender concluded the room. DECODE    - radix match,
+ * pages for [base, prompt), kvstage receiver; once every rank received the KV (and the first
+ * token), the request joins the running batch: continuous batching, one token per request per pass,
+ * until max tokens, EOS or a stop; finished sequences go into the radix cache. Logprobs: computed
+ * by rank 0 (the rank that reports events) from the logits after the all-reduce, before sampling
+ * rewrites them; a decode engine reports the first token's from the room's final metadata. Requests
+ * fail alone: a room that fails on any rank fails on all of them, and the others go on.
  *
  * Pages as the sequence grows (decode, colocated): admission takes pages for the prompt only;
  * a running sequence takes its next page when the token it feeds needs one, so max_new_tokens
@@ -155,8 +153,9 @@ void kvs_llm_destroy(kvs_llm_t *llm);
 /* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty prompt, prompt +
  * max_new_tokens above max_context, token id outside the vocabulary, max_new_tokens 0 where
  * tokens are generated, sampling parameters kvs_sample_params_invalid refuses, top_logprobs above
- * KVS_LOGPROBS_TOP_MAX or prompt_logprobs without logprobs, a room id already live; KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it
- * could never be admitted). Every rank admits it at the same later step. */
+ * KVS_LOGPROBS_TOP_MAX or prompt_logprobs without logprobs, a room id already live;
+ * KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it could never be
+ * admitted). Every rank admits it at the same later step. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
 /* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */

@@ -99,8 +99,7 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
             sp->top_k, (double) sp->min_p, (double) sp->presence_penalty,
             (double) sp->frequency_penalty, (double) sp->repetition_penalty,
             (unsigned long long) s->seed, (long long) s->eos,
-            s->logprobs ? (int) s->top_logprobs : -1,
-            s->prompt_logprobs ? 1 : 0, sp->n_bias);
+            s->logprobs ? (int) s->top_logprobs : -1, s->prompt_logprobs ? 1 : 0, sp->n_bias);
         for (uint32_t i = 0; i < sp->n_bias && !o.over; i++)
             put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
         put(&o, " %u", s->prompt_len);
@@ -768,8 +767,7 @@ static int get_logprobs(const obj_t *o, kvs_llm_event_t *e)
         uint64_t id;
         float v;
         if (n >= KVS_LOGPROBS_TOP_MAX) return -1;
-        if (next_u64(&c, &id) || id > UINT32_MAX || next_f32(&c, &v))
-            return -1;
+        if (next_u64(&c, &id) || id > UINT32_MAX || next_f32(&c, &v)) return -1;
         e->lp.top[n] = (kvs_token_logprob_t){.token = (uint32_t) id, .logprob = v};
         e->lp.n_top = n + 1;
     }

@@ -10,22 +10,18 @@
  *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
  *                         EOS: a token id, or -1 for none (ignore_eos sends -1); LOGPROBS -1
  *                         (none) or 0..20 alternatives per token, PROMPT_LOGPROBS 0 or 1
- *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs); B <= 300 logit
- *                         biases, each a token id and a float; N >= 1 prompt token ids. The
- *                         ranges are the engine's (kvs_sample_params_invalid): a submit outside
- *                         them is answered "rejected"
- *   stop ROOM             ends a live request at the next step
- *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
- *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
- *   stats                 the stats line below (with "final":false), after the next step: its
- *                         transfer counters (bytes_moved, chunks, retries, ring...) are then
- *                         summed over every rank of the instance (kvs_llm_collect_metrics);
- *                         answers asked after it wait behind it
- *   quit                  ends the instance once no request is live (or after quit_grace_ns);
- *                         end of file means the same
- * Lines are taken between steps, so an answer can wait for one forward pass. Every match and
- * stats line is answered by exactly one line, in the order asked, so a client pairs answers
- * with questions in order. It writes to out_fd one JSON object per line:
+ *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs); B <= 300
+ * logit biases, each a token id and a float; N >= 1 prompt token ids. The ranges are the engine's
+ * (kvs_sample_params_invalid): a submit outside them is answered "rejected" stop ROOM ends a live
+ * request at the next step match N ID_1 ... ID_N how many of these prompt tokens admission would
+ * find in the radix cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal) stats
+ * the stats line below (with "final":false), after the next step: its transfer counters
+ * (bytes_moved, chunks, retries, ring...) are then summed over every rank of the instance
+ * (kvs_llm_collect_metrics); answers asked after it wait behind it quit                  ends the
+ * instance once no request is live (or after quit_grace_ns); end of file means the same Lines are
+ * taken between steps, so an answer can wait for one forward pass. Every match and stats line is
+ * answered by exactly one line, in the order asked, so a client pairs answers with questions in
+ * order. It writes to out_fd one JSON object per line:
  *   {"event":"ready","role":R,"tp":T,"load_s":X}          engine up, peers bootstrapped
  *   {"event":"token","room":N,"token":ID,"index":I}         with logprobs asked, also
  *        "logprob":X,"top":"ID_1 X_1 ... ID_K X_K"         the token's and its K alternatives'
@@ -92,7 +88,7 @@ typedef struct {
      * sampling.bias points into the caller's bias buffer. */
     kvs_sample_params_t sampling;
     uint64_t seed;
-    int64_t eos;            /* a token id (< UINT32_MAX), or -1: none */
+    int64_t eos; /* a token id (< UINT32_MAX), or -1: none */
     /* kvs_llm_request_t's: LOGPROBS is -1 without logprobs, else top_logprobs */
     int logprobs;
     uint32_t top_logprobs;
@@ -152,8 +148,8 @@ typedef struct {
     uint32_t rank;       /* EV_STATS */
     double load_s;       /* EV_READY, EV_STATS (%.3f) */
     double wall_s;       /* EV_STATS (%.3f) */
-    /* EV_TOKEN, EV_PROMPT: room, token, index, has_logprobs and lp; EV_DONE: room, status, finish, prompt_len, cached_tokens,
-     * generated and the times; EV_REJECTED: room, status. */
+    /* EV_TOKEN, EV_PROMPT: room, token, index, has_logprobs and lp; EV_DONE: room, status, finish,
+     * prompt_len, cached_tokens, generated and the times; EV_REJECTED: room, status. */
     kvs_llm_event_t llm;
     uint32_t cached;          /* EV_MATCH */
     uint64_t match_len;       /* EV_MATCH: "prompt_len" (absent with "error") */

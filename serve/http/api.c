@@ -161,8 +161,7 @@ static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
 /* Chat: "logprobs" a boolean, "top_logprobs" 0..20 (only with logprobs true, as OpenAI);
  * completions: "logprobs" the alternatives, 0..5 (false: none), and "echo" (the prompt's text,
  * and with logprobs its tokens' logprobs, before the completion). */
-static kvs_status_t parse_logprobs(json_t *root, int chat, kvs__api_req_t *req,
-                                   kvs__api_err_t *err)
+static kvs_status_t parse_logprobs(json_t *root, int chat, kvs__api_req_t *req, kvs__api_err_t *err)
 {
     json_t *v = field(root, "logprobs");
     if (chat) {
@@ -171,8 +170,7 @@ static kvs_status_t parse_logprobs(json_t *root, int chat, kvs__api_req_t *req,
         json_int_t k = json_is_integer(v) ? json_integer_value(v) : -1;
         if (k < 0 || k > KVS__CHAT_TOP_LOGPROBS_MAX)
             return fail(err, 400, "top_logprobs", NULL,
-                        "'top_logprobs' must be an integer in [0, %d]",
-                        KVS__CHAT_TOP_LOGPROBS_MAX);
+                        "'top_logprobs' must be an integer in [0, %d]", KVS__CHAT_TOP_LOGPROBS_MAX);
         if (!req->logprobs && k > 0)
             return fail(err, 400, "top_logprobs", NULL,
                         "'top_logprobs' needs 'logprobs' set to true");
@@ -770,8 +768,8 @@ kvs_status_t kvs__api_tokenize(const kvs__api_limits_t *lim, const kvs_server_to
                                const char *body, size_t len, uint32_t **ids_p, uint32_t *n_p,
                                kvs__api_err_t *err)
 {
-    static const char *const known[] = {"model", "prompt", "messages", "add_special_tokens",
-                                        "add_generation_prompt", NULL};
+    static const char *const known[] = {
+        "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", NULL};
     json_t *root = small_body(body, len, known, lim, err);
     if (root == NULL) return err->status >= 500 ? KVS_ERR_NOMEM : KVS_ERR_INVALID;
     kvs__api_req_t req;

@@ -205,8 +205,7 @@ static void on_token(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
     pthread_mutex_unlock(&b->mu);
     /* Only this thread ends rooms, so r stays valid outside mu. */
     int empty = b->cfg.text_vocab != 0 && token >= b->cfg.text_vocab;
-    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0,
-                     ev->has_logprobs ? &ev->lp : NULL);
+    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0, ev->has_logprobs ? &ev->lp : NULL);
 }
 
 static void on_prompt(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
@@ -493,8 +492,8 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
                    .eos = q->n_stop_ids > 0 ? (int64_t) q->stop_ids[0] : -1,
                    .logprobs = q->logprobs,
                    .top_logprobs = q->top_logprobs,
-                   .prompt_logprobs = q->logprobs && q->prompt_logprobs &&
-                                      q->role != KVS_SERVER_ROLE_DECODE,
+                   .prompt_logprobs =
+                       q->logprobs && q->prompt_logprobs && q->role != KVS_SERVER_ROLE_DECODE,
                    .prompt_len = q->prompt_len,
                    .prompt = q->prompt}};
     size_t cap = kvs_rank_line_request_size(&line_q), n = 0;

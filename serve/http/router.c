@@ -232,8 +232,8 @@ typedef struct {
     kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
     char ctype[128];
     int done;
-    int dropped; 
-/* ended by the router before its answer came */
+    int dropped;
+    /* ended by the router before its answer came */
     CURLcode result;
     long status;
 } leg_t;
@@ -910,10 +910,9 @@ static enum MHD_Result send_error(job_t *j, unsigned status, const char *message
 {
     __atomic_add_fetch(&j->rt->http_codes[status < 600 ? status : 599], 1, __ATOMIC_RELAXED);
     const char *type = status >= 500 ? "server_error" : "invalid_request_error";
-    const char *allow = status != 405 ? NULL
-                        : j->ep == EP_MODELS || j->ep == EP_HEALTH || j->ep == EP_METRICS
-                            ? "GET"
-                            : "POST";
+    const char *allow = status != 405                                                     ? NULL
+                        : j->ep == EP_MODELS || j->ep == EP_HEALTH || j->ep == EP_METRICS ? "GET"
+                                                                                          : "POST";
     return kvs__http_send_error(j->conn, status, message, type, param, code,
                                 allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
 }

@@ -416,8 +416,7 @@ static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
         }
         return json_pack("{s:o, s:n}", "content", content, "refusal");
     }
-    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(),
-           *offs = json_array();
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     for (size_t i = from; i < to && tokens && lps && tops && offs; i++) {
         const lp_rec_t *e = &r->lps[i];
         const kvs_logprobs_t *lp = lp_of(r, e);
@@ -757,8 +756,7 @@ static void pump(req_t *r)
         }
         size_t old = r->text.len;
         kvs__sb_append(&r->text, piece, len);
-        if (r->api.logprobs)
-            lp_push(r, t->token, piece, len, 0, 0, t->has_lp ? &t->lp : NULL);
+        if (r->api.logprobs) lp_push(r, t->token, piece, len, 0, 0, t->has_lp ? &t->lp : NULL);
         if (r->api.n_stops == 0) continue;
         size_t from = old + 1 > max_stop ? old + 1 - max_stop : 0;
         if (from < r->emitted) from = r->emitted;

@@ -863,8 +863,7 @@ static void expect_same_logprobs(const outcome_t *a, const outcome_t *b)
             assert_int_equal(a->lp[p][t].n_top, b->lp[p][t].n_top);
             for (uint32_t k = 0; k < a->lp[p][t].n_top; k++) {
                 assert_int_equal(a->lp[p][t].top[k].token, b->lp[p][t].top[k].token);
-                assert_true(fabs(a->lp[p][t].top[k].logprob - b->lp[p][t].top[k].logprob) <=
-                            1e-4);
+                assert_true(fabs(a->lp[p][t].top[k].logprob - b->lp[p][t].top[k].logprob) <= 1e-4);
             }
         }
 }

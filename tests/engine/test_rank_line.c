@@ -110,7 +110,8 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = 4294967294ll;
     q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
+    req_round_trip(&q,
+                   "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
                    &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
 
@@ -156,9 +157,10 @@ static void test_request_literals(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     assert_int_equal(
-        req_decode("submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 -1 0 1 3 2.5 10 1 2 3 4 5 6 7 "
-                   "8 9 10",
-                   ids, 16, &q, &why),
+        req_decode(
+            "submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 -1 0 1 3 2.5 10 1 2 3 4 5 6 7 "
+            "8 9 10",
+            ids, 16, &q, &why),
         KVS_OK);
     assert_int_equal(q.submit.room, 5);
     assert_int_equal(q.submit.max_new, 5);
@@ -213,22 +215,22 @@ static void test_bad_requests(void **state)
          "submit needs"},
         {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "submit"},
+        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit"},
         {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "submit needs"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "EOS"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 4294967296", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "EOS"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 4294967296", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "prompt token ids"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
         {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "submit needs"},
+        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit needs"},
         {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
@@ -257,8 +259,8 @@ static void test_bad_requests(void **state)
          "prompt length"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
          "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
-         "prompt"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_NOSPACE, "prompt"},
         {"match 5 1 2 3 4 5", KVS_RANK_LINE_MATCH, KVS_ERR_NOSPACE, "match: more token ids"},
         {"match 5 1 2 3 4 x", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
     };

@@ -224,9 +224,9 @@ static void test_lines_and_events(void **state)
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_INVALID); /* live */
     char line[512];
     next_line(&f, line, sizeof(line));
-    assert_string_equal(line,
-                        "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 -1 0 2 3 -1.5 99 100 10 "
-                        "1 2 3 4 5 6 7 8 9 10");
+    assert_string_equal(
+        line, "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 -1 0 2 3 -1.5 99 100 10 "
+              "1 2 3 4 5 6 7 8 9 10");
 
     /* Tokens, then the second stop id: reported, a stop sent, later tokens dropped. */
     say(&f, "{\"event\":\"token\",\"room\":5,\"token\":11,\"index\":0}\n"

@@ -657,8 +657,7 @@ static void test_router_logprobs(void **state)
               "{\"prompt\":\"abc\",\"max_tokens\":2,\"logprobs\":1,\"echo\":true}", &r);
     assert_int_equal(r.status, 200);
     json_t *j = http_json(&r);
-    assert_string_equal(
-        str_of(json_array_get(json_object_get(j, "choices"), 0), "text"), "abcab");
+    assert_string_equal(str_of(json_array_get(json_object_get(j, "choices"), 0), "text"), "abcab");
     json_t *lp = lp_at(j);
     json_t *v = json_object_get(lp, "token_logprobs"), *t = json_object_get(lp, "top_logprobs");
     assert_int_equal(json_array_size(v), 5);

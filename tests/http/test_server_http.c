@@ -737,8 +737,7 @@ static void test_bad_inputs(void **state)
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}", 400,
          "max_completion_tokens"},
         {NULL, "/v1/chat/completions",
-         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":1}", 400,
-         "logprobs"},
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":1}", 400, "logprobs"},
         {NULL, "/v1/chat/completions",
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
          "\"top_logprobs\":21}",
@@ -781,9 +780,8 @@ static void test_bad_inputs(void **state)
                      c->status, r.body.ptr);
         expect_error_json(&r, c->status, "invalid_request_error", c->param);
         if (c->status == 405)
-            assert_string_equal(r.allow, strstr(c->path, "/v1/") || strstr(c->path, "tokenize")
-                                             ? "POST"
-                                             : "GET");
+            assert_string_equal(
+                r.allow, strstr(c->path, "/v1/") || strstr(c->path, "tokenize") ? "POST" : "GET");
         http_resp_fini(&r);
     }
     kvs_server_fake_counts_t counts;

@@ -10,18 +10,22 @@
  *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
  *                         EOS: a token id, or -1 for none (ignore_eos sends -1); LOGPROBS -1
  *                         (none) or 0..20 alternatives per token, PROMPT_LOGPROBS 0 or 1
- *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs); B <= 300
- * logit biases, each a token id and a float; N >= 1 prompt token ids. The ranges are the engine's
- * (kvs_sample_params_invalid): a submit outside them is answered "rejected" stop ROOM ends a live
- * request at the next step match N ID_1 ... ID_N how many of these prompt tokens admission would
- * find in the radix cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal) stats
- * the stats line below (with "final":false), after the next step: its transfer counters
- * (bytes_moved, chunks, retries, ring...) are then summed over every rank of the instance
- * (kvs_llm_collect_metrics); answers asked after it wait behind it quit                  ends the
- * instance once no request is live (or after quit_grace_ns); end of file means the same Lines are
- * taken between steps, so an answer can wait for one forward pass. Every match and stats line is
- * answered by exactly one line, in the order asked, so a client pairs answers with questions in
- * order. It writes to out_fd one JSON object per line:
+ *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs);
+ *                         B <= 300 logit biases, each a token id and a float; N >= 1 prompt
+ *                         token ids. The ranges are the engine's (kvs_sample_params_invalid):
+ *                         a submit outside them is answered "rejected"
+ *   stop ROOM             ends a live request at the next step
+ *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
+ *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
+ *   stats                 the stats line below (with "final":false), after the next step: its
+ *                         transfer counters (bytes_moved, chunks, retries, ring...) are then
+ *                         summed over every rank of the instance (kvs_llm_collect_metrics);
+ *                         answers asked after it wait behind it
+ *   quit                  ends the instance once no request is live (or after quit_grace_ns);
+ *                         end of file means the same
+ * Lines are taken between steps, so an answer can wait for one forward pass. Every match and
+ * stats line is answered by exactly one line, in the order asked, so a client pairs answers
+ * with questions in order. It writes to out_fd one JSON object per line:
  *   {"event":"ready","role":R,"tp":T,"load_s":X}          engine up, peers bootstrapped
  *   {"event":"token","room":N,"token":ID,"index":I}         with logprobs asked, also
  *        "logprob":X,"top":"ID_1 X_1 ... ID_K X_K"         the token's and its K alternatives'

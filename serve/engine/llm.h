@@ -11,15 +11,17 @@
  *               room is added to the kvstage sender at admission, the cached prefix counts as
  *               computed at once (early send), every pass reports computed/scheduled tokens, and
  *               the first token (sampled from the last prompt logits) is the room's final
- *               metadata, with its logprobs when the request asked (computed on every rank,
- *               as every rank sends the metadata: the logits are identical). Pages are freed (or
- * kept by the radix cache) once every rank's sender concluded the room. DECODE    - radix match,
- * pages for [base, prompt), kvstage receiver; once every rank received the KV (and the first
- * token), the request joins the running batch: continuous batching, one token per request per pass,
- * until max tokens, EOS or a stop; finished sequences go into the radix cache. Logprobs: computed
- * by rank 0 (the rank that reports events) from the logits after the all-reduce, before sampling
- * rewrites them; a decode engine reports the first token's from the room's final metadata. Requests
- * fail alone: a room that fails on any rank fails on all of them, and the others go on.
+ *               metadata, with its logprobs when the request asked (computed on every
+ *               rank, as every rank sends the metadata: the logits are identical). Pages are
+ *               freed (or kept by the radix cache) once every rank's sender concluded the room.
+ *   DECODE    - radix match, pages for [base, prompt), kvstage receiver; once every rank
+ *               received the KV (and the first token), the request joins the running batch:
+ *               continuous batching, one token per request per pass, until max tokens, EOS or
+ *               a stop; finished sequences go into the radix cache.
+ * Logprobs: computed by rank 0 (the rank that reports events) from the logits after the
+ * all-reduce, before sampling rewrites them; a decode engine reports the first token's from the
+ * room's final metadata.
+ * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on.
  *
  * Pages as the sequence grows (decode, colocated): admission takes pages for the prompt only;
  * a running sequence takes its next page when the token it feeds needs one, so max_new_tokens

@@ -41,11 +41,11 @@
  * the prefill failure answered; the client leaving (or the router stopping) cancels both.
  *
  * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST
- * /tokenize and POST /detokenize (these three proxied to a live decode server, as they are), GET
- * /health (200 when at least one prefill and one decode server are live, else 503), GET /metrics
- * (kvstage_router_* series: HTTP codes, requests, in flight, cancels sent, KV bytes and a
- * handoff-time histogram from the servers' reports, and per server up, chosen, failures, prefix
- * hits). */
+ * /tokenize and POST /detokenize (these three proxied to a live decode server, as they are),
+ * GET /health (200 when at least one prefill and one decode server are live, else 503), GET
+ * /metrics (kvstage_router_* series: HTTP codes, requests, in flight, cancels sent, KV bytes
+ * and a handoff-time histogram from the servers' reports, and per server up, chosen, failures,
+ * prefix hits). */
 #ifndef KVSTAGE_ROUTER_H
 #define KVSTAGE_ROUTER_H
 

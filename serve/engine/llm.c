@@ -24,6 +24,9 @@
 #define PIECE_BYTES  65536 /* broadcast piece; the group's max_bytes must be at least this */
 #define HEADER_BYTES 32
 #define REQ_FIXED    64 /* bytes of one request in the broadcast, before its tokens */
+/* Prompt positions per pass whose logits rank 0 keeps for prompt logprobs ([rows][vocab] floats:
+ * 24 MiB for a vocabulary of 49152); longer chunks of such requests wait for the next pass. */
+#define PROMPT_LP_ROWS 128
 
 typedef enum {
     RQ_QUEUED = 0, /* waiting for pages */
@@ -1077,7 +1080,7 @@ static void report_prompt(kvs_llm_t *e, rq_t *r, const kvs_model_seq_t *s)
 
 static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
 {
-    uint32_t nseq = 0, budget = e->cfg.batch_tokens;
+    uint32_t nseq = 0, budget = e->cfg.batch_tokens, lp_rows = PROMPT_LP_ROWS;
     for (uint32_t i = 0; i < e->nrqs && nseq < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         kvs_model_seq_t *s = &e->seqs[nseq];
@@ -1085,6 +1088,12 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
             uint32_t n = r->ntokens - r->computed; /* the prompt, or a recompute */
             if (n > e->cfg.chunk_tokens) n = e->cfg.chunk_tokens;
             if (n > budget) n = budget;
+            /* Every rank makes the same cut: the flag is broadcast with the request. */
+            if (r->req.prompt_logprobs && r->generated == 0) {
+                if (lp_rows == 0) continue;
+                if (n > lp_rows) n = lp_rows;
+                lp_rows -= n;
+            }
             budget -= n;
             *s = (kvs_model_seq_t){.tokens = r->tokens + r->computed,
                                    .n = n,

@@ -84,7 +84,8 @@ typedef struct {
     uint32_t top_logprobs; /* 0..KVS_LOGPROBS_TOP_MAX */
     /* With logprobs: also an EV_PROMPT for every prompt position from 1 (the logits of
      * every prompt position, computed in the prefill pass). Such a request does not use the
-     * radix cache for its prompt (a cached prefix has no logits): it computes it whole. */
+     * radix cache for its prompt (a cached prefix has no logits): it computes it whole, at
+     * most 128 positions of such prompts per pass (their logits are kept for the pass). */
     int prompt_logprobs;
 } kvs_llm_request_t;
 

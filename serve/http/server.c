@@ -436,15 +436,17 @@ static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
             kvs__sb_init(&key);
             kvs__utf8_sanitize(&key, s, n);
             /* Texts that collide keep the likelier. */
-            if (key.ptr && json_object_get(d, key.ptr) == NULL)
-                json_object_set_new(d, key.ptr, json_real(lp->top[k].logprob));
+            const char *ks = key.ptr ? key.ptr : ""; /* a control token's text is empty */
+            if (!key.oom && json_object_get(d, ks) == NULL)
+                json_object_set_new(d, ks, json_real(lp->top[k].logprob));
             kvs__sb_fini(&key);
         }
         kvs__sb_t key;
         kvs__sb_init(&key);
         kvs__utf8_sanitize(&key, pieces + e->piece_off, e->piece_len);
-        if (d && json_object_get(d, key.ptr ? key.ptr : "") == NULL)
-            json_object_set_new(d, key.ptr ? key.ptr : "", json_real(lp->logprob));
+        const char *ks = key.ptr ? key.ptr : "";
+        if (d && !key.oom && json_object_get(d, ks) == NULL)
+            json_object_set_new(d, ks, json_real(lp->logprob));
         kvs__sb_fini(&key);
         json_array_append_new(tops, d);
     }

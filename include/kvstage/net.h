@@ -43,8 +43,11 @@ typedef struct {
     const char *net_device; /* UCX_NET_DEVICES for TCP (e.g. "lo"); NULL: UCX's choice */
     /* Decode: the bootstrap registry the peers' endpoints came from, or NULL. When a prefill
      * rank's heartbeats announce another endpoint than the one configured (it restarted on a
-     * new port before this rank ever heard it), the link asks the registry again, at most once
-     * a second per rank, waiting at most 50 ms. Copied. */
+     * new port before this rank ever heard it), or it has been silent for a second or more (a
+     * prefill instance restarted on new ports, which knows nothing of this rank), the link asks
+     * the registry again, at most once a second per rank, waiting at most 50 ms; a new endpoint
+     * is connected at once, so the restarted instance hears this rank's heartbeats and serves
+     * its rooms without a restart of this side. Copied. */
     const char *registry;
     /* Where this rank's pool (and so its ring or staging buffers) lives. With KVS_MEM_DEVICE
      * the data plane to a peer whose ring is on a GPU is CUDA IPC (kvstage/cuda_ipc.h: NVLink

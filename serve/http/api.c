@@ -37,6 +37,9 @@ static const char *const k_chat_fields[] = {
     "messages",    "max_completion_tokens", "top_logprobs", "response_format", "tools",
     "tool_choice", "parallel_tool_calls",   "store",        "metadata",        NULL,
 };
+static const char *const k_message_fields[] = {"role", "content", "name", NULL};
+static const char *const k_stream_options_fields[] = {"include_usage", NULL};
+static const char *const k_kvstage_fields[] = {"room", "role", "bootstrap", "prefill", NULL};
 
 #define BAD_REQUEST "invalid_request_error"
 
@@ -240,6 +243,60 @@ static kvs_status_t parse_logit_bias(json_t *root, const kvs_server_tokenizer_t 
     return KVS_OK;
 }
 
+/* ---- unknown fields ---- */
+
+/* Appends prefix + key to the list, as it will appear in a header. */
+static void ignored_add(kvs__api_ignored_t *ign, const char *prefix, const char *key)
+{
+    ign->n++;
+    if (ign->truncated) return;
+    static const char more[] = ", ...";
+    char name[KVS__IGNORED_CAP];
+    size_t n = 0;
+    for (int part = 0; part < 2; part++) {
+        for (const unsigned char *c = (const unsigned char *) (part ? key : prefix);
+             *c && n + 4 < sizeof(name); c++) {
+            if (*c < 0x21 || *c > 0x7E || *c == '%' || *c == ',')
+                n += (size_t) snprintf(name + n, sizeof(name) - n, "%%%02X", *c);
+            else
+                name[n++] = (char) *c;
+        }
+    }
+    if (n == 0) n = (size_t) snprintf(name, sizeof(name), "\"\""); /* the empty key */
+    name[n] = '\0';
+    size_t len = strlen(ign->names);
+    size_t sep = len ? 2 : 0;
+    if (len + sep + n + sizeof(more) > sizeof(ign->names)) {
+        snprintf(ign->names + len, sizeof(ign->names) - len, "%s", len ? more : more + 2);
+        ign->truncated = 1;
+        return;
+    }
+    snprintf(ign->names + len, sizeof(ign->names) - len, "%s%s", sep ? ", " : "", name);
+}
+
+/* The members of obj outside known (and known2): refused when strict, else listed (and, with
+ * remove, deleted). */
+static kvs_status_t check_object(json_t *obj, const char *prefix, const char *const *known,
+                                 const char *const *known2, int strict, int remove,
+                                 kvs__api_ignored_t *ign, kvs__api_err_t *err)
+{
+    const char *key;
+    json_t *val;
+    void *tmp;
+    json_object_foreach_safe(obj, tmp, key, val)
+    {
+        if (in_list(known, key) || (known2 != NULL && in_list(known2, key))) continue;
+        if (strict) {
+            char param[sizeof(err->param)];
+            snprintf(param, sizeof(param), "%s%s", prefix, key);
+            return fail(err, 400, param, "unknown_field", "unknown field '%s%s'", prefix, key);
+        }
+        ignored_add(ign, prefix, key);
+        if (remove) json_object_del(obj, key);
+    }
+    return KVS_OK;
+}
+
 /* The sampling knobs (model/model.h), each refused outside its range by name. */
 static kvs_status_t parse_sampling(json_t *root, const kvs_server_tokenizer_t *tok,
                                    kvs__api_req_t *req, kvs__api_err_t *err)
@@ -277,6 +334,37 @@ static kvs_status_t parse_sampling(json_t *root, const kvs_server_tokenizer_t *t
         req->seed = kvs__random_seed();
     }
     return parse_logit_bias(root, tok, req, err);
+}
+
+kvs_status_t kvs__api_check_fields(json_t *root, int chat, int strict, int remove,
+                                   kvs__api_ignored_t *ign, kvs__api_err_t *err)
+{
+    if (!json_is_object(root))
+        return fail(err, 400, NULL, NULL, "the request body must be a JSON object");
+    /* The other endpoint's input is a request sent to the wrong endpoint, not an extension. */
+    const char *wrong = chat ? "prompt" : "messages";
+    if (json_object_get(root, wrong) != NULL)
+        return fail(err, 400, wrong, "wrong_endpoint",
+                    "'%s' belongs to %s requests; this endpoint takes '%s'", wrong,
+                    chat ? "/v1/completions" : "/v1/chat/completions",
+                    chat ? "messages" : "prompt");
+    kvs_status_t st =
+        check_object(root, "", k_common_fields, chat ? k_chat_fields : k_completion_fields, strict,
+                     remove, ign, err);
+    json_t *v = json_object_get(root, "messages");
+    for (size_t i = 0; chat && st == KVS_OK && i < json_array_size(v); i++) {
+        json_t *m = json_array_get(v, i);
+        char prefix[40];
+        snprintf(prefix, sizeof(prefix), "messages[%zu].", i);
+        if (json_is_object(m))
+            st = check_object(m, prefix, k_message_fields, NULL, strict, remove, ign, err);
+    }
+    if (st == KVS_OK && json_is_object(v = json_object_get(root, "stream_options")))
+        st = check_object(v, "stream_options.", k_stream_options_fields, NULL, strict, remove, ign,
+                          err);
+    if (st == KVS_OK && json_is_object(v = json_object_get(root, "kvstage")))
+        st = check_object(v, "kvstage.", k_kvstage_fields, NULL, strict, remove, ign, err);
+    return st;
 }
 
 static kvs_status_t parse_stops(json_t *root, kvs__api_req_t *req, kvs__api_err_t *err)
@@ -346,17 +434,6 @@ static kvs_status_t parse_kvstage(json_t *root, kvs__api_req_t *req, kvs__api_er
     json_t *v = field(root, "kvstage");
     if (v == NULL) return KVS_OK;
     if (!json_is_object(v)) return fail(err, 400, "kvstage", NULL, "'kvstage' must be an object");
-    const char *key;
-    json_t *val;
-    json_object_foreach(v, key, val)
-    {
-        if (strcmp(key, "room") != 0 && strcmp(key, "role") != 0 && strcmp(key, "bootstrap") != 0 &&
-            strcmp(key, "prefill") != 0) {
-            char param[64];
-            snprintf(param, sizeof(param), "kvstage.%s", key);
-            return fail(err, 400, param, "unknown_field", "unknown field '%s'", param);
-        }
-    }
     json_t *room = json_object_get(v, "room");
     if (!json_is_integer(room) || json_integer_value(room) < 0 ||
         (uint64_t) json_integer_value(room) >= (UINT64_C(1) << 62))
@@ -515,19 +592,6 @@ static kvs_status_t parse_messages(json_t *root, const kvs_server_tokenizer_t *t
             st = fail(err, 400, param, NULL, "'%s' must be an object", param);
             break;
         }
-        const char *key;
-        json_t *val;
-        json_object_foreach(m, key, val)
-        {
-            if (strcmp(key, "role") != 0 && strcmp(key, "content") != 0 &&
-                strcmp(key, "name") != 0) {
-                char p2[96];
-                snprintf(p2, sizeof(p2), "%s.%s", param, key);
-                st = fail(err, 400, p2, "unknown_field", "unknown field '%s'", p2);
-                break;
-            }
-        }
-        if (st != KVS_OK) break;
         const char *role = json_string_value(json_object_get(m, "role"));
         if (role == NULL || (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
                              strcmp(role, "assistant") != 0 && strcmp(role, "developer") != 0)) {
@@ -617,16 +681,8 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
                                  const kvs_server_tokenizer_t *tok, int chat, kvs__api_req_t *req,
                                  kvs__api_err_t *err)
 {
-    if (!json_is_object(root))
-        return fail(err, 400, NULL, NULL, "the request body must be a JSON object");
-    const char *key;
-    json_t *val;
-    json_object_foreach(root, key, val)
-    {
-        if (!in_list(k_common_fields, key) &&
-            !in_list(chat ? k_chat_fields : k_completion_fields, key))
-            return fail(err, 400, key, "unknown_field", "unknown field '%s'", key);
-    }
+    kvs_status_t st = kvs__api_check_fields(root, chat, lim->strict, 0, &req->ignored, err);
+    if (st != KVS_OK) return st;
     json_t *v = field(root, "model");
     if (v != NULL) {
         if (!json_is_string(v)) return fail(err, 400, "model", NULL, "'model' must be a string");
@@ -634,8 +690,7 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
             return fail(err, 404, "model", "model_not_found", "the model '%s' does not exist",
                         json_string_value(v));
     }
-    kvs_status_t st = check_neutral(root, chat, err);
-    if (st != KVS_OK) return st;
+    if ((st = check_neutral(root, chat, err)) != KVS_OK) return st;
     if ((st = parse_logprobs(root, chat, req, err)) != KVS_OK) return st;
     if ((st = parse_sampling(root, tok, req, err)) != KVS_OK) return st;
     int ignore_eos = 0;
@@ -647,12 +702,6 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
         if (!req->stream)
             return fail(err, 400, "stream_options", NULL,
                         "'stream_options' is only allowed when 'stream' is true");
-        json_object_foreach(v, key, val)
-        {
-            if (strcmp(key, "include_usage") != 0)
-                return fail(err, 400, "stream_options", "unknown_field",
-                            "unknown field 'stream_options.%s'", key);
-        }
         if ((st = get_bool(v, "include_usage", &req->include_usage, err)) != KVS_OK) {
             snprintf(err->param, sizeof(err->param), "stream_options.include_usage");
             return st;
@@ -721,7 +770,8 @@ const char *kvs__finish_name(kvs_server_finish_t finish)
     return "error";
 }
 
-/* The body of /tokenize or /detokenize as an object whose fields are all in `known`. */
+/* The body of /tokenize or /detokenize as an object; a field not in `known` is refused when
+ * strict, else ignored with a warning (the first one named). */
 static json_t *small_body(const char *body, size_t len, const char *const *known,
                           const kvs__api_limits_t *lim, kvs__api_err_t *err)
 {
@@ -747,10 +797,12 @@ static json_t *small_body(const char *body, size_t len, const char *const *known
             break;
         }
     }
-    if (bad != NULL) {
+    if (bad != NULL && lim->strict) {
         fail(err, 400, bad, "unknown_field", "unknown field '%s'", bad);
         goto refuse;
     }
+    if (bad != NULL)
+        kvs_warn("server: ignored an unknown field of a (de)tokenize request: %s", bad);
     json_t *m = field(root, "model");
     if (m != NULL && (!json_is_string(m) ||
                       (lim->model != NULL && strcmp(json_string_value(m), lim->model) != 0))) {

@@ -38,11 +38,14 @@ typedef enum {
     EP_COMPLETIONS,
     EP_CHAT,
     EP_MODELS,
+    EP_MODEL, /* /v1/models/{id} */
     EP_HEALTH,
     EP_METRICS,
     EP_TOKENIZE,
     EP_DETOKENIZE,
 } ep_t;
+
+#define MODEL_PREFIX "/v1/models/"
 
 struct kvs_router {
     rserver_t *servers[2]; /* [n[side]] */
@@ -51,6 +54,9 @@ struct kvs_router {
     uint64_t rr[2]; /* atomic round-robin positions */
     uint32_t health_interval_ms, connect_timeout_ms, request_timeout_ms, match_timeout_ms;
     size_t max_body;
+    int strict;
+    char *api_key;      /* required of clients, or NULL */
+    char *server_key;   /* sent to the servers, or NULL */
     uint64_t next_room; /* atomic */
     struct MHD_Daemon *daemon;
     uint16_t port;
@@ -83,11 +89,14 @@ typedef struct {
     struct MHD_Connection *conn;
     ep_t ep;
     int method_ok;
+    int authorized;
     char method[8];
     char path[64];
+    char *proxy_path; /* EP_MODEL: the path asked of a server (the id escaped again) */
     kvs__body_t body;
     int body_oom;
-    json_t *root; /* the client's body, parsed */
+    json_t *root; /* the client's body, parsed (unknown fields removed) */
+    kvs__api_ignored_t ignored;
 
     pthread_mutex_t mu;
     int refs;
@@ -142,6 +151,7 @@ static void job_unref(job_t *j)
     pthread_mutex_unlock(&j->mu);
     if (!last) return;
     kvs__body_fini(&j->body);
+    kvs_free(j->proxy_path);
     json_decref(j->root);
     kvs__sb_fini(&j->buf);
     kvs__sb_fini(&j->part);
@@ -188,8 +198,13 @@ static void job_fail(job_t *j, unsigned status, const char *code, const char *fm
             j->fail_code = code;
             snprintf(j->fail_msg, sizeof(j->fail_msg), "%s", msg);
         } else if (strncmp(j->ctype, "text/event-stream", 17) == 0) {
+            /* An error event after the last whole one, and no [DONE]: clients read [DONE] as
+             * success. A partial event from the server is dropped. */
             char *err = kvs__json_error(msg, "server_error", NULL, code);
+            kvs__sb_consume(&j->part, j->part.len); /* an event cut short is dropped */
+            kvs__sb_consume(&j->held, j->held.len);
             kvs__sb_printf(&j->buf, "data: %s\n\n", err ? err : "{}"); /* no [DONE] */
+            if (err == NULL || j->buf.oom) j->broken = 1;
             kvs_free(err);
         } else {
             j->broken = 1;
@@ -347,9 +362,10 @@ static void leg_fini(leg_t *leg)
     memset(leg, 0, sizeof(*leg));
 }
 
-/* Sets up a request to server + path; payload (owned from now on) NULL means GET. */
-static kvs_status_t leg_init(leg_t *leg, job_t *j, rserver_t *s, const char *path, char *payload,
-                             uint32_t timeout_ms, int to_client)
+/* Sets up a request to server + path (with the router's key for the servers, if any); payload
+ * (owned from now on) NULL means GET. */
+static kvs_status_t leg_init(leg_t *leg, kvs_router_t *rt, job_t *j, rserver_t *s, const char *path,
+                             char *payload, uint32_t timeout_ms, int to_client)
 {
     memset(leg, 0, sizeof(*leg));
     leg->job = j;
@@ -371,15 +387,22 @@ static kvs_status_t leg_init(leg_t *leg, job_t *j, rserver_t *s, const char *pat
     curl_easy_setopt(e, CURLOPT_HEADERDATA, leg);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, leg_write);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, leg);
-    if (payload != NULL) {
-        leg->headers = curl_slist_append(NULL, "Content-Type: application/json");
-        struct curl_slist *h2 = leg->headers ? curl_slist_append(leg->headers, "Expect:") : NULL;
-        if (h2 == NULL) {
+    const char *key = rt->server_key;
+    char auth[1100];
+    snprintf(auth, sizeof(auth), "Authorization: Bearer %s", key ? key : "");
+    const char *lines[] = {payload ? "Content-Type: application/json" : NULL,
+                           payload ? "Expect:" : NULL, key ? auth : NULL};
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]); i++) {
+        if (lines[i] == NULL) continue;
+        struct curl_slist *h = curl_slist_append(leg->headers, lines[i]);
+        if (h == NULL) {
             kvs_error("router: no memory for the headers of %s", url);
             return KVS_ERR_NOMEM;
         }
-        leg->headers = h2;
-        curl_easy_setopt(e, CURLOPT_HTTPHEADER, leg->headers);
+        leg->headers = h;
+    }
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, leg->headers);
+    if (payload != NULL) {
         curl_easy_setopt(e, CURLOPT_POSTFIELDS, payload);
         curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE, (long) strlen(payload));
     }
@@ -488,7 +511,7 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
         if (payload == NULL) continue;
         memcpy(payload, j->body.data, j->body.len);
         payload[j->body.len] = '\0';
-        if (leg_init(&legs[i], j, s, "/internal/match", payload, rt->match_timeout_ms, 0) !=
+        if (leg_init(&legs[i], rt, j, s, "/internal/match", payload, rt->match_timeout_ms, 0) !=
             KVS_OK) {
             leg_fini(&legs[i]);
             continue;
@@ -777,8 +800,8 @@ static void run_generate(job_t *j)
     char *bp = forward_body(j, room, KVS_ROUTER_PREFILL, pre, seed);
     char *bd = forward_body(j, room, KVS_ROUTER_DECODE, pre, seed);
     if (multi == NULL || bp == NULL || bd == NULL ||
-        leg_init(&lp, j, pre, path, bp, rt->request_timeout_ms, 0) != KVS_OK ||
-        leg_init(&ld, j, dec, path, bd, rt->request_timeout_ms, 1) != KVS_OK) {
+        leg_init(&lp, rt, j, pre, path, bp, rt->request_timeout_ms, 0) != KVS_OK ||
+        leg_init(&ld, rt, j, dec, path, bd, rt->request_timeout_ms, 1) != KVS_OK) {
         if (lp.payload != bp) kvs_free(bp);
         if (ld.payload != bd) kvs_free(bd);
         job_fail(j, 500, NULL, "out of memory forwarding room %llu", (unsigned long long) room);
@@ -863,7 +886,7 @@ static void run_proxy(job_t *j, const char *path, int post)
         payload[j->body.len] = '\0';
     }
     if (multi == NULL || (post && payload == NULL) ||
-        leg_init(&leg, j, dec, path, payload, rt->request_timeout_ms, 1) != KVS_OK) {
+        leg_init(&leg, rt, j, dec, path, payload, rt->request_timeout_ms, 1) != KVS_OK) {
         if (multi == NULL || (post && payload == NULL)) kvs_free(payload);
         if (multi) leg_fini(&leg);
         if (multi) curl_multi_cleanup(multi);
@@ -891,6 +914,8 @@ static void *job_thread(void *arg)
     kvs_router_t *rt = j->rt;
     if (j->ep == EP_MODELS)
         run_proxy(j, "/v1/models", 0);
+    else if (j->ep == EP_MODEL)
+        run_proxy(j, j->proxy_path, 0);
     else if (j->ep == EP_TOKENIZE || j->ep == EP_DETOKENIZE)
         run_proxy(j, j->ep == EP_TOKENIZE ? "/tokenize" : "/detokenize", 1);
     else
@@ -905,16 +930,37 @@ static void *job_thread(void *arg)
 
 /* ---- the client's side ---- */
 
+/* The headers of every answer to j: the unknown fields its body carried. */
+static const char *const *answer_headers(const job_t *j, const char *h[3])
+{
+    if (j->ignored.n == 0) return NULL;
+    h[0] = KVS_SERVER_IGNORED_HEADER;
+    h[1] = j->ignored.names;
+    h[2] = NULL;
+    return h;
+}
+
 static enum MHD_Result send_error(job_t *j, unsigned status, const char *message, const char *param,
                                   const char *code)
 {
     __atomic_add_fetch(&j->rt->http_codes[status < 600 ? status : 599], 1, __ATOMIC_RELAXED);
     const char *type = status >= 500 ? "server_error" : "invalid_request_error";
-    const char *allow = status != 405                                                     ? NULL
-                        : j->ep == EP_MODELS || j->ep == EP_HEALTH || j->ep == EP_METRICS ? "GET"
-                                                                                          : "POST";
-    return kvs__http_send_error(j->conn, status, message, type, param, code,
-                                allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
+    const char *h[3];
+    const char *const *headers = answer_headers(j, h);
+    if (status == 405) {
+        h[0] = MHD_HTTP_HEADER_ALLOW;
+        h[1] = j->ep == EP_MODELS || j->ep == EP_MODEL || j->ep == EP_HEALTH || j->ep == EP_METRICS
+                   ? "GET"
+                   : "POST";
+        h[2] = NULL;
+        headers = h;
+    } else if (status == 401) {
+        h[0] = MHD_HTTP_HEADER_WWW_AUTHENTICATE;
+        h[1] = "Bearer";
+        h[2] = NULL;
+        headers = h;
+    }
+    return kvs__http_send_error(j->conn, status, message, type, param, code, headers);
 }
 
 static ssize_t job_read(void *cls, uint64_t pos, char *buf, size_t max)
@@ -923,6 +969,8 @@ static ssize_t job_read(void *cls, uint64_t pos, char *buf, size_t max)
     job_t *j = cls;
     pthread_mutex_lock(&j->mu);
     ssize_t ret;
+    /* An event stream's buf holds whole events only (take_decode_bytes keeps the rest in part),
+     * so that a failure can follow any of them. */
     if (j->buf.len > 0) {
         size_t n = j->buf.len < max ? j->buf.len : max;
         memcpy(buf, j->buf.ptr, n);
@@ -965,7 +1013,9 @@ static enum MHD_Result answer(job_t *j)
         enum MHD_Result r;
         if (pass) {
             __atomic_add_fetch(&rt->http_codes[status < 600 ? status : 599], 1, __ATOMIC_RELAXED);
-            r = kvs__http_send(j->conn, status, "application/json", pass, strlen(pass));
+            const char *h[3];
+            r = kvs__http_send(j->conn, status, "application/json", pass, strlen(pass),
+                               answer_headers(j, h));
         } else {
             r = send_error(j, status, msg, NULL, code);
         }
@@ -978,6 +1028,8 @@ static enum MHD_Result answer(job_t *j)
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (strncmp(ctype, "text/event-stream", 17) == 0)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    const char *h[3];
+    kvs__http_add_headers(resp, answer_headers(j, h));
     unsigned st = hstatus >= 100 && hstatus < 600 ? (unsigned) hstatus : 502;
     __atomic_add_fetch(&rt->http_codes[st], 1, __ATOMIC_RELAXED);
     enum MHD_Result r = MHD_queue_response(j->conn, st, resp);
@@ -1008,6 +1060,35 @@ static enum MHD_Result start_job(job_t *j)
         if (json_object_get(j->root, "kvstage") != NULL)
             return send_error(j, 400, "'kvstage' is reserved for the router", "kvstage",
                               "unknown_field");
+        /* Unknown fields are refused here (strict) or removed before forwarding, so that the
+         * servers see only what they know and the client gets one account of what was
+         * ignored. */
+        kvs__api_err_t err;
+        if (kvs__api_check_fields(j->root, j->ep == EP_CHAT, rt->strict, 1, &j->ignored, &err) !=
+            KVS_OK)
+            return send_error(j, (unsigned) err.status, err.message, err.param, err.code);
+        if (j->ignored.n > 0) {
+            kvs_warn("router: %s %s: ignored %u unknown field%s: %s", j->method, j->path,
+                     j->ignored.n, j->ignored.n == 1 ? "" : "s", j->ignored.names);
+            /* The prefix-aware choice sends the body as is: the cleaned one. */
+            char *text = json_dumps(j->root, JSON_COMPACT);
+            if (text == NULL)
+                return send_error(j, 500, "out of memory reading the request", NULL, NULL);
+            kvs__body_fini(&j->body);
+            j->body.data = text;
+            j->body.len = strlen(text);
+            j->body.cap = j->body.len + 1;
+        }
+        /* The servers' checks that need no tokenizer, once, before either server starts work:
+         * a request they would refuse for a field's type or range never reaches them. (Its
+         * length and token ids are theirs to judge; a side that refuses frees the other.) */
+        const kvs__api_limits_t lim = {.max_context = UINT32_MAX, .strict = rt->strict};
+        const kvs_server_tokenizer_t shape = kvs__shape_tokenizer();
+        kvs__api_req_t api;
+        if (kvs__api_parse(&lim, &shape, j->ep == EP_CHAT, j->body.data, j->body.len, &api, &err) !=
+            KVS_OK)
+            return send_error(j, (unsigned) err.status, err.message, err.param, err.code);
+        kvs__api_req_fini(&api);
     }
     pthread_mutex_lock(&rt->mu);
     if (rt->stopping) {
@@ -1129,7 +1210,7 @@ static enum MHD_Result send_metrics(job_t *j)
     if (text == NULL) return send_error(j, 500, "out of memory", NULL, NULL);
     __atomic_add_fetch(&rt->http_codes[200], 1, __ATOMIC_RELAXED);
     enum MHD_Result r =
-        kvs__http_send(j->conn, 200, "text/plain; version=0.0.4", text, strlen(text));
+        kvs__http_send(j->conn, 200, "text/plain; version=0.0.4", text, strlen(text), NULL);
     kvs_free(text);
     return r;
 }
@@ -1137,6 +1218,12 @@ static enum MHD_Result send_metrics(job_t *j)
 static enum MHD_Result handle(job_t *j)
 {
     kvs_router_t *rt = j->rt;
+    if (!j->authorized && j->ep != EP_HEALTH && j->ep != EP_METRICS)
+        return send_error(j, 401,
+                          kvs__http_has_credentials(j->conn)
+                              ? "incorrect API key provided"
+                              : "missing API key: send the header 'Authorization: Bearer KEY'",
+                          NULL, "invalid_api_key");
     if (j->ep == EP_UNKNOWN) {
         char msg[128];
         snprintf(msg, sizeof(msg), "unknown path: %s %s", j->method, j->path);
@@ -1157,7 +1244,8 @@ static enum MHD_Result handle(job_t *j)
         int ok = router_healthy(rt);
         __atomic_add_fetch(&rt->http_codes[ok ? 200 : 503], 1, __ATOMIC_RELAXED);
         const char *text = ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}";
-        return kvs__http_send(j->conn, ok ? 200 : 503, "application/json", text, strlen(text));
+        return kvs__http_send(j->conn, ok ? 200 : 503, "application/json", text, strlen(text),
+                              NULL);
     }
     if (j->ep == EP_METRICS) return send_metrics(j);
     return start_job(j);
@@ -1188,6 +1276,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             j->ep = EP_CHAT;
         else if (strcmp(url, "/v1/models") == 0)
             j->ep = EP_MODELS, want = "GET";
+        else if (strncmp(url, MODEL_PREFIX, strlen(MODEL_PREFIX)) == 0 &&
+                 url[strlen(MODEL_PREFIX)] != '\0')
+            j->ep = EP_MODEL, want = "GET";
         else if (strcmp(url, "/health") == 0)
             j->ep = EP_HEALTH, want = "GET";
         else if (strcmp(url, "/metrics") == 0)
@@ -1197,13 +1288,33 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         else if (strcmp(url, "/detokenize") == 0)
             j->ep = EP_DETOKENIZE;
         j->method_ok = strcmp(method, want) == 0;
+        j->authorized = kvs__http_authorized(conn, rt->api_key);
         snprintf(j->method, sizeof(j->method), "%s", method);
         snprintf(j->path, sizeof(j->path), "%s", url);
         *con_cls = j;
+        if (j->ep == EP_MODEL) {
+            /* libmicrohttpd decoded the path: escape the id again for the server. */
+            char *id = curl_easy_escape(NULL, url + strlen(MODEL_PREFIX), 0);
+            kvs__sb_t sb;
+            kvs__sb_init(&sb);
+            kvs__sb_puts(&sb, MODEL_PREFIX);
+            if (id) kvs__sb_puts(&sb, id);
+            curl_free(id);
+            j->proxy_path = id ? kvs__sb_take(&sb) : NULL;
+            if (j->proxy_path == NULL) {
+                kvs__sb_fini(&sb);
+                j->body_oom = 1;
+            }
+        }
+        /* Declared too large: answered before the body is read (the connection closes after). */
+        if (kvs__http_body_exceeds(conn, rt->max_body)) {
+            j->body.too_large = 1;
+            return handle(j);
+        }
         return MHD_YES;
     }
     if (*upload_size != 0) {
-        if (j->ep != EP_UNKNOWN && j->method_ok && !j->body_oom &&
+        if (j->ep != EP_UNKNOWN && j->method_ok && j->authorized && !j->body_oom &&
             kvs__body_add(&j->body, upload_data, *upload_size) != KVS_OK)
             j->body_oom = 1;
         *upload_size = 0;
@@ -1236,7 +1347,7 @@ static void check_server(kvs_router_t *rt, rserver_t *s)
 {
     leg_t leg;
     uint32_t timeout = rt->connect_timeout_ms * 2;
-    if (leg_init(&leg, NULL, s, "/health", NULL, timeout, 0) != KVS_OK) {
+    if (leg_init(&leg, rt, NULL, s, "/health", NULL, timeout, 0) != KVS_OK) {
         leg_fini(&leg);
         return;
     }
@@ -1248,7 +1359,7 @@ static void check_server(kvs_router_t *rt, rserver_t *s)
     int ok = c == CURLE_OK && code == 200;
     /* Prefill servers declare their bootstrap endpoint; decode servers the prefill instance
      * they are bound to, if any. */
-    if (ok && leg_init(&leg, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
+    if (ok && leg_init(&leg, rt, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
         curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
         if (curl_easy_perform(leg.easy) == CURLE_OK) {
             json_t *info = json_loadb(leg.resp.ptr ? leg.resp.ptr : "", leg.resp.len, 0, NULL);
@@ -1309,8 +1420,11 @@ static void *health_thread(void *arg)
 
 /* ---- lifetime ---- */
 
-static void free_servers(kvs_router_t *rt)
+/* The servers and the keys. */
+static void free_config(kvs_router_t *rt)
 {
+    kvs_free(rt->api_key);
+    kvs_free(rt->server_key);
     for (int side = 0; side < 2; side++) {
         for (size_t i = 0; rt->servers[side] && i < rt->n[side]; i++) {
             kvs_free(rt->servers[side][i].url);
@@ -1346,6 +1460,20 @@ static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const 
     return KVS_OK;
 }
 
+/* The clients' key, and the servers' one: server_api_key, else the clients' one. */
+static kvs_status_t copy_keys(kvs_router_t *rt, const kvs_router_config_t *c)
+{
+    const char *server_key = c->server_api_key ? c->server_api_key : c->api_key;
+    kvs_status_t st = kvs__http_key_check(c->api_key);
+    if (st == KVS_OK) st = kvs__http_key_check(server_key);
+    if (st != KVS_OK) return st;
+    rt->api_key = c->api_key ? kvs_strdup(c->api_key) : NULL;
+    rt->server_key = server_key ? kvs_strdup(server_key) : NULL;
+    if ((c->api_key && rt->api_key == NULL) || (server_key && rt->server_key == NULL))
+        return KVS_ERR_NOMEM;
+    return KVS_OK;
+}
+
 kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t **router_p)
 {
     if (config == NULL) {
@@ -1362,8 +1490,9 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     if (rt == NULL) return KVS_ERR_NOMEM;
     kvs_status_t st = add_servers(rt, KVS_ROUTER_PREFILL, config->prefill, config->n_prefill);
     if (st == KVS_OK) st = add_servers(rt, KVS_ROUTER_DECODE, config->decode, config->n_decode);
+    if (st == KVS_OK) st = copy_keys(rt, config);
     if (st != KVS_OK) {
-        free_servers(rt);
+        free_config(rt);
         kvs_free(rt);
         return st;
     }
@@ -1374,6 +1503,7 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     rt->request_timeout_ms = config->request_timeout_ms ? config->request_timeout_ms : 600000;
     rt->match_timeout_ms = config->match_timeout_ms ? config->match_timeout_ms : 200;
     rt->max_body = config->max_body ? config->max_body : (size_t) 1 << 20;
+    rt->strict = config->strict;
     rt->next_room =
         config->first_room ? config->first_room : ((kvs_now_ns() >> 10) & 0x3fffffffu) << 32;
     kvs__hist_init(&rt->transfer, kvs__transfer_bounds, KVS__TRANSFER_BOUNDS);
@@ -1385,8 +1515,18 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     pthread_cond_init(&rt->cv, &ca);
     pthread_condattr_destroy(&ca);
     kvs_router_check_now(rt);
-    st = kvs__http_start(config->host, config->port, config->threads, on_request, rt, on_completed,
-                         rt, &rt->daemon, &rt->port);
+    /* A client costs its connection and, while forwarded, one towards each of two servers. */
+    kvs__http_opts_t ho = {.host = config->host,
+                           .port = config->port,
+                           .threads = config->threads,
+                           .max_connections = config->max_connections,
+                           .idle_timeout_s = config->idle_timeout_s,
+                           .fds_per_connection = 3,
+                           .handler = on_request,
+                           .handler_cls = rt,
+                           .completed = on_completed,
+                           .completed_cls = rt};
+    st = kvs__http_start(&ho, &rt->daemon, &rt->port);
     if (st != KVS_OK) goto free_sync;
     if (pthread_create(&rt->health_thread, NULL, health_thread, rt) != 0) {
         kvs_error("router: cannot start the health thread");
@@ -1402,7 +1542,7 @@ free_sync:
     pthread_cond_destroy(&rt->cv);
     pthread_mutex_destroy(&rt->check_mu);
     pthread_mutex_destroy(&rt->mu);
-    free_servers(rt);
+    free_config(rt);
     kvs_free(rt);
     return st;
 }
@@ -1435,7 +1575,7 @@ void kvs_router_destroy(kvs_router_t *rt)
     pthread_cond_destroy(&rt->cv);
     pthread_mutex_destroy(&rt->check_mu);
     pthread_mutex_destroy(&rt->mu);
-    free_servers(rt);
+    free_config(rt);
     kvs_free(rt);
 }
 

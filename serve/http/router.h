@@ -32,20 +32,36 @@
  * GET /health is taken out of rotation and re-checked every health_interval_ms. A request whose
  * chosen server failed that way answers 502 (504 on a timeout) {"error": {"message" naming the
  * server, "type": "server_error", "code": "bad_gateway" / "gateway_timeout"}}, or, when the
- * decode stream had already started, ends the stream with "data: {"error": {...}}" (and no
- * [DONE]). No live server of a role: 503 (code "no_server"). A server's own error answer (4xx,
- * 5xx) is passed through. A side that fails or refuses the room frees the other at once: when
- * the decode server refuses it (e.g. max_tokens beyond its context) or fails, the prefill leg
- * is dropped and the prefill server told POST /internal/cancel {"room": N}; when the prefill leg
- * fails before the decode answer started, the decode leg is dropped and cancelled likewise and
- * the prefill failure answered; the client leaving (or the router stopping) cancels both.
+ * decode stream had already started, ends the stream after its last whole event with
+ * "data: {"error": {...}}" and no [DONE] (a stream the decode server ends that way itself is
+ * passed through as it is). No live server of a role: 503 (code "no_server"). A server's own
+ * error answer (4xx, 5xx) is passed through. A side that fails or refuses the room frees the
+ * other at once: when the decode server refuses it (e.g. max_tokens beyond its context) or
+ * fails, the prefill leg is dropped and the prefill server told POST /internal/cancel
+ * {"room": N}; when the prefill leg fails before the decode answer started, the decode leg is
+ * dropped and cancelled likewise and the prefill failure answered; the client leaving (or the
+ * router stopping) cancels both.
  *
- * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST
- * /tokenize and POST /detokenize (these three proxied to a live decode server, as they are),
- * GET /health (200 when at least one prefill and one decode server are live, else 503), GET
- * /metrics (kvstage_router_* series: HTTP codes, requests, in flight, cancels sent, KV bytes
- * and a handoff-time histogram from the servers' reports, and per server up, chosen, failures,
- * prefix hits). */
+ * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+ * /v1/models/{id}, POST /tokenize and POST /detokenize (these proxied to a live decode server,
+ * as they are), GET /health (200 when at least one
+ * prefill and one decode server are live, else 503), GET /metrics (kvstage_router_* series:
+ * HTTP codes, requests, in flight, cancels sent, KV bytes and a handoff-time histogram from the
+ * servers' reports, and per server up, chosen, failures, prefix hits).
+ *
+ * Before choosing servers the router checks the request with the servers' own parser
+ * (http/server_internal.h's kvs__api_parse over a shape-only tokenizer): a field of the wrong
+ * type or out of range is answered 400 here, and neither server starts work on it. The
+ * prompt's length and token ids need the model's tokenizer and stay the servers' to judge.
+ *
+ * As the servers (http/server.h): unknown fields are ignored and named in a warning and in the
+ * X-Kvstage-Ignored-Fields header, and removed from what is forwarded, so the servers never see
+ * them; with strict the router refuses them (400) itself. With api_key, every endpoint but
+ * /health and /metrics requires "Authorization: Bearer KEY" (401 otherwise). Towards the
+ * servers (every request, health checks included) the router sends "Authorization: Bearer" with
+ * server_api_key, or with api_key when that is not given, or nothing when neither is: one key
+ * for a whole deployment needs only api_key. Connection limits, idle timeouts and bodies as
+ * the servers'. */
 #ifndef KVSTAGE_ROUTER_H
 #define KVSTAGE_ROUTER_H
 
@@ -80,13 +96,19 @@ typedef struct {
     uint32_t match_timeout_ms;   /* each /internal/match; 0: 200 */
     size_t max_body;             /* client body bytes at most; 0: 1 MiB */
     uint64_t first_room;         /* 0: from the clock, in [0, 2^62) */
+    int strict;                  /* 1: refuse unknown fields (400) itself; 0: drop them */
+    const char *api_key;         /* required of clients; NULL: none */
+    const char *server_api_key;  /* sent to the servers; NULL: api_key */
+    uint32_t max_connections;    /* clients at once; 0: 4096 */
+    uint32_t idle_timeout_s;     /* 0: 60 */
 } kvs_router_config_t;
 
 typedef struct kvs_router kvs_router_t;
 
 /* Checks every server once (GET /health and /internal/info) before serving, so the first
  * requests see the true liveness. KVS_ERR_INVALID for a bad configuration (no server of a
- * role, a URL that is not http://), KVS_ERR_IO when the address cannot be bound. */
+ * role, a URL that is not http://, a key that is not 1 to 1024 printable ASCII characters
+ * without spaces), KVS_ERR_IO when the address cannot be bound. */
 kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t **router_p);
 uint16_t kvs_router_port(const kvs_router_t *router);
 /* Stops the health checks, abandons in-flight requests (their clients see an error), frees. */

@@ -27,6 +27,7 @@ typedef enum {
     EP_COMPLETIONS,
     EP_CHAT,
     EP_MODELS,
+    EP_MODEL, /* /v1/models/{id} */
     EP_HEALTH,
     EP_METRICS,
     EP_MATCH,
@@ -74,7 +75,7 @@ typedef struct {
 } tomb_t;
 
 struct kvs_server {
-    char *model, *bootstrap;
+    char *model, *bootstrap, *api_key;
     kvs_server_role_t role;
     int strict_role;
     size_t max_body;
@@ -108,6 +109,8 @@ struct req {
     struct MHD_Connection *conn;
     endpoint_t ep;
     int method_ok;
+    int authorized; /* the API key, when one is required */
+    int model_ok;   /* EP_MODEL: the id is the served model */
     char method[8];
     char path[64];
     kvs__body_t body;
@@ -204,6 +207,8 @@ static void req_unref(req_t *r)
     pthread_mutex_unlock(&srv->mu);
 }
 
+#define MODEL_PREFIX "/v1/models/"
+
 static endpoint_t route(const char *url, const char **allow_p)
 {
     static const struct {
@@ -227,6 +232,11 @@ static endpoint_t route(const char *url, const char **allow_p)
             *allow_p = table[i].method;
             return table[i].ep;
         }
+    }
+    /* Model ids may hold slashes ("org/name"): everything after the prefix is the id. */
+    if (strncmp(url, MODEL_PREFIX, strlen(MODEL_PREFIX)) == 0 && url[strlen(MODEL_PREFIX)]) {
+        *allow_p = "GET";
+        return EP_MODEL;
     }
     *allow_p = NULL;
     return EP_UNKNOWN;
@@ -252,6 +262,8 @@ static req_t *req_new(kvs_server_t *srv, struct MHD_Connection *conn, const char
     const char *allow;
     r->ep = route(url, &allow);
     r->method_ok = allow != NULL && strcmp(method, allow) == 0;
+    r->authorized = kvs__http_authorized(conn, srv->api_key);
+    r->model_ok = r->ep == EP_MODEL && strcmp(url + strlen(MODEL_PREFIX), srv->model) == 0;
     snprintf(r->method, sizeof(r->method), "%s", method);
     snprintf(r->path, sizeof(r->path), "%s", url);
     r->body.max = srv->max_body;
@@ -263,10 +275,21 @@ static req_t *req_new(kvs_server_t *srv, struct MHD_Connection *conn, const char
 
 /* ---- answers ---- */
 
+/* The headers of every answer to r: the unknown fields its body carried. */
+static const char *const *answer_headers(const req_t *r, const char *h[3])
+{
+    if (r->api.ignored.n == 0) return NULL;
+    h[0] = KVS_SERVER_IGNORED_HEADER;
+    h[1] = r->api.ignored.names;
+    h[2] = NULL;
+    return h;
+}
+
 static enum MHD_Result send_text(req_t *r, unsigned status, const char *type, const char *text)
 {
     COUNT(r->srv->http_codes[status < 600 ? status : 599]);
-    return kvs__http_send(r->conn, status, type, text, strlen(text));
+    const char *h[3];
+    return kvs__http_send(r->conn, status, type, text, strlen(text), answer_headers(r, h));
 }
 
 static enum MHD_Result send_json_steal(req_t *r, unsigned status, json_t *obj)
@@ -274,7 +297,7 @@ static enum MHD_Result send_json_steal(req_t *r, unsigned status, json_t *obj)
     char *text = kvs__json_dump_steal(obj);
     if (text == NULL) {
         COUNT(r->srv->http_codes[500]);
-        return kvs__http_send_error(r->conn, 500, "out of memory", "server_error", NULL, NULL, NULL,
+        return kvs__http_send_error(r->conn, 500, "out of memory", "server_error", NULL, NULL,
                                     NULL);
     }
     enum MHD_Result res = send_text(r, status, "application/json", text);
@@ -287,9 +310,20 @@ static enum MHD_Result send_error(req_t *r, unsigned status, const char *message
 {
     COUNT(r->srv->http_codes[status < 600 ? status : 599]);
     const char *type = status >= 500 ? "server_error" : "invalid_request_error";
-    const char *allow = status == 405 ? allowed_method(r->ep) : NULL;
-    return kvs__http_send_error(r->conn, status, message, type, param, code,
-                                allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
+    const char *h[3];
+    const char *const *headers = answer_headers(r, h);
+    if (status == 405) {
+        h[0] = MHD_HTTP_HEADER_ALLOW;
+        h[1] = allowed_method(r->ep);
+        h[2] = NULL;
+        headers = h;
+    } else if (status == 401) {
+        h[0] = MHD_HTTP_HEADER_WWW_AUTHENTICATE;
+        h[1] = "Bearer";
+        h[2] = NULL;
+        headers = h;
+    }
+    return kvs__http_send_error(r->conn, status, message, type, param, code, headers);
 }
 
 static json_t *usage_json(const req_t *r)
@@ -529,7 +563,7 @@ static void sse_finish(req_t *r)
         char *err =
             kvs__json_error(failure_message(r, buf, sizeof(buf)), "server_error", NULL, NULL);
         if (err == NULL) {
-            r->out.oom = 1;
+            r->out.oom = 1; /* the stream is cut off: not a success either */
         } else {
             kvs__sb_printf(&r->out, "data: %s\n\n", err);
             kvs_free(err);
@@ -951,6 +985,9 @@ static enum MHD_Result handle_generate(req_t *r)
     kvs_status_t st = kvs__api_parse(&srv->limits, &srv->tok, r->ep == EP_CHAT, r->body.data,
                                      r->body.len, &r->api, &err);
     if (st != KVS_OK) return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+    if (r->api.ignored.n > 0)
+        kvs_warn("server: %s %s: ignored %u unknown field%s: %s", r->method, r->path,
+                 r->api.ignored.n, r->api.ignored.n == 1 ? "" : "s", r->api.ignored.names);
     if (srv->strict_role) {
         char msg[384];
         const char *code = role_refusal(srv, &r->api, msg, sizeof(msg));
@@ -1033,6 +1070,8 @@ static enum MHD_Result handle_generate(req_t *r)
     if (resp == NULL) return MHD_NO; /* closing the connection cancels the request */
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    const char *h[3];
+    kvs__http_add_headers(resp, answer_headers(r, h));
     COUNT(srv->http_codes[200]);
     enum MHD_Result res = MHD_queue_response(r->conn, 200, resp);
     MHD_destroy_response(resp);
@@ -1146,9 +1185,21 @@ static const char *role_name(kvs_server_role_t role)
     return "colocated";
 }
 
+static json_t *model_json(const kvs_server_t *srv)
+{
+    return json_pack("{s:s, s:s, s:I, s:s}", "id", srv->model, "object", "model", "created",
+                     (json_int_t) srv->started, "owned_by", "kvstage");
+}
+
 static enum MHD_Result handle(req_t *r)
 {
     kvs_server_t *srv = r->srv;
+    if (!r->authorized && r->ep != EP_HEALTH && r->ep != EP_METRICS)
+        return send_error(r, 401,
+                          kvs__http_has_credentials(r->conn)
+                              ? "incorrect API key provided"
+                              : "missing API key: send the header 'Authorization: Bearer KEY'",
+                          NULL, "invalid_api_key");
     if (r->ep == EP_UNKNOWN) {
         char msg[128];
         snprintf(msg, sizeof(msg), "unknown path: %s %s", r->method, r->path);
@@ -1190,10 +1241,14 @@ static enum MHD_Result handle(req_t *r)
         return res;
     }
     case EP_MODELS:
-        return send_json_steal(r, 200,
-                               json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list",
-                                         "data", "id", srv->model, "object", "model", "created",
-                                         (json_int_t) srv->started, "owned_by", "kvstage"));
+        return send_json_steal(
+            r, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", model_json(srv)));
+    case EP_MODEL: {
+        if (r->model_ok) return send_json_steal(r, 200, model_json(srv));
+        char msg[160];
+        snprintf(msg, sizeof(msg), "the model '%s' does not exist", r->path + strlen(MODEL_PREFIX));
+        return send_error(r, 404, msg, "model", "model_not_found");
+    }
     case EP_INFO:
         return send_json_steal(r, 200,
                                json_pack("{s:s, s:s, s:s?}", "model", srv->model, "role",
@@ -1215,12 +1270,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r = req_new(srv, conn, url, method);
         if (r == NULL) return MHD_NO;
         *con_cls = r;
+        /* Declared too large: answered before the body is read (the connection closes after). */
+        if (kvs__http_body_exceeds(conn, srv->max_body)) {
+            r->body.too_large = 1;
+            return handle(r);
+        }
         return MHD_YES;
     }
     if (*upload_size != 0) {
         /* Bodies of requests that will be refused are read and dropped, so the answer is not
          * lost to a reset connection. */
-        if (r->ep != EP_UNKNOWN && r->method_ok && !r->body_oom &&
+        if (r->ep != EP_UNKNOWN && r->method_ok && r->authorized && !r->body_oom &&
             kvs__body_add(&r->body, upload_data, *upload_size) != KVS_OK)
             r->body_oom = 1;
         *upload_size = 0;
@@ -1351,7 +1411,7 @@ static kvs_status_t check_config(const kvs_server_config_t *c)
         kvs_error("server: max_context 1 leaves no room for a prompt and a token");
         return KVS_ERR_INVALID;
     }
-    return KVS_OK;
+    return kvs__http_key_check(c->api_key);
 }
 
 kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t **server_p)
@@ -1363,7 +1423,9 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
     if (srv == NULL) return KVS_ERR_NOMEM;
     srv->model = kvs_strdup(config->model ? config->model : "kvstage");
     srv->bootstrap = config->bootstrap ? kvs_strdup(config->bootstrap) : NULL;
-    if (srv->model == NULL || (config->bootstrap && srv->bootstrap == NULL)) {
+    srv->api_key = config->api_key ? kvs_strdup(config->api_key) : NULL;
+    if (srv->model == NULL || (config->bootstrap && srv->bootstrap == NULL) ||
+        (config->api_key && srv->api_key == NULL)) {
         st = KVS_ERR_NOMEM;
         goto free_strings;
     }
@@ -1373,6 +1435,7 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
     srv->limits.max_context = config->max_context ? config->max_context : 4096;
     srv->limits.default_max_tokens = config->default_max_tokens;
     srv->limits.model = srv->model;
+    srv->limits.strict = config->strict;
     srv->backend = config->backend;
     srv->tok = config->tokenizer;
     srv->started = time(NULL);
@@ -1389,8 +1452,17 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&srv->cv, &ca);
     pthread_condattr_destroy(&ca);
-    st = kvs__http_start(config->host, config->port, config->threads, on_request, srv, on_completed,
-                         srv, &srv->daemon, &srv->port);
+    kvs__http_opts_t ho = {.host = config->host,
+                           .port = config->port,
+                           .threads = config->threads,
+                           .max_connections = config->max_connections,
+                           .idle_timeout_s = config->idle_timeout_s,
+                           .fds_per_connection = 1,
+                           .handler = on_request,
+                           .handler_cls = srv,
+                           .completed = on_completed,
+                           .completed_cls = srv};
+    st = kvs__http_start(&ho, &srv->daemon, &srv->port);
     if (st != KVS_OK) goto free_sync;
     kvs_info("server: serving %s on port %u", srv->model, (unsigned) srv->port);
     *server_p = srv;
@@ -1400,6 +1472,7 @@ free_sync:
     pthread_cond_destroy(&srv->cv);
     pthread_mutex_destroy(&srv->mu);
 free_strings:
+    kvs_free(srv->api_key);
     kvs_free(srv->bootstrap);
     kvs_free(srv->model);
     kvs_free(srv);
@@ -1460,6 +1533,7 @@ void kvs_server_destroy(kvs_server_t *srv)
     if (listen_fd != MHD_INVALID_SOCKET) close(listen_fd);
     pthread_cond_destroy(&srv->cv);
     pthread_mutex_destroy(&srv->mu);
+    kvs_free(srv->api_key);
     kvs_free(srv->bootstrap);
     kvs_free(srv->model);
     kvs_free(srv);

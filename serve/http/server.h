@@ -37,7 +37,10 @@
  *        with "data: {"error": {...}}" and no [DONE] (clients read [DONE] as success);
  *        finish_reason only ever holds OpenAI's values ("stop", "length"; "handoff" on the
  *        prefill side of a room, which only the router sees).
- *   GET  /v1/models        the served model.
+ *   GET  /v1/models        the served model, as a list.
+ *   GET  /v1/models/{id}   the model object ({"id", "object": "model", "created", "owned_by"})
+ *                          when id is the served model (it may contain '/'), else 404
+ *                          (code "model_not_found").
  *   POST /tokenize         as vLLM: {"prompt": text or ids} or {"messages": [...]} (rendered
  *                          with the chat template) -> {"tokens", "count", "max_model_len"}; a
  *                          prompt beyond the context is counted, not refused.
@@ -67,12 +70,37 @@
  *                          next 60 s is refused 409 {"code": "cancelled"}. Answers {"room": N,
  *                          "cancelled": K}, K the live requests it ended.
  * Errors are {"error": {"message", "type", "param", "code"}}: type "invalid_request_error" for
- * 4xx (400 bad input, 404 unknown path or model, 405 wrong method, 413 body too large),
+ * 4xx (400 bad input, 401 API key missing or wrong (code "invalid_api_key", with
+ * "WWW-Authenticate: Bearer"), 404 unknown path or model, 405 wrong method, 413 body too large),
  * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded). A prompt +
  * max_tokens beyond max_context is a 400 with code "context_length_exceeded", param the
  * client's field ("max_tokens", "max_completion_tokens", or "prompt"/"messages" when the prompt
  * alone leaves no room) and both numbers in vLLM's words ("This model's maximum context length
  * is C tokens. However, you requested T tokens (P in the messages, M in the completion)...").
+ *
+ * Unknown fields: by default, unknown top-level fields and unknown fields inside "messages"[i],
+ * "stream_options" and "kvstage" are ignored; the server logs one warning per request naming
+ * them, and every answer to the request carries the header
+ *   X-Kvstage-Ignored-Fields: a, b, messages[0].c
+ * (bytes outside printable ASCII, ',' and '%' written %XX, the empty name as ""; ", ..." ends a
+ * list cut at about 500 bytes). With config.strict (`--strict`) they are refused: 400, "param"
+ * naming the field, code "unknown_field". Fields OpenAI or vLLM define that kvstage does not
+ * support are not unknown: a value other than their neutral one is a 400 naming them in either
+ * mode; so is the other endpoint's input ("prompt" in a chat request, "messages" in a completions
+ * one, code "wrong_endpoint").
+ *
+ * API key: with config.api_key, every endpoint but /health and /metrics requires the header
+ * "Authorization: Bearer KEY" (compared in constant time); the body of a request without it is
+ * not kept.
+ *
+ * Connections: at most config.max_connections at once (the next wait in the listen backlog);
+ * a connection silent for config.idle_timeout_s is closed (a connection waiting for tokens is
+ * not silent). A body declared (Content-Length) larger than max_body is answered 413 at once,
+ * without reading it, and the connection closes. A body that stops arriving cannot be answered
+ * 408: libmicrohttpd lets an application answer only before the body is read or once all of it
+ * is in, so such a connection is closed, unanswered, after idle_timeout_s. Bodies without a
+ * length (chunked) that grow past max_body are read to their end and dropped, then answered
+ * 413.
  *
  * Disaggregation (the router, kvstage/router.h, adds this to the client's JSON body):
  *   "kvstage": {"room": N, "role": "prefill"}
@@ -86,7 +114,6 @@
  *        declare one; "prefill" is that server's base URL, informational). Answered as usual.
  *   N is an integer in [0, 2^62): the router's rooms. Requests without "kvstage" are served
  *   whole by this instance under a room the server picks in [2^62, 2^63).
- * Unknown top-level fields, and unknown fields inside "kvstage", are rejected with 400.
  *
  * A client that hangs up cancels its room: a streaming one at the next token written, a
  * non-streaming one only when its answer is ready (a connection waiting for its answer is
@@ -102,6 +129,9 @@
 #include "kvstage/status.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+
+/* The response header that names a request's ignored unknown fields. */
+#define KVS_SERVER_IGNORED_HEADER "X-Kvstage-Ignored-Fields"
 
 /* ---------------------------------------------------------------------------------------- */
 /* Backend interface                                                                         */
@@ -262,6 +292,11 @@ typedef struct {
     int strict_role;
     uint64_t first_room;          /* rooms of requests without "kvstage"; 0: from the clock,
                                      in [2^62, 2^63) */
+    int strict;                   /* 1: refuse unknown fields (400); 0: ignore them (above) */
+    const char *api_key;          /* required of clients (above); NULL: none. 1 to 1024 printable
+                                     ASCII characters without spaces */
+    uint32_t max_connections;     /* clients at once; 0: 4096 (above) */
+    uint32_t idle_timeout_s;      /* 0: 60 */
     kvs_server_backend_t backend; /* borrowed; must outlive the server */
     kvs_server_tokenizer_t tokenizer;
 } kvs_server_config_t;
@@ -269,8 +304,10 @@ typedef struct {
 typedef struct kvs_server kvs_server_t;
 
 /* Binds and starts serving on background threads. KVS_ERR_INVALID for a bad configuration
- * (missing backend submit/cancel or tokenizer functions, bad host), KVS_ERR_IO when the
- * address cannot be bound. */
+ * (missing backend submit/cancel or tokenizer functions, bad host, bad API key), KVS_ERR_IO when
+ * the address cannot be bound. Raises the process's open-file soft limit (towards the hard one)
+ * when max_connections needs it; when the hard limit is short, serves fewer connections and
+ * says so. */
 kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t **server_p);
 /* The bound port. */
 uint16_t kvs_server_port(const kvs_server_t *server);
@@ -280,6 +317,10 @@ uint16_t kvs_server_port(const kvs_server_t *server);
  * server. Should a backend never end a request, it logs an error after the 10 s and leaves the
  * server allocated (the backend's sinks still refer to it). */
 void kvs_server_destroy(kvs_server_t *server);
+
+/* 1 when key can be an API key (config.api_key): 1 to 1024 printable ASCII characters without
+ * spaces, so that it fits an Authorization header as it is. */
+int kvs_server_api_key_valid(const char *key);
 
 /* The /metrics text (NUL-terminated, from kvs_malloc). */
 kvs_status_t kvs_server_metrics(kvs_server_t *server, char **text_p);

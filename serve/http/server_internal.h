@@ -69,7 +69,19 @@ typedef struct {
     uint32_t max_context;
     uint32_t default_max_tokens;
     const char *model; /* NULL: any */
+    int strict;        /* refuse unknown fields (400) instead of ignoring them */
 } kvs__api_limits_t;
+
+#define KVS__IGNORED_CAP 512
+
+/* Unknown fields a request carried, as the X-Kvstage-Ignored-Fields header lists them. */
+typedef struct {
+    /* "a, kvstage.b, messages[0].c": bytes outside printable ASCII, '%' and ',' as %XX; ends
+     * with "..." when more did not fit. */
+    char names[KVS__IGNORED_CAP];
+    uint32_t n; /* fields ignored, listed or not */
+    int truncated;
+} kvs__api_ignored_t;
 
 typedef struct {
     int chat;
@@ -92,6 +104,7 @@ typedef struct {
     uint64_t room;
     kvs_server_role_t role;
     char *bootstrap; /* or NULL */
+    kvs__api_ignored_t ignored;
 } kvs__api_req_t;
 
 typedef struct {
@@ -102,13 +115,28 @@ typedef struct {
     char message[256];
 } kvs__api_err_t;
 
-/* Parses and validates one request body. KVS_ERR_INVALID with *err_p filled for a request to
+/* For checking a request's shape where no tokenizer is (the router): every text encodes to one
+ * token, every id below 2^32 - 1 is valid, no EOS. With max_context UINT32_MAX, kvs__api_parse
+ * then refuses what the servers would refuse for its fields, types and ranges, not its length
+ * or its token ids. */
+kvs_server_tokenizer_t kvs__shape_tokenizer(void);
+
+/* Parses and validates one request body (unknown fields as kvs__api_check_fields says, with
+ * limits->strict, listed in req_p->ignored). KVS_ERR_INVALID with *err_p filled for a request to
  * refuse (status 400 or 404); KVS_ERR_NOMEM (err_p filled with 500). Client errors are logged
  * at debug level only. On success *req_p is owned by the caller (kvs__api_req_fini). */
 kvs_status_t kvs__api_parse(const kvs__api_limits_t *limits, const kvs_server_tokenizer_t *tok,
                             int chat, const char *body, size_t len, kvs__api_req_t *req_p,
                             kvs__api_err_t *err_p);
 void kvs__api_req_fini(kvs__api_req_t *req);
+/* The fields of a body (root) outside what the endpoint (chat or completions) knows, at the top
+ * level and in "messages"[i], "stream_options" and "kvstage". strict: the first one is refused
+ * (KVS_ERR_INVALID, err: 400 naming it, code "unknown_field"); else each is listed in *ign and,
+ * with remove, deleted from root. Either way the other endpoint's input ("prompt" in a chat
+ * request, "messages" in a completions one) is refused (code "wrong_endpoint"), and a root that
+ * is not an object. One definition of the known fields for the server and the router. */
+kvs_status_t kvs__api_check_fields(json_t *root, int chat, int strict, int remove,
+                                   kvs__api_ignored_t *ign, kvs__api_err_t *err);
 
 /* POST /tokenize: {"prompt": text or ids} or {"messages": [...]} (rendered with the chat
  * template, as a chat request) -> ids (kvs_malloc), as vLLM's. Errors as kvs__api_parse. */
@@ -157,18 +185,51 @@ typedef struct {
 kvs_status_t kvs__body_add(kvs__body_t *body, const char *data, size_t len);
 void kvs__body_fini(kvs__body_t *body);
 
-/* Starts a daemon with an internal thread pool and suspend/resume, bound to host:port. */
-kvs_status_t kvs__http_start(const char *host, uint16_t port, uint32_t threads,
-                             MHD_AccessHandlerCallback handler, void *handler_cls,
-                             MHD_RequestCompletedCallback completed, void *completed_cls,
-                             struct MHD_Daemon **daemon_p, uint16_t *port_p);
-/* Queues text (copied) with a content type; MHD_NO when it cannot. */
+/* Defaults of both fronts' connection handling. */
+#define KVS__HTTP_MAX_CONNECTIONS 4096
+#define KVS__HTTP_IDLE_TIMEOUT_S  60
+
+typedef struct {
+    const char *host; /* IPv4; NULL: 127.0.0.1 */
+    uint16_t port;
+    uint32_t threads;            /* 0: 4 */
+    uint32_t max_connections;    /* 0: KVS__HTTP_MAX_CONNECTIONS */
+    uint32_t idle_timeout_s;     /* 0: KVS__HTTP_IDLE_TIMEOUT_S */
+    uint32_t fds_per_connection; /* descriptors one client costs the process; 0: 1 */
+    MHD_AccessHandlerCallback handler;
+    void *handler_cls;
+    MHD_RequestCompletedCallback completed;
+    void *completed_cls;
+} kvs__http_opts_t;
+
+/* Starts an epoll daemon with an internal thread pool and suspend/resume, bound to host:port.
+ * At most max_connections clients at once (the next ones wait in the listen backlog); one
+ * silent for idle_timeout_s is closed, whatever phase it is in (libmicrohttpd answers nothing
+ * then: it lets the application answer only once the whole request is in), except while
+ * suspended (waiting for tokens). Raises the process's open-file soft limit when the
+ * connections need it (max_connections * fds_per_connection), or lowers the limit to what the
+ * hard limit allows, with a warning. */
+kvs_status_t kvs__http_start(const kvs__http_opts_t *opts, struct MHD_Daemon **daemon_p,
+                             uint16_t *port_p);
+/* 1 when the request declares (Content-Length) a body larger than max: answered at once, before
+ * the body is read, so a client cannot hold the connection by sending it slowly. */
+int kvs__http_body_exceeds(struct MHD_Connection *conn, size_t max);
+/* KVS_OK for NULL (no key) or a key of 1 to 1024 printable ASCII characters without spaces;
+ * else KVS_ERR_INVALID, logged. */
+kvs_status_t kvs__http_key_check(const char *key);
+/* 1 when key is NULL or the request carries "Authorization: Bearer KEY" (compared in constant
+ * time). */
+int kvs__http_authorized(struct MHD_Connection *conn, const char *key);
+/* 1 when the request has an Authorization header at all. */
+int kvs__http_has_credentials(struct MHD_Connection *conn);
+/* headers: NULL, or name, value, ..., NULL. */
+void kvs__http_add_headers(struct MHD_Response *resp, const char *const *headers);
+/* Queues text (copied) with a content type and headers; MHD_NO when it cannot. */
 enum MHD_Result kvs__http_send(struct MHD_Connection *conn, unsigned status, const char *type,
-                               const char *text, size_t len);
-/* Queues {"error": ...}; extra_header/value may be NULL (e.g. "Allow" for 405). */
+                               const char *text, size_t len, const char *const *headers);
+/* Queues {"error": ...} with headers (e.g. "Allow" for 405). */
 enum MHD_Result kvs__http_send_error(struct MHD_Connection *conn, unsigned status,
                                      const char *message, const char *type, const char *param,
-                                     const char *code, const char *extra_header,
-                                     const char *extra_value);
+                                     const char *code, const char *const *headers);
 
 #endif

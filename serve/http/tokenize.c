@@ -141,3 +141,27 @@ kvs_server_tokenizer_t kvs_server_byte_tokenizer(void)
     t.eos = BYTE_EOS;
     return t;
 }
+
+/* A prompt of one token whatever the text: the shape of a request, not its length. */
+static kvs_status_t shape_encode(void *ctx, const char *text, size_t len, uint32_t **ids_p,
+                                 size_t *n_p)
+{
+    (void) ctx;
+    (void) text;
+    (void) len;
+    uint32_t *ids = kvs_malloc(sizeof(uint32_t));
+    if (ids == NULL) return KVS_ERR_NOMEM;
+    ids[0] = 0;
+    *ids_p = ids;
+    *n_p = 1;
+    return KVS_OK;
+}
+
+kvs_server_tokenizer_t kvs__shape_tokenizer(void)
+{
+    kvs_server_tokenizer_t t = kvs_server_byte_tokenizer();
+    t.encode = shape_encode;
+    t.vocab_size = UINT32_MAX;
+    t.eos = UINT32_MAX;
+    return t;
+}

@@ -4,11 +4,15 @@
 #include "http/server_internal.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "kvstage/alloc.h"
@@ -350,38 +354,66 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
     kvs_debug("microhttpd: %s", msg);
 }
 
-kvs_status_t kvs__http_start(const char *host, uint16_t port, uint32_t threads,
-                             MHD_AccessHandlerCallback handler, void *handler_cls,
-                             MHD_RequestCompletedCallback completed, void *completed_cls,
-                             struct MHD_Daemon **daemon_p, uint16_t *port_p)
+/* The connections the process can afford: the soft open-file limit is raised towards the hard
+ * one when the connection limit needs it, and the limit is lowered (said once) when even the
+ * hard one is short. A full process would fail every accept and every outgoing connection,
+ * where a full daemon only stops accepting until a connection ends. */
+static uint32_t afford_connections(uint32_t want, uint32_t fds_per_conn)
+{
+    const rlim_t reserve = 256; /* listening sockets, logs, models, the rank pipes, ZeroMQ */
+    rlim_t need = (rlim_t) want * fds_per_conn + reserve;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return want;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < need) {
+        struct rlimit raised = rl;
+        raised.rlim_cur = (rl.rlim_max == RLIM_INFINITY || rl.rlim_max > need) ? need : rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &raised) == 0) rl = raised;
+    }
+    if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need) return want;
+    uint32_t fit = rl.rlim_cur > reserve ? (uint32_t) ((rl.rlim_cur - reserve) / fds_per_conn) : 0;
+    if (fit == 0) fit = 1;
+    kvs_warn("http: the open-file limit (%llu, hard %llu) allows %u connections, not %u; raise "
+             "it (ulimit -n) to serve more",
+             (unsigned long long) rl.rlim_cur, (unsigned long long) rl.rlim_max, fit, want);
+    return fit;
+}
+
+kvs_status_t kvs__http_start(const kvs__http_opts_t *o, struct MHD_Daemon **daemon_p,
+                             uint16_t *port_p)
 {
     struct sockaddr_in addr;
     memset(&addr, 0, sizeof(addr));
     addr.sin_family = AF_INET;
-    addr.sin_port = htons(port);
-    const char *h = host ? host : "127.0.0.1";
+    addr.sin_port = htons(o->port);
+    const char *h = o->host ? o->host : "127.0.0.1";
     if (strcmp(h, "localhost") == 0) h = "127.0.0.1";
     if (inet_pton(AF_INET, h, &addr.sin_addr) != 1) {
         kvs_error("http: bind address '%s' is not an IPv4 address", h);
         return KVS_ERR_INVALID;
     }
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
-    unsigned pool = threads ? threads : 4;
-    /* The pool option is refused for a single thread, hence two calls. */
-    struct MHD_Daemon *d;
-    if (pool > 1)
-        d = MHD_start_daemon(flags, port, NULL, NULL, handler, handler_cls,
-                             MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_SOCK_ADDR, &addr,
-                             MHD_OPTION_NOTIFY_COMPLETED, completed, completed_cls,
-                             MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_THREAD_POOL_SIZE, pool,
-                             MHD_OPTION_END);
-    else
-        d = MHD_start_daemon(flags, port, NULL, NULL, handler, handler_cls,
-                             MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL, MHD_OPTION_SOCK_ADDR, &addr,
-                             MHD_OPTION_NOTIFY_COMPLETED, completed, completed_cls,
-                             MHD_OPTION_CONNECTION_TIMEOUT, 300u, MHD_OPTION_END);
+    /* epoll: no FD_SETSIZE ceiling on the descriptors a connection may get. */
+    unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    unsigned pool = o->threads ? o->threads : 4;
+    unsigned limit =
+        afford_connections(o->max_connections ? o->max_connections : KVS__HTTP_MAX_CONNECTIONS,
+                           o->fds_per_connection ? o->fds_per_connection : 1);
+    unsigned idle = o->idle_timeout_s ? o->idle_timeout_s : KVS__HTTP_IDLE_TIMEOUT_S;
+    /* libmicrohttpd splits the limit among the pool's threads; each needs one at least. */
+    if (pool > limit) pool = limit;
+    /* The pool option is refused for a single thread. */
+    struct MHD_OptionItem opts[] = {
+        {MHD_OPTION_EXTERNAL_LOGGER, (intptr_t) mhd_log, NULL},
+        {MHD_OPTION_SOCK_ADDR, 0, &addr},
+        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t) o->completed, o->completed_cls},
+        {MHD_OPTION_CONNECTION_TIMEOUT, idle, NULL},
+        {MHD_OPTION_CONNECTION_LIMIT, limit, NULL},
+        {pool > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END, pool, NULL},
+        {MHD_OPTION_END, 0, NULL},
+    };
+    struct MHD_Daemon *d = MHD_start_daemon(flags, o->port, NULL, NULL, o->handler, o->handler_cls,
+                                            MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (d == NULL) {
-        kvs_error("http: cannot listen on %s:%u", h, (unsigned) port);
+        kvs_error("http: cannot listen on %s:%u", h, (unsigned) o->port);
         return KVS_ERR_IO;
     }
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
@@ -395,34 +427,83 @@ kvs_status_t kvs__http_start(const char *host, uint16_t port, uint32_t threads,
     return KVS_OK;
 }
 
+int kvs__http_body_exceeds(struct MHD_Connection *conn, size_t max)
+{
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
+    if (v == NULL) return 0;
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(v, &end, 10);
+    /* libmicrohttpd refuses a malformed length before the handler sees the request. */
+    return end != v && (errno == ERANGE || n > max);
+}
+
+int kvs_server_api_key_valid(const char *key)
+{
+    size_t n = strlen(key);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char) key[i] <= 0x20 || (unsigned char) key[i] >= 0x7F) return 0;
+    return n >= 1 && n <= 1024;
+}
+
+kvs_status_t kvs__http_key_check(const char *key)
+{
+    if (key == NULL || kvs_server_api_key_valid(key)) return KVS_OK;
+    kvs_error("http: an API key must be 1 to 1024 printable ASCII characters without spaces");
+    return KVS_ERR_INVALID;
+}
+
+int kvs__http_has_credentials(struct MHD_Connection *conn)
+{
+    return MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION) !=
+           NULL;
+}
+
+int kvs__http_authorized(struct MHD_Connection *conn, const char *key)
+{
+    if (key == NULL) return 1;
+    const char *v =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (v == NULL || strncasecmp(v, "Bearer ", 7) != 0) return 0;
+    v += 7;
+    while (*v == ' ') v++;
+    /* Constant time in the key: every byte of it is compared whatever the client sent. */
+    size_t given = strlen(v), want = strlen(key);
+    unsigned char diff = given != want;
+    for (size_t i = 0; i < want; i++)
+        diff |= (unsigned char) ((i < given ? (unsigned char) v[i] : 0) ^ (unsigned char) key[i]);
+    return diff == 0;
+}
+
 enum MHD_Result kvs__http_send(struct MHD_Connection *conn, unsigned status, const char *type,
-                               const char *text, size_t len)
+                               const char *text, size_t len, const char *const *headers)
 {
     struct MHD_Response *resp =
         MHD_create_response_from_buffer(len, (void *) text, MHD_RESPMEM_MUST_COPY);
     if (resp == NULL) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    kvs__http_add_headers(resp, headers);
     enum MHD_Result r = MHD_queue_response(conn, status, resp);
     MHD_destroy_response(resp);
     return r;
 }
 
+void kvs__http_add_headers(struct MHD_Response *resp, const char *const *headers)
+{
+    for (size_t i = 0; headers && headers[i] && headers[i + 1]; i += 2)
+        MHD_add_response_header(resp, headers[i], headers[i + 1]);
+}
+
 enum MHD_Result kvs__http_send_error(struct MHD_Connection *conn, unsigned status,
                                      const char *message, const char *type, const char *param,
-                                     const char *code, const char *extra_header,
-                                     const char *extra_value)
+                                     const char *code, const char *const *headers)
 {
     char *text = kvs__json_error(message, type, param, code);
     static const char fallback[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
                                    "\"server_error\",\"param\":null,\"code\":null}}";
-    const char *body = text ? text : fallback;
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(strlen(body), (void *) body, MHD_RESPMEM_MUST_COPY);
+    enum MHD_Result r =
+        kvs__http_send(conn, text ? status : 500, "application/json", text ? text : fallback,
+                       strlen(text ? text : fallback), headers);
     kvs_free(text);
-    if (resp == NULL) return MHD_NO;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-    if (extra_header) MHD_add_response_header(resp, extra_header, extra_value);
-    enum MHD_Result r = MHD_queue_response(conn, text ? status : 500, resp);
-    MHD_destroy_response(resp);
     return r;
 }

@@ -226,6 +226,19 @@ const char *kvs_zch_endpoint(const kvs_zch_t *ch)
     return ch->endpoint;
 }
 
+uint64_t kvs_zch_peer_silence_ns(const kvs_zch_t *ch, uint32_t peer)
+{
+    if (peer >= ch->cfg.peer_tp) return 0;
+    const zpeer_t *p = &ch->peers[peer];
+    const uint64_t now = kvs_now_ns(), from = p->heard ? p->heard : p->since;
+    return now > from ? now - from : 0;
+}
+
+const char *kvs_zch_peer_endpoint(const kvs_zch_t *ch, uint32_t peer)
+{
+    return peer < ch->cfg.peer_tp ? ch->peers[peer].endpoint : NULL;
+}
+
 uint64_t kvs_zch_incarnation(const kvs_zch_t *ch)
 {
     return ch->incarnation;

@@ -63,6 +63,11 @@ void kvs_zch_destroy(kvs_zch_t *ch);
 const char *kvs_zch_endpoint(const kvs_zch_t *ch);
 uint64_t kvs_zch_incarnation(const kvs_zch_t *ch);
 
+/* How long peer has been silent: since its last frame, or since its endpoint was set when it was
+ * never heard. */
+uint64_t kvs_zch_peer_silence_ns(const kvs_zch_t *ch, uint32_t peer);
+/* The endpoint peer's PUSH socket connects to, or NULL when none is set. */
+const char *kvs_zch_peer_endpoint(const kvs_zch_t *ch, uint32_t peer);
 /* Connects (or reconnects) the PUSH socket of peer to endpoint; same endpoint: nothing to do. */
 kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint);
 

@@ -40,7 +40,8 @@
 #define WIREUP_RKEY_MAX   4096
 #define WIREUP_UCX        0           /* payload: UCX worker address + rkey */
 #define WIREUP_CUDA_IPC   1           /* payload: a kvs_cuda_ipc_handle_t (the ring is on a GPU) */
-#define RESOLVE_GAP_NS    (1000 * MS) /* registry lookups of one disputed peer */
+#define RESOLVE_GAP_NS    (1000 * MS) /* registry lookups of one disputed or quiet peer */
+#define QUIET_NS          (1000 * MS) /* decode: a prefill peer this silent is looked up again */
 #define RESOLVE_WAIT_NS   (50 * MS)
 
 typedef struct {
@@ -72,7 +73,7 @@ typedef struct {
     kvs_status_t wire_error;  /* prefill: why the last wireup could not be used */
     uint64_t wire_error_inc;  /* and the peer incarnation it came from */
     uint64_t pushed_inc;      /* decode: incarnation our current wireup went to */
-    uint64_t next_resolve;    /* decode: next registry lookup of a disputed endpoint */
+    uint64_t next_resolve;    /* decode: next registry lookup of a disputed or dead peer */
     int dead;                 /* liveness as last acted upon */
 } npeer_t;
 
@@ -320,9 +321,11 @@ static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
 
 /* ---- service: everything an op call drives ---- */
 
-/* Decode: asks the registry where prefill rank `peer` listens now (its configured endpoint is
- * disputed by its heartbeats). A short, rate-limited wait: this runs only while a peer that
- * restarted unseen is unreachable. */
+/* Decode: asks the registry where prefill rank `peer` listens now: its configured endpoint is
+ * disputed by its heartbeats, or it has gone quiet (a prefill instance restarted on new ports
+ * knows nothing of this rank, so only this rank can find it again, and waiting for the liveness
+ * timeout first would fail every room that arrives meanwhile). A short, rate-limited wait: this
+ * runs only while a peer is unreachable. */
 static uint32_t resolve(net_t *n, uint32_t peer)
 {
     npeer_t *p = &n->peers[peer];
@@ -331,8 +334,10 @@ static uint32_t resolve(net_t *n, uint32_t peer)
     p->next_resolve = now + RESOLVE_GAP_NS;
     kvs_msg_register_t reg;
     if (kvs_registry_query(n->registry, peer, RESOLVE_WAIT_NS, &reg) != KVS_OK) return 0;
-    kvs_info("net link: decode rank %u: the registry places prefill rank %u at %s", n->cfg.rank,
-             peer, reg.endpoint);
+    const char *cur = kvs_zch_peer_endpoint(n->ch, peer);
+    if (cur == NULL || strcmp(cur, reg.endpoint) != 0)
+        kvs_info("net link: decode rank %u: the registry places prefill rank %u at %s", n->cfg.rank,
+                 peer, reg.endpoint);
     return kvs_zch_set_peer(n->ch, peer, reg.endpoint) == KVS_OK;
 }
 
@@ -344,7 +349,9 @@ static uint32_t check_peers(net_t *n)
         uint64_t inc = kvs_zch_peer_incarnation(n->ch, i);
         int dead = kvs_zch_peer_status(n->ch, i) != KVS_OK;
         if (n->cfg.side == KVS_SIDE_DECODE) {
-            if (n->registry[0] && kvs_zch_peer_disputed(n->ch, i)) events += resolve(n, i);
+            if (n->registry[0] && (dead || kvs_zch_peer_disputed(n->ch, i) ||
+                                   kvs_zch_peer_silence_ns(n->ch, i) >= QUIET_NS))
+                events += resolve(n, i);
             /* A new prefill life (or a new ring) needs our wireup. */
             if (n->wireup != NULL && !dead && inc != 0 && inc != p->pushed_inc)
                 events += (uint32_t) push_wireup(n, i);

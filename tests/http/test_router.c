@@ -2,9 +2,12 @@
  * decode) on loopback: round robin with the room and bootstrap reaching both sides, streaming
  * through the router, prefix-aware choice, a stopped decode server and an unhealthy prefill
  * server taken out of rotation (and back), a failing prefill, a client hanging up, bad inputs,
- * /health, /v1/models and /metrics. */
+ * /health, /v1/models and /metrics; unknown fields removed before forwarding (strict servers
+ * behind) or refused by a strict router, /v1/models/{id}, the API key towards clients and
+ * servers, failing decode streams (whole and cut mid-event), 1200 half-open connections. */
 #include "server_test.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -14,7 +17,16 @@
 #define P KVS_ROUTER_PREFILL
 #define D KVS_ROUTER_DECODE
 
+/* What some tests change in the servers' and the router's configuration. */
 typedef struct {
+    int server_strict;      /* the servers refuse unknown fields */
+    const char *server_key; /* the servers require this API key */
+    int router_strict;
+    const char *router_key, *router_server_key;
+} deploy_opts_t;
+
+typedef struct {
+    deploy_opts_t opts;
     kvs_server_fake_t *fake[2][2]; /* [side][index] */
     kvs_server_t *srv[2][2];
     uint16_t port[2][2];
@@ -40,24 +52,16 @@ static void server_start(deploy_t *d, int side, int i, uint16_t port)
     c.bootstrap = side == P ? boot : NULL;
     c.backend = kvs_server_fake_backend(d->fake[side][i]);
     c.tokenizer = kvs_server_byte_tokenizer();
+    c.strict = d->opts.server_strict;
+    c.api_key = d->opts.server_key;
     assert_int_equal(kvs_server_create(&c, &d->srv[side][i]), KVS_OK);
     d->port[side][i] = kvs_server_port(d->srv[side][i]);
     snprintf(d->url[side][i], sizeof(d->url[side][i]), "http://127.0.0.1:%u", d->port[side][i]);
 }
 
-static void deploy_start_with(deploy_t *d, kvs_router_policy_t prefill_policy,
-                              const kvs_server_fake_config_t *prefill_fc,
-                              const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
+/* A router with the options of d->opts over the servers of d. */
+static void router_start(deploy_t *d, kvs_router_policy_t prefill_policy, uint32_t health_ms)
 {
-    memset(d, 0, sizeof(*d));
-    for (int side = 0; side < 2; side++) {
-        for (int i = 0; i < 2; i++) {
-            assert_int_equal(
-                kvs_server_fake_create(side == D ? decode_fc : prefill_fc, &d->fake[side][i]),
-                KVS_OK);
-            server_start(d, side, i, 0);
-        }
-    }
     const char *pre[2] = {d->url[P][0], d->url[P][1]};
     const char *dec[2] = {d->url[D][0], d->url[D][1]};
     kvs_router_config_t rc;
@@ -70,10 +74,38 @@ static void deploy_start_with(deploy_t *d, kvs_router_policy_t prefill_policy,
     rc.health_interval_ms = health_ms;
     rc.connect_timeout_ms = 500;
     rc.max_body = 8192;
+    rc.strict = d->opts.router_strict;
+    rc.api_key = d->opts.router_key;
+    rc.server_api_key = d->opts.router_server_key;
     assert_int_equal(kvs_router_create(&rc, &d->rt), KVS_OK);
     d->rport = kvs_router_port(d->rt);
+}
+
+static void deploy_start_opts(deploy_t *d, const deploy_opts_t *o,
+                              kvs_router_policy_t prefill_policy,
+                              const kvs_server_fake_config_t *prefill_fc,
+                              const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
+{
+    memset(d, 0, sizeof(*d));
+    if (o) d->opts = *o;
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            assert_int_equal(
+                kvs_server_fake_create(side == D ? decode_fc : prefill_fc, &d->fake[side][i]),
+                KVS_OK);
+            server_start(d, side, i, 0);
+        }
+    }
+    router_start(d, prefill_policy, health_ms);
     for (int side = 0; side < 2; side++)
         for (size_t i = 0; i < 2; i++) assert_int_equal(kvs_router_server_up(d->rt, side, i), 1);
+}
+
+static void deploy_start_with(deploy_t *d, kvs_router_policy_t prefill_policy,
+                              const kvs_server_fake_config_t *prefill_fc,
+                              const kvs_server_fake_config_t *decode_fc, uint32_t health_ms)
+{
+    deploy_start_opts(d, NULL, prefill_policy, prefill_fc, decode_fc, health_ms);
 }
 
 static void deploy_start(deploy_t *d, kvs_router_policy_t prefill_policy,
@@ -469,11 +501,7 @@ static void test_prefill_failure(void **state)
               "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true}", &r);
     assert_int_equal(r.status, 200);
     char *ev[16];
-    size_t n = sse_split_failed(&r.body, ev, 16);
-    json_t *e = json_loads(ev[n - 1], 0, NULL);
-    assert_non_null(e);
-    assert_string_equal(str_of(json_object_get(e, "error"), "type"), "server_error");
-    json_decref(e);
+    sse_expect_failed(&r.body, ev, 16, "answered 500");
     http_resp_fini(&r);
     /* Both prefill servers stay in rotation: they answered. */
     assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1);
@@ -578,9 +606,31 @@ static void test_router_bad_inputs_and_metrics(void **state)
               "{\"prompt\":\"x\",\"kvstage\":{\"room\":1,\"role\":\"decode\"}}", &r);
     expect_error_json(&r, 400, "invalid_request_error", "kvstage");
     http_resp_fini(&r);
-    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":5}", &r);
-    expect_error_json(&r, 400, "invalid_request_error", "temperature"); /* the server's answer */
+    /* Refused by the router itself, with the servers' rules: neither server saw these. */
+    const char *bad_fields[] = {
+        "{\"prompt\":\"x\",\"temperature\":5}",
+        "{\"prompt\":\"x\",\"max_tokens\":0}",
+        "{\"prompt\":\"x\",\"top_k\":-5}",
+        "{\"prompt\":\"x\",\"stop\":[1]}",
+        "{\"prompt\":7}",
+    };
+    const char *bad_params[] = {"temperature", "max_tokens", "top_k", "stop[0]", "prompt"};
+    for (int k = 0; k < 5; k++) {
+        http_call(d.rport, NULL, "/v1/completions", bad_fields[k], &r);
+        expect_error_json(&r, 400, "invalid_request_error", bad_params[k]);
+        http_resp_fini(&r);
+    }
+    http_call(d.rport, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"robot\",\"content\":\"x\"}]}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "messages[0].role");
     http_resp_fini(&r);
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            kvs_server_fake_counts_t c;
+            kvs_server_fake_counts(d.fake[side][i], &c);
+            assert_int_equal(c.submitted, 0);
+        }
+    }
     http_call(d.rport, "GET", "/v1/completions", NULL, &r);
     expect_error_json(&r, 405, "invalid_request_error", NULL);
     assert_string_equal(r.allow, "POST");
@@ -605,8 +655,8 @@ static void test_router_bad_inputs_and_metrics(void **state)
     char key[160];
     snprintf(key, sizeof(key), "kvstage_router_server_up{side=\"decode\",url=\"%s\"}", d.url[D][1]);
     assert_true(metric_value(r.body.ptr, key) == 1);
-    assert_true(metric_value(r.body.ptr, "kvstage_router_requests_total") == 2);
-    assert_true(metric_value(r.body.ptr, "kvstage_router_http_requests_total{code=\"400\"}") == 4);
+    assert_true(metric_value(r.body.ptr, "kvstage_router_requests_total") == 1);
+    assert_true(metric_value(r.body.ptr, "kvstage_router_http_requests_total{code=\"400\"}") == 9);
     http_resp_fini(&r);
 
     /* Bad configurations. */
@@ -627,6 +677,300 @@ static void test_router_bad_inputs_and_metrics(void **state)
     kvs_log_set_sink(NULL, NULL);
     assert_null(rt);
     assert_int_equal(cap.calls, 3);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* Unknown fields: dropped (and named) by a lenient router before forwarding, so strict servers
+ * behind it serve the request; refused by a strict router itself. */
+typedef struct {
+    pthread_mutex_t mu;
+    int warnings;
+    char last[512];
+} warn_capture_t;
+
+static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg)
+{
+    (void) file, (void) line;
+    warn_capture_t *c = arg;
+    if (level != KVS_LOG_WARN || strstr(msg, "unknown field") == NULL) return;
+    pthread_mutex_lock(&c->mu);
+    c->warnings++;
+    snprintf(c->last, sizeof(c->last), "%s", msg);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static uint64_t submitted_total(deploy_t *d)
+{
+    uint64_t n = 0;
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            kvs_server_fake_counts_t c;
+            kvs_server_fake_counts(d->fake[side][i], &c);
+            n += c.submitted;
+        }
+    }
+    return n;
+}
+
+static void test_router_unknown_fields(void **state)
+{
+    (void) state;
+    const deploy_opts_t o = {.server_strict = 1};
+    deploy_t d;
+    deploy_start_opts(&d, &o, KVS_ROUTER_PREFIX, NULL, NULL, 60000);
+    static const char *const bodies[] = {
+        "{\"prompt\":\"abc\",\"max_tokens\":3,\"service_tier\":\"auto\",\"top_a\":1}",
+        "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true,\"service_tier\":\"auto\","
+        "\"top_a\":1}",
+    };
+    warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    kvs_log_set_level(KVS_LOG_WARN);
+    kvs_log_set_sink(warn_sink, &cap);
+    for (int i = 0; i < 2; i++) {
+        http_resp_t r = {0};
+        http_call(d.rport, NULL, "/v1/completions", bodies[i], &r);
+        if (r.status != 200) fail_msg("status %ld: %s", r.status, r.body.ptr);
+        assert_string_equal(r.ignored, "service_tier, top_a");
+        assert_non_null(strstr(r.body.ptr, "abc"));
+        http_resp_fini(&r);
+    }
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"tool_calls\":[]}],"
+              "\"max_tokens\":2}",
+              &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.ignored, "messages[0].tool_calls");
+    http_resp_fini(&r);
+    kvs_log_set_sink(NULL, NULL);
+    kvs_log_set_level(KVS_LOG_ERROR);
+    /* One warning per request, from the router: the servers never saw the fields. */
+    assert_int_equal(cap.warnings, 3);
+    assert_non_null(strstr(cap.last, "router"));
+
+    /* A strict router refuses them itself. */
+    kvs_router_destroy(d.rt);
+    d.opts.router_strict = 1;
+    router_start(&d, KVS_ROUTER_ROUND_ROBIN, 60000);
+    uint64_t before = submitted_total(&d);
+    http_call(d.rport, NULL, "/v1/completions", bodies[0], &r);
+    expect_error_json(&r, 400, "invalid_request_error", "service_tier");
+    assert_string_equal(r.ignored, "");
+    http_resp_fini(&r);
+    assert_int_equal(submitted_total(&d), before); /* no server saw it */
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":3}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    assert_int_equal(submitted_total(&d), before + 2);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_router_models(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/models/m", NULL, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_string_equal(str_of(j, "id"), "m");
+    assert_string_equal(str_of(j, "object"), "model");
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/v1/models/other%2Fmodel", NULL, &r);
+    expect_error_json(&r, 404, "invalid_request_error", "model");
+    j = http_json(&r);
+    assert_string_equal(str_of(json_object_get(j, "error"), "code"), "model_not_found");
+    assert_non_null(strstr(str_of(json_object_get(j, "error"), "message"), "other/model"));
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.rport, "DELETE", "/v1/models/m", NULL, &r);
+    expect_error_json(&r, 405, "invalid_request_error", NULL);
+    assert_string_equal(r.allow, "GET");
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static const endpoint_case_t k_router_endpoints[] = {
+    {NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", 200},
+    {NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"stream\":true}", 200},
+    {NULL, "/v1/chat/completions",
+     "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":2}", 200},
+    {NULL, "/v1/models", NULL, 200},
+    {NULL, "/v1/models/m", NULL, 200},
+    {NULL, "/v1/models/nope", NULL, 404},
+    {NULL, "/v1/completions", "{", 400},
+    {NULL, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":5}", 400},
+    {"GET", "/v1/completions", NULL, 405},
+    {NULL, "/nowhere", NULL, 404},
+};
+
+static void test_router_api_key(void **state)
+{
+    (void) state;
+    /* One key for the deployment: the router sends its own to the servers. */
+    deploy_opts_t o = {.server_key = "sekrit", .router_key = "sekrit"};
+    deploy_t d;
+    deploy_start_opts(&d, &o, KVS_ROUTER_PREFIX, NULL, NULL, 60000);
+    expect_key_required(d.rport, "sekrit", k_router_endpoints,
+                        sizeof(k_router_endpoints) / sizeof(k_router_endpoints[0]));
+    kvs_router_check_now(d.rt); /* /internal/info needs the key too */
+    for (int side = 0; side < 2; side++)
+        for (size_t i = 0; i < 2; i++) assert_int_equal(kvs_router_server_up(d.rt, side, i), 1);
+
+    /* A key of its own for the servers. */
+    kvs_router_destroy(d.rt);
+    d.opts.router_key = "front";
+    d.opts.router_server_key = "sekrit";
+    router_start(&d, KVS_ROUTER_ROUND_ROBIN, 60000);
+    http_resp_t r = {.api_key = "front"};
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    r.api_key = "sekrit";
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 401);
+    http_resp_fini(&r);
+
+    /* Without server_api_key the clients' key goes to the servers: here the wrong one, and the
+     * servers' 401 is passed through. */
+    kvs_router_destroy(d.rt);
+    d.opts.router_server_key = NULL;
+    router_start(&d, KVS_ROUTER_ROUND_ROBIN, 60000);
+    r.api_key = "front";
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", &r);
+    expect_error_json(&r, 401, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+
+    /* A bad key is a bad configuration. */
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    const char *one[1] = {d.url[P][0]}, *other[1] = {d.url[D][0]};
+    kvs_router_config_t rc = {.prefill = one, .n_prefill = 1, .decode = other, .n_decode = 1};
+    kvs_router_t *rt = NULL;
+    rc.api_key = "has space";
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_ERR_INVALID);
+    rc.api_key = "ok";
+    rc.server_api_key = "";
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_null(rt);
+    assert_int_equal(cap.calls, 2);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* A decode stream that fails mid-way reaches the client as the server ended it: an error
+ * event and no [DONE]. */
+static void test_router_stream_failure(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t dfc = {.fail_at = 3};
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, &dfc, 60000);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":8,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[16];
+    size_t n = sse_expect_failed(&r.body, ev, 16, "generation failed");
+    char text[16] = "";
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        strcat(text, str_of(first_choice(c), "text"));
+        json_decref(c);
+    }
+    assert_string_equal(text, "ab");
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* A decode server that streams one whole event and half of the next, then drops the
+ * connection: the router passes the whole event, drops the half and ends with its own error
+ * event, without [DONE]. */
+static ssize_t broken_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void) cls;
+    static const char part[] = "data: {\"choices\":[{\"text\":\"ok\"}]}\n\ndata: {\"choi";
+    if (pos < sizeof(part) - 1) {
+        size_t n = sizeof(part) - 1 - (size_t) pos;
+        if (n > max) n = max;
+        memcpy(buf, part + pos, n);
+        return (ssize_t) n;
+    }
+    sleep_ms(100); /* the half event is on its way before the connection drops */
+    return MHD_CONTENT_READER_END_WITH_ERROR;
+}
+
+static enum MHD_Result broken_decode(void *cls, struct MHD_Connection *c, const char *url,
+                                     const char *method, const char *version, const char *upload,
+                                     size_t *upload_size, void **con_cls)
+{
+    (void) cls, (void) method, (void) version, (void) upload;
+    if (*con_cls == NULL) {
+        *con_cls = c;
+        return MHD_YES;
+    }
+    if (*upload_size != 0) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (strcmp(url, "/health") == 0)
+        return kvs__http_send(c, 200, "application/json", "{\"status\":\"ok\"}", 15, NULL);
+    if (strcmp(url, "/internal/info") == 0) {
+        static const char info[] = "{\"model\":\"m\",\"role\":\"decode\"}";
+        return kvs__http_send(c, 200, "application/json", info, sizeof(info) - 1, NULL);
+    }
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 256, broken_read, NULL, NULL);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    enum MHD_Result r = MHD_queue_response(c, 200, resp);
+    MHD_destroy_response(resp);
+    return r;
+}
+
+static void test_router_stream_cut(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    kvs__http_opts_t ho = {.threads = 1, .handler = broken_decode};
+    struct MHD_Daemon *daemon;
+    uint16_t port;
+    assert_int_equal(kvs__http_start(&ho, &daemon, &port), KVS_OK);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", (unsigned) port);
+    const char *pre[1] = {d.url[P][0]}, *dec[1] = {url};
+    kvs_router_config_t rc = {.prefill = pre, .n_prefill = 1, .decode = dec, .n_decode = 1};
+    kvs_router_t *rt;
+    assert_int_equal(kvs_router_create(&rc, &rt), KVS_OK);
+    http_resp_t r = {0};
+    http_call(kvs_router_port(rt), NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":8,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    char *ev[8];
+    size_t n = sse_expect_failed(&r.body, ev, 8, url);
+    assert_int_equal(n, 2);
+    assert_string_equal(ev[0], "{\"choices\":[{\"text\":\"ok\"}]}");
+    http_resp_fini(&r);
+    kvs_router_destroy(rt);
+    MHD_stop_daemon(daemon);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+static void test_router_half_open(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    expect_answers_past_half_open(d.rport, "/v1/completions",
+                                  "{\"prompt\":\"ab\",\"max_tokens\":2}");
     deploy_stop(&d);
     kvs_assert_no_leaks();
 }
@@ -756,6 +1100,12 @@ int main(void)
         cmocka_unit_test(test_refusal_frees_prefill),
         cmocka_unit_test(test_client_hangs_up),
         cmocka_unit_test(test_router_bad_inputs_and_metrics),
+        cmocka_unit_test(test_router_unknown_fields),
+        cmocka_unit_test(test_router_models),
+        cmocka_unit_test(test_router_api_key),
+        cmocka_unit_test(test_router_stream_failure),
+        cmocka_unit_test(test_router_stream_cut),
+        cmocka_unit_test(test_router_half_open),
         cmocka_unit_test(test_router_logprobs),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);

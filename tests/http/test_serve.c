@@ -6,8 +6,9 @@
  * clients all get theirs; the router sends a prompt to the pair whose prefill cache holds its
  * prefix; /metrics parses and its counters move; the servers refuse requests that are not for
  * them; a killed decode server fails its requests with a 5xx JSON error while the other pair
- * keeps serving. Every process a test starts leads its own process group, and the teardown
- * kills every group, whatever happened. */
+ * keeps serving; the HTTP flags (--strict, --api-key or KVS_API_KEY, --server-api-key, limits)
+ * act and their bad values are usage errors. Every process a test starts leads its own process
+ * group, and the teardown kills every group, whatever happened. */
 #include "http/server_test.h"
 
 #include <errno.h>
@@ -705,6 +706,78 @@ static void test_serve_demo_smollm2(void **state)
     assert_non_null(strstr(out, "every process exited cleanly"));
 }
 
+/* A free TCP port on 127.0.0.1 (bound, read back and closed: free a moment later too). */
+static uint16_t free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    assert_int_equal(bind(fd, (struct sockaddr *) &a, sizeof(a)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+/* A prefill server killed (SIGKILL to its whole group) and started again on the same HTTP
+ * port and registry, with new ports for its ranks: the decode server, never restarted, finds
+ * the new instance through the registry and serves correctly again, leaking no room. */
+static void test_prefill_restart(void **state)
+{
+    (void) state;
+    char port[8], reg[64];
+    snprintf(port, sizeof(port), "%u", free_port());
+    snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", free_port());
+    const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED, "--model-seed",
+                           "11",    "--port", port,      "--registry", reg,    "--max-model-len",
+                           MAX_LEN, NULL};
+    proc_t *pre = spawn_tool(pargs);
+    wait_up(pre, "serving on");
+    const char *dargs[] = {"serve", "--role", "decode", "--seeded",    SEEDED, "--model-seed",
+                           "11",    "--port", "0",      "--bootstrap", reg,    "--max-model-len",
+                           MAX_LEN, NULL};
+    proc_t *dec = spawn_tool(dargs);
+    wait_up(dec, "serving on");
+    char pre_url[64];
+    snprintf(pre_url, sizeof(pre_url), "http://127.0.0.1:%s", port);
+    const char *rargs[] = {"router", "--prefill", pre_url, "--decode",
+                           dec->url, "--port",    "0",     "--health-interval-ms",
+                           "200",    NULL};
+    proc_t *rt = spawn_tool(rargs);
+    wait_up(rt, "routing on");
+    const char *prompt = "a prompt that outlives its prefill server";
+    char want[2048], text[2048];
+    assert_int_equal(complete(rt->port, prompt, 8, 0, want, sizeof(want), NULL), 200);
+
+    kill_proc(pre);
+    pre = spawn_tool(pargs);
+    wait_up(pre, "serving on");
+    /* The router has the server back within its health interval, the decode ranks the new
+     * prefill ranks within a second of their silence. */
+    long st = 0;
+    uint64_t end = kvs_now_ns() + 30ull * 1000000000ull;
+    while ((st = complete(rt->port, prompt, 8, 0, text, sizeof(text), NULL)) != 200) {
+        if (kvs_now_ns() > end) fail_msg("no request served after the restart: %ld %s", st, text);
+        sleep_ms(200);
+    }
+    assert_string_equal(text, want);
+    for (int k = 0; k < 4; k++) {
+        st = complete(rt->port, prompt, 8, k % 2, text, sizeof(text), NULL);
+        if (st != 200) fail_msg("request %d after the restart: %ld %s", k, st, text);
+        assert_string_equal(text, want);
+    }
+    assert_int_equal(kill(dec->pid, 0), 0); /* the same decode server throughout */
+    end = kvs_now_ns() + 10ull * 1000000000ull;
+    while (metric_of(dec->port, "kvstage_rooms_live") != 0 ||
+           metric_of(dec->port, "kvstage_requests_live") != 0) {
+        if (kvs_now_ns() > end) fail_msg("the decode server still holds rooms");
+        sleep_ms(100);
+    }
+}
+
 /* A service manager stops a server by signalling its whole process group (its rank processes
  * too): the server still shuts its instance down cleanly and exits 0. */
 static void test_sigterm_to_process_group(void **state)
@@ -724,6 +797,69 @@ static void test_sigterm_to_process_group(void **state)
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
         fail_msg("the server ended with %s %d", WIFEXITED(status) ? "exit status" : "signal",
                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+}
+
+/* The HTTP flags of both commands: --strict, --api-key (or KVS_API_KEY), --server-api-key,
+ * --max-connections, --idle-timeout-s. */
+static void test_http_flags(void **state)
+{
+    (void) state;
+    const char *args[] = {
+        "serve",    "--role",    "colocated", "--seeded",          SEEDED, "--port",           "0",
+        "--strict", "--api-key", "k3y",       "--max-connections", "64",   "--idle-timeout-s", "5",
+        NULL};
+    proc_t *srv = spawn_tool(args);
+    wait_up(srv, "serving on");
+    http_resp_t r = {0};
+    http_call(srv->port, NULL, "/v1/models", NULL, &r);
+    expect_error_json(&r, 401, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    http_call(srv->port, NULL, "/health", NULL, &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    r.api_key = "k3y";
+    http_call(srv->port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"foo\":1}",
+              &r);
+    expect_error_json(&r, 400, "invalid_request_error", "foo");
+    http_resp_fini(&r);
+
+    /* The router's own key from the environment, and the servers' key apart. */
+    setenv("KVS_API_KEY", "r0uter", 1);
+    const char *rargs[] = {"router", "--prefill", srv->url,           "--decode", srv->url,
+                           "--port", "0",         "--server-api-key", "k3y",      NULL};
+    proc_t *rt = spawn_tool(rargs);
+    unsetenv("KVS_API_KEY");
+    wait_up(rt, "routing on");
+    r.api_key = NULL;
+    http_call(rt->port, NULL, "/v1/models", NULL, &r);
+    expect_error_json(&r, 401, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    r.api_key = "r0uter";
+    http_call(rt->port, NULL, "/v1/models", NULL, &r); /* proxied to the server with k3y */
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body.ptr, "\"object\":\"list\""));
+    http_resp_fini(&r);
+
+    /* Bad values are usage errors. */
+    const char *const bad[][8] = {
+        {"serve", "--role", "colocated", "--seeded", SEEDED, "--api-key", "a b", NULL},
+        {"serve", "--role", "colocated", "--seeded", SEEDED, "--max-connections", "0", NULL},
+        {"router", "--prefill", "http://x:1", "--decode", "http://y:2", "--idle-timeout-s", "0",
+         NULL},
+        {"router", "--prefill", "http://x:1", "--decode", "http://y:2", "--server-api-key", "",
+         NULL},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        proc_t *p = spawn_tool(bad[i]);
+        int status = 0;
+        while (waitpid(p->pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        p->pid = 0;
+        close(p->out_fd);
+        p->out_fd = -1;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 2)
+            fail_msg("case %zu: not a usage error (status %d)", i, status);
+    }
 }
 
 /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
@@ -758,6 +894,8 @@ int main(void)
     const struct CMUnitTest demo[] = {
         cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
         cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
+        cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
+        cmocka_unit_test_teardown(test_http_flags, demo_teardown),
     };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);

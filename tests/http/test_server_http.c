@@ -2,7 +2,10 @@
  * and chat completions (plain and streamed, exact JSON fields, SSE framing), stop strings and
  * stop tokens, concurrent clients, a backend failing mid-stream, a client hanging up mid-stream,
  * every bad input with its status, health, metrics, the internal endpoints, the real tokenizer
- * behind the adapter, and shutting down with requests in flight. */
+ * behind the adapter, shutting down with requests in flight, unknown fields ignored (header,
+ * warning) or refused (strict), GET /v1/models/{id}, the API key on every endpoint class, 1200
+ * half-open connections, the connection limit and idle timeout, and bodies declared too large
+ * or never completed. */
 #include "server_test.h"
 
 #include <pthread.h>
@@ -20,8 +23,16 @@ typedef struct {
     uint16_t port;
 } fixture_t;
 
-static void start_with(fixture_t *f, const kvs_server_fake_config_t *fc, uint32_t max_context,
-                       size_t max_body, kvs_server_tokenizer_t tok)
+/* What some tests change in the server's configuration. */
+typedef struct {
+    int strict;
+    const char *api_key;
+    const char *model; /* NULL: MODEL */
+    uint32_t max_connections, idle_timeout_s;
+} fixture_opts_t;
+
+static void start_full(fixture_t *f, const kvs_server_fake_config_t *fc, uint32_t max_context,
+                       size_t max_body, kvs_server_tokenizer_t tok, const fixture_opts_t *o)
 {
     memset(f, 0, sizeof(*f));
     assert_int_equal(kvs_server_fake_create(fc, &f->fake), KVS_OK);
@@ -35,9 +46,27 @@ static void start_with(fixture_t *f, const kvs_server_fake_config_t *fc, uint32_
     c.bootstrap = "tcp://10.0.0.1:5555";
     c.backend = kvs_server_fake_backend(f->fake);
     c.tokenizer = tok;
+    if (o != NULL) {
+        c.strict = o->strict;
+        c.api_key = o->api_key;
+        if (o->model) c.model = o->model;
+        c.max_connections = o->max_connections;
+        c.idle_timeout_s = o->idle_timeout_s;
+    }
     assert_int_equal(kvs_server_create(&c, &f->srv), KVS_OK);
     f->port = kvs_server_port(f->srv);
     assert_true(f->port > 0);
+}
+
+static void start_with(fixture_t *f, const kvs_server_fake_config_t *fc, uint32_t max_context,
+                       size_t max_body, kvs_server_tokenizer_t tok)
+{
+    start_full(f, fc, max_context, max_body, tok, NULL);
+}
+
+static void start_opts(fixture_t *f, const kvs_server_fake_config_t *fc, const fixture_opts_t *o)
+{
+    start_full(f, fc, 256, 4096, kvs_server_byte_tokenizer(), o);
 }
 
 static void start(fixture_t *f, const kvs_server_fake_config_t *fc)
@@ -563,16 +592,33 @@ static void test_backend_failure(void **state)
     http_call(f.port, NULL, "/v1/completions",
               "{\"prompt\":\"xyz\",\"max_tokens\":10,\"stream\":true}", &r);
     assert_int_equal(r.status, 200);
+    /* The tokens before the failure, then the error event alone: no chunk with a finish
+     * reason, no [DONE]. */
     char *ev[64];
-    size_t n = sse_split_failed(&r.body, ev, 64);
+    size_t n = sse_expect_failed(&r.body, ev, 64, "generation failed");
     assert_true(n >= 2);
     char text[64];
     sse_concat(ev, n - 1, "choices.0.text", text);
     assert_string_equal(text, "xy");
-    json_t *err = json_loads(ev[n - 1], 0, NULL);
-    assert_string_equal(str_at(err, "error.type"), "server_error");
-    assert_non_null(strstr(str_at(err, "error.message"), "generation failed"));
-    json_decref(err);
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_true(json_is_null(json_at(c, "choices.0.finish_reason")));
+        json_decref(c);
+    }
+    http_resp_fini(&r);
+    /* Chat likewise, and with usage asked for: no usage chunk either. */
+    http_call(f.port, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":10,"
+              "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    n = sse_expect_failed(&r.body, ev, 64, "generation failed");
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_null(json_object_get(c, "usage"));
+        assert_true(json_is_null(json_at(c, "choices.0.finish_reason")));
+        json_decref(c);
+    }
     http_resp_fini(&r);
 
     http_call(f.port, NULL, "/v1/chat/completions",
@@ -588,7 +634,7 @@ static void test_backend_failure(void **state)
     http_resp_fini(&r);
     kvs_server_fake_counts_t c;
     kvs_server_fake_counts(f.fake, &c);
-    assert_int_equal(c.failed, 2);
+    assert_int_equal(c.failed, 3);
     stop(&f);
     kvs_assert_no_leaks();
 }
@@ -642,11 +688,14 @@ typedef struct {
     const char *param;
 } bad_case_t;
 
+/* Every refusal, against a strict server (unknown fields refused); test_unknown_fields has the
+ * lenient counterparts. */
 static void test_bad_inputs(void **state)
 {
     (void) state;
     fixture_t f;
-    start(&f, NULL);
+    const fixture_opts_t strict = {.strict = 1};
+    start_opts(&f, NULL, &strict);
     char long_prompt[400];
     memset(long_prompt, 'a', 300);
     long_prompt[300] = '\0';
@@ -724,6 +773,13 @@ static void test_bad_inputs(void **state)
          "messages[0].content"},
         {NULL, "/v1/chat/completions",
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"x\":1}]}", 400, "messages[0].x"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"service_tier\":\"auto\"}", 400,
+         "service_tier"},
+        {NULL, "/v1/completions",
+         "{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":true,\"zz\":1}}",
+         400, "stream_options.zz"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":false}", 400, "echo"},
         {NULL, "/v1/chat/completions",
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}", 400, "prompt"},
         {NULL, "/v1/chat/completions",
@@ -1186,11 +1242,7 @@ static void test_shutdown_in_flight(void **state)
     pthread_join(t2, NULL);
     expect_error_json(&plain.resp, 503, "server_error", NULL);
     char *ev[300];
-    size_t n = sse_split_failed(&streamed.resp.body, ev, 300);
-    assert_true(n >= 2);
-    json_t *err = json_loads(ev[n - 1], 0, NULL);
-    assert_non_null(strstr(str_at(err, "error.message"), "shutting down"));
-    json_decref(err);
+    sse_expect_failed(&streamed.resp.body, ev, 300, "shutting down");
     http_resp_fini(&plain.resp);
     http_resp_fini(&streamed.resp);
     kvs_server_fake_destroy(f.fake);
@@ -1251,6 +1303,356 @@ static void test_overload_and_config(void **state)
     assert_true(cap.calls >= 5);
     kvs_server_destroy(srv);
     kvs_server_fake_destroy(fake);
+    kvs_assert_no_leaks();
+}
+
+/* ---- unknown fields ---- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    int warnings; /* warnings that name ignored fields */
+    char last[512];
+} warn_capture_t;
+
+static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int line, const char *msg)
+{
+    (void) file, (void) line;
+    warn_capture_t *c = arg;
+    if (level != KVS_LOG_WARN || strstr(msg, "unknown field") == NULL) return;
+    pthread_mutex_lock(&c->mu);
+    c->warnings++;
+    snprintf(c->last, sizeof(c->last), "%s", msg);
+    pthread_mutex_unlock(&c->mu);
+}
+
+typedef struct {
+    const char *path;
+    const char *body;
+    const char *ignored; /* the header, exactly */
+    const char *param;   /* the strict server's refusal */
+} unknown_case_t;
+
+static void test_unknown_fields(void **state)
+{
+    (void) state;
+    static const unknown_case_t cases[] = {
+        {"/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"foo\":1}", "foo", "foo"},
+        {"/v1/completions",
+         "{\"prompt\":\"ab\",\"service_tier\":\"auto\",\"max_tokens\":2,\"reasoning_effort\":"
+         "\"low\"}",
+         "service_tier, reasoning_effort", "service_tier"},
+        {"/v1/completions",
+         "{\"prompt\":\"ab\",\"max_tokens\":2,\"kvstage\":{\"room\":5,\"role\":\"decode\",\"zz\":1}"
+         "}",
+         "kvstage.zz", "kvstage.zz"},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"ab\"},{\"role\":\"assistant\","
+         "\"content\":\"c\",\"refusal\":null}],\"max_tokens\":2,\"echo\":false}",
+         "echo, messages[1].refusal", "echo"},
+        {"/v1/completions",
+         "{\"prompt\":\"ab\",\"max_tokens\":2,\"stream\":true,\"stream_options\":"
+         "{\"include_usage\":true,\"continuous_usage_stats\":true}}",
+         "stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats"},
+        /* Bytes a header cannot carry as they are. */
+        {"/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"a b,c%\\u00e9\\r\\n\":1}",
+         "a%20b%2Cc%25%C3%A9%0D%0A", "a b,c%\xC3\xA9\r\n"},
+    };
+    fixture_t lenient, strict;
+    start(&lenient, NULL);
+    const fixture_opts_t so = {.strict = 1};
+    start_opts(&strict, NULL, &so);
+    warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const unknown_case_t *c = &cases[i];
+        http_resp_t r = {0};
+        kvs_log_set_sink(warn_sink, &cap);
+        http_call(lenient.port, NULL, c->path, c->body, &r);
+        kvs_log_set_sink(NULL, NULL);
+        if (r.status != 200) fail_msg("case %zu: status %ld: %s", i, r.status, r.body.ptr);
+        assert_string_equal(r.ignored, c->ignored);
+        /* One warning per request, naming the fields as the header does. */
+        assert_int_equal(cap.warnings, (int) i + 1);
+        assert_non_null(strstr(cap.last, c->ignored));
+        http_resp_fini(&r);
+
+        http_call(strict.port, NULL, c->path, c->body, &r);
+        expect_error_json(&r, 400, "invalid_request_error", c->param);
+        json_t *j = http_json(&r);
+        assert_string_equal(str_at(j, "error.code"), "unknown_field");
+        json_decref(j);
+        assert_string_equal(r.ignored, "");
+        http_resp_fini(&r);
+    }
+    /* The streamed answer carries the header too; a request without unknown fields neither
+     * carries it nor warns. */
+    http_resp_t r = {0};
+    http_call(lenient.port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.ignored, "");
+    http_resp_fini(&r);
+    assert_int_equal(cap.warnings, (int) (sizeof(cases) / sizeof(cases[0])));
+
+    /* Known fields OpenAI or vLLM define keep their checks when lenient: a value kvstage does
+     * not support is refused, naming it; so is the other endpoint's input. */
+    static const struct {
+        const char *path, *body, *param;
+    } still_refused[] = {
+        {"/v1/completions", "{\"prompt\":\"x\",\"n\":2,\"foo\":1}", "n"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"echo\":1}", "echo"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"logprobs\":6}", "logprobs"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"messages\":[]}", "messages"},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}", "prompt"},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", "tools"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"kvstage\":{\"room\":-1,\"zz\":1}}",
+         "kvstage.room"},
+    };
+    for (size_t i = 0; i < sizeof(still_refused) / sizeof(still_refused[0]); i++) {
+        http_call(lenient.port, NULL, still_refused[i].path, still_refused[i].body, &r);
+        expect_error_json(&r, 400, "invalid_request_error", still_refused[i].param);
+        http_resp_fini(&r);
+    }
+
+    /* Many unknown fields: the list is cut with "...", the count stays exact in the log. */
+    kvs__sb_t body;
+    kvs__sb_init(&body);
+    kvs__sb_puts(&body, "{\"prompt\":\"ab\",\"max_tokens\":1");
+    for (int k = 0; k < 120; k++) kvs__sb_printf(&body, ",\"unknown_field_%03d\":%d", k, k);
+    kvs__sb_puts(&body, "}");
+    kvs_log_set_sink(warn_sink, &cap);
+    http_call(lenient.port, NULL, "/v1/completions", body.ptr, &r);
+    kvs_log_set_sink(NULL, NULL);
+    kvs__sb_fini(&body);
+    assert_int_equal(r.status, 200);
+    size_t hl = strlen(r.ignored);
+    assert_true(hl > 400 && hl < KVS__IGNORED_CAP);
+    assert_true(strncmp(r.ignored, "unknown_field_000, unknown_field_001, ", 38) == 0);
+    assert_string_equal(r.ignored + hl - 5, ", ...");
+    assert_non_null(strstr(cap.last, "ignored 120 unknown fields"));
+    http_resp_fini(&r);
+    kvs_server_fake_counts_t counts;
+    kvs_server_fake_counts(strict.fake, &counts);
+    assert_int_equal(counts.submitted, 0);
+    stop(&lenient);
+    stop(&strict);
+    kvs_assert_no_leaks();
+}
+
+/* ---- models ---- */
+
+static void test_model_retrieve(void **state)
+{
+    (void) state;
+    fixture_t f;
+    const fixture_opts_t o = {.model = "org/some-model"};
+    start_opts(&f, NULL, &o);
+    http_resp_t r = {0};
+    /* The id may hold a slash, plain or escaped. */
+    const char *hits[] = {"/v1/models/org/some-model", "/v1/models/org%2Fsome-model"};
+    for (int i = 0; i < 2; i++) {
+        json_t *j = call_ok(f.port, hits[i], NULL, &r);
+        assert_int_equal(json_object_size(j), 4);
+        assert_string_equal(str_at(j, "id"), "org/some-model");
+        assert_string_equal(str_at(j, "object"), "model");
+        assert_string_equal(str_at(j, "owned_by"), "kvstage");
+        assert_true(int_at(j, "created") > 1600000000);
+        json_decref(j);
+        http_resp_fini(&r);
+    }
+    /* The same object as in the list. */
+    json_t *list = call_ok(f.port, "/v1/models", NULL, &r);
+    http_resp_fini(&r);
+    json_t *one = call_ok(f.port, hits[0], NULL, &r);
+    assert_true(json_equal(json_at(list, "data.0"), one));
+    json_decref(list);
+    json_decref(one);
+    http_resp_fini(&r);
+    const char *misses[] = {"/v1/models/org", "/v1/models/org/some-model/x", "/v1/models/other"};
+    for (int i = 0; i < 3; i++) {
+        http_call(f.port, NULL, misses[i], NULL, &r);
+        expect_error_json(&r, 404, "invalid_request_error", "model");
+        json_t *j = http_json(&r);
+        assert_string_equal(str_at(j, "error.code"), "model_not_found");
+        assert_non_null(strstr(str_at(j, "error.message"), misses[i] + strlen("/v1/models/")));
+        json_decref(j);
+        http_resp_fini(&r);
+    }
+    http_call(f.port, "POST", hits[0], "{}", &r);
+    expect_error_json(&r, 405, "invalid_request_error", NULL);
+    assert_string_equal(r.allow, "GET");
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/models/", NULL, &r); /* no id: no such path */
+    expect_error_json(&r, 404, "invalid_request_error", NULL);
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* ---- API key ---- */
+
+/* One request of every kind the server answers, and the status each gets with the right key. */
+static const endpoint_case_t k_endpoints[] = {
+    {NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", 200},
+    {NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2,\"stream\":true}", 200},
+    {NULL, "/v1/chat/completions",
+     "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_tokens\":2}", 200},
+    {NULL, "/v1/models", NULL, 200},
+    {NULL, "/v1/models/" MODEL, NULL, 200},
+    {NULL, "/v1/models/nope", NULL, 404},
+    {NULL, "/internal/match", "{\"prompt\":\"ab\"}", 200},
+    {NULL, "/internal/info", NULL, 200},
+    {NULL, "/v1/completions", "{\"prompt\":7}", 400},
+    {"GET", "/v1/completions", NULL, 405},
+    {NULL, "/nowhere", NULL, 404},
+};
+
+static void test_api_key(void **state)
+{
+    (void) state;
+    fixture_t f;
+    const fixture_opts_t o = {.api_key = "sekrit"};
+    start_opts(&f, NULL, &o);
+    expect_key_required(f.port, "sekrit", k_endpoints,
+                        sizeof(k_endpoints) / sizeof(k_endpoints[0]));
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(f.fake, &c);
+    assert_int_equal(c.submitted, 3); /* only the requests with the key */
+    /* The scheme is case-insensitive, the key is not. */
+    http_resp_t r = {0};
+    CURL *e = curl_easy_init();
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u/v1/models", (unsigned) f.port);
+    struct curl_slist *h = curl_slist_append(NULL, "Authorization: bearer sekrit");
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_test_write);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &r);
+    kvs__sb_init(&r.body);
+    assert_int_equal(curl_easy_perform(e), CURLE_OK);
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &r.status);
+    assert_int_equal(r.status, 200);
+    curl_slist_free_all(h);
+    curl_easy_cleanup(e);
+    http_resp_fini(&r);
+    r.api_key = "SEKRIT";
+    http_call(f.port, NULL, "/v1/models", NULL, &r);
+    assert_int_equal(r.status, 401);
+    http_resp_fini(&r);
+    /* A body sent without the key is not taken: one declared too large is answered 401 at
+     * once, before it is read. */
+    int fd = raw_connect(f.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                 "Content-Length: 100000000\r\n\r\n{");
+    assert_true(fd >= 0);
+    char buf[1024];
+    assert_true(raw_read_to_eof(fd, buf, sizeof(buf), 2000) > 0);
+    close(fd);
+    assert_true(strncmp(buf, "HTTP/1.1 401", 12) == 0);
+    stop(&f);
+
+    /* Keys a header cannot carry are refused at creation. */
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    const char *bad[] = {"", "two words", "tab\there", "\xC3\xA9"};
+    for (int i = 0; i < 4; i++) {
+        kvs_server_config_t cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        kvs_server_fake_t *fake;
+        assert_int_equal(kvs_server_fake_create(NULL, &fake), KVS_OK);
+        cfg.backend = kvs_server_fake_backend(fake);
+        cfg.tokenizer = kvs_server_byte_tokenizer();
+        cfg.api_key = bad[i];
+        kvs_server_t *srv = NULL;
+        assert_int_equal(kvs_server_create(&cfg, &srv), KVS_ERR_INVALID);
+        assert_null(srv);
+        kvs_server_fake_destroy(fake);
+    }
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 4);
+    kvs_assert_no_leaks();
+}
+
+/* ---- connections ---- */
+
+static void test_half_open(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    expect_answers_past_half_open(f.port, "/v1/completions",
+                                  "{\"prompt\":\"ab\",\"max_tokens\":2}");
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* A connection limit is kept, and idle connections are closed after the idle timeout, which
+ * frees room for the next client. */
+static void test_connection_limit(void **state)
+{
+    (void) state;
+    fixture_t f;
+    const fixture_opts_t o = {.max_connections = 8, .idle_timeout_s = 1};
+    start_opts(&f, NULL, &o);
+    int fds[8];
+    for (int i = 0; i < 8; i++) assert_true((fds[i] = raw_connect(f.port, "POST /v1/")) >= 0);
+    sleep_ms(100);
+    uint64_t t0 = kvs_now_ns();
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/health", NULL, &r);
+    uint64_t ms = (kvs_now_ns() - t0) / 1000000u;
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    /* It waited for the idle ones to be closed (1 s), not for ever. */
+    if (ms < 700 || ms > 4000) fail_msg("answered after %llu ms", (unsigned long long) ms);
+    char buf[64];
+    for (int i = 0; i < 8; i++) {
+        assert_int_equal(raw_read_to_eof(fds[i], buf, sizeof(buf), 2000), 0);
+        close(fds[i]);
+    }
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* A body declared larger than the limit is answered 413 before it is read; one that stops
+ * arriving is closed after the idle timeout (libmicrohttpd cannot answer mid-body). */
+static void test_slow_body(void **state)
+{
+    (void) state;
+    fixture_t f;
+    const fixture_opts_t o = {.idle_timeout_s = 1};
+    start_opts(&f, NULL, &o);
+    char buf[2048];
+    uint64_t t0 = kvs_now_ns();
+    int fd = raw_connect(f.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                 "Content-Type: application/json\r\n"
+                                 "Content-Length: 100000000\r\n\r\n{\"prompt\":");
+    assert_true(fd >= 0);
+    assert_true(raw_read_to_eof(fd, buf, sizeof(buf), 900) > 0); /* before the idle timeout */
+    close(fd);
+    assert_true(kvs_now_ns() - t0 < 900000000u);
+    assert_true(strncmp(buf, "HTTP/1.1 413", 12) == 0);
+    assert_non_null(strstr(buf, "body_too_large"));
+    assert_non_null(strstr(buf, "larger than 4096 bytes"));
+
+    /* Within the limit but never completed: closed, unanswered, after about a second. */
+    t0 = kvs_now_ns();
+    fd = raw_connect(f.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             "Content-Length: 1000\r\n\r\n{\"prompt\":");
+    assert_true(fd >= 0);
+    assert_int_equal(raw_read_to_eof(fd, buf, sizeof(buf), 4000), 0);
+    close(fd);
+    uint64_t ms = (kvs_now_ns() - t0) / 1000000u;
+    if (ms < 700 || ms > 3500) fail_msg("closed after %llu ms", (unsigned long long) ms);
+
+    /* The server kept serving and took nothing from those. */
+    http_resp_t r = {0};
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":2}", &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(f.fake, &c);
+    assert_int_equal(c.submitted, 1);
+    stop(&f);
     kvs_assert_no_leaks();
 }
 
@@ -1489,6 +1891,11 @@ static void test_tokenize(void **state)
     json_decref(j);
     j = NULL;
     http_resp_fini(&r);
+    j = call_ok(f.port, "/tokenize", "{\"prompt\":\"hi\",\"zz\":1}", &r); /* lenient */
+    assert_int_equal(int_at(j, "count"), 2);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
     j = call_ok(f.port, "/tokenize", "{\"prompt\":[7,8,9]}", &r);
     assert_int_equal(int_at(j, "count"), 3);
     assert_int_equal(int_at(j, "tokens.2"), 9);
@@ -1540,6 +1947,12 @@ int main(void)
         cmocka_unit_test(test_real_tokenizer),
         cmocka_unit_test(test_shutdown_in_flight),
         cmocka_unit_test(test_overload_and_config),
+        cmocka_unit_test(test_unknown_fields),
+        cmocka_unit_test(test_model_retrieve),
+        cmocka_unit_test(test_api_key),
+        cmocka_unit_test(test_half_open),
+        cmocka_unit_test(test_connection_limit),
+        cmocka_unit_test(test_slow_body),
         cmocka_unit_test(test_logprobs_chat),
         cmocka_unit_test(test_logprobs_completions),
         cmocka_unit_test(test_tokenize),

@@ -36,11 +36,13 @@ def model(deployment):
 
 
 def complete(proc, model, **kw):
-    return client(proc).completions.create(model=model, temperature=0, **kw)
+    kw.setdefault("temperature", 0)
+    return client(proc).completions.create(model=model, **kw)
 
 
 def chat(proc, model, **kw):
-    return client(proc).chat.completions.create(model=model, temperature=0, **kw)
+    kw.setdefault("temperature", 0)
+    return client(proc).chat.completions.create(model=model, **kw)
 
 
 def streamed_chat(proc, model, **kw):

@@ -8,6 +8,7 @@
 
 #include "common/args.h"
 #include "common/port.h"
+#include "common/http_flags.h"
 #include "kvstage/alloc.h"
 #include "http/router.h"
 #include "common/serve_signal.h"
@@ -86,9 +87,10 @@ int kvs_cmd_router(int argc, char **argv)
         kvs_free(rest);
         return 2;
     }
-    const char *host = "127.0.0.1";
+    const char *host = "127.0.0.1", *server_key = NULL;
     uint32_t port = 0, threads = 8, match_ms = 2000, health_ms = 1000, timeout_s = 600;
     int policy = 0;
+    kvs_http_flags_t hf;
     const kvs_arg_t args[] = {
         {"port", KVS_ARG_U32, &port, "HTTP port (0: a free one, printed)", "[0,65535]", NULL},
         {"host", KVS_ARG_STR, &host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address", NULL},
@@ -102,11 +104,17 @@ int kvs_cmd_router(int argc, char **argv)
          "[1,3600000]", NULL},
         {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", "[1,4000000]",
          NULL},
+        {"server-api-key", KVS_ARG_STR, &server_key,
+         "the key sent to the servers (default: the --api-key clients must send)", NULL, NULL},
     };
-    const size_t nargs = sizeof(args) / sizeof(args[0]);
-    int rc = kvs_args_parse(usage, args, nargs, nrest, rest, 1);
+    kvs_arg_table_t t = {.count = 0};
+    KVS_ARG_TABLE_ADD(&t, args);
+    kvs_http_flags_add(&t, &hf);
+    int rc = kvs_arg_table_parse(&t, usage, nrest, rest, 1);
     kvs_free(rest);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if ((rc = kvs_http_flags_check(&hf)) != 0) return rc;
+    if ((rc = kvs_http_flags_check_key("--server-api-key", server_key)) != 0) return rc;
     if (np == 0 || nd == 0)
         return kvs_args_error(np == 0 ? "--prefill" : "--decode", "http://HOST:PORT URLs",
                               "give at least one server");
@@ -123,7 +131,12 @@ int kvs_cmd_router(int argc, char **argv)
                              .decode_policy = (kvs_router_policy_t) policy,
                              .health_interval_ms = health_ms,
                              .match_timeout_ms = match_ms,
-                             .request_timeout_ms = timeout_s * 1000u};
+                             .request_timeout_ms = timeout_s * 1000u,
+                             .strict = hf.strict,
+                             .api_key = hf.api_key,
+                             .server_api_key = server_key,
+                             .max_connections = hf.max_connections,
+                             .idle_timeout_s = hf.idle_timeout_s};
     kvs_router_t *rt = NULL;
     if (kvs_router_create(&c, &rt) != KVS_OK) {
         /* Free when checked above: something took it since. */

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "common/args.h"
+#include "common/http_flags.h"
 #include "common/instance.h"
 #include "common/port.h"
 #include "kvstage/clock.h"
@@ -60,6 +61,7 @@ typedef struct {
     uint64_t kv_tokens;     /* 0: twice max_model_len */
     uint32_t startup_s;
     int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
+    kvs_http_flags_t http;
 } serve_flags_t;
 
 /* The model's configuration and tokenizer (GGUF) or the seeded configuration. 0, 1 or 2. */
@@ -411,6 +413,10 @@ static int start_server(serve_run_t *s)
                               .role = server_role(f->role),
                               .bootstrap = s->ep,
                               .strict_role = 1,
+                              .strict = f->http.strict,
+                              .api_key = f->http.api_key,
+                              .max_connections = f->http.max_connections,
+                              .idle_timeout_s = f->http.idle_timeout_s,
                               .backend = kvs_rank_backend_ops(s->backend),
                               .tokenizer = stok};
     if (kvs_server_create(&sc, &s->srv) != KVS_OK) {
@@ -470,8 +476,10 @@ int kvs_cmd_serve(int argc, char **argv)
     kvs_arg_table_t t = {.count = 0};
     add_instance_flags(&t, &f);
     add_engine_flags(&t, &f);
+    kvs_http_flags_add(&t, &f.http);
     int rc = kvs_arg_table_parse(&t, usage, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if ((rc = kvs_http_flags_check(&f.http)) != 0) return rc;
 
     if ((rc = check_flags(&f)) != 0 || (rc = kvs_port_check(f.host, f.port)) != 0) return rc;
 
@@ -485,7 +493,7 @@ int kvs_cmd_serve(int argc, char **argv)
     s.inst.in_fd = s.inst.out_fd = -1; /* not started: nothing to close */
     if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
     /* The model's limits first: a bad --tp is a usage error even before a prefill answers. */
-    if ((rc = check_model(&f, &mc)) != 0) return rc;
+    if ((rc = check_model(&f, &mc)) != 0) return serve_teardown(&s, rc);
     if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f, s.deadline)) == 0)
         rc = check_model(&f, &mc); /* --peer-tp may be the prefill instance's now */
     if (rc == 0) rc = serve_instance(&s);

@@ -206,6 +206,14 @@ int kvs_stream_request(const char *url, const char *path, const char *body, kvs_
     char full[512];
     snprintf(full, sizeof(full), "%s%s", url, path);
     struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
+    /* Servers started from this environment require its key (kvstage serve --api-key). */
+    const char *key = getenv("KVS_API_KEY");
+    char auth[1100];
+    if (key != NULL && key[0] != '\0' && h != NULL) {
+        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", key);
+        struct curl_slist *h2 = curl_slist_append(h, auth);
+        if (h2 != NULL) h = h2;
+    }
     curl_easy_setopt(c, CURLOPT_URL, full);
     curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);

@@ -19,7 +19,7 @@
 #define KVS_MSG_VERSION      4
 #define KVS_MSG_HEADER_SIZE  12
 #define KVS_MSG_MAX_SIZE     1024 /* no valid message is larger */
-#define KVS_MSG_FINAL_MAX    64   /* bytes of final metadata (e.g. the first generated token) */
+#define KVS_MSG_FINAL_MAX    192  /* bytes of final metadata (the first token and its logprobs) */
 #define KVS_MSG_ENDPOINT_MAX 128  /* bytes of an endpoint string, without terminator */
 
 typedef enum {

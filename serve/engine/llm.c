@@ -18,11 +18,15 @@
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/log.h"
+#include "kvstage/msg.h"
 #include "kvstage/radix.h"
 
 #define PIECE_BYTES  65536 /* broadcast piece; the group's max_bytes must be at least this */
 #define HEADER_BYTES 32
 #define REQ_FIXED    64 /* bytes of one request in the broadcast, before its tokens */
+/* Prompt positions per pass whose logits rank 0 keeps for prompt logprobs ([rows][vocab] floats:
+ * 24 MiB for a vocabulary of 49152); longer chunks of such requests wait for the next pass. */
+#define PROMPT_LP_ROWS 128
 
 typedef enum {
     RQ_QUEUED = 0, /* waiting for pages */
@@ -49,11 +53,14 @@ typedef struct {
     kvs_radix_node_t *inserted;
     uint32_t keep_from, keep_to;
     int cached_early;
-    uint32_t preempted; /* times sent back to the queue for want of pages */
-    int in_protocol;    /* added to the sender or receiver, not yet released */
-    int aborted;        /* abort sent to the sender or receiver */
-    int stop;           /* kvs_llm_stop reached this rank */
-    int local_fail;     /* this rank could not add the room to its sender or receiver */
+    uint32_t preempted;      /* times sent back to the queue for want of pages */
+    uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
+    int has_first_lp;        /* decode: the first token's logprobs came with it */
+    kvs_logprobs_t first_lp;
+    int in_protocol; /* added to the sender or receiver, not yet released */
+    int aborted;     /* abort sent to the sender or receiver */
+    int stop;        /* kvs_llm_stop reached this rank */
+    int local_fail;  /* this rank could not add the room to its sender or receiver */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;
@@ -85,8 +92,11 @@ struct kvs_llm {
     rq_t **seq_rq;         /* [max_running] */
     float *logits;         /* [max_running][vocab] */
     uint32_t *counts;      /* [vocab] the sampler's penalty scratch, all zero between calls */
-    double *agree;         /* [3 * max_running] */
-    uint8_t *wire;         /* broadcast assembly */
+    float *raw;            /* [vocab] rank 0: a row's logits before sampling rewrites them */
+    float *all_logits;     /* [all_cap][vocab] rank 0: every position of prompt-logprobs chunks */
+    size_t all_cap;
+    double *agree; /* [3 * max_running] */
+    uint8_t *wire; /* broadcast assembly */
     size_t wire_cap;
     int want_metrics;          /* rank 0: collect at the next step */
     kvs_pd_metrics_t instance; /* summed over the ranks at the last collection */
@@ -129,10 +139,15 @@ static void emit(kvs_llm_t *e, const kvs_llm_event_t *ev)
     e->ev_count++;
 }
 
-static void emit_token(kvs_llm_t *e, rq_t *r, uint32_t token)
+/* lp: the token's logprobs, or NULL when the request did not ask. */
+static void emit_token(kvs_llm_t *e, rq_t *r, uint32_t token, const kvs_logprobs_t *lp)
 {
     kvs_llm_event_t ev = {
         .kind = KVS_LLM_EV_TOKEN, .room = r->req.room, .token = token, .index = r->generated - 1};
+    if (lp != NULL) {
+        ev.has_logprobs = 1;
+        ev.lp = *lp;
+    }
     emit(e, &ev);
 }
 
@@ -150,6 +165,39 @@ static float get_f32(const uint8_t *p)
     float v;
     memcpy(&v, &u, 4);
     return v;
+}
+
+/* A prefill room's final metadata: [0,4) the first token; with its logprobs, [4,8) its logprob
+ * (f32), [8,12) n_top, then n_top (token u32, logprob f32) pairs. */
+#define META_MAX (12 + 8 * KVS_LOGPROBS_TOP_MAX)
+typedef char meta_fits[META_MAX <= KVS_MSG_FINAL_MAX ? 1 : -1];
+
+static size_t meta_put(uint8_t *m, uint32_t token, const kvs_logprobs_t *lp)
+{
+    kvs_put_u32(m, token);
+    if (lp == NULL) return 4;
+    put_f32(m + 4, lp->logprob);
+    kvs_put_u32(m + 8, lp->n_top);
+    for (uint32_t i = 0; i < lp->n_top; i++) {
+        kvs_put_u32(m + 12 + 8 * i, lp->top[i].token);
+        put_f32(m + 16 + 8 * i, lp->top[i].logprob);
+    }
+    return 12 + 8 * (size_t) lp->n_top;
+}
+
+/* 1 when the metadata carries the token's logprobs (well formed), into *lp_p. */
+static int meta_logprobs(const uint8_t *m, size_t len, kvs_logprobs_t *lp_p)
+{
+    if (len < 12) return 0;
+    uint32_t n = kvs_get_u32(m + 8);
+    if (n > KVS_LOGPROBS_TOP_MAX || len != 12 + 8 * (size_t) n) return 0;
+    memset(lp_p, 0, sizeof(*lp_p));
+    lp_p->logprob = get_f32(m + 4);
+    lp_p->n_top = n;
+    for (uint32_t i = 0; i < n; i++)
+        lp_p->top[i] = (kvs_token_logprob_t){.token = kvs_get_u32(m + 12 + 8 * i),
+                                             .logprob = get_f32(m + 16 + 8 * i)};
+    return 1;
 }
 
 static uint32_t pages_for(uint32_t tokens, uint32_t page)
@@ -259,8 +307,9 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
     e->agree = kvs_malloc((size_t) 3 * c->max_running * sizeof(double));
     e->counts = kvs_calloc(mc->vocab, sizeof(uint32_t));
+    e->raw = kvs_malloc((size_t) mc->vocab * sizeof(float));
     if (e->seqs == NULL || e->seq_rq == NULL || e->logits == NULL || e->agree == NULL ||
-        e->counts == NULL)
+        e->counts == NULL || e->raw == NULL)
         goto err;
     if (c->radix && (st = kvs_radix_create(e->page, radix_free, e, &e->radix)) != KVS_OK) goto err;
     *llm_p = e;
@@ -301,6 +350,8 @@ void kvs_llm_destroy(kvs_llm_t *e)
     kvs_free(e->logits);
     kvs_free(e->agree);
     kvs_free(e->counts);
+    kvs_free(e->raw);
+    kvs_free(e->all_logits);
     kvs_free(e->wire);
     kvs_free(e);
 }
@@ -341,6 +392,8 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
         return KVS_ERR_NOSPACE;
     }
     const char *why = kvs_sample_params_invalid(&q->sampling, e->mc.vocab);
+    if (why == NULL && q->top_logprobs > KVS_LOGPROBS_TOP_MAX) why = "top_logprobs must be 0..20";
+    if (why == NULL && q->prompt_logprobs && !q->logprobs) why = "prompt logprobs need logprobs";
     if (why != NULL) {
         kvs_error("llm: room %llu: %s", (unsigned long long) q->room, why);
         return KVS_ERR_INVALID;
@@ -377,7 +430,9 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     put_f32(b + 48, sp->presence_penalty);
     put_f32(b + 52, sp->frequency_penalty);
     put_f32(b + 56, sp->repetition_penalty);
-    kvs_put_u32(b + 60, 0);
+    /* bits 0-7: top_logprobs; bit 8: logprobs; bit 9: prompt logprobs */
+    kvs_put_u32(b + 60,
+                q->top_logprobs | (q->logprobs ? 0x100u : 0) | (q->prompt_logprobs ? 0x200u : 0));
     uint8_t *at = b + REQ_FIXED;
     for (uint32_t i = 0; i < q->prompt_len; i++, at += 4) kvs_put_u32(at, q->prompt[i]);
     for (uint32_t i = 0; i < sp->n_bias; i++, at += 8) {
@@ -431,6 +486,10 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     sp->presence_penalty = get_f32(b + 48);
     sp->frequency_penalty = get_f32(b + 52);
     sp->repetition_penalty = get_f32(b + 56);
+    uint32_t lpf = kvs_get_u32(b + 60);
+    q->top_logprobs = lpf & 0xff;
+    q->logprobs = (lpf >> 8) & 1;
+    q->prompt_logprobs = (lpf >> 9) & 1;
     uint32_t cap = n + (e->cfg.role == KVS_LLM_PREFILL ? 1 : q->max_new_tokens);
     r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
     r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
@@ -643,8 +702,10 @@ static void local_outcome(kvs_llm_t *e, rq_t *r, double *v)
             failed = info.status == KVS_ROOM_FAILED;
             quiet = info.quiescent;
             if (failed && r->status == KVS_OK) r->status = info.reason ? info.reason : KVS_ERR_IO;
-            if (ok && e->cfg.role == KVS_LLM_DECODE && r->generated == 0 && info.final_len == 4)
+            if (ok && e->cfg.role == KVS_LLM_DECODE && r->generated == 0 && info.final_len >= 4) {
                 r->tokens[r->ntokens] = kvs_get_u32(info.final); /* the first token */
+                r->has_first_lp = meta_logprobs(info.final, info.final_len, &r->first_lp);
+            }
         }
     }
     v[0] = ok;
@@ -724,7 +785,7 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
         r->generated = 1;
         r->computed = r->req.prompt_len;
         r->ev.kv_ready_ns = r->ev.first_token_ns = kvs_now_ns();
-        emit_token(e, r, first);
+        emit_token(e, r, first, r->req.logprobs && r->has_first_lp ? &r->first_lp : NULL);
         if (first == r->req.eos || r->req.max_new_tokens == 1) {
             finish(e, i, KVS_OK, first == r->req.eos ? KVS_LLM_FINISH_EOS : KVS_LLM_FINISH_LENGTH);
             continue;
@@ -755,7 +816,9 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
     /* All but the last known token: at least one is computed here (prefill: it yields the
      * first token; decode: at least one position is transferred; a recompute: the next
      * token). */
-    if (e->radix != NULL && r->ntokens > e->page) {
+    /* Prompt logprobs need the logits of every prompt position, which a cached prefix lacks. */
+    const int whole = q->prompt_logprobs && r->generated == 0 && e->cfg.role != KVS_LLM_DECODE;
+    if (e->radix != NULL && r->ntokens > e->page && !whole) {
         kvs_radix_match_t m;
         if (kvs_radix_match(e->radix, 0, (const int32_t *) r->tokens, r->ntokens - 1, r->pages,
                             &m) == KVS_OK &&
@@ -925,23 +988,38 @@ static uint32_t sample(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t inde
     return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &h, &rng);
 }
 
+/* Samples token number `index` from logits (rewritten) and, where the request asked and this
+ * rank computes them (rank 0; every rank for the prefill side's first token, which every rank
+ * sends), its logprobs from the raw row into *lp_p; *has_p says whether. */
+static uint32_t sample_lp(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t index,
+                          int every_rank, kvs_logprobs_t *lp_p, int *has_p)
+{
+    *has_p = r->req.logprobs && (e->rank == 0 || every_rank);
+    if (*has_p) memcpy(e->raw, logits, (size_t) e->mc.vocab * sizeof(float));
+    uint32_t tok = sample(e, r, logits, index);
+    if (*has_p) kvs_logprobs(e->raw, e->mc.vocab, tok, r->req.top_logprobs, lp_p);
+    return tok;
+}
+
 /* After the last prompt chunk: the first token. */
 static void prompt_done(kvs_llm_t *e, rq_t *r, float *logits)
 {
-    uint32_t tok = sample(e, r, logits, 0);
+    kvs_logprobs_t lp;
+    int has;
+    uint32_t tok = sample_lp(e, r, logits, 0, e->cfg.role == KVS_LLM_PREFILL, &lp, &has);
     r->ev.prefilled_ns = r->ev.first_token_ns = kvs_now_ns();
     r->tokens[r->ntokens++] = tok;
     r->generated = 1;
-    emit_token(e, r, tok);
+    emit_token(e, r, tok, has ? &lp : NULL);
     if (e->cfg.role == KVS_LLM_PREFILL) {
         /* The prompt's KV is final: later requests may share it now, while it is still being
          * sent (the pages stay locked, and the sender only reads them). */
         cache_insert(e, r, r->req.prompt_len, &r->inserted);
         if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
         r->cached_early = 1;
-        uint8_t meta[4];
-        kvs_put_u32(meta, tok);
-        if (kvs_sender_finish(e->cfg.sender, r->req.room, meta, sizeof(meta)) != KVS_OK)
+        uint8_t meta[META_MAX];
+        size_t mlen = meta_put(meta, tok, has ? &lp : NULL);
+        if (kvs_sender_finish(e->cfg.sender, r->req.room, meta, mlen) != KVS_OK)
             protocol_abort(e, r);
         r->state = RQ_HANDOFF;
         return;
@@ -949,9 +1027,60 @@ static void prompt_done(kvs_llm_t *e, rq_t *r, float *logits)
     r->state = RQ_DECODE;
 }
 
+/* A prompt chunk of a request reporting prompt logprobs (and not yet past them). */
+static int reports_prompt(const rq_t *r, const kvs_model_seq_t *s)
+{
+    return r->req.prompt_logprobs && r->state == RQ_PREFILL && r->generated == 0 &&
+           s->pos0 + s->n > r->prompt_lp_next;
+}
+
+/* Rank 0: points the prompt-logprobs chunks of this pass at rows of all_logits (grown to fit).
+ * 0 when it cannot grow (fatal for the step: rank 0 alone would diverge from its reports). */
+static int want_all_logits(kvs_llm_t *e, uint32_t nseq)
+{
+    size_t rows = 0;
+    for (uint32_t j = 0; j < nseq; j++)
+        if (reports_prompt(e->seq_rq[j], &e->seqs[j])) rows += e->seqs[j].n;
+    if (rows > e->all_cap) {
+        float *p = kvs_realloc(e->all_logits, rows * e->mc.vocab * sizeof(float));
+        if (p == NULL) {
+            kvs_error("llm: no memory for the logits of %zu prompt positions", rows);
+            return 0;
+        }
+        e->all_logits = p;
+        e->all_cap = rows;
+    }
+    rows = 0;
+    for (uint32_t j = 0; j < nseq; j++) {
+        if (!reports_prompt(e->seq_rq[j], &e->seqs[j])) continue;
+        e->seqs[j].all_logits = e->all_logits + rows * e->mc.vocab;
+        rows += e->seqs[j].n;
+    }
+    return 1;
+}
+
+/* EV_PROMPT for the prompt tokens this chunk's logits predict (the one after each position),
+ * from the next one not yet reported (a recompute after a preemption reports nothing twice). */
+static void report_prompt(kvs_llm_t *e, rq_t *r, const kvs_model_seq_t *s)
+{
+    for (uint32_t j = 0; j < s->n; j++) {
+        uint32_t at = s->pos0 + j + 1; /* the token these logits predict */
+        if (at < r->prompt_lp_next || at >= r->req.prompt_len) continue;
+        kvs_llm_event_t ev = {.kind = KVS_LLM_EV_PROMPT,
+                              .room = r->req.room,
+                              .token = r->tokens[at],
+                              .index = at,
+                              .has_logprobs = 1};
+        kvs_logprobs(s->all_logits + (size_t) j * e->mc.vocab, e->mc.vocab, r->tokens[at],
+                     r->req.top_logprobs, &ev.lp);
+        emit(e, &ev);
+        r->prompt_lp_next = at + 1;
+    }
+}
+
 static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
 {
-    uint32_t nseq = 0, budget = e->cfg.batch_tokens;
+    uint32_t nseq = 0, budget = e->cfg.batch_tokens, lp_rows = PROMPT_LP_ROWS;
     for (uint32_t i = 0; i < e->nrqs && nseq < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         kvs_model_seq_t *s = &e->seqs[nseq];
@@ -959,6 +1088,12 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
             uint32_t n = r->ntokens - r->computed; /* the prompt, or a recompute */
             if (n > e->cfg.chunk_tokens) n = e->cfg.chunk_tokens;
             if (n > budget) n = budget;
+            /* Every rank makes the same cut: the flag is broadcast with the request. */
+            if (r->req.prompt_logprobs && r->generated == 0) {
+                if (lp_rows == 0) continue;
+                if (n > lp_rows) n = lp_rows;
+                lp_rows -= n;
+            }
             budget -= n;
             *s = (kvs_model_seq_t){.tokens = r->tokens + r->computed,
                                    .n = n,
@@ -977,6 +1112,7 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         e->seq_rq[nseq++] = r;
     }
     if (nseq == 0) return KVS_OK;
+    if (e->rank == 0 && !want_all_logits(e, nseq)) return KVS_ERR_NOMEM;
     for (uint32_t j = 0; j < nseq; j++) {
         rq_t *r = e->seq_rq[j];
         if (r->state == RQ_PREFILL && e->cfg.role == KVS_LLM_PREFILL)
@@ -998,6 +1134,7 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         rq_t *r = e->seq_rq[j];
         float *lg = e->logits + (size_t) j * e->mc.vocab;
         if (r->state == RQ_PREFILL) {
+            if (e->seqs[j].all_logits != NULL) report_prompt(e, r, &e->seqs[j]);
             r->computed += e->seqs[j].n;
             *(r->preempted ? &e->st.recomputed_tokens : &e->st.prompt_tokens) += e->seqs[j].n;
             if (e->cfg.role == KVS_LLM_PREFILL)
@@ -1011,10 +1148,12 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         } else {
             e->st.decode_tokens++;
         }
-        uint32_t tok = sample(e, r, lg, r->generated);
+        kvs_logprobs_t lp;
+        int has;
+        uint32_t tok = sample_lp(e, r, lg, r->generated, 0, &lp, &has);
         r->tokens[r->ntokens++] = tok;
         r->generated++;
-        emit_token(e, r, tok);
+        emit_token(e, r, tok, has ? &lp : NULL);
     }
     /* Requests that reached a stop condition end after the pass. */
     for (uint32_t i = 0; i < e->nrqs;) {

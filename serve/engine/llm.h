@@ -11,12 +11,16 @@
  *               room is added to the kvstage sender at admission, the cached prefix counts as
  *               computed at once (early send), every pass reports computed/scheduled tokens, and
  *               the first token (sampled from the last prompt logits) is the room's final
- *               metadata. Pages are freed (or kept by the radix cache) once every rank's sender
- *               concluded the room.
+ *               metadata, with its logprobs when the request asked (computed on every
+ *               rank, as every rank sends the metadata: the logits are identical). Pages are
+ *               freed (or kept by the radix cache) once every rank's sender concluded the room.
  *   DECODE    - radix match, pages for [base, prompt), kvstage receiver; once every rank
  *               received the KV (and the first token), the request joins the running batch:
  *               continuous batching, one token per request per pass, until max tokens, EOS or
  *               a stop; finished sequences go into the radix cache.
+ * Logprobs: computed by rank 0 (the rank that reports events) from the logits after the
+ * all-reduce, before sampling rewrites them; a decode engine reports the first token's from the
+ * room's final metadata.
  * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on.
  *
  * Pages as the sequence grows (decode, colocated): admission takes pages for the prompt only;
@@ -74,11 +78,23 @@ typedef struct {
                                      and the tokens generated before each one */
     uint64_t seed;                /* sampling seed (unused when greedy) */
     uint32_t eos;                 /* stop token id; UINT32_MAX: none */
+    /* 1: every generated token's EV_TOKEN carries its logprob and top_logprobs alternatives
+     * (kvs_logprobs: the raw logits, before bias, penalties and temperature) */
+    int logprobs;
+    uint32_t top_logprobs; /* 0..KVS_LOGPROBS_TOP_MAX */
+    /* With logprobs: also an EV_PROMPT for every prompt position from 1 (the logits of
+     * every prompt position, computed in the prefill pass). Such a request does not use the
+     * radix cache for its prompt (a cached prefix has no logits): it computes it whole, at
+     * most 128 positions of such prompts per pass (their logits are kept for the pass). */
+    int prompt_logprobs;
 } kvs_llm_request_t;
 
 typedef enum {
     KVS_LLM_EV_TOKEN = 0, /* a token was generated (decode, colocated; prefill: the first) */
     KVS_LLM_EV_DONE = 1,  /* the request ended; nothing more about it follows */
+    /* prompt_logprobs: prompt token number `index` (>= 1, in order, all before the first
+     * EV_TOKEN) and its logprobs given the tokens before it */
+    KVS_LLM_EV_PROMPT = 2,
 } kvs_llm_event_kind_t;
 
 typedef enum {
@@ -92,8 +108,10 @@ typedef enum {
 typedef struct {
     kvs_llm_event_kind_t kind;
     uint64_t room;
-    uint32_t token;          /* EV_TOKEN */
-    uint32_t index;          /* EV_TOKEN: 0 for the first generated token */
+    uint32_t token;          /* EV_TOKEN, EV_PROMPT */
+    uint32_t index;          /* EV_TOKEN: 0 for the first generated token; EV_PROMPT: position */
+    int has_logprobs;        /* EV_TOKEN: the request asked (logprobs); EV_PROMPT: 1 */
+    kvs_logprobs_t lp;       /* with has_logprobs: of token, and the request's alternatives */
     kvs_status_t status;     /* EV_DONE: KVS_OK, or why the request failed */
     kvs_llm_finish_t finish; /* EV_DONE */
     uint32_t prompt_len;     /* EV_DONE */
@@ -137,9 +155,10 @@ void kvs_llm_destroy(kvs_llm_t *llm);
 
 /* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty prompt, prompt +
  * max_new_tokens above max_context, token id outside the vocabulary, max_new_tokens 0 where
- * tokens are generated, sampling parameters kvs_sample_params_invalid refuses, a room id
- * already live; KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it
- * could never be admitted). Every rank admits it at the same later step. */
+ * tokens are generated, sampling parameters kvs_sample_params_invalid refuses, top_logprobs above
+ * KVS_LOGPROBS_TOP_MAX or prompt_logprobs without logprobs, a room id already live;
+ * KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it could never be
+ * admitted). Every rank admits it at the same later step. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
 /* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
  * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */

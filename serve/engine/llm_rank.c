@@ -98,7 +98,9 @@ static void out_rejected(int fd, uint64_t room, kvs_status_t why)
 static void write_event(int fd, const kvs_llm_event_t *e)
 {
     kvs_rank_line_event_t ev = {.llm = *e};
-    ev.kind = e->kind == KVS_LLM_EV_TOKEN ? KVS_RANK_LINE_EV_TOKEN : KVS_RANK_LINE_EV_DONE;
+    ev.kind = e->kind == KVS_LLM_EV_TOKEN    ? KVS_RANK_LINE_EV_TOKEN
+              : e->kind == KVS_LLM_EV_PROMPT ? KVS_RANK_LINE_EV_PROMPT
+                                             : KVS_RANK_LINE_EV_DONE;
     out_event(fd, &ev);
 }
 
@@ -139,7 +141,10 @@ static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
                            .max_new_tokens = s->max_new,
                            .sampling = s->sampling,
                            .seed = s->seed,
-                           .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos};
+                           .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos,
+                           .logprobs = s->logprobs,
+                           .top_logprobs = s->top_logprobs,
+                           .prompt_logprobs = s->prompt_logprobs};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
     if (st != KVS_OK) out_rejected(io->cfg->out_fd, s->room, st);
 }

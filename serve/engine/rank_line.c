@@ -91,13 +91,15 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
     switch (req->kind) {
     case KVS_RANK_LINE_SUBMIT:
         if ((s->prompt == NULL && s->prompt_len > 0) || s->eos < -1 || s->eos > UINT32_MAX ||
-            (sp->bias == NULL && sp->n_bias > 0))
+            (sp->bias == NULL && sp->n_bias > 0) || s->top_logprobs > KVS_LOGPROBS_TOP_MAX ||
+            (s->prompt_logprobs && !s->logprobs))
             return KVS_ERR_INVALID;
-        put(&o, "submit %llu %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %u",
+        put(&o, "submit %llu %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %d %d %u",
             (unsigned long long) s->room, s->max_new, (double) sp->temperature, (double) sp->top_p,
             sp->top_k, (double) sp->min_p, (double) sp->presence_penalty,
             (double) sp->frequency_penalty, (double) sp->repetition_penalty,
-            (unsigned long long) s->seed, (long long) s->eos, sp->n_bias);
+            (unsigned long long) s->seed, (long long) s->eos,
+            s->logprobs ? (int) s->top_logprobs : -1, s->prompt_logprobs ? 1 : 0, sp->n_bias);
         for (uint32_t i = 0; i < sp->n_bias && !o.over; i++)
             put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
         put(&o, " %u", s->prompt_len);
@@ -136,8 +138,18 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
             kvs_rank_line_role_str(ev->role), ev->tp, ev->load_s);
         break;
     case KVS_RANK_LINE_EV_TOKEN:
-        put(&o, "{\"event\":\"token\",\"room\":%llu,\"token\":%u,\"index\":%u}",
-            (unsigned long long) e->room, e->token, e->index);
+    case KVS_RANK_LINE_EV_PROMPT:
+        put(&o, "{\"event\":\"%s\",\"room\":%llu,\"token\":%u,\"index\":%u",
+            ev->kind == KVS_RANK_LINE_EV_TOKEN ? "token" : "prompt", (unsigned long long) e->room,
+            e->token, e->index);
+        if (e->has_logprobs) {
+            put(&o, ",\"logprob\":%.9g,\"top\":\"", (double) e->lp.logprob);
+            for (uint32_t i = 0; i < e->lp.n_top && i < KVS_LOGPROBS_TOP_MAX; i++)
+                put(&o, "%s%u %.9g", i ? " " : "", e->lp.top[i].token,
+                    (double) e->lp.top[i].logprob);
+            put(&o, "\"");
+        }
+        put(&o, "}");
         break;
     case KVS_RANK_LINE_EV_DONE:
         put(&o,
@@ -263,7 +275,8 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs
         next_f32(c, &sp->repetition_penalty) || next_u64(c, &s->seed) || max_new > UINT32_MAX ||
         top_k > UINT32_MAX)
         return bad(why_p, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE "
-                          "FREQUENCY REPETITION SEED EOS B BIASES N IDS");
+                          "FREQUENCY REPETITION SEED EOS LOGPROBS PROMPT_LOGPROBS B BIASES N "
+                          "IDS");
     s->max_new = (uint32_t) max_new;
     sp->top_k = (uint32_t) top_k;
     if (c->len - c->at >= 3 && memcmp(c->s + c->at, " -1", 3) == 0 &&
@@ -275,6 +288,19 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs
         if (next_u64(c, &e) || e >= UINT32_MAX) return bad(why_p, "EOS must be a token id or -1");
         s->eos = (int64_t) e;
     }
+    uint64_t lp;
+    if (c->len - c->at >= 3 && memcmp(c->s + c->at, " -1", 3) == 0 &&
+        (c->at + 3 == c->len || c->s[c->at + 3] == ' ')) {
+        c->at += 3;
+    } else if (next_u64(c, &lp) || lp > KVS_LOGPROBS_TOP_MAX) {
+        return bad(why_p, "LOGPROBS must be -1 (none) or 0..20");
+    } else {
+        s->logprobs = 1;
+        s->top_logprobs = (uint32_t) lp;
+    }
+    if (next_u64(c, &lp) || lp > (uint64_t) s->logprobs)
+        return bad(why_p, "PROMPT_LOGPROBS must be 0, or 1 with LOGPROBS");
+    s->prompt_logprobs = (int) lp;
     if (next_u64(c, &nb) || nb > KVS_SAMPLE_BIAS_LIMIT)
         return bad(why_p, "B must be a count of logit biases, at most 300");
     for (uint64_t i = 0; i < nb; i++) {
@@ -725,6 +751,29 @@ static int get_metrics(const obj_t *o, kvs_pd_metrics_t *m)
     return 0;
 }
 
+/* "logprob" and "top" ("ID LOGPROB ..." pairs, at most KVS_LOGPROBS_TOP_MAX): both or neither;
+ * -1: malformed. */
+static int get_logprobs(const obj_t *o, kvs_llm_event_t *e)
+{
+    double lp = 0;
+    char top[1024];
+    int a = get_double(o, "logprob", &lp), b = get_str(o, "top", top, sizeof(top));
+    if (a < 0 || b < 0 || a != b) return -1;
+    if (a == 0) return 0;
+    e->has_logprobs = 1;
+    e->lp.logprob = (float) lp;
+    cur_t c = {top, strlen(top), 0};
+    for (uint32_t n = 0; c.at < c.len; n++) {
+        uint64_t id;
+        float v;
+        if (n >= KVS_LOGPROBS_TOP_MAX) return -1;
+        if (next_u64(&c, &id) || id > UINT32_MAX || next_f32(&c, &v)) return -1;
+        e->lp.top[n] = (kvs_token_logprob_t){.token = (uint32_t) id, .logprob = v};
+        e->lp.n_top = n + 1;
+    }
+    return 1;
+}
+
 #define U64(key, field) (get_u64(&o, key, UINT64_MAX, &(field)) < 0)
 #define U32(key, field) (get_u32(&o, key, &(field)) < 0)
 
@@ -747,10 +796,11 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
         ev->kind = KVS_RANK_LINE_EV_READY;
         wrong = get_role(&o, &ev->role) < 0 || U32("tp", ev->tp) ||
                 get_double(&o, "load_s", &ev->load_s) < 0;
-    } else if (strcmp(kind, "token") == 0) {
-        ev->kind = KVS_RANK_LINE_EV_TOKEN;
-        e->kind = KVS_LLM_EV_TOKEN;
-        wrong = U64("room", e->room) || U32("token", e->token) || U32("index", e->index);
+    } else if (strcmp(kind, "token") == 0 || strcmp(kind, "prompt") == 0) {
+        ev->kind = kind[0] == 't' ? KVS_RANK_LINE_EV_TOKEN : KVS_RANK_LINE_EV_PROMPT;
+        e->kind = kind[0] == 't' ? KVS_LLM_EV_TOKEN : KVS_LLM_EV_PROMPT;
+        wrong = U64("room", e->room) || U32("token", e->token) || U32("index", e->index) ||
+                get_logprobs(&o, e) < 0;
     } else if (strcmp(kind, "done") == 0 || strcmp(kind, "rejected") == 0) {
         ev->kind = kind[0] == 'd' ? KVS_RANK_LINE_EV_DONE : KVS_RANK_LINE_EV_REJECTED;
         e->kind = KVS_LLM_EV_DONE;

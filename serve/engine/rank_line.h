@@ -5,13 +5,15 @@
  *
  * Rank 0 reads requests from in_fd, one line each (fields separated by single spaces):
  *   submit ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE FREQUENCY REPETITION SEED EOS
- *          B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N
+ *          LOGPROBS PROMPT_LOGPROBS B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N
  *                         the sampling parameters (kvs_sample_params_t: TOP_K an integer, the
  *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
- *                         EOS: a token id, or -1 for none (ignore_eos sends -1); B <= 300 logit
- *                         biases, each a token id and a float; N >= 1 prompt token ids. The
- *                         ranges are the engine's (kvs_sample_params_invalid): a submit outside
- *                         them is answered "rejected"
+ *                         EOS: a token id, or -1 for none (ignore_eos sends -1); LOGPROBS -1
+ *                         (none) or 0..20 alternatives per token, PROMPT_LOGPROBS 0 or 1
+ *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs);
+ *                         B <= 300 logit biases, each a token id and a float; N >= 1 prompt
+ *                         token ids. The ranges are the engine's (kvs_sample_params_invalid):
+ *                         a submit outside them is answered "rejected"
  *   stop ROOM             ends a live request at the next step
  *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
  *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
@@ -25,7 +27,12 @@
  * stats line is answered by exactly one line, in the order asked, so a client pairs answers
  * with questions in order. It writes to out_fd one JSON object per line:
  *   {"event":"ready","role":R,"tp":T,"load_s":X}          engine up, peers bootstrapped
- *   {"event":"token","room":N,"token":ID,"index":I}
+ *   {"event":"token","room":N,"token":ID,"index":I}         with logprobs asked, also
+ *        "logprob":X,"top":"ID_1 X_1 ... ID_K X_K"         the token's and its K alternatives'
+ *                                                          (most likely first; %.9g floats)
+ *   {"event":"prompt","room":N,"token":ID,"index":I,"logprob":X,"top":"..."}
+ *                                                          prompt logprobs: prompt token I
+ *                                                          (>= 1), before the first token
  *   {"event":"done","room":N,"status":S,"finish":F,"prompt_len":..,"cached":..,
  *    "generated":..,"submitted_ns":..,"admitted_ns":..,"prefilled_ns":..,"kv_ready_ns":..,
  *    "first_token_ns":..,"done_ns":..}                     status "ok" or an error string
@@ -85,7 +92,11 @@ typedef struct {
      * sampling.bias points into the caller's bias buffer. */
     kvs_sample_params_t sampling;
     uint64_t seed;
-    int64_t eos;            /* a token id (< UINT32_MAX), or -1: none */
+    int64_t eos; /* a token id (< UINT32_MAX), or -1: none */
+    /* kvs_llm_request_t's: LOGPROBS is -1 without logprobs, else top_logprobs */
+    int logprobs;
+    uint32_t top_logprobs;
+    int prompt_logprobs;
     uint32_t prompt_len;    /* N */
     const uint32_t *prompt; /* encode: [prompt_len] read; decode: into the caller's ids */
 } kvs_rank_line_submit_t;
@@ -131,6 +142,7 @@ typedef enum {
     KVS_RANK_LINE_EV_ERROR,
     KVS_RANK_LINE_EV_MATCH,
     KVS_RANK_LINE_EV_STATS,
+    KVS_RANK_LINE_EV_PROMPT,
 } kvs_rank_line_event_kind_t;
 
 typedef struct {
@@ -140,8 +152,8 @@ typedef struct {
     uint32_t rank;       /* EV_STATS */
     double load_s;       /* EV_READY, EV_STATS (%.3f) */
     double wall_s;       /* EV_STATS (%.3f) */
-    /* EV_TOKEN: room, token, index; EV_DONE: room, status, finish, prompt_len, cached_tokens,
-     * generated and the times; EV_REJECTED: room, status. */
+    /* EV_TOKEN, EV_PROMPT: room, token, index, has_logprobs and lp; EV_DONE: room, status, finish,
+     * prompt_len, cached_tokens, generated and the times; EV_REJECTED: room, status. */
     kvs_llm_event_t llm;
     uint32_t cached;          /* EV_MATCH */
     uint64_t match_len;       /* EV_MATCH: "prompt_len" (absent with "error") */

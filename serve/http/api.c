@@ -117,20 +117,6 @@ static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
             return fail(err, 400, "n", NULL, "only n=1 is supported, not %lld",
                         (long long) json_integer_value(v));
     }
-    if ((v = field(root, "logprobs")) != NULL) {
-        int off = json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 0);
-        if (!json_is_boolean(v) && !json_is_integer(v))
-            return fail(err, 400, "logprobs", NULL, "'logprobs' must be %s",
-                        chat ? "a boolean" : "an integer");
-        if (!off) return fail(err, 400, "logprobs", NULL, "logprobs are not supported");
-    }
-    if ((v = field(root, "top_logprobs")) != NULL &&
-        !(json_is_integer(v) && json_integer_value(v) == 0))
-        return fail(err, 400, "top_logprobs", NULL, "top_logprobs are not supported");
-    if ((v = field(root, "echo")) != NULL) {
-        if (!json_is_boolean(v)) return fail(err, 400, "echo", NULL, "'echo' must be a boolean");
-        if (json_is_true(v)) return fail(err, 400, "echo", NULL, "echo is not supported");
-    }
     if ((v = field(root, "best_of")) != NULL) {
         if (!json_is_integer(v))
             return fail(err, 400, "best_of", NULL, "'best_of' must be an integer");
@@ -173,6 +159,36 @@ static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
     if ((v = field(root, "metadata")) != NULL && !json_is_object(v))
         return fail(err, 400, "metadata", NULL, "'metadata' must be an object");
     return KVS_OK;
+}
+
+/* Chat: "logprobs" a boolean, "top_logprobs" 0..20 (only with logprobs true, as OpenAI);
+ * completions: "logprobs" the alternatives, 0..5 (false: none), and "echo" (the prompt's text,
+ * and with logprobs its tokens' logprobs, before the completion). */
+static kvs_status_t parse_logprobs(json_t *root, int chat, kvs__api_req_t *req, kvs__api_err_t *err)
+{
+    json_t *v = field(root, "logprobs");
+    if (chat) {
+        if (get_bool(root, "logprobs", &req->logprobs, err) != KVS_OK) return KVS_ERR_INVALID;
+        if ((v = field(root, "top_logprobs")) == NULL) return KVS_OK;
+        json_int_t k = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (k < 0 || k > KVS__CHAT_TOP_LOGPROBS_MAX)
+            return fail(err, 400, "top_logprobs", NULL,
+                        "'top_logprobs' must be an integer in [0, %d]", KVS__CHAT_TOP_LOGPROBS_MAX);
+        if (!req->logprobs && k > 0)
+            return fail(err, 400, "top_logprobs", NULL,
+                        "'top_logprobs' needs 'logprobs' set to true");
+        req->top_logprobs = (uint32_t) k;
+        return KVS_OK;
+    }
+    if (v != NULL && !json_is_false(v)) {
+        json_int_t k = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (k < 0 || k > KVS__COMPLETION_LOGPROBS_MAX)
+            return fail(err, 400, "logprobs", NULL, "'logprobs' must be an integer in [0, %d]",
+                        KVS__COMPLETION_LOGPROBS_MAX);
+        req->logprobs = 1;
+        req->top_logprobs = (uint32_t) k;
+    }
+    return get_bool(root, "echo", &req->echo, err);
 }
 
 /* A logit_bias key: a token id in canonical decimal (one spelling per id). */
@@ -675,6 +691,7 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
                         json_string_value(v));
     }
     if ((st = check_neutral(root, chat, err)) != KVS_OK) return st;
+    if ((st = parse_logprobs(root, chat, req, err)) != KVS_OK) return st;
     if ((st = parse_sampling(root, tok, req, err)) != KVS_OK) return st;
     int ignore_eos = 0;
     if ((st = get_bool(root, "ignore_eos", &ignore_eos, err)) != KVS_OK) return st;
@@ -751,4 +768,126 @@ const char *kvs__finish_name(kvs_server_finish_t finish)
         break;
     }
     return "error";
+}
+
+/* The body of /tokenize or /detokenize as an object; a field not in `known` is refused when
+ * strict, else ignored with a warning (the first one named). */
+static json_t *small_body(const char *body, size_t len, const char *const *known,
+                          const kvs__api_limits_t *lim, kvs__api_err_t *err)
+{
+    kvs__json_init();
+    json_error_t jerr;
+    json_t *root = json_loadb(body ? body : "", len, 0, &jerr);
+    if (root == NULL) {
+        fail(err, 400, NULL, "invalid_json", "the body is not valid JSON: %s (line %d, column %d)",
+             jerr.text, jerr.line, jerr.column);
+        return NULL;
+    }
+    const char *key;
+    json_t *val;
+    const char *bad = NULL;
+    if (!json_is_object(root)) {
+        fail(err, 400, NULL, NULL, "the request body must be a JSON object");
+        goto refuse;
+    }
+    json_object_foreach(root, key, val)
+    {
+        if (!in_list(known, key)) {
+            bad = key;
+            break;
+        }
+    }
+    if (bad != NULL && lim->strict) {
+        fail(err, 400, bad, "unknown_field", "unknown field '%s'", bad);
+        goto refuse;
+    }
+    if (bad != NULL)
+        kvs_warn("server: ignored an unknown field of a (de)tokenize request: %s", bad);
+    json_t *m = field(root, "model");
+    if (m != NULL && (!json_is_string(m) ||
+                      (lim->model != NULL && strcmp(json_string_value(m), lim->model) != 0))) {
+        fail(err, 404, "model", "model_not_found", "the model '%s' does not exist",
+             json_is_string(m) ? json_string_value(m) : "(not a string)");
+        goto refuse;
+    }
+    return root;
+refuse:
+    json_decref(root);
+    return NULL;
+}
+
+kvs_status_t kvs__api_tokenize(const kvs__api_limits_t *lim, const kvs_server_tokenizer_t *tok,
+                               const char *body, size_t len, uint32_t **ids_p, uint32_t *n_p,
+                               kvs__api_err_t *err)
+{
+    static const char *const known[] = {
+        "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", NULL};
+    json_t *root = small_body(body, len, known, lim, err);
+    if (root == NULL) return err->status >= 500 ? KVS_ERR_NOMEM : KVS_ERR_INVALID;
+    kvs__api_req_t req;
+    memset(&req, 0, sizeof(req));
+    kvs_status_t st;
+    int bval = 0;
+    if ((st = get_bool(root, "add_special_tokens", &bval, err)) != KVS_OK ||
+        (st = get_bool(root, "add_generation_prompt", &bval, err)) != KVS_OK)
+        goto out;
+    int has_p = field(root, "prompt") != NULL, has_m = field(root, "messages") != NULL;
+    if (has_p == has_m) {
+        st = fail(err, 400, has_p ? "messages" : "prompt", NULL,
+                  "give one of 'prompt' (text or token ids) and 'messages' (a conversation)");
+        goto out;
+    }
+    st = has_m ? parse_messages(root, tok, &req, err) : parse_prompt(root, tok, &req, err);
+    if (st == KVS_OK) {
+        *ids_p = req.prompt;
+        *n_p = req.prompt_len;
+        req.prompt = NULL;
+    }
+out:
+    kvs__api_req_fini(&req);
+    json_decref(root);
+    return st;
+}
+
+kvs_status_t kvs__api_detokenize(const kvs__api_limits_t *lim, const kvs_server_tokenizer_t *tok,
+                                 const char *body, size_t len, char **text_p, kvs__api_err_t *err)
+{
+    static const char *const known[] = {"model", "tokens", NULL};
+    json_t *root = small_body(body, len, known, lim, err);
+    if (root == NULL) return err->status >= 500 ? KVS_ERR_NOMEM : KVS_ERR_INVALID;
+    json_t *v = field(root, "tokens");
+    kvs_status_t st = KVS_OK;
+    kvs__sb_t raw, out;
+    kvs__sb_init(&raw);
+    kvs__sb_init(&out);
+    if (!json_is_array(v)) {
+        st = fail(err, 400, "tokens", NULL, "'tokens' must be an array of token ids");
+        goto out;
+    }
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *e = json_array_get(v, i);
+        json_int_t id = json_is_integer(e) ? json_integer_value(e) : -1;
+        if (id < 0 || (uint64_t) id >= tok->vocab_size) {
+            st = fail(err, 400, "tokens", NULL, "tokens[%zu] is not a token id below %u", i,
+                      tok->vocab_size);
+            goto out;
+        }
+        const char *piece;
+        size_t n;
+        if (tok->piece(tok->ctx, (uint32_t) id, &piece, &n) == KVS_OK)
+            kvs__sb_append(&raw, piece, n);
+    }
+    kvs__utf8_sanitize(&out, raw.ptr ? raw.ptr : "", raw.len);
+    char *text = kvs__sb_take(&out);
+    if (raw.oom || text == NULL) {
+        kvs_free(text);
+        st = fail_nomem(err);
+        goto out;
+    }
+    *text_p = text;
+out:
+    kvs__sb_fini(&raw);
+    kvs__sb_fini(&out);
+    json_decref(root);
+    return st;
 }

@@ -205,7 +205,18 @@ static void on_token(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
     pthread_mutex_unlock(&b->mu);
     /* Only this thread ends rooms, so r stays valid outside mu. */
     int empty = b->cfg.text_vocab != 0 && token >= b->cfg.text_vocab;
-    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0);
+    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0, ev->has_logprobs ? &ev->lp : NULL);
+}
+
+static void on_prompt(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
+{
+    pthread_mutex_lock(&b->mu);
+    room_t *r = kvs_map_get(&b->rooms, ev->room);
+    int live = r != NULL && !r->closed && r->generated == 0;
+    pthread_mutex_unlock(&b->mu);
+    /* Only this thread ends rooms, so r stays valid outside mu. */
+    if (live && ev->has_logprobs && r->sink.on_prompt != NULL)
+        r->sink.on_prompt(r->sink.arg, ev->index, ev->token, &ev->lp);
 }
 
 static kvs_server_finish_t finish_of(kvs_llm_finish_t finish, kvs_status_t status)
@@ -306,6 +317,9 @@ static void on_line(kvs_rank_backend_t *b, const char *line, size_t len)
     switch (ev.kind) {
     case KVS_RANK_LINE_EV_TOKEN:
         on_token(b, &ev.llm);
+        break;
+    case KVS_RANK_LINE_EV_PROMPT:
+        on_prompt(b, &ev.llm);
         break;
     case KVS_RANK_LINE_EV_DONE:
         on_done(b, &ev.llm, 0);
@@ -476,6 +490,10 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
                    .sampling = q->sampling,
                    .seed = q->seed,
                    .eos = q->n_stop_ids > 0 ? (int64_t) q->stop_ids[0] : -1,
+                   .logprobs = q->logprobs,
+                   .top_logprobs = q->top_logprobs,
+                   .prompt_logprobs =
+                       q->logprobs && q->prompt_logprobs && q->role != KVS_SERVER_ROLE_DECODE,
                    .prompt_len = q->prompt_len,
                    .prompt = q->prompt}};
     size_t cap = kvs_rank_line_request_size(&line_q), n = 0;

@@ -15,6 +15,9 @@
  *     to every prefill rank concluded the handoff; kv_bytes on the decode side only (it knows
  *     its cache hit): the whole pages past the hit, ceil(prompt / P) - cached / P, times P times
  *     the model's KV bytes per token, which is what every prefill rank together moved;
+ *   - logprobs: the request's logprobs and top_logprobs, and prompt logprobs unless DECODE
+ *     (it has no prompt logits), on the submit line; rank 0's prompt events become on_prompt,
+ *     the token events' logprobs on_token's;
  *   - stats for /metrics from rank 0's stats line: rank 0's own sender or receiver counters
  *     (metrics.bytes is the bytes rank 0 sent or scattered) and the instance's queued and running
  *     requests (every rank has the same).

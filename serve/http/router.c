@@ -40,7 +40,9 @@ typedef enum {
     EP_MODELS,
     EP_MODEL, /* /v1/models/{id} */
     EP_HEALTH,
-    EP_METRICS
+    EP_METRICS,
+    EP_TOKENIZE,
+    EP_DETOKENIZE,
 } ep_t;
 
 #define MODEL_PREFIX "/v1/models/"
@@ -130,6 +132,14 @@ static void curl_setup(void)
 static int stopping(kvs_router_t *rt)
 {
     return __atomic_load_n(&rt->stopping, __ATOMIC_RELAXED);
+}
+
+/* A completions request with echo and logprobs (the prefill side computes the prompt's). */
+static int echo_logprobs(const job_t *j)
+{
+    json_t *lp = json_object_get(j->root, "logprobs");
+    return j->ep == EP_COMPLETIONS && json_is_true(json_object_get(j->root, "echo")) &&
+           lp != NULL && !json_is_null(lp) && !json_is_false(lp);
 }
 
 /* ---- jobs ---- */
@@ -237,7 +247,8 @@ typedef struct {
     kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
     char ctype[128];
     int done;
-    int dropped; /* ended by the router before its answer came */
+    int dropped;
+    /* ended by the router before its answer came */
     CURLcode result;
     long status;
 } leg_t;
@@ -268,6 +279,9 @@ static size_t leg_header(char *data, size_t size, size_t n, void *ud)
                     j->hold = strncmp(j->ctype, "text/event-stream", 17) == 0  ? HOLD_SSE
                               : strncmp(j->ctype, "application/json", 16) == 0 ? HOLD_ALL
                                                                                : HOLD_NONE;
+                /* A stream that echoes the prompt with logprobs waits whole for the prefill
+                 * answer: its first event needs the prompt's logprobs from there. */
+                if (j->hold == HOLD_SSE && echo_logprobs(j)) j->holding = 1;
             }
             int wake = take_wake(j);
             struct MHD_Connection *conn = j->conn;
@@ -316,7 +330,8 @@ static size_t leg_write(char *data, size_t size, size_t n, void *ud)
     leg_t *leg = ud;
     size_t len = size * n;
     if (!leg->to_client) {
-        if (leg->resp.len + len <= 65536) kvs__sb_append(&leg->resp, data, len);
+        /* The prefill answer: its report, and (echo with logprobs) the prompt's logprobs. */
+        if (leg->resp.len + len <= MAX_FORWARDED_BYTES) kvs__sb_append(&leg->resp, data, len);
         return len;
     }
     job_t *j = leg->job;
@@ -650,13 +665,38 @@ static void merge_report(kvs_router_t *rt, json_t *obj, json_t *pre)
     json_object_set_new(obj, "kvstage", both);
 }
 
-/* One held JSON text with the merged report, appended to out; unchanged when it is not JSON. */
-static void merge_text(kvs_router_t *rt, kvs__sb_t *out, const char *text, size_t len, json_t *pre)
+/* Echo with logprobs: the decode server has no logits of the prompt, so its prompt entries
+ * (the first ones of its answer, or of its first stream event) have null logprobs; the prefill
+ * server's answer has the same entries (same tokens and offsets) with the logprobs computed in
+ * its prefill pass. Each null entry i takes the prefill answer's entry i. Generated entries are
+ * never null, so later events are left as they are. */
+static void merge_prompt_logprobs(json_t *obj, json_t *pre_root)
 {
+    json_t *dl = json_object_get(json_array_get(json_object_get(obj, "choices"), 0), "logprobs");
+    json_t *pl =
+        json_object_get(json_array_get(json_object_get(pre_root, "choices"), 0), "logprobs");
+    json_t *dv = json_object_get(dl, "token_logprobs"), *dt = json_object_get(dl, "top_logprobs");
+    json_t *pv = json_object_get(pl, "token_logprobs"), *pt = json_object_get(pl, "top_logprobs");
+    if (!json_is_array(dv) || !json_is_array(dt) || !json_is_array(pv) || !json_is_array(pt))
+        return;
+    for (size_t i = 0; i < json_array_size(dv) && i < json_array_size(pv); i++) {
+        if (!json_is_null(json_array_get(dv, i))) continue;
+        json_array_set(dv, i, json_array_get(pv, i));
+        if (i < json_array_size(dt) && i < json_array_size(pt))
+            json_array_set(dt, i, json_array_get(pt, i));
+    }
+}
+
+/* One held JSON text with the merged report, appended to out; unchanged when it is not JSON. */
+static void merge_text(kvs_router_t *rt, kvs__sb_t *out, const char *text, size_t len,
+                       json_t *pre_root)
+{
+    json_t *pre = json_object_get(pre_root, "kvstage");
     json_t *obj = json_loadb(text, len, 0, NULL);
     char *merged = NULL;
     if (json_is_object(obj)) {
         merge_report(rt, obj, pre);
+        merge_prompt_logprobs(obj, pre_root);
         merged = kvs__json_dump_steal(obj);
         obj = NULL;
     }
@@ -687,7 +727,7 @@ static void flush_held(job_t *j, const kvs__sb_t *pre_resp)
     kvs__sb_t out;
     kvs__sb_init(&out);
     if (hold == HOLD_ALL && held.len > 0) {
-        merge_text(rt, &out, held.ptr, held.len, pre);
+        merge_text(rt, &out, held.ptr, held.len, pre_root);
     } else if (held.len > 0) { /* events: "data: X\n\n" */
         size_t at = 0;
         while (at < held.len) {
@@ -696,7 +736,7 @@ static void flush_held(job_t *j, const kvs__sb_t *pre_resp)
             size_t n = end ? (size_t) (end - ev) + 2 : held.len - at;
             if (end && strncmp(ev, "data: {", 7) == 0) {
                 kvs__sb_puts(&out, "data: ");
-                merge_text(rt, &out, ev + 6, n - 8, pre);
+                merge_text(rt, &out, ev + 6, n - 8, pre_root);
                 kvs__sb_puts(&out, "\n\n");
             } else {
                 kvs__sb_append(&out, ev, n);
@@ -828,7 +868,9 @@ out:
     if (cancel_dec) cancel_room(rt, dec, room);
 }
 
-static void run_proxy_get(job_t *j, const char *path)
+/* A request a decode server answers alone (models, tokenize): passed on as is. POST: the
+ * client's body goes with it. */
+static void run_proxy(job_t *j, const char *path, int post)
 {
     kvs_router_t *rt = j->rt;
     rserver_t *dec = pick_round_robin(rt, KVS_ROUTER_DECODE, NULL);
@@ -838,8 +880,14 @@ static void run_proxy_get(job_t *j, const char *path)
     }
     leg_t leg;
     CURLM *multi = curl_multi_init();
-    if (multi == NULL ||
-        leg_init(&leg, rt, j, dec, path, NULL, rt->request_timeout_ms, 1) != KVS_OK) {
+    char *payload = NULL;
+    if (post && (payload = kvs_malloc(j->body.len + 1)) != NULL) {
+        if (j->body.len) memcpy(payload, j->body.data, j->body.len);
+        payload[j->body.len] = '\0';
+    }
+    if (multi == NULL || (post && payload == NULL) ||
+        leg_init(&leg, rt, j, dec, path, payload, rt->request_timeout_ms, 1) != KVS_OK) {
+        if (multi == NULL || (post && payload == NULL)) kvs_free(payload);
         if (multi) leg_fini(&leg);
         if (multi) curl_multi_cleanup(multi);
         job_fail(j, 500, NULL, "out of memory forwarding %s", path);
@@ -865,9 +913,11 @@ static void *job_thread(void *arg)
     job_t *j = arg;
     kvs_router_t *rt = j->rt;
     if (j->ep == EP_MODELS)
-        run_proxy_get(j, "/v1/models");
+        run_proxy(j, "/v1/models", 0);
     else if (j->ep == EP_MODEL)
-        run_proxy_get(j, j->proxy_path);
+        run_proxy(j, j->proxy_path, 0);
+    else if (j->ep == EP_TOKENIZE || j->ep == EP_DETOKENIZE)
+        run_proxy(j, j->ep == EP_TOKENIZE ? "/tokenize" : "/detokenize", 1);
     else
         run_generate(j);
     job_unref(j);
@@ -899,7 +949,9 @@ static enum MHD_Result send_error(job_t *j, unsigned status, const char *message
     const char *const *headers = answer_headers(j, h);
     if (status == 405) {
         h[0] = MHD_HTTP_HEADER_ALLOW;
-        h[1] = j->ep == EP_COMPLETIONS || j->ep == EP_CHAT ? "POST" : "GET";
+        h[1] = j->ep == EP_MODELS || j->ep == EP_MODEL || j->ep == EP_HEALTH || j->ep == EP_METRICS
+                   ? "GET"
+                   : "POST";
         h[2] = NULL;
         headers = h;
     } else if (status == 401) {
@@ -1231,6 +1283,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             j->ep = EP_HEALTH, want = "GET";
         else if (strcmp(url, "/metrics") == 0)
             j->ep = EP_METRICS, want = "GET";
+        else if (strcmp(url, "/tokenize") == 0)
+            j->ep = EP_TOKENIZE;
+        else if (strcmp(url, "/detokenize") == 0)
+            j->ep = EP_DETOKENIZE;
         j->method_ok = strcmp(method, want) == 0;
         j->authorized = kvs__http_authorized(conn, rt->api_key);
         snprintf(j->method, sizeof(j->method), "%s", method);

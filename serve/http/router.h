@@ -22,6 +22,10 @@
  * server's handoff time (its last prompt chunk computed -> the room concluded), "kv_bytes",
  * "ttft_ns", "seed" and "room" the decode server's, and "prefill" and "decode" hold each
  * server's own report.
+ * Completions with "echo" and "logprobs": the decode server has no logits of the prompt, so
+ * its prompt entries' logprobs are null; the prefill server's answer holds the same entries
+ * with the logprobs of its prefill pass, and each null one is filled from there (a stream is
+ * held whole until the prefill answer is in: its first chunk needs them).
  * A client body that already has "kvstage" is refused (400).
  *
  * Failures: a server that refuses the connection, times out, drops the connection or fails
@@ -38,8 +42,9 @@
  * dropped and cancelled likewise and the prefill failure answered; the client leaving (or the
  * router stopping) cancels both.
  *
- * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models and
- * GET /v1/models/{id} (proxied to a live decode server), GET /health (200 when at least one
+ * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+ * /v1/models/{id}, POST /tokenize and POST /detokenize (these proxied to a live decode server,
+ * as they are), GET /health (200 when at least one
  * prefill and one decode server are live, else 503), GET /metrics (kvstage_router_* series:
  * HTTP codes, requests, in flight, cancels sent, KV bytes and a handoff-time histogram from the
  * servers' reports, and per server up, chosen, failures, prefix hits).

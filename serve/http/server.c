@@ -33,13 +33,29 @@ typedef enum {
     EP_MATCH,
     EP_INFO,
     EP_CANCEL,
+    EP_TOKENIZE,
+    EP_DETOKENIZE,
 } endpoint_t;
 
 typedef struct {
     uint32_t token;
     size_t piece_off; /* into the pieces buffer */
     size_t piece_len; /* SIZE_MAX: decode with the tokenizer */
+    int has_lp;
+    kvs_logprobs_t lp;
 } tok_rec_t;
+
+/* One position of an answer's logprobs: a generated token, or (echo) a prompt token. */
+typedef struct {
+    uint32_t token;
+    int is_prompt;
+    uint32_t prompt_at; /* is_prompt: its position (its logprobs are the sink's prompt_lp) */
+    int has_lp;         /* generated: the backend sent them */
+    kvs_logprobs_t lp;
+    size_t piece_off, piece_len; /* its text, in lp_pieces */
+    size_t end;                  /* bytes of the answer's text up to its end */
+    size_t offset;               /* characters (code points) of the text before it */
+} lp_rec_t;
 
 typedef struct {
     tok_rec_t *toks; /* [n] */
@@ -112,6 +128,8 @@ struct req {
     uint64_t submit_ns;
 
     /* Shared with the sink, under mu. */
+    kvs_logprobs_t *prompt_lp; /* echo with logprobs: [prompt_len], position 0 unused */
+    uint8_t *prompt_has;       /* [prompt_len] the sink reported that position */
     tok_queue_t pend;
     int sink_oom;
     int backend_done;
@@ -136,6 +154,13 @@ struct req {
     kvs_server_done_t final_done;
     kvs__sb_t out; /* SSE bytes not yet handed to MHD */
     int stream_started, stream_ended;
+    /* logprobs: a record per rendered token, in text order; lps_sent of them streamed */
+    lp_rec_t *lps;
+    size_t n_lps, cap_lps, lps_sent;
+    kvs__sb_t lp_pieces;
+    size_t text_chars; /* code points in text */
+    size_t echo_len;   /* bytes of text that echo the prompt */
+    int lp_oom;
 };
 
 static const double k_ttft_bounds[] = {0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
@@ -169,6 +194,10 @@ static void req_unref(req_t *r)
     queue_fini(&r->work);
     kvs__sb_fini(&r->text);
     kvs__sb_fini(&r->out);
+    kvs_free(r->lps);
+    kvs__sb_fini(&r->lp_pieces);
+    kvs_free(r->prompt_lp);
+    kvs_free(r->prompt_has);
     pthread_mutex_destroy(&r->mu);
     kvs_server_t *srv = r->srv;
     kvs_free(r);
@@ -195,6 +224,8 @@ static endpoint_t route(const char *url, const char **allow_p)
         {"/internal/match", EP_MATCH, "POST"},
         {"/internal/info", EP_INFO, "GET"},
         {"/internal/cancel", EP_CANCEL, "POST"},
+        {"/tokenize", EP_TOKENIZE, "POST"},
+        {"/detokenize", EP_DETOKENIZE, "POST"},
     };
     for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); i++) {
         if (strcmp(url, table[i].path) == 0) {
@@ -213,8 +244,10 @@ static endpoint_t route(const char *url, const char **allow_p)
 
 static const char *allowed_method(endpoint_t ep)
 {
-    return (ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_MATCH || ep == EP_CANCEL) ? "POST"
-                                                                                        : "GET";
+    return (ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_MATCH || ep == EP_CANCEL ||
+            ep == EP_TOKENIZE || ep == EP_DETOKENIZE)
+               ? "POST"
+               : "GET";
 }
 
 static req_t *req_new(kvs_server_t *srv, struct MHD_Connection *conn, const char *url,
@@ -316,16 +349,157 @@ static json_t *head_json(const req_t *r, const char *object)
                      (json_int_t) r->created, "model", r->srv->model);
 }
 
-static json_t *choice_json(const req_t *r, json_t *content, const char *finish)
+/* ---- logprobs (OpenAI's shapes) ---- */
+
+static size_t utf8_chars(const char *s, size_t len)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < len; i++) n += ((unsigned char) s[i] & 0xc0) != 0x80;
+    return n;
+}
+
+/* Records the token whose piece was just appended to r->text (logprobs asked). */
+static void lp_push(req_t *r, uint32_t token, const char *piece, size_t len, int is_prompt,
+                    uint32_t prompt_at, const kvs_logprobs_t *lp)
+{
+    if (r->n_lps == r->cap_lps) {
+        size_t cap = r->cap_lps ? 2 * r->cap_lps : 64;
+        lp_rec_t *p = kvs_realloc(r->lps, cap * sizeof(*p));
+        if (p == NULL) {
+            r->lp_oom = 1;
+            return;
+        }
+        r->lps = p;
+        r->cap_lps = cap;
+    }
+    lp_rec_t *e = &r->lps[r->n_lps++];
+    memset(e, 0, sizeof(*e));
+    e->token = token;
+    e->is_prompt = is_prompt;
+    e->prompt_at = prompt_at;
+    if (lp != NULL) {
+        e->has_lp = 1;
+        e->lp = *lp;
+    }
+    e->piece_off = r->lp_pieces.len;
+    e->piece_len = len;
+    kvs__sb_append(&r->lp_pieces, piece, len);
+    if (r->lp_pieces.oom) r->lp_oom = 1;
+    e->end = r->text.len;
+    e->offset = r->text_chars;
+    r->text_chars += utf8_chars(piece, len);
+}
+
+/* The logprobs of record e, or NULL (a prompt's first token, or none reported). */
+static const kvs_logprobs_t *lp_of(const req_t *r, const lp_rec_t *e)
+{
+    if (!e->is_prompt) return e->has_lp ? &e->lp : NULL;
+    if (e->prompt_at == 0 || r->prompt_has == NULL || !r->prompt_has[e->prompt_at]) return NULL;
+    return &r->prompt_lp[e->prompt_at];
+}
+
+static json_t *text_json(const char *text, size_t len);
+
+/* A token's text as OpenAI gives it: a string (invalid UTF-8 as U+FFFD) and, for chat, its
+ * bytes. */
+static void token_text(const req_t *r, uint32_t id, const char **s_p, size_t *len_p)
+{
+    if (r->srv->tok.piece(r->srv->tok.ctx, id, s_p, len_p) != KVS_OK) {
+        *s_p = "";
+        *len_p = 0;
+    }
+}
+
+static json_t *bytes_json(const char *s, size_t len)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < len; i++)
+        json_array_append_new(a, json_integer((unsigned char) s[i]));
+    return a;
+}
+
+static json_t *chat_entry(const char *s, size_t len, float logprob)
+{
+    return json_pack("{s:o, s:f, s:o}", "token", text_json(s, len), "logprob", (double) logprob,
+                     "bytes", bytes_json(s, len));
+}
+
+/* Records [from, to) as choices[i].logprobs: chat {"content": [...]}, completions {"tokens",
+ * "token_logprobs", "top_logprobs" (each a dict of at most N + 1 texts: the top N and the
+ * chosen token), "text_offset"}. NULL without logprobs. */
+static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
+{
+    if (!r->api.logprobs) return NULL;
+    const char *pieces = r->lp_pieces.ptr ? r->lp_pieces.ptr : "";
+    if (r->api.chat) {
+        json_t *content = json_array();
+        for (size_t i = from; content && i < to; i++) {
+            const lp_rec_t *e = &r->lps[i];
+            const kvs_logprobs_t *lp = lp_of(r, e);
+            json_t *ent = chat_entry(pieces + e->piece_off, e->piece_len,
+                                     lp ? lp->logprob : KVS_LOGPROB_FLOOR);
+            json_t *tops = json_array();
+            for (uint32_t k = 0; lp && tops && k < lp->n_top && k < r->api.top_logprobs; k++) {
+                const char *s;
+                size_t n;
+                token_text(r, lp->top[k].token, &s, &n);
+                json_array_append_new(tops, chat_entry(s, n, lp->top[k].logprob));
+            }
+            if (ent && tops) json_object_set_new(ent, "top_logprobs", tops);
+            json_array_append_new(content, ent);
+        }
+        return json_pack("{s:o, s:n}", "content", content, "refusal");
+    }
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    for (size_t i = from; i < to && tokens && lps && tops && offs; i++) {
+        const lp_rec_t *e = &r->lps[i];
+        const kvs_logprobs_t *lp = lp_of(r, e);
+        json_array_append_new(tokens, text_json(pieces + e->piece_off, e->piece_len));
+        json_array_append_new(lps, lp ? json_real(lp->logprob) : json_null());
+        json_array_append_new(offs, json_integer((json_int_t) e->offset));
+        if (lp == NULL) {
+            json_array_append_new(tops, json_null());
+            continue;
+        }
+        json_t *d = json_object();
+        for (uint32_t k = 0; d && k < lp->n_top && k < r->api.top_logprobs; k++) {
+            const char *s;
+            size_t n;
+            token_text(r, lp->top[k].token, &s, &n);
+            kvs__sb_t key;
+            kvs__sb_init(&key);
+            kvs__utf8_sanitize(&key, s, n);
+            /* Texts that collide keep the likelier. */
+            const char *ks = key.ptr ? key.ptr : ""; /* a control token's text is empty */
+            if (!key.oom && json_object_get(d, ks) == NULL)
+                json_object_set_new(d, ks, json_real(lp->top[k].logprob));
+            kvs__sb_fini(&key);
+        }
+        kvs__sb_t key;
+        kvs__sb_init(&key);
+        kvs__utf8_sanitize(&key, pieces + e->piece_off, e->piece_len);
+        const char *ks = key.ptr ? key.ptr : "";
+        if (d && !key.oom && json_object_get(d, ks) == NULL)
+            json_object_set_new(d, ks, json_real(lp->logprob));
+        kvs__sb_fini(&key);
+        json_array_append_new(tops, d);
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps,
+                     "top_logprobs", tops, "text_offset", offs);
+}
+
+/* lp: the choice's logprobs (stolen), NULL for null. */
+static json_t *choice_json(const req_t *r, json_t *content, const char *finish, json_t *lp)
 {
     json_t *fin = finish ? json_string(finish) : json_null();
+    if (lp == NULL) lp = json_null();
     if (r->api.chat && r->api.stream)
-        return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "delta", content, "logprobs",
+        return json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "delta", content, "logprobs", lp,
                          "finish_reason", fin);
     if (r->api.chat)
-        return json_pack("{s:i, s:{s:s, s:o}, s:n, s:o}", "index", 0, "message", "role",
-                         "assistant", "content", content, "logprobs", "finish_reason", fin);
-    return json_pack("{s:i, s:o, s:n, s:o}", "index", 0, "text", content, "logprobs",
+        return json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", 0, "message", "role",
+                         "assistant", "content", content, "logprobs", lp, "finish_reason", fin);
+    return json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", content, "logprobs", lp,
                      "finish_reason", fin);
 }
 
@@ -353,11 +527,12 @@ static void sse_event_steal(req_t *r, json_t *obj)
     kvs_free(text);
 }
 
-static void sse_chunk(req_t *r, json_t *content, const char *finish)
+static void sse_chunk(req_t *r, json_t *content, const char *finish, json_t *lp)
 {
     json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
     json_t *choices = json_array();
-    json_t *choice = content ? choice_json(r, content, finish) : NULL;
+    json_t *choice = content ? choice_json(r, content, finish, lp) : NULL;
+    if (choice == NULL) json_decref(lp);
     if (obj == NULL || choices == NULL || choice == NULL) {
         json_decref(obj);
         json_decref(choices);
@@ -396,7 +571,9 @@ static void sse_finish(req_t *r)
         return;
     }
     json_t *content = r->api.chat ? json_object() : json_string("");
-    sse_chunk(r, content, kvs__finish_name(r->finish));
+    json_t *lp = r->lps_sent < r->n_lps ? logprobs_json(r, r->lps_sent, r->n_lps) : NULL;
+    r->lps_sent = r->n_lps;
+    sse_chunk(r, content, kvs__finish_name(r->finish), lp);
     if (r->api.include_usage) {
         json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
         if (obj == NULL) {
@@ -421,7 +598,9 @@ static enum MHD_Result send_final(req_t *r)
     json_t *obj = head_json(r, r->api.chat ? "chat.completion" : "text_completion");
     json_t *choices = json_array();
     json_t *content = text_json(r->text.ptr ? r->text.ptr : "", r->text.len);
-    json_t *choice = content ? choice_json(r, content, kvs__finish_name(r->finish)) : NULL;
+    json_t *lp = logprobs_json(r, 0, r->n_lps);
+    json_t *choice = content ? choice_json(r, content, kvs__finish_name(r->finish), lp) : NULL;
+    if (content == NULL) json_decref(lp);
     if (obj == NULL || choices == NULL || choice == NULL) {
         json_decref(obj);
         json_decref(choices);
@@ -437,7 +616,8 @@ static enum MHD_Result send_final(req_t *r)
 
 /* ---- the sink (backend threads) ---- */
 
-static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t len, int *oom)
+static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t len,
+                       const kvs_logprobs_t *lp, int *oom)
 {
     if (q->n == q->cap) {
         size_t cap = q->cap ? 2 * q->cap : 64;
@@ -453,6 +633,8 @@ static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t
     rec->token = token;
     rec->piece_off = q->pieces.len;
     rec->piece_len = SIZE_MAX;
+    rec->has_lp = lp != NULL;
+    if (lp != NULL) rec->lp = *lp;
     if (piece != NULL) {
         kvs__sb_append(&q->pieces, piece, len);
         if (q->pieces.oom) {
@@ -463,7 +645,20 @@ static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t
     }
 }
 
-static void sink_token(void *arg, uint32_t token, const char *piece, size_t piece_len)
+static void sink_prompt(void *arg, uint32_t index, uint32_t token, const kvs_logprobs_t *lp)
+{
+    (void) token;
+    req_t *r = arg;
+    pthread_mutex_lock(&r->mu);
+    if (r->prompt_lp != NULL && !r->backend_done && index > 0 && index < r->api.prompt_len) {
+        r->prompt_lp[index] = *lp;
+        r->prompt_has[index] = 1;
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void sink_token(void *arg, uint32_t token, const char *piece, size_t piece_len,
+                       const kvs_logprobs_t *lp)
 {
     req_t *r = arg;
     kvs_server_t *srv = r->srv;
@@ -473,7 +668,7 @@ static void sink_token(void *arg, uint32_t token, const char *piece, size_t piec
         pthread_mutex_unlock(&r->mu);
         return;
     }
-    queue_push(&r->pend, token, piece, piece_len, &r->sink_oom);
+    queue_push(&r->pend, token, piece, piece_len, lp, &r->sink_oom);
     if (r->first_ns == 0) {
         r->first_ns = now;
         kvs__hist_observe(&srv->ttft, now - r->submit_ns);
@@ -592,13 +787,16 @@ static void pump(req_t *r)
             piece = r->work.pieces.ptr + t->piece_off;
             len = t->piece_len;
         } else if (srv->tok.piece(srv->tok.ctx, t->token, &piece, &len) != KVS_OK) {
-            continue; /* logged by the tokenizer; the token renders as nothing */
+            piece = ""; /* logged by the tokenizer; the token renders as nothing */
+            len = 0;
         }
         size_t old = r->text.len;
         kvs__sb_append(&r->text, piece, len);
+        if (r->api.logprobs) lp_push(r, t->token, piece, len, 0, 0, t->has_lp ? &t->lp : NULL);
         if (r->api.n_stops == 0) continue;
         size_t from = old + 1 > max_stop ? old + 1 - max_stop : 0;
         if (from < r->emitted) from = r->emitted;
+        if (from < r->echo_len) from = r->echo_len; /* stops apply to the completion only */
         size_t at = kvs__stop_find(r->text.ptr, r->text.len, from, r->api.stops, r->api.stop_lens,
                                    r->api.n_stops);
         if (at != SIZE_MAX) {
@@ -609,7 +807,7 @@ static void pump(req_t *r)
     }
     r->work.n = 0;
     r->work.pieces.len = 0;
-    if (r->text.oom) oom = 1;
+    if (r->text.oom || r->lp_oom) oom = 1;
     if (r->stop_matched && !r->done_taken) send_cancel(r);
 
     if (took_done && !r->finished) {
@@ -635,21 +833,30 @@ static void pump(req_t *r)
         r->stream_started = 1;
         if (r->api.chat) {
             json_t *delta = json_pack("{s:s, s:s}", "role", "assistant", "content", "");
-            if (delta) sse_chunk(r, delta, NULL);
+            if (delta) sse_chunk(r, delta, NULL, NULL);
         }
     }
     size_t end = r->text.len;
-    if (!r->finished && !r->stop_matched) {
+    /* The echoed prompt goes out with its logprobs, which come before the first token. */
+    if (r->api.echo && r->api.logprobs && r->generated == 0 && !r->finished) end = r->emitted;
+    if (!r->finished && !r->stop_matched && end > r->emitted) {
         end -= kvs__stop_hold(r->text.ptr, end, r->emitted, r->api.stops, r->api.stop_lens,
                               r->api.n_stops);
         end -= kvs__utf8_incomplete_tail(r->text.ptr + r->emitted, end - r->emitted);
     }
-    if (end > r->emitted) {
-        json_t *s = text_json(r->text.ptr + r->emitted, end - r->emitted);
+    while (end > r->emitted) {
+        /* The echoed prompt is a chunk of its own. */
+        size_t upto = r->emitted < r->echo_len && end > r->echo_len ? r->echo_len : end;
+        json_t *s = text_json(r->text.ptr + r->emitted, upto - r->emitted);
         json_t *content = s && r->api.chat ? json_pack("{s:o}", "content", s) : s;
         if (content == NULL) r->out.oom = 1;
-        if (content) sse_chunk(r, content, NULL);
-        r->emitted = end;
+        size_t k = r->lps_sent;
+        while (k < r->n_lps && r->lps[k].end <= upto) k++;
+        json_t *lp = k > r->lps_sent ? logprobs_json(r, r->lps_sent, k) : NULL;
+        r->lps_sent = k;
+        if (content) sse_chunk(r, content, NULL, lp);
+        if (content == NULL) json_decref(lp);
+        r->emitted = upto;
     }
     if (r->finished && !r->stream_ended) sse_finish(r);
 }
@@ -751,6 +958,26 @@ static const char *role_refusal(const kvs_server_t *srv, const kvs__api_req_t *a
     return NULL;
 }
 
+/* echo: the prompt's text starts the answer; with logprobs its tokens are the first records
+ * and their logprobs come from the sink. */
+static kvs_status_t echo_prompt(req_t *r)
+{
+    if (r->api.logprobs) {
+        r->prompt_lp = kvs_malloc((size_t) r->api.prompt_len * sizeof(kvs_logprobs_t));
+        r->prompt_has = kvs_calloc(r->api.prompt_len, 1);
+        if (r->prompt_lp == NULL || r->prompt_has == NULL) return KVS_ERR_NOMEM;
+    }
+    for (uint32_t i = 0; i < r->api.prompt_len; i++) {
+        const char *piece;
+        size_t len;
+        token_text(r, r->api.prompt[i], &piece, &len);
+        kvs__sb_append(&r->text, piece, len);
+        if (r->api.logprobs) lp_push(r, r->api.prompt[i], piece, len, 1, i, NULL);
+    }
+    r->echo_len = r->text.len;
+    return r->text.oom || r->lp_oom ? KVS_ERR_NOMEM : KVS_OK;
+}
+
 static enum MHD_Result handle_generate(req_t *r)
 {
     kvs_server_t *srv = r->srv;
@@ -793,7 +1020,13 @@ static enum MHD_Result handle_generate(req_t *r)
     q.stop_ids = r->api.stop_ids;
     q.n_stop_ids = r->api.n_stop_ids;
     q.stream = r->api.stream;
-    kvs_server_sink_t sink = {sink_token, sink_done, r};
+    q.logprobs = r->api.logprobs;
+    q.top_logprobs = r->api.top_logprobs;
+    /* A decode side has no logits of the prompt: the router takes them from the prefill side. */
+    q.prompt_logprobs = r->api.echo && r->api.logprobs && r->api.role != KVS_SERVER_ROLE_DECODE;
+    if (r->api.echo && echo_prompt(r) != KVS_OK)
+        return send_error(r, 500, "out of memory echoing the prompt", NULL, NULL);
+    kvs_server_sink_t sink = {sink_token, sink_done, r, sink_prompt};
 
     /* Live (and the backend's reference taken) before submit: on_done may come before submit
      * returns. */
@@ -905,6 +1138,31 @@ static enum MHD_Result handle_cancel(req_t *r)
     return send_json_steal(r, 200, json_pack("{s:I, s:i}", "room", room, "cancelled", (int) found));
 }
 
+/* POST /tokenize and /detokenize, as vLLM answers them. */
+static enum MHD_Result handle_tokenize(req_t *r)
+{
+    kvs_server_t *srv = r->srv;
+    kvs__api_err_t err;
+    const char *body = r->body.data ? r->body.data : "";
+    if (r->ep == EP_DETOKENIZE) {
+        char *text = NULL;
+        if (kvs__api_detokenize(&srv->limits, &srv->tok, body, r->body.len, &text, &err) != KVS_OK)
+            return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+        json_t *obj = json_pack("{s:s}", "prompt", text);
+        kvs_free(text);
+        return send_json_steal(r, 200, obj);
+    }
+    uint32_t *ids = NULL, n = 0;
+    if (kvs__api_tokenize(&srv->limits, &srv->tok, body, r->body.len, &ids, &n, &err) != KVS_OK)
+        return send_error(r, (unsigned) err.status, err.message, err.param, err.code);
+    json_t *arr = json_array();
+    for (uint32_t i = 0; arr && i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    kvs_free(ids);
+    return send_json_steal(r, 200,
+                           json_pack("{s:o, s:i, s:i}", "tokens", arr, "count", (int) n,
+                                     "max_model_len", (int) srv->limits.max_context));
+}
+
 static int server_healthy(kvs_server_t *srv)
 {
     pthread_mutex_lock(&srv->mu);
@@ -967,6 +1225,9 @@ static enum MHD_Result handle(req_t *r)
         return handle_match(r);
     case EP_CANCEL:
         return handle_cancel(r);
+    case EP_TOKENIZE:
+    case EP_DETOKENIZE:
+        return handle_tokenize(r);
     case EP_HEALTH:
         if (server_healthy(srv))
             return send_text(r, 200, "application/json", "{\"status\":\"ok\"}");

@@ -16,6 +16,19 @@
  *        >= 1), min_p [0, 1], repetition_penalty (0, 2] (over prompt and generated tokens),
  *        ignore_eos (the EOS does not end generation), stop_token_ids [ids]; greedy honours
  *        the bias and the penalties too (model/sample.c: the order they act in).
+ *        Logprobs, in OpenAI's shapes: chat "logprobs": true with "top_logprobs" [0, 20] gives
+ *        choices[0].logprobs {"content": [{"token", "logprob", "bytes", "top_logprobs":
+ *        [{"token", "logprob", "bytes"}]}]}; completions "logprobs" [0, 5] gives {"tokens",
+ *        "token_logprobs", "top_logprobs" (per token a dict of the top N texts and the chosen
+ *        one's), "text_offset" (characters)}; streamed, each chunk carries its tokens' entries.
+ *        A logprob is the log-softmax of the model's raw logits at that position, before
+ *        logit_bias, penalties and temperature (vLLM's default); stop token ids get no entry.
+ *        Completions "echo": true starts the text with the prompt's (streamed: a chunk of its
+ *        own); with logprobs, the prompt's tokens come first, the first one's logprob null, so
+ *        that echo + logprobs + max_tokens 1 scores a text. Prompt logprobs come from the
+ *        prefill pass (an lm-head over every prompt position of such a request); it computes
+ *        its whole prompt, past any radix hit (a cached prefix has no logits). A decode side
+ *        answers null for them: the router fills them in from the prefill side's answer.
  *        Extensions: "kvstage": {...} (below).
  *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
  *        "seed", "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage
@@ -28,6 +41,11 @@
  *   GET  /v1/models/{id}   the model object ({"id", "object": "model", "created", "owned_by"})
  *                          when id is the served model (it may contain '/'), else 404
  *                          (code "model_not_found").
+ *   POST /tokenize         as vLLM: {"prompt": text or ids} or {"messages": [...]} (rendered
+ *                          with the chat template) -> {"tokens", "count", "max_model_len"}; a
+ *                          prompt beyond the context is counted, not refused.
+ *   POST /detokenize       {"tokens": [ids]} -> {"prompt": their text (invalid UTF-8 as
+ *                          U+FFFD)}.
  *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable"} when the backend's
  *                          health() fails or the server is stopping.
  *   GET  /metrics          Prometheus text format: counters kvstage_http_requests_total{code},
@@ -141,6 +159,14 @@ typedef struct {
     const uint32_t *stop_ids;
     uint32_t n_stop_ids;
     int stream; /* informational: the server streams either way from the sink */
+    /* 1: each on_token carries the token's logprobs with top_logprobs (0..KVS_LOGPROBS_TOP_MAX)
+     * alternatives: log-softmax of the model's raw logits at that position, before logit bias,
+     * penalties and temperature (vLLM's default) */
+    int logprobs;
+    uint32_t top_logprobs;
+    /* With logprobs, not DECODE: on_prompt for prompt tokens 1..prompt_len-1 (computed in the
+     * prefill pass; such a request computes its whole prompt, past any cached prefix) */
+    int prompt_logprobs;
 } kvs_server_request_t;
 
 typedef enum {
@@ -169,10 +195,15 @@ typedef struct {
  * call, and the sink never blocks on the network (it only queues and wakes). */
 typedef struct {
     /* piece: the token's text when the backend has it (copied before return); NULL: the
-     * server decodes the id with its tokenizer. */
-    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len);
+     * server decodes the id with its tokenizer. lp: the token's logprobs when the request
+     * asked (copied), else NULL. */
+    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len,
+                     const kvs_logprobs_t *lp);
     void (*on_done)(void *arg, const kvs_server_done_t *done);
     void *arg;
+    /* prompt_logprobs: prompt token number index (1..prompt_len-1, in order, before the first
+     * on_token) and its logprobs given the tokens before it (copied). NULL: not wanted. */
+    void (*on_prompt)(void *arg, uint32_t index, uint32_t token, const kvs_logprobs_t *lp);
 } kvs_server_sink_t;
 
 /* Counters (since start) and gauges (now) for /metrics. */

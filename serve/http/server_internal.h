@@ -60,8 +60,10 @@ char *kvs__json_error(const char *message, const char *type, const char *param, 
 
 /* ---- OpenAI requests ---- */
 
-#define KVS__MAX_STOPS    16
-#define KVS__MAX_STOP_LEN 256
+#define KVS__MAX_STOPS               16
+#define KVS__CHAT_TOP_LOGPROBS_MAX   20 /* OpenAI's ranges */
+#define KVS__COMPLETION_LOGPROBS_MAX 5
+#define KVS__MAX_STOP_LEN            256
 
 typedef struct {
     uint32_t max_context;
@@ -89,6 +91,9 @@ typedef struct {
     kvs_sample_params_t sampling; /* sampling.bias: owned (kvs_malloc) */
     uint64_t seed;                /* the client's, or kvs__random_seed() */
     int stream, include_usage;
+    int logprobs;                /* chat "logprobs": true; completions "logprobs": N */
+    uint32_t top_logprobs;       /* chat "top_logprobs"; completions "logprobs" */
+    int echo;                    /* completions: the prompt's text (and logprobs) come first */
     char *stops[KVS__MAX_STOPS]; /* decoded-text stop strings */
     size_t stop_lens[KVS__MAX_STOPS];
     uint32_t n_stops;
@@ -132,6 +137,16 @@ void kvs__api_req_fini(kvs__api_req_t *req);
  * is not an object. One definition of the known fields for the server and the router. */
 kvs_status_t kvs__api_check_fields(json_t *root, int chat, int strict, int remove,
                                    kvs__api_ignored_t *ign, kvs__api_err_t *err);
+
+/* POST /tokenize: {"prompt": text or ids} or {"messages": [...]} (rendered with the chat
+ * template, as a chat request) -> ids (kvs_malloc), as vLLM's. Errors as kvs__api_parse. */
+kvs_status_t kvs__api_tokenize(const kvs__api_limits_t *limits, const kvs_server_tokenizer_t *tok,
+                               const char *body, size_t len, uint32_t **ids_p, uint32_t *n_p,
+                               kvs__api_err_t *err_p);
+/* POST /detokenize: {"tokens": [ids]} -> their text, valid UTF-8 (kvs_malloc). */
+kvs_status_t kvs__api_detokenize(const kvs__api_limits_t *limits, const kvs_server_tokenizer_t *tok,
+                                 const char *body, size_t len, char **text_p,
+                                 kvs__api_err_t *err_p);
 
 /* The OpenAI name of a finish reason. */
 const char *kvs__finish_name(kvs_server_finish_t finish);

@@ -277,7 +277,9 @@ static kvs_status_t ffn_block(kvs_model_t *m, uint32_t layer, uint32_t n, kvs_al
     return reduce_into_residual(m, n, reduce, reduce_arg);
 }
 
-/* logits = rmsnorm(x of each sequence's last token) · output^T, whole on every rank. */
+/* logits = rmsnorm(x of each sequence's last token) · output^T, whole on every rank; and for a
+ * sequence with all_logits, the same of each of its tokens (rows are computed alone, so a row
+ * is the same float either way). */
 static void output_block(kvs_model_t *m, const kvs_model_seq_t *seqs, uint32_t nseq, float *logits)
 {
     const kvs_model_ops_t *ops = m->backend.ops;
@@ -292,6 +294,14 @@ static void output_block(kvs_model_t *m, const kvs_model_seq_t *seqs, uint32_t n
     }
     ops->rmsnorm(ctx, s->last, m->output_norm, nseq, c->dim, c->norm_eps, s->last_norm);
     ops->matmul(ctx, s->last_norm, m->output, nseq, c->dim, c->vocab, logits); /* [nseq][vocab] */
+    row = 0;
+    for (uint32_t i = 0; i < nseq; row += seqs[i].n, i++) {
+        if (seqs[i].all_logits == NULL) continue;
+        ops->rmsnorm(ctx, s->x + row * c->dim, m->output_norm, seqs[i].n, c->dim, c->norm_eps,
+                     s->h); /* [n][dim] */
+        ops->matmul(ctx, s->h, m->output, seqs[i].n, c->dim, c->vocab,
+                    seqs[i].all_logits); /* [n][vocab] */
+    }
 }
 
 kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model_seq_t *seqs,

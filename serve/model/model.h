@@ -72,6 +72,10 @@ typedef struct {
     uint32_t pos0;
     const uint32_t *pages; /* [npages], npages >= ceil((pos0 + n) / P) */
     uint32_t npages;
+    /* Optional [n][vocab]: the logits of every new token of this sequence, not only the last
+     * (prompt logprobs); each row the same floats as that token's row would be as a last token.
+     * NULL: none. */
+    float *all_logits;
 } kvs_model_seq_t;
 
 /* Runs the model over every new token of every sequence: writes their K and V into the pool
@@ -131,5 +135,29 @@ const char *kvs_sample_params_invalid(const kvs_sample_params_t *params, uint32_
  * all kept). NaN logits are never picked. Allocation-free. */
 uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
                     const kvs_sample_history_t *history, kvs_rng_t *rng);
+
+/* ---- logprobs ---- */
+
+#define KVS_LOGPROBS_TOP_MAX 20 /* alternatives per position at most (OpenAI's top_logprobs) */
+#define KVS_LOGPROB_FLOOR    (-9999.0f) /* reported for -inf (OpenAI's value): JSON has no inf */
+
+typedef struct {
+    uint32_t token;
+    float logprob;
+} kvs_token_logprob_t;
+
+/* One position's log-probabilities: of the token there, and of the n_top most likely. */
+typedef struct {
+    float logprob;
+    uint32_t n_top;
+    kvs_token_logprob_t top[KVS_LOGPROBS_TOP_MAX]; /* most likely first, lower id on ties */
+} kvs_logprobs_t;
+
+/* log_softmax(logits[vocab])[token] and the n_top (<= KVS_LOGPROBS_TOP_MAX, <= vocab) largest
+ * entries, in double precision; the raw logits: no bias, penalty or temperature (vLLM's
+ * default). NaN logits count as -inf; a logprob below KVS_LOGPROB_FLOOR (-inf) is reported as
+ * it. Allocation-free. */
+void kvs_logprobs(const float *logits, uint32_t vocab, uint32_t token, uint32_t n_top,
+                  kvs_logprobs_t *out_p);
 
 #endif

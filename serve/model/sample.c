@@ -182,3 +182,51 @@ uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *pa
     }
     return last; /* r landed on the rounding error at the very top */
 }
+
+/* A before b in a top list: larger, or equal with the lower id. */
+static int ranks_before(float la, uint32_t a, float lb, uint32_t b)
+{
+    return la > lb || (la == lb && a < b);
+}
+
+/* logit - lse, or KVS_LOGPROB_FLOOR when that is not a finite number. */
+static float floored(float logit, double lse)
+{
+    double v = (double) logit - lse;
+    return isfinite(v) && v > KVS_LOGPROB_FLOOR ? (float) v : KVS_LOGPROB_FLOOR;
+}
+
+void kvs_logprobs(const float *logits, uint32_t vocab, uint32_t token, uint32_t n_top,
+                  kvs_logprobs_t *out_p)
+{
+    kvs_logprobs_t out;
+    memset(&out, 0, sizeof(out));
+    if (n_top > KVS_LOGPROBS_TOP_MAX) n_top = KVS_LOGPROBS_TOP_MAX;
+    if (n_top > vocab) n_top = vocab;
+    /* log-sum-exp around the maximum; NaN is -inf */
+    double max = -INFINITY;
+    for (uint32_t i = 0; i < vocab; i++)
+        if (logits[i] > max) max = logits[i];
+    double sum = 0;
+    if (isfinite(max))
+        for (uint32_t i = 0; i < vocab; i++)
+            if (logits[i] > -INFINITY) sum += exp((double) logits[i] - max);
+    const double lse = isfinite(max) ? max + log(sum) : max;
+    /* The n_top largest, by insertion into a short sorted list. */
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < vocab && n_top > 0; i++) {
+        float l = isnan(logits[i]) ? -INFINITY : logits[i];
+        if (n == n_top && !ranks_before(l, i, out.top[n - 1].logprob, out.top[n - 1].token))
+            continue;
+        uint32_t at = n < n_top ? n++ : n - 1;
+        while (at > 0 && ranks_before(l, i, out.top[at - 1].logprob, out.top[at - 1].token)) {
+            out.top[at] = out.top[at - 1];
+            at--;
+        }
+        out.top[at] = (kvs_token_logprob_t){.token = i, .logprob = l};
+    }
+    for (uint32_t k = 0; k < n; k++) out.top[k].logprob = floored(out.top[k].logprob, lse);
+    out.n_top = n;
+    out.logprob = floored(token < vocab ? logits[token] : NAN, lse);
+    *out_p = out;
+}

@@ -321,14 +321,14 @@ static void test_rank_pipe(void **state)
     FILE *p = popen(cmd, "w");
     assert_non_null(p);
     fputs("hello\n"
-          "submit 1 4 0 1 0 0 0 0 0 0 -1 0 3 1 2 3\n"
-          "submit 2 4 0 1 0 0 0 0 0 0 -1 0 2 1 99999\n"
-          "submit 3 4 0 1 0 0 0 0 0 0 -1 0 2 5 6 7\n"
-          "submit 5 96 0 1 0 0 0 0 0 0 -1 0 9 1 2 3 4 5 6 7 8 9\n"
-          "submit 4 100 0 1 0 0 0 0 0 0 -1 0 3 1 2 3\n"
+          "submit 1 4 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
+          "submit 2 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 1 99999\n"
+          "submit 3 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 5 6 7\n"
+          "submit 5 96 0 1 0 0 0 0 0 0 -1 -1 0 0 9 1 2 3 4 5 6 7 8 9\n"
+          "submit 4 100 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
           /* sampling parameters the engine refuses: min_p 2, a bias outside the vocabulary */
-          "submit 6 4 0 1 0 2 0 0 0 0 -1 0 3 1 2 3\n"
-          "submit 7 4 0 1 0 0 0 0 0 0 -1 1 512 1 3 1 2 3\n"
+          "submit 6 4 0 1 0 2 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
+          "submit 7 4 0 1 0 0 0 0 0 0 -1 -1 0 1 512 1 3 1 2 3\n"
           "stop 4\n"
           "match 3 1 2 3\n"
           "match 3 1 2\n"

@@ -9,6 +9,7 @@
  * holds its prompt only, and ends with KVS_ERR_NOSPACE once it outgrows the pool. */
 #include "kvs_test.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -49,6 +50,14 @@ static kvs_sample_params_t g_sampling = {.top_p = 0.95f}; /* of every request */
 #define ROOMY_POOL 64
 #define SMALL_POOL 10
 static uint32_t g_pool_pages = ROOMY_POOL;
+/* Logprobs of every request (request()): off, or TOP alternatives and the prompt's too. */
+#define TOP 5
+static int g_logprobs, g_prompt_logprobs;
+/* The reference's, in double from the logits of each position computed alone: of each prompt
+ * token from the second, and of each greedy token with the TOP most likely ids. */
+static double g_ref_plp[NPROMPTS][MAX_TOKEN];
+static double g_ref_lp[NPROMPTS][MAX_NEW];
+static uint32_t g_ref_top[NPROMPTS][MAX_NEW][TOP];
 
 static void make_prompts(void)
 {
@@ -99,11 +108,65 @@ static void reference(void)
     kvs_model_destroy(m);
 }
 
+/* log_softmax(logits)[token], written out independently of kvs_logprobs. */
+static double log_softmax_at(const float *logits, uint32_t token)
+{
+    double max = logits[0], sum = 0;
+    for (uint32_t i = 1; i < CFG.vocab; i++)
+        if (logits[i] > max) max = logits[i];
+    for (uint32_t i = 0; i < CFG.vocab; i++) sum += exp((double) logits[i] - max);
+    return (double) logits[token] - max - log(sum);
+}
+
+/* Every position of prompt + greedy tokens fed one at a time: each position's logits as a last
+ * token, so no batching or all-positions path is involved. */
+static void reference_logprobs(void)
+{
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    kvs_pool_t *pool = make_pool(m, 64);
+    uint32_t pages[32];
+    assert_int_equal(kvs_pool_alloc(pool, 32, pages), KVS_OK);
+    static float logits[256];
+    for (int p = 0; p < NPROMPTS; p++) {
+        uint32_t seq[MAX_TOKEN + MAX_NEW];
+        memcpy(seq, g_prompt[p], g_len[p] * sizeof(uint32_t));
+        memcpy(seq + g_len[p], g_ref[p], MAX_NEW * sizeof(uint32_t));
+        for (uint32_t at = 0; at + 1 < g_len[p] + MAX_NEW; at++) {
+            kvs_model_seq_t s = {
+                .tokens = seq + at, .n = 1, .pos0 = at, .pages = pages, .npages = 32};
+            assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
+            uint32_t next = seq[at + 1];
+            if (at + 1 < g_len[p]) {
+                g_ref_plp[p][at + 1] = log_softmax_at(logits, next);
+                continue;
+            }
+            uint32_t t = at + 1 - g_len[p];
+            g_ref_lp[p][t] = log_softmax_at(logits, next);
+            /* The TOP largest, lower id first on ties. */
+            for (uint32_t k = 0; k < TOP; k++) {
+                uint32_t best = UINT32_MAX;
+                for (uint32_t i = 0; i < CFG.vocab; i++) {
+                    int taken = 0;
+                    for (uint32_t q = 0; q < k; q++) taken |= g_ref_top[p][t][q] == i;
+                    if (!taken && (best == UINT32_MAX || logits[i] > logits[best])) best = i;
+                }
+                g_ref_top[p][t][k] = best;
+            }
+        }
+        /* The first token's logits are the last prompt position's: computed above at
+         * at = len - 1 (its logprob is g_ref_lp[p][0]). */
+    }
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(m);
+}
+
 static int setup(void **state)
 {
     (void) state;
     make_prompts();
     reference();
+    reference_logprobs();
     return 0;
 }
 
@@ -113,7 +176,14 @@ typedef struct {
     uint32_t ntokens[NPROMPTS];
     int done[NPROMPTS];
     kvs_llm_event_t last[NPROMPTS];
+    int has_lp[NPROMPTS][MAX_NEW];
+    kvs_logprobs_t lp[NPROMPTS][MAX_NEW];
+    kvs_logprobs_t plp[NPROMPTS][MAX_TOKEN]; /* EV_PROMPT, by position */
+    uint32_t nprompt[NPROMPTS];
 } outcome_t;
+
+static outcome_t g_out; /* the last run's decode (or colocated) outcome */
+static outcome_t g_out_prefill;
 
 static void drain(kvs_llm_t *e, outcome_t *o)
 {
@@ -122,9 +192,19 @@ static void drain(kvs_llm_t *e, outcome_t *o)
         assert_true(ev.room >= 1 && ev.room <= NPROMPTS);
         int p = (int) ev.room - 1;
         assert_false(o->done[p]);
-        if (ev.kind == KVS_LLM_EV_TOKEN) {
+        if (ev.kind == KVS_LLM_EV_PROMPT) {
+            /* Each prompt position once, in order, before the first token. */
+            assert_int_equal(ev.index, o->nprompt[p] + 1);
+            assert_int_equal(o->ntokens[p], 0);
+            assert_int_equal(ev.token, g_prompt[p][ev.index]);
+            assert_true(ev.has_logprobs);
+            o->plp[p][ev.index] = ev.lp;
+            o->nprompt[p]++;
+        } else if (ev.kind == KVS_LLM_EV_TOKEN) {
             assert_int_equal(ev.index, o->ntokens[p]);
             assert_true(o->ntokens[p] < MAX_NEW);
+            o->has_lp[p][o->ntokens[p]] = ev.has_logprobs;
+            o->lp[p][o->ntokens[p]] = ev.lp;
             o->tokens[p][o->ntokens[p]++] = ev.token;
         } else {
             o->done[p] = 1;
@@ -141,7 +221,10 @@ static kvs_llm_request_t request(int p)
                                .max_new_tokens = MAX_NEW,
                                .sampling = g_sampling,
                                .seed = 1000 + (uint64_t) p,
-                               .eos = UINT32_MAX};
+                               .eos = UINT32_MAX,
+                               .logprobs = g_logprobs,
+                               .top_logprobs = g_logprobs ? TOP : 0,
+                               .prompt_logprobs = g_prompt_logprobs};
 }
 
 static void expect_reference(const outcome_t *o, int p)
@@ -230,6 +313,7 @@ static void colocated(int radix, int sequential, outcome_t *o, kvs_llm_stats_t *
     expect_pages_back(s.llm, s.pool);
     if (stats_p) *stats_p = st;
     single_close(&s, 1);
+    g_out = *o;
 }
 
 static void run_colocated(int radix, int sequential)
@@ -325,6 +409,7 @@ static void run_tp2_threads(void)
     assert_int_equal(a[0].rc, 0);
     assert_int_equal(a[1].rc, 0);
     for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    g_out = o;
     /* Both ranks took the same decisions (a divergence would also have broken the lockstep). */
     assert_int_equal(a[0].preemptions, a[1].preemptions);
     if (g_pool_pages == SMALL_POOL) assert_true(a[0].preemptions > 0);
@@ -374,7 +459,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     single_t pre, dec;
     single_open(&pre, KVS_LLM_PREFILL, prefill_radix, tx, NULL, m, ppool);
     single_open(&dec, KVS_LLM_DECODE, decode_radix, NULL, rx, m, dpool);
-    outcome_t po, o;
+    static outcome_t po, o;
     memset(&po, 0, sizeof(po));
     memset(&o, 0, sizeof(o));
     int next = 0;
@@ -415,6 +500,8 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     }
     expect_pages_back(pre.llm, ppool);
     expect_pages_back(dec.llm, dpool);
+    g_out = o;
+    g_out_prefill = po;
     kvs_llm_stats_t dst;
     kvs_llm_stats(dec.llm, &dst);
     if (preemptions_p) *preemptions_p = dst.preemptions;
@@ -738,6 +825,111 @@ static void test_cached_query(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Every reported logprob equals the reference's within 1e-4 (the same floats in double: in
+ * practice exactly), the alternatives are the reference's TOP ids, most likely first, the first
+ * of which each token's own (greedy). */
+static void expect_ref_logprobs(const outcome_t *o, int prompt_too)
+{
+    for (int p = 0; p < NPROMPTS; p++) {
+        for (int t = 0; t < MAX_NEW; t++) {
+            const kvs_logprobs_t *lp = &o->lp[p][t];
+            if (!o->has_lp[p][t]) fail_msg("request %d token %d: no logprobs", p, t);
+            if (fabs(lp->logprob - g_ref_lp[p][t]) > 1e-4)
+                fail_msg("request %d token %d: logprob %.9g, reference %.9g", p, t,
+                         (double) lp->logprob, g_ref_lp[p][t]);
+            assert_int_equal(lp->n_top, TOP);
+            for (int k = 0; k < TOP; k++) {
+                assert_int_equal(lp->top[k].token, g_ref_top[p][t][k]);
+                if (k > 0) assert_true(lp->top[k].logprob <= lp->top[k - 1].logprob);
+            }
+            assert_int_equal(lp->top[0].token, g_ref[p][t]);
+            assert_true(lp->top[0].logprob == lp->logprob);
+        }
+        assert_int_equal(o->nprompt[p], prompt_too ? g_len[p] - 1 : 0);
+        for (uint32_t i = 1; prompt_too && i < g_len[p]; i++)
+            if (fabs(o->plp[p][i].logprob - g_ref_plp[p][i]) > 1e-4)
+                fail_msg("request %d prompt token %u: logprob %.9g, reference %.9g", p, i,
+                         (double) o->plp[p][i].logprob, g_ref_plp[p][i]);
+    }
+}
+
+/* Two outcomes' logprobs agree within 1e-4, alternatives id for id. */
+static void expect_same_logprobs(const outcome_t *a, const outcome_t *b)
+{
+    for (int p = 0; p < NPROMPTS; p++)
+        for (int t = 0; t < MAX_NEW; t++) {
+            assert_true(a->has_lp[p][t] && b->has_lp[p][t]);
+            assert_true(fabs(a->lp[p][t].logprob - b->lp[p][t].logprob) <= 1e-4);
+            assert_int_equal(a->lp[p][t].n_top, b->lp[p][t].n_top);
+            for (uint32_t k = 0; k < a->lp[p][t].n_top; k++) {
+                assert_int_equal(a->lp[p][t].top[k].token, b->lp[p][t].top[k].token);
+                assert_true(fabs(a->lp[p][t].top[k].logprob - b->lp[p][t].top[k].logprob) <= 1e-4);
+            }
+        }
+}
+
+/* Logprobs: of each generated token (with TOP alternatives) and of each prompt token, equal to a
+ * direct log-softmax of the reference forward's logits, colocated (batched, chunked, radix on:
+ * a prompt-logprobs request bypasses it), after preemptions (no prompt position reported
+ * twice), on TP2 ranks, and disaggregated (the prefill side reports the prompt's, the decode
+ * side the generated ones, the first token's carried in the room's final metadata). Without
+ * logprobs asked, tokens carry none. */
+static void test_logprobs(void **state)
+{
+    (void) state;
+    static outcome_t colo, o;
+    g_logprobs = 1;
+    g_prompt_logprobs = 1;
+    kvs_llm_stats_t st;
+    colocated(1, 1, &o, &st);
+    for (int p = 0; p < NPROMPTS; p++) expect_reference(&o, p);
+    expect_ref_logprobs(&o, 1);
+    for (int p = 0; p < NPROMPTS; p++) assert_int_equal(o.last[p].cached_tokens, 0);
+    colo = o;
+    g_pool_pages = SMALL_POOL;
+    colocated(0, 0, &o, &st);
+    assert_true(st.preemptions > 0);
+    expect_ref_logprobs(&o, 1);
+    g_pool_pages = ROOMY_POOL;
+    run_tp2_threads();
+    expect_ref_logprobs(&g_out, 1);
+    expect_same_logprobs(&g_out, &colo);
+
+    run_disaggregated(NULL, 0, 1, 0, NULL);
+    expect_ref_logprobs(&g_out, 0); /* decode: the generated tokens' */
+    expect_same_logprobs(&g_out, &colo);
+    for (int p = 0; p < NPROMPTS; p++) {
+        assert_int_equal(g_out_prefill.nprompt[p], g_len[p] - 1);
+        for (uint32_t i = 1; i < g_len[p]; i++)
+            assert_true(fabs(g_out_prefill.plp[p][i].logprob - colo.plp[p][i].logprob) <= 1e-4);
+        assert_true(g_out_prefill.has_lp[p][0]);
+        assert_true(fabs(g_out_prefill.lp[p][0].logprob - colo.lp[p][0].logprob) <= 1e-4);
+    }
+    /* Generated logprobs only (decode with its radix cache, prefill with its). */
+    g_prompt_logprobs = 0;
+    run_disaggregated(NULL, 1, 1, 0, NULL);
+    expect_ref_logprobs(&g_out, 0);
+    g_logprobs = 0;
+    colocated(0, 0, &o, &st);
+    for (int p = 0; p < NPROMPTS; p++) {
+        assert_int_equal(o.nprompt[p], 0);
+        for (int t = 0; t < MAX_NEW; t++) assert_false(o.has_lp[p][t]);
+    }
+    /* Out of range: refused at submit. */
+    single_t one;
+    single_open(&one, KVS_LLM_COLOCATED, 0, NULL, NULL, NULL, NULL);
+    kvs_llm_request_t q = request(0);
+    q.logprobs = 1;
+    q.top_logprobs = KVS_LOGPROBS_TOP_MAX + 1;
+    assert_int_equal(kvs_llm_submit(one.llm, &q), KVS_ERR_INVALID);
+    q.logprobs = 0;
+    q.top_logprobs = 0;
+    q.prompt_logprobs = 1;
+    assert_int_equal(kvs_llm_submit(one.llm, &q), KVS_ERR_INVALID);
+    single_close(&one, 1);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -751,6 +943,7 @@ int main(void)
         cmocka_unit_test(test_preemption_colocated),
         cmocka_unit_test(test_preemption_decode),
         cmocka_unit_test(test_cached_query),
+        cmocka_unit_test(test_logprobs),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

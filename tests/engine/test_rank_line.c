@@ -87,7 +87,7 @@ static void test_requests_round_trip(void **state)
                                             .prompt = prompt}};
     req_round_trip(&q,
                    "submit 18446744073709551615 4294967295 0.5 0.899999976 4294967295 "
-                   "0.0500000007 -2 1.5 1.25 7 -1 2 4294967295 -100 0 0.100000001 5 1 22 333 "
+                   "0.0500000007 -2 1.5 1.25 7 -1 -1 0 2 4294967295 -100 0 0.100000001 5 1 22 333 "
                    "4294967295 0\n",
                    &back, ids, 16);
     assert_int_equal(back.kind, KVS_RANK_LINE_SUBMIT);
@@ -110,7 +110,8 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = 4294967294ll;
     q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q, "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 0 1 1\n",
+    req_round_trip(&q,
+                   "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
                    &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
 
@@ -156,9 +157,10 @@ static void test_request_literals(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     assert_int_equal(
-        req_decode("submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 1 3 2.5 10 1 2 3 4 5 6 7 "
-                   "8 9 10",
-                   ids, 16, &q, &why),
+        req_decode(
+            "submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 -1 0 1 3 2.5 10 1 2 3 4 5 6 7 "
+            "8 9 10",
+            ids, 16, &q, &why),
         KVS_OK);
     assert_int_equal(q.submit.room, 5);
     assert_int_equal(q.submit.max_new, 5);
@@ -199,47 +201,47 @@ static void test_bad_requests(void **state)
         /* truncated */
         {"submit 1 2 0.5 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"submit 1 2 0.5 1 0 0 0 0 0 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match 3 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
         /* bad numbers */
-        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "submit"},
-        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit"},
+        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "EOS"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 4294967296", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "EOS"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 4294967296", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "prompt token ids"},
-        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "submit needs"},
+        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "at most 300"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "B must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
         {"submit  1 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"stop 1x", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
@@ -247,18 +249,18 @@ static void test_bad_requests(void **state)
         {"match x 1", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         {"match 0", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         /* N mismatching the ids */
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids than N"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids"},
         {"match 1 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: more token ids than N"},
         /* N the rank refuses: submit's ids are not read, match's are checked */
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
          "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
          "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
-         "prompt"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_NOSPACE, "prompt"},
         {"match 5 1 2 3 4 5", KVS_RANK_LINE_MATCH, KVS_ERR_NOSPACE, "match: more token ids"},
         {"match 5 1 2 3 4 x", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
     };
@@ -275,7 +277,7 @@ static void test_bad_requests(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     /* A refused submit still names its room (rank 0 answers with a rejected line). */
-    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 0 5 1", ids, 4, &q, &why),
+    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1", ids, 4, &q, &why),
                      KVS_ERR_NOSPACE);
     assert_int_equal(q.submit.room, 9);
     assert_int_equal(req_decode("match 5 1 2 3 4 5", ids, 4, &q, &why), KVS_ERR_NOSPACE);
@@ -288,7 +290,7 @@ static void test_bad_requests(void **state)
                                                   g_bias, &q, &why),
                      KVS_ERR_INVALID);
     /* Every truncation of a good submit that loses an id or more is refused. */
-    const char *good = "submit 12 3 0.25 0.75 0 0 0 0 0 99 7 0 3 10 20 30";
+    const char *good = "submit 12 3 0.25 0.75 0 0 0 0 0 99 7 -1 0 0 3 10 20 30";
     for (size_t cut = 0; cut + 2 <= strlen(good); cut++) {
         char buf[64];
         memcpy(buf, good, cut);
@@ -312,6 +314,94 @@ static kvs_rank_line_event_t event_round_trip(const kvs_rank_line_event_t *ev, c
     assert_int_equal(ev_decode(buf, &back), KVS_OK); /* the newline is whitespace */
     assert_int_equal(back.kind, ev->kind);
     return back;
+}
+
+/* Logprobs ride on the submit line and on token and prompt events. */
+static void test_logprobs_lines(void **state)
+{
+    (void) state;
+    uint32_t ids[4], prompt[2] = {5, 6};
+    kvs_rank_line_request_t back;
+    kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_SUBMIT,
+                                 .submit = {.room = 3,
+                                            .max_new = 2,
+                                            .sampling = {.top_p = 1},
+                                            .eos = 9,
+                                            .logprobs = 1,
+                                            .top_logprobs = 20,
+                                            .prompt_logprobs = 1,
+                                            .prompt_len = 2,
+                                            .prompt = prompt}};
+    req_round_trip(&q, "submit 3 2 0 1 0 0 0 0 0 0 9 20 1 0 2 5 6\n", &back, ids, 4);
+    assert_int_equal(back.submit.logprobs, 1);
+    assert_int_equal(back.submit.top_logprobs, 20);
+    assert_int_equal(back.submit.prompt_logprobs, 1);
+    q.submit.top_logprobs = 0;
+    q.submit.prompt_logprobs = 0;
+    req_round_trip(&q, "submit 3 2 0 1 0 0 0 0 0 0 9 0 0 0 2 5 6\n", &back, ids, 4);
+    assert_int_equal(back.submit.logprobs, 1);
+    assert_int_equal(back.submit.top_logprobs, 0);
+    /* Out of range: refused by the encoder and the decoder. */
+    char buf[256];
+    size_t n;
+    q.submit.top_logprobs = 21;
+    assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
+    q.submit.top_logprobs = 0;
+    q.submit.logprobs = 0;
+    q.submit.prompt_logprobs = 1;
+    assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
+    const char *why = NULL;
+    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 21 0 0 1 5", ids, 4, &back, &why),
+                     KVS_ERR_INVALID);
+    assert_non_null(strstr(why, "LOGPROBS must be"));
+    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 -1 1 0 1 5", ids, 4, &back, &why),
+                     KVS_ERR_INVALID);
+    assert_non_null(strstr(why, "PROMPT_LOGPROBS"));
+    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 x 0 0 1 5", ids, 4, &back, &why),
+                     KVS_ERR_INVALID);
+
+    kvs_rank_line_event_t ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.kind = KVS_RANK_LINE_EV_TOKEN;
+    ev.llm.room = 7;
+    ev.llm.token = 11;
+    ev.llm.index = 0;
+    ev.llm.has_logprobs = 1;
+    ev.llm.lp.logprob = -0.5f;
+    ev.llm.lp.n_top = 2;
+    ev.llm.lp.top[0] = (kvs_token_logprob_t){11, -0.5f};
+    ev.llm.lp.top[1] = (kvs_token_logprob_t){4294967295u, -1.10000002f};
+    kvs_rank_line_event_t b = event_round_trip(
+        &ev, "{\"event\":\"token\",\"room\":7,\"token\":11,\"index\":0,\"logprob\":-0.5,"
+             "\"top\":\"11 -0.5 4294967295 -1.10000002\"}\n");
+    assert_int_equal(b.llm.has_logprobs, 1);
+    assert_memory_equal(&b.llm.lp, &ev.llm.lp, sizeof(ev.llm.lp));
+    /* The most alternatives there are, each float exact. */
+    ev.kind = KVS_RANK_LINE_EV_PROMPT;
+    ev.llm.index = 4;
+    ev.llm.lp.n_top = KVS_LOGPROBS_TOP_MAX;
+    for (uint32_t i = 0; i < KVS_LOGPROBS_TOP_MAX; i++)
+        ev.llm.lp.top[i] = (kvs_token_logprob_t){100000 + i, -1.0f / 3.0f - (float) i * 7.1f};
+    b = event_round_trip(&ev, NULL);
+    assert_int_equal(b.llm.kind, KVS_LLM_EV_PROMPT);
+    assert_int_equal(b.llm.index, 4);
+    assert_memory_equal(&b.llm.lp, &ev.llm.lp, sizeof(ev.llm.lp));
+    ev.llm.has_logprobs = 0;
+    b = event_round_trip(&ev, "{\"event\":\"prompt\",\"room\":7,\"token\":11,\"index\":4}\n");
+    assert_int_equal(b.llm.has_logprobs, 0);
+    /* Malformed: one without the other, a bad pair, too many pairs. */
+    const char *bad[] = {
+        "{\"event\":\"token\",\"room\":1,\"logprob\":-1}",
+        "{\"event\":\"token\",\"room\":1,\"top\":\"1 -1\"}",
+        "{\"event\":\"token\",\"room\":1,\"logprob\":-1,\"top\":\"1\"}",
+        "{\"event\":\"token\",\"room\":1,\"logprob\":-1,\"top\":\"x -1\"}",
+        "{\"event\":\"token\",\"room\":1,\"logprob\":\"a\",\"top\":\"\"}",
+        "{\"event\":\"token\",\"room\":1,\"logprob\":-1,\"top\":\"1 -1 2 -1 3 -1 4 -1 5 -1 6 -1 "
+        "7 -1 8 -1 9 -1 10 -1 11 -1 12 -1 13 -1 14 -1 15 -1 16 -1 17 -1 18 -1 19 -1 20 -1 21 "
+        "-1\"}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        assert_int_equal(ev_decode(bad[i], &b), KVS_ERR_INVALID);
 }
 
 static void test_events_round_trip(void **state)
@@ -638,6 +728,7 @@ int main(void)
         cmocka_unit_test(test_bad_requests),        cmocka_unit_test(test_events_round_trip),
         cmocka_unit_test(test_event_leniency),      cmocka_unit_test(test_bad_events),
         cmocka_unit_test(test_metrics_table),       cmocka_unit_test(test_names),
+        cmocka_unit_test(test_logprobs_lines),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -25,6 +25,8 @@ typedef struct {
     kvs_server_sink_t sink;
     uint32_t generated, cached;
     int cancelled;
+    int logprobs, prompt_logprobs, prompt_sent;
+    uint32_t top_logprobs;
     uint64_t submit_ns, ready_ns, first_ns;
     size_t record; /* index into records, valid while records[record].room == room */
 } fake_req_t;
@@ -33,7 +35,7 @@ typedef struct {
 typedef struct {
     fake_req_t *req;
     int has_token;
-    uint32_t token;
+    uint32_t token, index;
     int has_done;
     kvs_server_done_t done;
 } fake_event_t;
@@ -171,6 +173,7 @@ static fake_event_t *step(kvs_server_fake_t *f, uint64_t now, uint32_t *n_p, uin
         if (r->first_ns == 0) r->first_ns = now;
         ev->has_token = 1;
         ev->token = tok;
+        ev->index = r->generated - 1;
         if (r->role == KVS_SERVER_ROLE_PREFILL)
             finish(f, r, KVS_SERVER_FINISH_HANDOFF, KVS_OK, ev);
         else if (is_stop(r, tok))
@@ -186,11 +189,33 @@ static fake_event_t *step(kvs_server_fake_t *f, uint64_t now, uint32_t *n_p, uin
     return evs;
 }
 
+void kvs_server_fake_logprobs(uint32_t token, uint32_t index, int prompt, uint32_t n_top,
+                              kvs_logprobs_t *lp_p)
+{
+    memset(lp_p, 0, sizeof(*lp_p));
+    lp_p->logprob = prompt ? -0.125f * (float) (index % 9) - 0.5f : -0.25f * (float) (index % 7);
+    lp_p->n_top = n_top;
+    for (uint32_t i = 0; i < n_top; i++)
+        lp_p->top[i] = (kvs_token_logprob_t){.token = (token + i) % 256,
+                                             .logprob = lp_p->logprob - 0.5f * (float) i};
+}
+
 static void deliver(fake_event_t *evs, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++) {
         fake_req_t *r = evs[i].req;
-        if (evs[i].has_token) r->sink.on_token(r->sink.arg, evs[i].token, NULL, 0);
+        kvs_logprobs_t lp;
+        if (evs[i].has_token && r->prompt_logprobs && !r->prompt_sent && r->sink.on_prompt) {
+            r->prompt_sent = 1;
+            for (uint32_t k = 1; k < r->prompt_len; k++) {
+                kvs_server_fake_logprobs(r->prompt[k], k, 1, r->top_logprobs, &lp);
+                r->sink.on_prompt(r->sink.arg, k, r->prompt[k], &lp);
+            }
+        }
+        if (evs[i].has_token && r->logprobs)
+            kvs_server_fake_logprobs(evs[i].token, evs[i].index, 0, r->top_logprobs, &lp);
+        if (evs[i].has_token)
+            r->sink.on_token(r->sink.arg, evs[i].token, NULL, 0, r->logprobs ? &lp : NULL);
         if (evs[i].has_done) {
             r->sink.on_done(r->sink.arg, &evs[i].done);
             req_free(r);
@@ -258,6 +283,9 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
         return KVS_ERR_NOMEM;
     }
     memcpy(r->prompt, q->prompt, q->prompt_len * sizeof(uint32_t));
+    r->logprobs = q->logprobs;
+    r->top_logprobs = q->top_logprobs;
+    r->prompt_logprobs = q->logprobs && q->prompt_logprobs && q->role != KVS_SERVER_ROLE_DECODE;
     if (q->n_stop_ids) memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof(uint32_t));
     r->n_stop_ids = q->n_stop_ids;
     r->room = q->room;
@@ -307,6 +335,9 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
     rec->sampling = q->sampling;
     rec->sampling.bias = NULL; /* borrowed for submit only */
     rec->seed = q->seed;
+    rec->logprobs = q->logprobs;
+    rec->top_logprobs = q->top_logprobs;
+    rec->prompt_logprobs = q->prompt_logprobs;
     rec->n_stop_ids = q->n_stop_ids;
     if (q->bootstrap) snprintf(rec->bootstrap, sizeof(rec->bootstrap), "%s", q->bootstrap);
     f->live[f->n_live++] = r;

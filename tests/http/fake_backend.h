@@ -8,6 +8,12 @@
 #include "http/server.h"
 #include "kvstage/status.h"
 
+/* The logprobs the fake reports for a token at index (of the generated tokens, or prompt: of
+ * the prompt), a function of these alone so that every side agrees: n_top alternatives, the
+ * first the token itself. */
+void kvs_server_fake_logprobs(uint32_t token, uint32_t index, int prompt, uint32_t n_top,
+                              kvs_logprobs_t *lp_p);
+
 /* Generates for every live request in steps: each step (every token_delay_ns) gives each
  * request its next token. Token k of a request is prompt[k % prompt_len] (an echo of the
  * prompt, cycling), so outputs are deterministic and easy to predict; a stop id ends it
@@ -55,6 +61,8 @@ typedef struct {
     kvs_sample_params_t sampling; /* as submitted; bias NULL (n_bias kept) */
     uint64_t seed;
     uint32_t n_stop_ids;
+    int logprobs, prompt_logprobs;
+    uint32_t top_logprobs;
 } kvs_server_fake_record_t;
 /* KVS_ERR_NOT_FOUND (not logged) for a room it does not know. */
 kvs_status_t kvs_server_fake_record(kvs_server_fake_t *fake, uint64_t room,

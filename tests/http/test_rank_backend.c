@@ -23,14 +23,35 @@ typedef struct {
     uint32_t ntokens;
     int done;
     kvs_server_done_t d;
+    int has_lp[64];
+    kvs_logprobs_t lp[64];
+    uint32_t prompt_at[8], nprompt; /* on_prompt calls */
+    kvs_logprobs_t plp[8];
 } rec_t;
 
-static void on_token(void *arg, uint32_t token, const char *piece, size_t len)
+static void on_token(void *arg, uint32_t token, const char *piece, size_t len,
+                     const kvs_logprobs_t *lp)
 {
     (void) piece, (void) len;
     rec_t *r = arg;
     pthread_mutex_lock(&r->mu);
-    if (r->ntokens < 64) r->tokens[r->ntokens++] = token;
+    if (r->ntokens < 64) {
+        r->has_lp[r->ntokens] = lp != NULL;
+        if (lp) r->lp[r->ntokens] = *lp;
+        r->tokens[r->ntokens++] = token;
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void on_prompt(void *arg, uint32_t index, uint32_t token, const kvs_logprobs_t *lp)
+{
+    (void) token;
+    rec_t *r = arg;
+    pthread_mutex_lock(&r->mu);
+    if (r->nprompt < 8) {
+        r->prompt_at[r->nprompt] = index;
+        r->plp[r->nprompt++] = *lp;
+    }
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -161,7 +182,7 @@ static void test_lines_and_events(void **state)
     rec_t r;
     memset(&r, 0, sizeof(r));
     pthread_mutex_init(&r.mu, NULL);
-    kvs_server_sink_t sink = {on_token, on_done, &r};
+    kvs_server_sink_t sink = {on_token, on_done, &r, NULL};
     const uint32_t prompt[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, stops[2] = {99, 42};
 
     /* Not ready yet: nothing is taken. */
@@ -203,9 +224,9 @@ static void test_lines_and_events(void **state)
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_INVALID); /* live */
     char line[512];
     next_line(&f, line, sizeof(line));
-    assert_string_equal(line,
-                        "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 2 3 -1.5 99 100 10 "
-                        "1 2 3 4 5 6 7 8 9 10");
+    assert_string_equal(
+        line, "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 -1 0 2 3 -1.5 99 100 10 "
+              "1 2 3 4 5 6 7 8 9 10");
 
     /* Tokens, then the second stop id: reported, a stop sent, later tokens dropped. */
     say(&f, "{\"event\":\"token\",\"room\":5,\"token\":11,\"index\":0}\n"
@@ -347,7 +368,7 @@ static void test_questions_and_quit(void **state)
     /* Colocated: requests for a role are not taken. */
     rec_t r;
     memset(&r, 0, sizeof(r));
-    kvs_server_sink_t sink = {on_token, on_done, &r};
+    kvs_server_sink_t sink = {on_token, on_done, &r, NULL};
     kvs_server_request_t q = request(1, KVS_SERVER_ROLE_DECODE, longp, 3, NULL, 0);
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_UNSUPPORTED);
 
@@ -398,10 +419,67 @@ static void test_question_timeout(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Logprobs asked: LOGPROBS and PROMPT_LOGPROBS on the submit line (never prompt logprobs for a
+ * decode side: it has no prompt logits), and rank 0's prompt and token events reach the sink
+ * with theirs. */
+static void test_logprobs(void **state)
+{
+    (void) state;
+    fix_t f;
+    fix_open(&f, KVS_SERVER_ROLE_NONE, NULL);
+    rec_t r;
+    memset(&r, 0, sizeof(r));
+    pthread_mutex_init(&r.mu, NULL);
+    kvs_server_sink_t sink = {on_token, on_done, &r, on_prompt};
+    const uint32_t prompt[3] = {1, 2, 3}, stops[1] = {99};
+    say(&f, "{\"event\":\"ready\",\"role\":\"colocated\",\"tp\":1,\"load_s\":0.1}\n");
+    assert_int_equal(kvs_rank_backend_wait_ready(f.b, 2000), KVS_OK);
+    kvs_server_request_t q = request(8, KVS_SERVER_ROLE_NONE, prompt, 3, stops, 1);
+    q.sampling = (kvs_sample_params_t){.top_p = 1};
+    q.logprobs = 1;
+    q.top_logprobs = 2;
+    q.prompt_logprobs = 1;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    char line[512];
+    next_line(&f, line, sizeof(line));
+    assert_string_equal(line, "submit 8 5 0 1 0 0 0 0 0 7 99 2 1 0 3 1 2 3");
+    say(&f, "{\"event\":\"prompt\",\"room\":8,\"token\":2,\"index\":1,\"logprob\":-2.5,"
+            "\"top\":\"7 -0.25 2 -2.5\"}\n"
+            "{\"event\":\"prompt\",\"room\":8,\"token\":3,\"index\":2,\"logprob\":-1,"
+            "\"top\":\"3 -1 4 -3\"}\n"
+            "{\"event\":\"token\",\"room\":8,\"token\":5,\"index\":0,\"logprob\":-0.125,"
+            "\"top\":\"5 -0.125 6 -4\"}\n"
+            "{\"event\":\"done\",\"room\":8,\"status\":\"ok\",\"finish\":\"length\","
+            "\"prompt_len\":3}\n");
+    assert_int_equal(wait_done(&r, 1), 1);
+    assert_int_equal(r.nprompt, 2);
+    assert_int_equal(r.prompt_at[0], 1);
+    assert_true(r.plp[0].logprob == -2.5f && r.plp[0].n_top == 2 && r.plp[0].top[0].token == 7);
+    assert_int_equal(r.prompt_at[1], 2);
+    assert_true(r.plp[1].top[1].logprob == -3.0f);
+    assert_int_equal(r.ntokens, 1);
+    assert_true(r.has_lp[0] && r.lp[0].logprob == -0.125f && r.lp[0].top[1].token == 6);
+    fix_close(&f);
+
+    /* A decode side asks rank 0 for the generated tokens' logprobs only. */
+    fix_open(&f, KVS_SERVER_ROLE_DECODE, NULL);
+    say(&f, "{\"event\":\"ready\",\"role\":\"decode\",\"tp\":1,\"load_s\":0.1}\n");
+    assert_int_equal(kvs_rank_backend_wait_ready(f.b, 2000), KVS_OK);
+    q.role = KVS_SERVER_ROLE_DECODE;
+    q.top_logprobs = 0;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    next_line(&f, line, sizeof(line));
+    assert_string_equal(line, "submit 8 5 0 1 0 0 0 0 0 7 99 0 0 0 3 1 2 3");
+    fix_close(&f);
+    pthread_mutex_destroy(&r.mu);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_lines_and_events),
+        cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_questions_and_quit),
         cmocka_unit_test(test_question_timeout),
     };

@@ -975,6 +975,115 @@ static void test_router_half_open(void **state)
     kvs_assert_no_leaks();
 }
 
+/* The fake's logprob of a token (fake_backend.h). */
+static double fake_lp(uint32_t token, uint32_t index, int prompt)
+{
+    kvs_logprobs_t lp;
+    kvs_server_fake_logprobs(token, index, prompt, 0, &lp);
+    return lp.logprob;
+}
+
+static json_t *lp_at(json_t *j)
+{
+    return json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs");
+}
+
+/* Echo with logprobs through the router: the decode side has no prompt logits, the prefill
+ * side computes them, and the router merges them into the client's answer, streamed or not.
+ * Chat logprobs pass through; /tokenize and /detokenize reach a decode server. */
+static void test_router_logprobs(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 0);
+    http_resp_t r = {0};
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":2,\"logprobs\":1,\"echo\":true}", &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_string_equal(str_of(json_array_get(json_object_get(j, "choices"), 0), "text"), "abcab");
+    json_t *lp = lp_at(j);
+    json_t *v = json_object_get(lp, "token_logprobs"), *t = json_object_get(lp, "top_logprobs");
+    assert_int_equal(json_array_size(v), 5);
+    assert_true(json_is_null(json_array_get(v, 0)) && json_is_null(json_array_get(t, 0)));
+    assert_true(json_real_value(json_array_get(v, 1)) == fake_lp('b', 1, 1));
+    assert_true(json_real_value(json_array_get(v, 2)) == fake_lp('c', 2, 1));
+    assert_true(json_real_value(json_object_get(json_array_get(t, 2), "c")) == fake_lp('c', 2, 1));
+    assert_true(json_real_value(json_array_get(v, 3)) == fake_lp('a', 0, 0));
+    assert_true(json_real_value(json_array_get(v, 4)) == fake_lp('b', 1, 0));
+    kvs_server_fake_record_t pre, dec;
+    uint64_t room = room_of(&r);
+    who_served(&d, P, room, &pre);
+    who_served(&d, D, room, &dec);
+    assert_true(pre.prompt_logprobs && !dec.prompt_logprobs && dec.logprobs);
+    char *want = json_dumps(lp, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Streamed: held until the prefill answer is in, then the same entries. */
+    http_call(d.rport, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":2,\"logprobs\":1,\"echo\":true,\"stream\":true}",
+              &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    json_t *merged = json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs",
+                               "top_logprobs", "text_offset");
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        json_t *l = lp_at(c);
+        const char *key;
+        json_t *val;
+        if (json_is_object(l))
+            json_object_foreach(l, key, val) json_array_extend(json_object_get(merged, key), val);
+        json_decref(c);
+    }
+    char *got = json_dumps(merged, JSON_COMPACT | JSON_SORT_KEYS);
+    assert_string_equal(got, want);
+    kvs_free(got);
+    kvs_free(want);
+    json_decref(merged);
+    http_resp_fini(&r);
+
+    /* Chat logprobs: the decode side's. */
+    http_call(d.rport, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,"
+              "\"logprobs\":true,\"top_logprobs\":3}",
+              &r);
+    assert_int_equal(r.status, 200);
+    j = http_json(&r);
+    json_t *c1 = json_array_get(json_object_get(lp_at(j), "content"), 1);
+    assert_string_equal(str_of(c1, "token"), "s");
+    assert_true(json_real_value(json_object_get(c1, "logprob")) == fake_lp('s', 1, 0));
+    assert_int_equal(json_array_size(json_object_get(c1, "top_logprobs")), 3);
+    json_decref(j);
+    http_resp_fini(&r);
+
+    http_call(d.rport, NULL, "/tokenize", "{\"prompt\":\"hey\"}", &r);
+    assert_int_equal(r.status, 200);
+    j = http_json(&r);
+    assert_int_equal(json_integer_value(json_object_get(j, "count")), 3);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(j, "tokens"), 1)), 'e');
+    assert_int_equal(json_integer_value(json_object_get(j, "max_model_len")), 512);
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/detokenize", "{\"tokens\":[104,101,121]}", &r);
+    assert_int_equal(r.status, 200);
+    j = http_json(&r);
+    assert_string_equal(str_of(j, "prompt"), "hey");
+    json_decref(j);
+    http_resp_fini(&r);
+    http_call(d.rport, NULL, "/detokenize", "{\"tokens\":[9999]}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "tokens");
+    http_resp_fini(&r);
+    http_call(d.rport, "GET", "/tokenize", NULL, &r);
+    assert_int_equal(r.status, 405);
+    assert_string_equal(r.allow, "POST");
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -997,6 +1106,7 @@ int main(void)
         cmocka_unit_test(test_router_stream_failure),
         cmocka_unit_test(test_router_stream_cut),
         cmocka_unit_test(test_router_half_open),
+        cmocka_unit_test(test_router_logprobs),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     curl_global_cleanup();

@@ -730,8 +730,11 @@ static void test_bad_inputs(void **state)
         {NULL, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":254}", 400, "max_tokens"},
         {NULL, "/v1/completions", too_long, 400, "prompt"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":2}", 400, "n"},
-        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":5}", 400, "logprobs"},
-        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"echo\":true}", 400, "echo"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":6}", 400, "logprobs"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":-1}", 400, "logprobs"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":true}", 400, "logprobs"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":1.5}", 400, "logprobs"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"echo\":1}", 400, "echo"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"best_of\":3}", 400, "best_of"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stream\":\"yes\"}", 400, "stream"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"stop\":5}", 400, "stop"},
@@ -789,9 +792,28 @@ static void test_bad_inputs(void **state)
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}", 400,
          "max_completion_tokens"},
         {NULL, "/v1/chat/completions",
-         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
-         "\"logprobs\":true}",
-         400, "logprobs"},
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":1}", 400, "logprobs"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+         "\"top_logprobs\":21}",
+         400, "top_logprobs"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+         "\"top_logprobs\":-1}",
+         400, "top_logprobs"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", 400,
+         "top_logprobs"},
+        {NULL, "/tokenize", "{}", 400, "prompt"},
+        {NULL, "/tokenize", "{\"prompt\":\"x\",\"messages\":[]}", 400, "messages"},
+        {NULL, "/tokenize", "{\"prompt\":7}", 400, "prompt"},
+        {NULL, "/tokenize", "{\"prompt\":\"x\",\"zz\":1}", 400, "zz"},
+        {NULL, "/tokenize", "{\"prompt\":\"x\",\"model\":\"other\"}", 404, "model"},
+        {NULL, "/tokenize", "[1]", 400, NULL},
+        {NULL, "/detokenize", "{\"tokens\":[1,257]}", 400, "tokens"},
+        {NULL, "/detokenize", "{\"tokens\":\"ab\"}", 400, "tokens"},
+        {NULL, "/detokenize", "{}", 400, "tokens"},
+        {"GET", "/tokenize", NULL, 405, NULL},
         {NULL, "/internal/match", "{\"prompt\":7}", 400, "prompt"},
         {"GET", "/v1/completions", NULL, 405, NULL},
         {"PUT", "/v1/chat/completions", "{}", 405, NULL},
@@ -811,7 +833,8 @@ static void test_bad_inputs(void **state)
                      c->status, r.body.ptr);
         expect_error_json(&r, c->status, "invalid_request_error", c->param);
         if (c->status == 405)
-            assert_string_equal(r.allow, strstr(c->path, "/v1/") ? "POST" : "GET");
+            assert_string_equal(
+                r.allow, strstr(c->path, "/v1/") || strstr(c->path, "tokenize") ? "POST" : "GET");
         http_resp_fini(&r);
     }
     kvs_server_fake_counts_t counts;
@@ -1375,7 +1398,8 @@ static void test_unknown_fields(void **state)
         const char *path, *body, *param;
     } still_refused[] = {
         {"/v1/completions", "{\"prompt\":\"x\",\"n\":2,\"foo\":1}", "n"},
-        {"/v1/completions", "{\"prompt\":\"x\",\"echo\":true}", "echo"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"echo\":1}", "echo"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"logprobs\":6}", "logprobs"},
         {"/v1/completions", "{\"prompt\":\"x\",\"messages\":[]}", "messages"},
         {"/v1/chat/completions",
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt\":\"x\"}", "prompt"},
@@ -1632,6 +1656,275 @@ static void test_slow_body(void **state)
     kvs_assert_no_leaks();
 }
 
+static double real_at(json_t *obj, const char *path)
+{
+    json_t *v = json_at(obj, path);
+    if (!json_is_number(v)) fail_msg("%s is not a number", path);
+    return json_number_value(v);
+}
+
+/* The fake's logprobs of a generated (or prompt) token. */
+static double fake_lp(uint32_t token, uint32_t index, int prompt)
+{
+    kvs_logprobs_t lp;
+    kvs_server_fake_logprobs(token, index, prompt, 0, &lp);
+    return lp.logprob;
+}
+
+/* Chat: choices[0].logprobs.content[] of {token, logprob, bytes, top_logprobs[]}, streamed or
+ * not the same entries; without logprobs null. */
+static void test_logprobs_chat(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    /* The byte tokenizer renders "user: hi\nassistant: "; the fake echoes it. */
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":3,"
+                       "\"logprobs\":true,\"top_logprobs\":2%s}";
+    char buf[256];
+    snprintf(buf, sizeof(buf), body, "");
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/chat/completions", buf, &r);
+    assert_string_equal(str_at(j, "choices.0.message.content"), "use");
+    json_t *content = json_at(j, "choices.0.logprobs.content");
+    assert_int_equal(json_array_size(content), 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        json_t *e = json_array_get(content, i);
+        char tok[2] = {"use"[i], 0};
+        assert_string_equal(str_at(e, "token"), tok);
+        assert_true(real_at(e, "logprob") == fake_lp((uint8_t) tok[0], i, 0));
+        assert_int_equal(json_array_size(json_at(e, "bytes")), 1);
+        assert_int_equal(int_at(e, "bytes.0"), (uint8_t) tok[0]);
+        json_t *tops = json_at(e, "top_logprobs");
+        assert_int_equal(json_array_size(tops), 2);
+        assert_string_equal(str_at(tops, "0.token"), tok);
+        char next[2] = {(char) (tok[0] + 1), 0};
+        assert_string_equal(str_at(tops, "1.token"), next);
+        assert_true(real_at(tops, "1.logprob") == fake_lp((uint8_t) tok[0], i, 0) - 0.5);
+        assert_int_equal(int_at(tops, "1.bytes.0"), (uint8_t) next[0]);
+    }
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+    assert_true(rec.logprobs == 1 && rec.top_logprobs == 2 && rec.prompt_logprobs == 0);
+    char *want = json_dumps(content, JSON_COMPACT);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* Streamed: the chunks' entries, in order, are the same. */
+    snprintf(buf, sizeof(buf), body, ",\"stream\":true");
+    http_call(f.port, NULL, "/v1/chat/completions", buf, &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    json_t *all = json_array();
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        json_t *lp = json_at(c, "choices.0.logprobs");
+        if (i == 0) assert_true(json_is_null(lp)); /* the role chunk */
+        if (json_is_object(lp)) json_array_extend(all, json_object_get(lp, "content"));
+        json_decref(c);
+    }
+    char *got = json_dumps(all, JSON_COMPACT);
+    assert_string_equal(got, want);
+    kvs_free(got);
+    kvs_free(want);
+    json_decref(all);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* logprobs false: null, and top_logprobs 0 alone is accepted. */
+    j = call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,"
+                "\"logprobs\":false,\"top_logprobs\":0}",
+                &r);
+    assert_true(json_is_null(json_at(j, "choices.0.logprobs")));
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    /* logprobs true without top_logprobs: empty alternatives. */
+    j = call_ok(f.port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,"
+                "\"logprobs\":true}",
+                &r);
+    assert_int_equal(json_array_size(json_at(j, "choices.0.logprobs.content.1.top_logprobs")), 0);
+    assert_true(real_at(j, "choices.0.logprobs.content.1.logprob") == fake_lp('s', 1, 0));
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* Completions: logprobs {tokens, token_logprobs, top_logprobs (dicts of the top N and the chosen
+ * token), text_offset}; echo prepends the prompt, its first token's logprob null, so that echo +
+ * logprobs + max_tokens 1 scores a text; streamed, the echo is the first chunk. */
+static void test_logprobs_completions(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/completions",
+                        "{\"prompt\":\"abc\",\"max_tokens\":4,\"logprobs\":2}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "abca");
+    json_t *lp = json_at(j, "choices.0.logprobs");
+    assert_int_equal(json_object_size(lp), 4);
+    for (uint32_t i = 0; i < 4; i++) {
+        char path[64], tok[2] = {"abca"[i], 0}, next[2] = {(char) (tok[0] + 1), 0};
+        snprintf(path, sizeof(path), "tokens.%u", i);
+        assert_string_equal(str_at(lp, path), tok);
+        snprintf(path, sizeof(path), "token_logprobs.%u", i);
+        assert_true(real_at(lp, path) == fake_lp((uint8_t) tok[0], i, 0));
+        snprintf(path, sizeof(path), "text_offset.%u", i);
+        assert_int_equal(int_at(lp, path), i);
+        snprintf(path, sizeof(path), "top_logprobs.%u", i);
+        json_t *d = json_at(lp, path);
+        assert_int_equal(json_object_size(d), 2);
+        assert_true(json_real_value(json_object_get(d, tok)) == fake_lp((uint8_t) tok[0], i, 0));
+        assert_true(json_real_value(json_object_get(d, next)) ==
+                    fake_lp((uint8_t) tok[0], i, 0) - 0.5);
+    }
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* logprobs 0: the chosen token alone in each dict. */
+    j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":2,\"logprobs\":0}",
+                &r);
+    assert_int_equal(json_object_size(json_at(j, "choices.0.logprobs.top_logprobs.1")), 1);
+    assert_true(real_at(j, "choices.0.logprobs.top_logprobs.1.b") == fake_lp('b', 1, 0));
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* Scoring: echo, logprobs 1, max_tokens 1. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"abc\",\"max_tokens\":1,\"logprobs\":1,\"echo\":true}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "abca");
+    lp = json_at(j, "choices.0.logprobs");
+    assert_int_equal(json_array_size(json_at(lp, "tokens")), 4);
+    assert_true(json_is_null(json_at(lp, "token_logprobs.0")));
+    assert_true(json_is_null(json_at(lp, "top_logprobs.0")));
+    assert_true(real_at(lp, "token_logprobs.1") == fake_lp('b', 1, 1));
+    assert_true(real_at(lp, "token_logprobs.2") == fake_lp('c', 2, 1));
+    assert_true(real_at(lp, "top_logprobs.2.c") == fake_lp('c', 2, 1));
+    assert_true(real_at(lp, "token_logprobs.3") == fake_lp('a', 0, 0));
+    assert_int_equal(int_at(lp, "text_offset.3"), 3);
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+    assert_true(rec.logprobs && rec.top_logprobs == 1 && rec.prompt_logprobs);
+    char *want = json_dumps(lp, JSON_COMPACT);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* Streamed: the prompt and its logprobs first, then the completion's. */
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":1,\"logprobs\":1,\"echo\":true,\"stream\":true}",
+              &r);
+    assert_int_equal(r.status, 200);
+    char *ev[64];
+    size_t n = sse_split(&r.body, ev, 64);
+    json_t *first = json_loads(ev[0], 0, NULL);
+    assert_string_equal(str_at(first, "choices.0.text"), "abc");
+    assert_int_equal(json_array_size(json_at(first, "choices.0.logprobs.tokens")), 3);
+    json_decref(first);
+    json_t *merged = json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs",
+                               "top_logprobs", "text_offset");
+    char text[64];
+    sse_concat(ev, n - 1, "choices.0.text", text);
+    assert_string_equal(text, "abca");
+    for (size_t i = 0; i + 1 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        json_t *l = json_at(c, "choices.0.logprobs");
+        const char *key;
+        json_t *val;
+        if (json_is_object(l))
+            json_object_foreach(l, key, val) json_array_extend(json_object_get(merged, key), val);
+        json_decref(c);
+    }
+    char *got = json_dumps(merged, JSON_COMPACT | JSON_SORT_KEYS);
+    json_t *wj = json_loads(want, 0, NULL);
+    char *want_sorted = json_dumps(wj, JSON_COMPACT | JSON_SORT_KEYS);
+    assert_string_equal(got, want_sorted);
+    kvs_free(got);
+    kvs_free(want);
+    kvs_free(want_sorted);
+    json_decref(wj);
+    json_decref(merged);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+
+    /* Echo without logprobs; a stop string applies to the completion only. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"abc\",\"max_tokens\":9,\"echo\":true,\"stop\":\"cab\"}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "abcab"); /* not the "cab" across the join */
+    assert_true(json_is_null(json_at(j, "choices.0.logprobs")));
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "stop");
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
+/* POST /tokenize and /detokenize as vLLM answers them. */
+static void test_tokenize(void **state)
+{
+    (void) state;
+    fixture_t f;
+    start(&f, NULL);
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/tokenize", "{\"model\":\"" MODEL "\",\"prompt\":\"hi\"}", &r);
+    assert_int_equal(int_at(j, "count"), 2);
+    assert_int_equal(int_at(j, "tokens.0"), 'h');
+    assert_int_equal(int_at(j, "tokens.1"), 'i');
+    assert_int_equal(int_at(j, "max_model_len"), 256);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/tokenize", "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
+    assert_int_equal(int_at(j, "count"), (json_int_t) strlen("user: hi\nassistant: "));
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/tokenize", "{\"prompt\":\"hi\",\"zz\":1}", &r); /* lenient */
+    assert_int_equal(int_at(j, "count"), 2);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/tokenize", "{\"prompt\":[7,8,9]}", &r);
+    assert_int_equal(int_at(j, "count"), 3);
+    assert_int_equal(int_at(j, "tokens.2"), 9);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    /* A prompt longer than the context is counted, not refused. */
+    char big[400] = "{\"prompt\":\"";
+    memset(big + 11, 'x', 300);
+    strcpy(big + 311, "\"}");
+    j = call_ok(f.port, "/tokenize", big, &r);
+    assert_int_equal(int_at(j, "count"), 300);
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/detokenize", "{\"tokens\":[104,105,256]}", &r);
+    assert_string_equal(str_at(j, "prompt"), "hi"); /* the EOS renders as nothing */
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    j = call_ok(f.port, "/detokenize", "{\"tokens\":[195]}", &r);
+    assert_string_equal(str_at(j, "prompt"), "\xef\xbf\xbd"); /* half a character: U+FFFD */
+    json_decref(j);
+    j = NULL;
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -1660,6 +1953,9 @@ int main(void)
         cmocka_unit_test(test_half_open),
         cmocka_unit_test(test_connection_limit),
         cmocka_unit_test(test_slow_body),
+        cmocka_unit_test(test_logprobs_chat),
+        cmocka_unit_test(test_logprobs_completions),
+        cmocka_unit_test(test_tokenize),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     curl_global_cleanup();

@@ -405,10 +405,12 @@ typedef struct {
     kvs_server_done_t d;
 } sink_state_t;
 
-static void on_token(void *arg, uint32_t token, const char *piece, size_t len)
+static void on_token(void *arg, uint32_t token, const char *piece, size_t len,
+                     const kvs_logprobs_t *lp)
 {
     (void) piece;
     (void) len;
+    (void) lp;
     sink_state_t *s = arg;
     if (s->n < 64) s->tokens[s->n] = token;
     s->n++;
@@ -443,7 +445,7 @@ static void test_fake_backend(void **state)
                               .stop_ids = stops,
                               .n_stop_ids = 1};
     sink_state_t s1 = {0};
-    kvs_server_sink_t sink = {on_token, on_done, &s1};
+    kvs_server_sink_t sink = {on_token, on_done, &s1, NULL};
     assert_int_equal(b.submit(b.ctx, &q, &sink), KVS_OK);
     assert_true(wait_until(sink_done, &s1, 2000));
     assert_int_equal(s1.n, 7);
@@ -491,7 +493,7 @@ static void test_fake_backend(void **state)
     kvs_log_capture_t cap = {0};
     kvs_log_set_sink(kvs_log_capture_sink, &cap);
     sink_state_t s4 = {0};
-    kvs_server_sink_t sink4 = {on_token, on_done, &s4};
+    kvs_server_sink_t sink4 = {on_token, on_done, &s4, NULL};
     assert_int_equal(b2.submit(b2.ctx, &q, &sink4), KVS_ERR_INVALID);
     kvs_log_set_sink(NULL, NULL);
     assert_true(cap.calls >= 1);

@@ -849,14 +849,69 @@ static void test_smollm2(void **state)
     kvs_assert_no_leaks();
 }
 
+/* all_logits: each new token's row, bitwise the logits it gets as the last token of a pass of
+ * its own; the last row equals the pass's logits; a sequence without it is unaffected. */
+static void test_all_positions(void **state)
+{
+    (void) state;
+    const uint64_t seed = kvs_test_seed(23);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_model_config_t c = tiny_config(8, 2);
+    kvs_model_t *m = NULL;
+    assert_int_equal(kvs_model_seeded(&c, seed, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    uint32_t tokens[PROMPT];
+    random_tokens(&rng, tokens, PROMPT, c.vocab);
+    const uint32_t npages = (PROMPT + 3) / 4;
+    kvs_pool_t *one = make_pool(m, 4, npages, KVS_POOL_NHD),
+               *all = make_pool(m, 4, 2 * npages, KVS_POOL_HND);
+    uint32_t p1[PROMPT], pa[PROMPT], pb[PROMPT];
+    assert_int_equal(kvs_pool_alloc(one, npages, p1), KVS_OK);
+    assert_int_equal(kvs_pool_alloc(all, npages, pa), KVS_OK);
+    assert_int_equal(kvs_pool_alloc(all, npages, pb), KVS_OK);
+    float *want = falloc((size_t) PROMPT * c.vocab), *rows = falloc((size_t) PROMPT * c.vocab);
+    float *last = falloc(2 * (size_t) c.vocab);
+    for (uint32_t t = 0; t < PROMPT; t++)
+        run_chunk(m, one, tokens, t, t + 1, p1, npages, NULL, NULL, want + (size_t) t * c.vocab);
+    /* Two sequences in one pass, chunks [0, 7) and then the rest, only the first asking. */
+    const uint32_t cut = 7;
+    for (int k = 0; k < 2; k++) {
+        uint32_t from = k ? cut : 0, to = k ? PROMPT : cut;
+        kvs_model_seq_t s[2] = {
+            {.tokens = tokens + from,
+             .n = to - from,
+             .pos0 = from,
+             .pages = pa,
+             .npages = npages,
+             .all_logits = rows + (size_t) from * c.vocab},
+            {.tokens = tokens + from, .n = to - from, .pos0 = from, .pages = pb, .npages = npages}};
+        assert_int_equal(kvs_model_forward(m, all, s, 2, NULL, NULL, last), KVS_OK);
+        assert_memory_equal(last, rows + (size_t) (to - 1) * c.vocab, c.vocab * sizeof(float));
+        assert_memory_equal(last + c.vocab, last, c.vocab * sizeof(float));
+    }
+    for (uint32_t t = 0; t < PROMPT; t++)
+        if (memcmp(rows + (size_t) t * c.vocab, want + (size_t) t * c.vocab,
+                   c.vocab * sizeof(float)) != 0)
+            fail_msg("position %u: all-positions row differs by %u ulp (seed %llu)", t,
+                     max_ulp(rows + (size_t) t * c.vocab, want + (size_t) t * c.vocab, c.vocab),
+                     (unsigned long long) seed);
+    kvs_free(want);
+    kvs_free(rows);
+    kvs_free(last);
+    kvs_pool_destroy(one);
+    kvs_pool_destroy(all);
+    kvs_model_destroy(m);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_config_validate), cmocka_unit_test(test_forward_invalid),
-        cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_batch_equals_alone),
-        cmocka_unit_test(test_tp_mha),          cmocka_unit_test(test_tp_gqa_replicated),
-        cmocka_unit_test(test_alloc_failures),  cmocka_unit_test(test_load_gguf),
-        cmocka_unit_test(test_smollm2),
+        cmocka_unit_test(test_config_validate),    cmocka_unit_test(test_forward_invalid),
+        cmocka_unit_test(test_chunked_prefill),    cmocka_unit_test(test_all_positions),
+        cmocka_unit_test(test_batch_equals_alone), cmocka_unit_test(test_tp_mha),
+        cmocka_unit_test(test_tp_gqa_replicated),  cmocka_unit_test(test_alloc_failures),
+        cmocka_unit_test(test_load_gguf),          cmocka_unit_test(test_smollm2),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

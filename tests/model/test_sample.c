@@ -323,6 +323,38 @@ static void test_params_invalid(void **state)
     assert_null(kvs_sample_params_invalid(&p, 10));
 }
 
+/* kvs_logprobs: log-softmax in double, the top N most likely first (lower id on ties), NaN as
+ * -inf, -inf reported as the floor, N capped by the vocabulary and KVS_LOGPROBS_TOP_MAX. */
+static void test_logprobs(void **state)
+{
+    (void) state;
+    const float l[6] = {1.0f, 3.0f, NAN, 3.0f, -INFINITY, 0.5f};
+    kvs_logprobs_t lp;
+    kvs_logprobs(l, 6, 0, 4, &lp);
+    double lse = log(exp(1.0) + 2 * exp(3.0) + exp(0.5));
+    assert_true(fabs(lp.logprob - (1.0 - lse)) < 1e-6);
+    assert_int_equal(lp.n_top, 4);
+    const uint32_t order[4] = {1, 3, 0, 5};
+    for (int k = 0; k < 4; k++) {
+        assert_int_equal(lp.top[k].token, order[k]);
+        assert_true(fabs(lp.top[k].logprob - ((double) l[order[k]] - lse)) < 1e-6);
+    }
+    double total = 0;
+    kvs_logprobs(l, 6, 2, 6, &lp);
+    for (uint32_t k = 0; k < lp.n_top; k++)
+        if (lp.top[k].logprob > KVS_LOGPROB_FLOOR) total += exp(lp.top[k].logprob);
+    assert_true(fabs(total - 1.0) < 1e-6);
+    assert_true(lp.logprob == KVS_LOGPROB_FLOOR); /* the NaN */
+    assert_true(lp.top[5].logprob == KVS_LOGPROB_FLOOR);
+    kvs_logprobs(l, 6, 4, 0, &lp);
+    assert_true(lp.logprob == KVS_LOGPROB_FLOOR && lp.n_top == 0);
+    static float flat[64];
+    kvs_logprobs(flat, 64, 63, 99, &lp);
+    assert_int_equal(lp.n_top, KVS_LOGPROBS_TOP_MAX);
+    for (int k = 0; k < KVS_LOGPROBS_TOP_MAX; k++) assert_int_equal(lp.top[k].token, (uint32_t) k);
+    assert_true(fabs(lp.logprob + log(64.0)) < 1e-6);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -332,6 +364,7 @@ int main(void)
         cmocka_unit_test(test_bias_and_penalties),
         cmocka_unit_test(test_filters_and_order),
         cmocka_unit_test(test_params_invalid),
+        cmocka_unit_test(test_logprobs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

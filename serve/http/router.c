@@ -230,6 +230,9 @@ static void job_finish(job_t *j)
 static int job_abandoned(job_t *j)
 {
     pthread_mutex_lock(&j->mu);
+    /* A client waiting on a suspended connection is not watched by libmicrohttpd: look. */
+    if (!j->client_gone && j->suspended && j->conn != NULL && kvs__http_client_left(j->conn))
+        j->client_gone = 1;
     int gone = j->client_gone;
     pthread_mutex_unlock(&j->mu);
     return gone || stopping(j->rt);

@@ -102,7 +102,16 @@ struct kvs_server {
     uint64_t cancels;
     uint64_t prompt_tokens, generation_tokens, cached_tokens, kv_bytes;
     kvs__hist_t ttft, itl, e2e, transfer;
+
+    /* The poke thread: looks at the sockets of waiting non-streaming connections now and then
+     * (POKE_NS), which libmicrohttpd does not watch while they are suspended, so that a client
+     * that hung up has its room cancelled while it runs, not when it ends. */
+    pthread_t poke_thread;
+    int poke_started;
+    int poke_stop; /* under mu */
 };
+
+#define POKE_NS (500ull * 1000000ull)
 
 struct req {
     kvs_server_t *srv;
@@ -1313,6 +1322,59 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     req_unref(r);
 }
 
+/* ---- the poke thread ---- */
+
+static void *poke_main(void *arg)
+{
+    kvs_server_t *srv = arg;
+    uint64_t rooms[64];
+    pthread_mutex_lock(&srv->mu);
+    while (!srv->poke_stop) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        t.tv_nsec += (long) POKE_NS;
+        t.tv_sec += t.tv_nsec / 1000000000L;
+        t.tv_nsec %= 1000000000L;
+        while (!srv->poke_stop && pthread_cond_timedwait(&srv->cv, &srv->mu, &t) == 0) {
+        }
+        if (srv->poke_stop) break;
+        /* A suspended connection cannot complete, so its socket is still this request's. */
+        uint32_t n = 0;
+        for (req_t *r = srv->live; r && n < 64; r = r->next) {
+            if (r->remote_cancel) continue;
+            pthread_mutex_lock(&r->mu);
+            int gone =
+                r->suspended && !r->api.stream && r->conn != NULL && kvs__http_client_left(r->conn);
+            pthread_mutex_unlock(&r->mu);
+            if (gone) {
+                r->remote_cancel = 1;
+                rooms[n++] = r->room;
+            }
+        }
+        pthread_mutex_unlock(&srv->mu);
+        for (uint32_t i = 0; i < n; i++) {
+            kvs_debug("server: room %llu: its client hung up while waiting; cancelling",
+                      (unsigned long long) rooms[i]);
+            COUNT(srv->cancels);
+            srv->backend.cancel(srv->backend.ctx, rooms[i]);
+        }
+        pthread_mutex_lock(&srv->mu);
+    }
+    pthread_mutex_unlock(&srv->mu);
+    return NULL;
+}
+
+static void poke_stop(kvs_server_t *srv)
+{
+    if (!srv->poke_started) return;
+    pthread_mutex_lock(&srv->mu);
+    srv->poke_stop = 1;
+    pthread_cond_broadcast(&srv->cv);
+    pthread_mutex_unlock(&srv->mu);
+    pthread_join(srv->poke_thread, NULL);
+    srv->poke_started = 0;
+}
+
 /* ---- metrics ---- */
 
 static void counter(kvs__sb_t *sb, const char *name, const char *help, uint64_t v)
@@ -1464,6 +1526,13 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
                            .completed_cls = srv};
     st = kvs__http_start(&ho, &srv->daemon, &srv->port);
     if (st != KVS_OK) goto free_sync;
+    if (pthread_create(&srv->poke_thread, NULL, poke_main, srv) != 0) {
+        kvs_error("server: cannot start its poke thread");
+        MHD_stop_daemon(srv->daemon);
+        st = KVS_ERR_NOMEM;
+        goto free_sync;
+    }
+    srv->poke_started = 1;
     kvs_info("server: serving %s on port %u", srv->model, (unsigned) srv->port);
     *server_p = srv;
     return KVS_OK;
@@ -1529,6 +1598,7 @@ void kvs_server_destroy(kvs_server_t *srv)
                   left);
         return;
     }
+    poke_stop(srv);
     MHD_stop_daemon(srv->daemon);
     if (listen_fd != MHD_INVALID_SOCKET) close(listen_fd);
     pthread_cond_destroy(&srv->cv);

@@ -116,9 +116,10 @@
  *   whole by this instance under a room the server picks in [2^62, 2^63).
  *
  * A client that hangs up cancels its room: a streaming one at the next token written, a
- * non-streaming one only when its answer is ready (a connection waiting for its answer is
- * suspended, and libmicrohttpd does not watch suspended sockets). Creating a server or a router
- * routes jansson's allocations, process-wide, through the kvstage allocator. */
+ * non-streaming one within half a second (a connection waiting for its answer is suspended, and
+ * libmicrohttpd does not watch suspended sockets, so a thread of the server looks at them; the
+ * router's request threads do the same for theirs, and cancel both sides). Creating a server or a
+ * router routes jansson's allocations, process-wide, through the kvstage allocator. */
 #ifndef KVSTAGE_SERVER_H
 #define KVSTAGE_SERVER_H
 

@@ -224,6 +224,11 @@ int kvs__http_authorized(struct MHD_Connection *conn, const char *key);
 int kvs__http_has_credentials(struct MHD_Connection *conn);
 /* headers: NULL, or name, value, ..., NULL. */
 void kvs__http_add_headers(struct MHD_Response *resp, const char *const *headers);
+/* 1 when the client of a suspended connection has closed its end: libmicrohttpd does not watch
+ * suspended sockets, so a waiting request looks itself (an orderly shutdown reads as 0 bytes; a
+ * request pipelined behind this one, or nothing yet, is not a hang-up). Only while conn stays
+ * suspended (its socket is still its own). */
+int kvs__http_client_left(struct MHD_Connection *conn);
 /* Queues text (copied) with a content type and headers; MHD_NO when it cannot. */
 enum MHD_Result kvs__http_send(struct MHD_Connection *conn, unsigned status, const char *type,
                                const char *text, size_t len, const char *const *headers);

@@ -13,6 +13,7 @@
 #include <strings.h>
 #include <sys/random.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "kvstage/alloc.h"
@@ -506,4 +507,14 @@ enum MHD_Result kvs__http_send_error(struct MHD_Connection *conn, unsigned statu
                        strlen(text ? text : fallback), headers);
     kvs_free(text);
     return r;
+}
+
+int kvs__http_client_left(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci == NULL) return 0;
+    char b;
+    ssize_t n = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }

@@ -32,6 +32,7 @@ typedef struct {
     CURLcode result;
     size_t hang_up_after; /* 0: read everything */
     const char *api_key;  /* sent as "Authorization: Bearer KEY"; NULL: no header */
+    long timeout_ms;      /* the client gives up (closing the connection) after this; 0: 20 s */
 } http_resp_t;
 
 static inline size_t http_test_write(char *data, size_t size, size_t n, void *ud)
@@ -69,9 +70,11 @@ static inline void http_call(uint16_t port, const char *method, const char *path
 {
     size_t hang = r->hang_up_after;
     const char *key = r->api_key;
+    long timeout_ms = r->timeout_ms;
     memset(r, 0, sizeof(*r));
     r->hang_up_after = hang;
     r->api_key = key;
+    r->timeout_ms = timeout_ms;
     kvs__sb_init(&r->body);
     CURL *e = curl_easy_init();
     if (e == NULL) {
@@ -82,7 +85,7 @@ static inline void http_call(uint16_t port, const char *method, const char *path
     snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", (unsigned) port, path);
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 20000L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms ? timeout_ms : 20000L);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_test_write);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, http_test_header);

@@ -574,6 +574,42 @@ static void test_refusal_frees_prefill(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Every side's fakes hold nothing, and each side cancelled exactly one room. */
+static int both_sides_cancelled(void *arg)
+{
+    deploy_t *d = arg;
+    uint64_t cancelled[2] = {0, 0}, live = 0;
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            kvs_server_fake_counts_t c;
+            kvs_server_fake_counts(d->fake[side][i], &c);
+            cancelled[side] += c.cancelled;
+            live += c.live;
+        }
+    }
+    return live == 0 && cancelled[P] == 1 && cancelled[D] == 1;
+}
+
+/* A non-streaming client that gives up while both sides work (its connection waits suspended,
+ * unwatched by the HTTP library): the router notices and cancels both rooms at once. */
+static void test_waiting_client_hangs_up(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t pfc = {.first_delay_ns = 30000000000ull};
+    kvs_server_fake_config_t dfc = {.token_delay_ns = 20000000};
+    deploy_t d;
+    deploy_start_with(&d, KVS_ROUTER_ROUND_ROBIN, &pfc, &dfc, 60000);
+    http_resp_t r = {.timeout_ms = 300};
+    uint64_t t0 = kvs_now_ns();
+    http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abcdefgh\",\"max_tokens\":200}", &r);
+    assert_int_equal(r.result, CURLE_OPERATION_TIMEDOUT);
+    http_resp_fini(&r);
+    assert_true(wait_until(both_sides_cancelled, &d, 3000));
+    assert_true(kvs_now_ns() - t0 < 3500000000ull);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
 static void test_client_hangs_up(void **state)
 {
     (void) state;
@@ -1099,6 +1135,7 @@ int main(void)
         cmocka_unit_test(test_prefill_failure),
         cmocka_unit_test(test_refusal_frees_prefill),
         cmocka_unit_test(test_client_hangs_up),
+        cmocka_unit_test(test_waiting_client_hangs_up),
         cmocka_unit_test(test_router_bad_inputs_and_metrics),
         cmocka_unit_test(test_router_unknown_fields),
         cmocka_unit_test(test_router_models),

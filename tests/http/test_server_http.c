@@ -651,6 +651,13 @@ static int room_cancelled(void *p)
     return kvs_server_fake_record(a->fake, a->room, &rec) == KVS_OK && rec.cancelled && rec.done;
 }
 
+static int fake_cancelled_one(void *p)
+{
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(p, &c);
+    return c.cancelled == 1 && c.live == 0;
+}
+
 static void test_client_disconnect(void **state)
 {
     (void) state;
@@ -676,6 +683,21 @@ static void test_client_disconnect(void **state)
     http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"ab\",\"max_tokens\":3}", &r);
     assert_int_equal(r.status, 200);
     http_resp_fini(&r);
+    stop(&f);
+
+    /* A non-streaming client that gives up: its connection waits suspended, which the HTTP
+     * library does not watch, yet its room is cancelled within a poke (0.5 s), not after the
+     * 240 tokens (about 5 s). */
+    kvs_server_fake_config_t slow = {.token_delay_ns = 20000000};
+    start(&f, &slow);
+    http_resp_t gone = {.timeout_ms = 300};
+    uint64_t t0 = kvs_now_ns();
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"abcdefgh\",\"max_tokens\":240}",
+              &gone);
+    assert_int_equal(gone.result, CURLE_OPERATION_TIMEDOUT);
+    http_resp_fini(&gone);
+    assert_true(wait_until(fake_cancelled_one, f.fake, 2500));
+    assert_true(kvs_now_ns() - t0 < 3000000000ull);
     stop(&f);
     kvs_assert_no_leaks();
 }

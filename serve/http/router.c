@@ -109,12 +109,13 @@ typedef struct {
     char ctype[128];
     kvs__sb_t buf; /* answer bytes not yet handed to MHD */
     hold_t hold;
-    kvs__sb_t part; /* HOLD_SSE: the bytes of an event not complete yet */
-    kvs__sb_t held; /* decode bytes held back for the merge */
-    int holding;    /* HOLD_SSE: the "kvstage" event came; everything after it waits */
-    int finished;   /* no more bytes will come */
-    int broken;     /* finished by a failure after the headers: end the body with an error */
-    int failed;     /* finished by a failure before the headers: answer fail_* */
+    const char *served[2]; /* the prefill and decode servers' URLs (the router's, for its life) */
+    kvs__sb_t part;        /* HOLD_SSE: the bytes of an event not complete yet */
+    kvs__sb_t held;        /* decode bytes held back for the merge */
+    int holding;           /* HOLD_SSE: the "kvstage" event came; everything after it waits */
+    int finished;          /* no more bytes will come */
+    int broken;            /* finished by a failure after the headers: end the body with an error */
+    int failed;            /* finished by a failure before the headers: answer fail_* */
     unsigned fail_status;
     const char *fail_code;
     char fail_msg[256];
@@ -653,12 +654,15 @@ static void cancel_room(kvs_router_t *rt, rserver_t *s, uint64_t room)
  * prefill server's handoff time (from its last prompt chunk to the room concluded; the decode
  * side does not know when the prompt was done), and each server's whole report under
  * "prefill" and "decode". Counts the room's bytes for /metrics. */
-static void merge_report(kvs_router_t *rt, json_t *obj, json_t *pre)
+static void merge_report(kvs_router_t *rt, const job_t *j, json_t *obj, json_t *pre)
 {
     json_t *dec = json_object_get(obj, "kvstage");
     if (!json_is_object(dec)) return;
     json_t *both = json_deep_copy(dec);
     if (both == NULL) return;
+    json_object_set_new(both, "servers",
+                        json_pack("{s:s, s:s}", "prefill", j->served[KVS_ROUTER_PREFILL], "decode",
+                                  j->served[KVS_ROUTER_DECODE]));
     json_t *t = json_object_get(pre, "transfer_ns");
     if (json_is_integer(t)) json_object_set(both, "transfer_ns", t);
     json_object_set(both, "decode", dec);
@@ -691,14 +695,14 @@ static void merge_prompt_logprobs(json_t *obj, json_t *pre_root)
 }
 
 /* One held JSON text with the merged report, appended to out; unchanged when it is not JSON. */
-static void merge_text(kvs_router_t *rt, kvs__sb_t *out, const char *text, size_t len,
-                       json_t *pre_root)
+static void merge_text(kvs_router_t *rt, const job_t *j, kvs__sb_t *out, const char *text,
+                       size_t len, json_t *pre_root)
 {
     json_t *pre = json_object_get(pre_root, "kvstage");
     json_t *obj = json_loadb(text, len, 0, NULL);
     char *merged = NULL;
     if (json_is_object(obj)) {
-        merge_report(rt, obj, pre);
+        merge_report(rt, j, obj, pre);
         merge_prompt_logprobs(obj, pre_root);
         merged = kvs__json_dump_steal(obj);
         obj = NULL;
@@ -730,7 +734,7 @@ static void flush_held(job_t *j, const kvs__sb_t *pre_resp)
     kvs__sb_t out;
     kvs__sb_init(&out);
     if (hold == HOLD_ALL && held.len > 0) {
-        merge_text(rt, &out, held.ptr, held.len, pre_root);
+        merge_text(rt, j, &out, held.ptr, held.len, pre_root);
     } else if (held.len > 0) { /* events: "data: X\n\n" */
         size_t at = 0;
         while (at < held.len) {
@@ -739,7 +743,7 @@ static void flush_held(job_t *j, const kvs__sb_t *pre_resp)
             size_t n = end ? (size_t) (end - ev) + 2 : held.len - at;
             if (end && strncmp(ev, "data: {", 7) == 0) {
                 kvs__sb_puts(&out, "data: ");
-                merge_text(rt, &out, ev + 6, n - 8, pre_root);
+                merge_text(rt, j, &out, ev + 6, n - 8, pre_root);
                 kvs__sb_puts(&out, "\n\n");
             } else {
                 kvs__sb_append(&out, ev, n);
@@ -795,6 +799,8 @@ static void run_generate(job_t *j)
     kvs_debug("router: room %llu: prefill %s, decode %s", (unsigned long long) room, pre->url,
               dec->url);
     const char *path = j->ep == EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
+    j->served[KVS_ROUTER_PREFILL] = pre->url;
+    j->served[KVS_ROUTER_DECODE] = dec->url;
     leg_t lp, ld;
     memset(&lp, 0, sizeof(lp));
     memset(&ld, 0, sizeof(ld));

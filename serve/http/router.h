@@ -20,8 +20,8 @@
  * "kvstage" report (a JSON answer whole; a stream from its usage chunk on), which waits for
  * the prefill answer so that the report covers both sides: "transfer_ns" is the prefill
  * server's handoff time (its last prompt chunk computed -> the room concluded), "kv_bytes",
- * "ttft_ns", "seed" and "room" the decode server's, and "prefill" and "decode" hold each
- * server's own report.
+ * "ttft_ns", "seed" and "room" the decode server's, "prefill" and "decode" hold each
+ * server's own report, and "servers" {"prefill": URL, "decode": URL} says which served it.
  * Completions with "echo" and "logprobs": the decode server has no logits of the prompt, so
  * its prompt entries' logprobs are null; the prefill server's answer holds the same entries
  * with the logprobs of its prefill pass, and each null one is filled from there (a stream is

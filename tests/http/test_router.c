@@ -199,6 +199,12 @@ static void expect_merged_report(json_t *answer, json_int_t prompt_len)
     assert_int_equal(int_of(k, "transfer_ns"), int_of(pre, "transfer_ns"));
     assert_int_equal(int_of(k, "kv_bytes"), (prompt_len - cached) * 1024);
     assert_int_equal(int_of(k, "kv_bytes"), int_of(dec, "kv_bytes"));
+    json_t *servers = json_object_get(k, "servers");
+    const char *ps = json_string_value(json_object_get(servers, "prefill"));
+    const char *ds = json_string_value(json_object_get(servers, "decode"));
+    assert_true(ps != NULL && strncmp(ps, "http://127.0.0.1:", 17) == 0);
+    assert_true(ds != NULL && strncmp(ds, "http://127.0.0.1:", 17) == 0);
+    assert_string_not_equal(ps, ds);
 }
 
 static void test_round_robin(void **state)

@@ -228,6 +228,8 @@ def combo_cases(have_model):
         (["serve", "--seeded", SEEDED, "--host", "localhost"], "--host", None),
         (["serve", "--seeded", SEEDED, "--max-model-len", "5000"], "--max-model-len", "[2,4096]"),
         (["serve", "--seeded", SEEDED, "--kv-tokens", "100"], "--kv-tokens", "[4096,"),
+        (["bench", "serve", "--prefill-tp", "2"], "--prefill-tp", "accepted: 1, 3 ("),
+        (["bench", "serve", "--decode-tp", "4"], "--decode-tp", "accepted: 1, 3 ("),
         (["router"], "--prefill", None),
         (["router", "--prefill", "http://127.0.0.1:1"], "--decode", None),
         (["router", "--prefill", "ftp://x", "--decode", "http://127.0.0.1:2"], "--prefill", None),

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common/args.h"
+#include "common/instance.h"
 #include "common/json.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
@@ -371,6 +372,33 @@ static int bench_serve_run(const opts_t *o, int json)
     return ok ? 0 : 1;
 }
 
+/* The TP sizes against the model, before any server starts (they would each refuse it). */
+static int check_tp(const opts_t *o)
+{
+    kvs_model_config_t mc;
+    if (o->seeded != NULL) {
+        if (kvs_parse_seeded(o->seeded, &mc) != 0)
+            return kvs_args_error("--seeded", "L,dim,ffn,heads,kv_heads,head_dim,vocab",
+                                  "'%s' is not a model shape", o->seeded);
+    } else {
+        kvs_gguf_t *g = NULL;
+        if (kvs_gguf_open(o->model_path, &g) != KVS_OK) {
+            fprintf(stderr, "error: cannot open the model %s\n", o->model_path);
+            return 1;
+        }
+        kvs_status_t st = kvs_model_config_from_gguf(g, &mc);
+        kvs_gguf_close(g);
+        if (st != KVS_OK) {
+            fprintf(stderr, "error: %s is not a model this engine runs\n", o->model_path);
+            return 1;
+        }
+    }
+    if (kvs_model_tp_check(&mc, "--prefill-tp", o->prefill_tp) != 0 ||
+        kvs_model_tp_check(&mc, "--decode-tp", o->decode_tp) != 0)
+        return 2;
+    return 0;
+}
+
 int kvs_bench_serve(int argc, char **argv)
 {
     opts_t o;
@@ -398,5 +426,6 @@ int kvs_bench_serve(int argc, char **argv)
             return 1;
         o.model_path = path;
     }
+    if ((rc = check_tp(&o)) != 0) return rc;
     return bench_serve_run(&o, json);
 }

@@ -30,6 +30,7 @@ typedef struct {
     kvs_router_side_t side;
     int up;          /* atomic */
     char *bootstrap; /* from /internal/info, under router->mu; NULL when not declared */
+    int removed;     /* atomic: taken out by kvs_router_remove_server (never chosen, checked) */
     uint64_t chosen, failures, prefix_hits; /* atomic */
 } rserver_t;
 
@@ -43,13 +44,14 @@ typedef enum {
     EP_METRICS,
     EP_TOKENIZE,
     EP_DETOKENIZE,
+    EP_ADMIN_SERVERS, /* POST /admin/servers */
 } ep_t;
 
 #define MODEL_PREFIX "/v1/models/"
 
 struct kvs_router {
-    rserver_t *servers[2]; /* [n[side]] */
-    size_t n[2];
+    rserver_t *servers[2]; /* [KVS_ROUTER_MAX_SERVERS], the first n[side] in use */
+    size_t n[2];           /* atomic (acquire/release): grows under mu by kvs_router_add_server */
     kvs_router_policy_t policy[2];
     uint64_t rr[2]; /* atomic round-robin positions */
     uint32_t health_interval_ms, connect_timeout_ms, request_timeout_ms, match_timeout_ms;
@@ -473,22 +475,33 @@ static int paired(kvs_router_t *rt, const rserver_t *pre, const rserver_t *dec)
     return ok;
 }
 
+static size_t nservers(const kvs_router_t *rt, int side)
+{
+    return __atomic_load_n(&rt->n[side], __ATOMIC_ACQUIRE);
+}
+
+static int in_rotation(const rserver_t *s)
+{
+    return __atomic_load_n(&s->up, __ATOMIC_RELAXED) &&
+           !__atomic_load_n(&s->removed, __ATOMIC_RELAXED);
+}
+
 /* Whether s can be chosen: in rotation and, for a prefill server, with a live decode partner;
  * for a decode server, a partner of the chosen prefill server (pre). */
 static int eligible(kvs_router_t *rt, rserver_t *s, const rserver_t *pre)
 {
-    if (!__atomic_load_n(&s->up, __ATOMIC_RELAXED)) return 0;
+    if (!in_rotation(s)) return 0;
     if (s->side == KVS_ROUTER_DECODE) return pre == NULL || paired(rt, pre, s);
-    for (size_t i = 0; i < rt->n[KVS_ROUTER_DECODE]; i++) {
+    for (size_t i = 0, n = nservers(rt, KVS_ROUTER_DECODE); i < n; i++) {
         const rserver_t *d = &rt->servers[KVS_ROUTER_DECODE][i];
-        if (__atomic_load_n(&d->up, __ATOMIC_RELAXED) && paired(rt, s, d)) return 1;
+        if (in_rotation(d) && paired(rt, s, d)) return 1;
     }
     return 0;
 }
 
 static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side, const rserver_t *pre)
 {
-    size_t n = rt->n[side];
+    size_t n = nservers(rt, side);
     uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
     for (size_t i = 0; i < n; i++) {
         rserver_t *s = &rt->servers[side][(start + i) % n];
@@ -500,7 +513,7 @@ static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side, con
 static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j,
                               const rserver_t *pre)
 {
-    size_t n = rt->n[side];
+    size_t n = nservers(rt, side);
     uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
     leg_t *legs = kvs_calloc(n, sizeof(leg_t));
     leg_t **ptrs = kvs_calloc(n, sizeof(leg_t *));
@@ -1135,8 +1148,8 @@ static int router_healthy(kvs_router_t *rt)
     if (stopping(rt)) return 0;
     for (int side = 0; side < 2; side++) {
         int any = 0;
-        for (size_t i = 0; i < rt->n[side]; i++)
-            any |= __atomic_load_n(&rt->servers[side][i].up, __ATOMIC_RELAXED);
+        for (size_t i = 0, n = nservers(rt, side); i < n; i++)
+            any |= in_rotation(&rt->servers[side][i]);
         if (!any) return 0;
     }
     return 1;
@@ -1159,7 +1172,7 @@ static void per_server(kvs__sb_t *sb, kvs_router_t *rt, const char *name, const 
 {
     kvs__metric_header(sb, name, type, help);
     for (int side = 0; side < 2; side++) {
-        for (size_t i = 0; i < rt->n[side]; i++) {
+        for (size_t i = 0, n = nservers(rt, side); i < n; i++) {
             rserver_t *s = &rt->servers[side][i];
             uint64_t v = field == 0   ? (uint64_t) __atomic_load_n(&s->up, __ATOMIC_RELAXED)
                          : field == 1 ? __atomic_load_n(&s->chosen, __ATOMIC_RELAXED)
@@ -1224,6 +1237,69 @@ static enum MHD_Result send_metrics(job_t *j)
     return r;
 }
 
+/* A JSON answer (obj stolen). */
+static enum MHD_Result send_json(job_t *j, unsigned status, json_t *obj)
+{
+    char *text = kvs__json_dump_steal(obj);
+    if (text == NULL) return send_error(j, 500, "out of memory", NULL, NULL);
+    __atomic_add_fetch(&j->rt->http_codes[status], 1, __ATOMIC_RELAXED);
+    enum MHD_Result r =
+        kvs__http_send(j->conn, status, "application/json", text, strlen(text), NULL);
+    kvs_free(text);
+    return r;
+}
+
+/* POST /admin/servers {"action": "add"|"remove", "side": "prefill"|"decode", "url": URL}: the
+ * fleet changed. Add checks the server at once (in rotation when it answers /health) and
+ * answers {"side", "url", "index", "up"}; remove takes it out of rotation for good (404 for a
+ * server the router does not have). */
+static enum MHD_Result admin_servers(job_t *j)
+{
+    kvs_router_t *rt = j->rt;
+    json_t *root = json_loadb(j->body.data ? j->body.data : "", j->body.len, 0, NULL);
+    const char *action = json_string_value(json_object_get(root, "action"));
+    const char *side_s = json_string_value(json_object_get(root, "side"));
+    const char *url = json_string_value(json_object_get(root, "url"));
+    int add = action && strcmp(action, "add") == 0,
+        remove = action && strcmp(action, "remove") == 0;
+    int side = side_s && strcmp(side_s, "prefill") == 0  ? KVS_ROUTER_PREFILL
+               : side_s && strcmp(side_s, "decode") == 0 ? KVS_ROUTER_DECODE
+                                                         : -1;
+    enum MHD_Result r;
+    if ((!add && !remove) || side < 0 || url == NULL || strncmp(url, "http://", 7) != 0) {
+        r = send_error(j, 400,
+                       "the body must be {\"action\": \"add\" or \"remove\", \"side\": "
+                       "\"prefill\" or \"decode\", \"url\": \"http://HOST:PORT\"}",
+                       !add && !remove ? "action"
+                       : side < 0      ? "side"
+                                       : "url",
+                       NULL);
+    } else if (remove) {
+        kvs_status_t st = kvs_router_remove_server(rt, (kvs_router_side_t) side, url);
+        r = st == KVS_OK
+                ? send_json(j, 200,
+                            json_pack("{s:s, s:s, s:b}", "side", side_s, "url", url, "removed", 1))
+            : st == KVS_ERR_NOT_FOUND ? send_error(j, 404, "no such server", "url", "not_found")
+                                      : send_error(j, 400, "not a server URL", "url", NULL);
+    } else {
+        size_t index = 0;
+        kvs_status_t st = kvs_router_add_server(rt, (kvs_router_side_t) side, url, &index);
+        if (st == KVS_OK)
+            r = send_json(j, 200,
+                          json_pack("{s:s, s:s, s:I, s:b}", "side", side_s, "url",
+                                    rt->servers[side][index].url, "index", (json_int_t) index, "up",
+                                    in_rotation(&rt->servers[side][index])));
+        else if (st == KVS_ERR_NOSPACE)
+            r = send_error(j, 409, "the router has as many servers of that side as it can take",
+                           "url", "too_many_servers");
+        else
+            r = send_error(j, st == KVS_ERR_NOMEM ? 500 : 400, "cannot add that server", "url",
+                           NULL);
+    }
+    json_decref(root);
+    return r;
+}
+
 static enum MHD_Result handle(job_t *j)
 {
     kvs_router_t *rt = j->rt;
@@ -1257,6 +1333,7 @@ static enum MHD_Result handle(job_t *j)
                               NULL);
     }
     if (j->ep == EP_METRICS) return send_metrics(j);
+    if (j->ep == EP_ADMIN_SERVERS) return admin_servers(j);
     return start_job(j);
 }
 
@@ -1296,6 +1373,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             j->ep = EP_TOKENIZE;
         else if (strcmp(url, "/detokenize") == 0)
             j->ep = EP_DETOKENIZE;
+        else if (strcmp(url, "/admin/servers") == 0)
+            j->ep = EP_ADMIN_SERVERS;
         j->method_ok = strcmp(method, want) == 0;
         j->authorized = kvs__http_authorized(conn, rt->api_key);
         snprintf(j->method, sizeof(j->method), "%s", method);
@@ -1402,7 +1481,9 @@ void kvs_router_check_now(kvs_router_t *rt)
 {
     pthread_mutex_lock(&rt->check_mu);
     for (int side = 0; side < 2; side++)
-        for (size_t i = 0; i < rt->n[side]; i++) check_server(rt, &rt->servers[side][i]);
+        for (size_t i = 0, n = nservers(rt, side); i < n; i++)
+            if (!__atomic_load_n(&rt->servers[side][i].removed, __ATOMIC_RELAXED))
+                check_server(rt, &rt->servers[side][i]);
     pthread_mutex_unlock(&rt->check_mu);
 }
 
@@ -1443,6 +1524,28 @@ static void free_config(kvs_router_t *rt)
     }
 }
 
+/* An http:// URL, without its trailing slashes, of at most 400 bytes. */
+static kvs_status_t url_copy(kvs_router_side_t side, const char *url, char **copy_p)
+{
+    if (url == NULL || strncmp(url, "http://", 7) != 0 || strlen(url) > 400) {
+        kvs_error("router: %s server '%s' is not an http:// URL", side_name(side),
+                  url ? url : "(null)");
+        return KVS_ERR_INVALID;
+    }
+    char *copy = kvs_strdup(url);
+    if (copy == NULL) return KVS_ERR_NOMEM;
+    size_t len = strlen(copy);
+    while (len > 7 && copy[len - 1] == '/') copy[--len] = '\0';
+    *copy_p = copy;
+    return KVS_OK;
+}
+
+static kvs_status_t server_init(rserver_t *s, kvs_router_side_t side, const char *url)
+{
+    s->side = side;
+    return url_copy(side, url, &s->url);
+}
+
 static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const char *const *urls,
                                 size_t n)
 {
@@ -1450,21 +1553,16 @@ static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const 
         kvs_error("router: no %s server given", side_name(side));
         return KVS_ERR_INVALID;
     }
-    rt->servers[side] = kvs_calloc(n, sizeof(rserver_t));
+    if (n > KVS_ROUTER_MAX_SERVERS) {
+        kvs_error("router: %zu %s servers; at most %d", n, side_name(side), KVS_ROUTER_MAX_SERVERS);
+        return KVS_ERR_INVALID;
+    }
+    rt->servers[side] = kvs_calloc(KVS_ROUTER_MAX_SERVERS, sizeof(rserver_t));
     if (rt->servers[side] == NULL) return KVS_ERR_NOMEM;
     rt->n[side] = n;
     for (size_t i = 0; i < n; i++) {
-        rserver_t *s = &rt->servers[side][i];
-        s->side = side;
-        if (urls[i] == NULL || strncmp(urls[i], "http://", 7) != 0 || strlen(urls[i]) > 400) {
-            kvs_error("router: %s server '%s' is not an http:// URL", side_name(side),
-                      urls[i] ? urls[i] : "(null)");
-            return KVS_ERR_INVALID;
-        }
-        s->url = kvs_strdup(urls[i]);
-        if (s->url == NULL) return KVS_ERR_NOMEM;
-        size_t len = strlen(s->url);
-        while (len > 7 && s->url[len - 1] == '/') s->url[--len] = '\0';
+        kvs_status_t st = server_init(&rt->servers[side][i], side, urls[i]);
+        if (st != KVS_OK) return st;
     }
     return KVS_OK;
 }
@@ -1590,7 +1688,7 @@ void kvs_router_destroy(kvs_router_t *rt)
 
 int kvs_router_server_up(kvs_router_t *rt, kvs_router_side_t side, size_t index)
 {
-    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= rt->n[side])
+    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= nservers(rt, side))
         return -1;
     return __atomic_load_n(&rt->servers[side][index].up, __ATOMIC_RELAXED);
 }
@@ -1598,7 +1696,7 @@ int kvs_router_server_up(kvs_router_t *rt, kvs_router_side_t side, size_t index)
 kvs_status_t kvs_router_server_stats(kvs_router_t *rt, kvs_router_side_t side, size_t index,
                                      kvs_router_server_stats_t *stats_p)
 {
-    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= rt->n[side]) {
+    if ((side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) || index >= nservers(rt, side)) {
         kvs_error("router: no %s server %zu", side == KVS_ROUTER_PREFILL ? "prefill" : "decode",
                   index);
         return KVS_ERR_INVALID;
@@ -1611,4 +1709,62 @@ kvs_status_t kvs_router_server_stats(kvs_router_t *rt, kvs_router_side_t side, s
     st.prefix_hits = __atomic_load_n(&s->prefix_hits, __ATOMIC_RELAXED);
     *stats_p = st;
     return KVS_OK;
+}
+
+kvs_status_t kvs_router_add_server(kvs_router_t *rt, kvs_router_side_t side, const char *url,
+                                   size_t *index_p)
+{
+    if (side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) return KVS_ERR_INVALID;
+    char *copy = NULL;
+    kvs_status_t st = url_copy(side, url, &copy);
+    if (st != KVS_OK) return st;
+    pthread_mutex_lock(&rt->mu);
+    size_t n = rt->n[side], i = 0;
+    while (i < n && strcmp(rt->servers[side][i].url, copy) != 0) i++;
+    rserver_t *s = &rt->servers[side][i];
+    if (i < n) { /* known, maybe removed: back in */
+        kvs_free(copy);
+    } else if (n == KVS_ROUTER_MAX_SERVERS) {
+        pthread_mutex_unlock(&rt->mu);
+        kvs_error("router: %d %s servers already; %s not added", KVS_ROUTER_MAX_SERVERS,
+                  side_name(side), copy);
+        kvs_free(copy);
+        return KVS_ERR_NOSPACE;
+    } else {
+        memset(s, 0, sizeof(*s));
+        s->side = side;
+        s->url = copy;
+        __atomic_store_n(&rt->n[side], n + 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&s->removed, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&rt->mu);
+    /* In rotation once it answers: checked now, then with the others. */
+    pthread_mutex_lock(&rt->check_mu);
+    check_server(rt, s);
+    pthread_mutex_unlock(&rt->check_mu);
+    kvs_info("router: %s server %s added (%s)", side_name(side), s->url,
+             in_rotation(s) ? "in rotation" : "not answering yet");
+    if (index_p) *index_p = i;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_router_remove_server(kvs_router_t *rt, kvs_router_side_t side, const char *url)
+{
+    if (side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) return KVS_ERR_INVALID;
+    char *copy = NULL;
+    kvs_status_t st = url_copy(side, url, &copy);
+    if (st != KVS_OK) return st;
+    st = KVS_ERR_NOT_FOUND;
+    pthread_mutex_lock(&rt->mu);
+    for (size_t i = 0; i < rt->n[side]; i++) {
+        rserver_t *s = &rt->servers[side][i];
+        if (strcmp(s->url, copy) == 0 && !__atomic_load_n(&s->removed, __ATOMIC_RELAXED)) {
+            __atomic_store_n(&s->removed, 1, __ATOMIC_RELAXED);
+            st = KVS_OK;
+        }
+    }
+    pthread_mutex_unlock(&rt->mu);
+    if (st == KVS_OK) kvs_info("router: %s server %s removed", side_name(side), copy);
+    kvs_free(copy);
+    return st;
 }

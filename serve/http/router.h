@@ -42,6 +42,10 @@
  * dropped and cancelled likewise and the prefill failure answered; the client leaving (or the
  * router stopping) cancels both.
  *
+ * Fleet changes at run time: POST /admin/servers {"action": "add"|"remove", "side":
+ * "prefill"|"decode", "url": URL} (kvs_router_add_server / kvs_router_remove_server below),
+ * guarded by the API key like every endpoint but /health and /metrics.
+ *
  * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
  * /v1/models/{id}, POST /tokenize and POST /detokenize (these proxied to a live decode server,
  * as they are), GET /health (200 when at least one
@@ -118,6 +122,20 @@ void kvs_router_destroy(kvs_router_t *router);
 void kvs_router_check_now(kvs_router_t *router);
 /* 1 when server index of side is in rotation, 0 when out, -1 for a bad index. */
 int kvs_router_server_up(kvs_router_t *router, kvs_router_side_t side, size_t index);
+
+/* Servers of a side at most (given at creation and added since). */
+#define KVS_ROUTER_MAX_SERVERS 64
+/* Adds a server at run time (also POST /admin/servers {"action": "add", "side", "url"}): checked
+ * at once (GET /health, /internal/info), in rotation when it answers; a URL the router had
+ * removed comes back under its old index. *index_p (may be NULL): its index. KVS_ERR_INVALID
+ * for a URL that is not http://, KVS_ERR_NOSPACE beyond KVS_ROUTER_MAX_SERVERS. */
+kvs_status_t kvs_router_add_server(kvs_router_t *router, kvs_router_side_t side, const char *url,
+                                   size_t *index_p);
+/* Takes a server out for good (also POST /admin/servers {"action": "remove", ...}): it is never
+ * chosen or checked again; requests already on it finish. KVS_ERR_NOT_FOUND for a URL the
+ * router does not have in use. */
+kvs_status_t kvs_router_remove_server(kvs_router_t *router, kvs_router_side_t side,
+                                      const char *url);
 
 typedef struct {
     uint64_t requests;    /* requests forwarded (a server pair was chosen) */

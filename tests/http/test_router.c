@@ -616,6 +616,100 @@ static void test_waiting_client_hangs_up(void **state)
     kvs_assert_no_leaks();
 }
 
+static uint64_t submitted_of(kvs_server_fake_t *f)
+{
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(f, &c);
+    return c.submitted;
+}
+
+static void admin(deploy_t *d, const char *body, http_resp_t *r)
+{
+    http_call(d->rport, NULL, "/admin/servers", body, r);
+}
+
+/* Prefill servers added and removed at run time through POST /admin/servers. */
+static void test_admin_servers(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    /* A third prefill server, unknown to the router. */
+    kvs_server_fake_t *fake3;
+    assert_int_equal(kvs_server_fake_create(NULL, &fake3), KVS_OK);
+    kvs_server_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.model = "m";
+    c.max_context = 512;
+    c.threads = 2;
+    c.role = KVS_SERVER_ROLE_PREFILL;
+    c.bootstrap = "tcp://prefill-2:7000";
+    c.backend = kvs_server_fake_backend(fake3);
+    c.tokenizer = kvs_server_byte_tokenizer();
+    kvs_server_t *srv3;
+    assert_int_equal(kvs_server_create(&c, &srv3), KVS_OK);
+    char url3[64], body[256];
+    snprintf(url3, sizeof(url3), "http://127.0.0.1:%u", kvs_server_port(srv3));
+
+    http_resp_t r = {0};
+    snprintf(body, sizeof(body), "{\"action\":\"add\",\"side\":\"prefill\",\"url\":\"%s/\"}", url3);
+    admin(&d, body, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = http_json(&r);
+    assert_int_equal(int_of(j, "index"), 2);
+    assert_true(json_is_true(json_object_get(j, "up")));
+    assert_string_equal(str_of(j, "url"), url3); /* the trailing slash dropped */
+    json_decref(j);
+    http_resp_fini(&r);
+    for (int k = 0; k < 6; k++) {
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":2}", &r);
+        assert_int_equal(r.status, 200);
+        http_resp_fini(&r);
+    }
+    assert_int_equal(submitted_of(fake3), 2); /* round robin over three */
+
+    /* Removed: never chosen again. */
+    snprintf(body, sizeof(body), "{\"action\":\"remove\",\"side\":\"prefill\",\"url\":\"%s\"}",
+             d.url[P][0]);
+    admin(&d, body, &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    uint64_t before = submitted_of(d.fake[P][0]);
+    for (int k = 0; k < 6; k++) {
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":2}", &r);
+        assert_int_equal(r.status, 200);
+        http_resp_fini(&r);
+    }
+    assert_int_equal(submitted_of(d.fake[P][0]), before);
+    assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1); /* up, but out of rotation */
+    admin(&d, body, &r);
+    expect_error_json(&r, 404, "invalid_request_error", "url");
+    http_resp_fini(&r);
+    /* Back under its old index. */
+    snprintf(body, sizeof(body), "{\"action\":\"add\",\"side\":\"prefill\",\"url\":\"%s\"}",
+             d.url[P][0]);
+    admin(&d, body, &r);
+    assert_int_equal(r.status, 200);
+    j = http_json(&r);
+    assert_int_equal(int_of(j, "index"), 0);
+    json_decref(j);
+    http_resp_fini(&r);
+    /* Bad bodies name what is wrong. */
+    admin(&d, "{\"action\":\"grow\",\"side\":\"prefill\",\"url\":\"http://x:1\"}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "action");
+    http_resp_fini(&r);
+    admin(&d, "{\"action\":\"add\",\"side\":\"middle\",\"url\":\"http://x:1\"}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "side");
+    http_resp_fini(&r);
+    admin(&d, "{\"action\":\"add\",\"side\":\"decode\",\"url\":\"ftp://x\"}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", "url");
+    http_resp_fini(&r);
+    deploy_stop(&d);
+    kvs_server_destroy(srv3);
+    kvs_server_fake_destroy(fake3);
+    kvs_assert_no_leaks();
+}
+
 static void test_client_hangs_up(void **state)
 {
     (void) state;
@@ -1142,6 +1236,7 @@ int main(void)
         cmocka_unit_test(test_refusal_frees_prefill),
         cmocka_unit_test(test_client_hangs_up),
         cmocka_unit_test(test_waiting_client_hangs_up),
+        cmocka_unit_test(test_admin_servers),
         cmocka_unit_test(test_router_bad_inputs_and_metrics),
         cmocka_unit_test(test_router_unknown_fields),
         cmocka_unit_test(test_router_models),

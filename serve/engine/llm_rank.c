@@ -80,6 +80,32 @@ static void out_event(int fd, const kvs_rank_line_event_t *ev)
     write_line(fd, line, encode_event(ev, line, sizeof(line)));
 }
 
+/* Decode rank 0's view of its prefill instance, reported when it changes (the server's /health
+ * shows it). Not on the prefill side: decode instances come and go, and one not started yet is
+ * no reason for a prefill server to leave the rotation. */
+typedef struct {
+    uint64_t next_ns;
+    uint32_t down;
+} peers_seen_t;
+
+#define PEERS_CHECK_NS (500ull * 1000000ull)
+
+static void report_peers(const kvs_llm_rank_config_t *c, const kvs_plumbing_t *pl,
+                         peers_seen_t *seen)
+{
+    const uint64_t now = kvs_now_ns();
+    if (c->role != KVS_LLM_DECODE || c->out_fd < 0 || now < seen->next_ns) return;
+    seen->next_ns = now + PEERS_CHECK_NS;
+    uint32_t first = 0, down = kvs_plumbing_peers_down(pl, &first);
+    if (down == seen->down) return;
+    seen->down = down;
+    kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_PEERS,
+                                .peers_down = down,
+                                .peers_of = pl->peers,
+                                .first_down = first};
+    out_event(c->out_fd, &ev);
+}
+
 static void out_error(int fd, const char *prefix, const char *what)
 {
     kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_ERROR};
@@ -488,6 +514,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
 
     long idle_us = IDLE_SLEEP_US;
     uint64_t last_work = kvs_now_ns();
+    peers_seen_t peers = {0};
     for (;;) {
         int want_quit = 0;
         if (c.rank == 0) {
@@ -511,6 +538,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         work += stepped;
         kvs_llm_event_t ev;
         while (c.rank == 0 && kvs_llm_next_event(llm, &ev) == KVS_OK) write_event(c.out_fd, &ev);
+        if (c.rank == 0) report_peers(&c, &pl, &peers);
         if (c.rank == 0) answer_held(&io);
         if (quit) break;
         if (work != 0) {

@@ -182,6 +182,10 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
                 (unsigned long long) ev->match_len);
         }
         break;
+    case KVS_RANK_LINE_EV_PEERS:
+        put(&o, "{\"event\":\"peers\",\"down\":%u,\"of\":%u,\"first\":%u}", ev->peers_down,
+            ev->peers_of, ev->first_down);
+        break;
     case KVS_RANK_LINE_EV_STATS: {
         put(&o,
             "{\"event\":\"stats\",\"role\":\"%s\",\"rank\":%u,\"steps\":%llu,"
@@ -817,6 +821,10 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
         ev->kind = KVS_RANK_LINE_EV_MATCH;
         wrong = U32("cached", ev->cached) || U64("prompt_len", ev->match_len) ||
                 get_str(&o, "error", ev->text, sizeof(ev->text)) < 0;
+    } else if (strcmp(kind, "peers") == 0) {
+        ev->kind = KVS_RANK_LINE_EV_PEERS;
+        wrong =
+            U32("down", ev->peers_down) || U32("of", ev->peers_of) || U32("first", ev->first_down);
     } else if (strcmp(kind, "stats") == 0) {
         kvs_llm_stats_t *s = &ev->stats;
         kvs_pd_metrics_t *m = &ev->metrics;

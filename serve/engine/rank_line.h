@@ -40,6 +40,10 @@
  *   {"event":"error","message":S}                          a line it could not parse
  *   {"event":"match","cached":C,"prompt_len":N}            the answer to match ("cached":0 and
  *                                                          "error":S for a malformed one)
+ *   {"event":"peers","down":D,"of":T,"first":R}            rank 0's link: D of the other side's
+ *                                                          T ranks unreachable (past the
+ *                                                          liveness timeout), R the first of
+ *                                                          them; written when D changes
  * Every rank, rank 0 included, writes one last line on out_fd (when out_fd >= 0) as it exits:
  *   {"event":"stats","role":R,"rank":r,...,"final":true}   kvs_llm_stats (steps, forward
  *                                                          passes, prompt, cached and decode
@@ -143,6 +147,7 @@ typedef enum {
     KVS_RANK_LINE_EV_MATCH,
     KVS_RANK_LINE_EV_STATS,
     KVS_RANK_LINE_EV_PROMPT,
+    KVS_RANK_LINE_EV_PEERS,
 } kvs_rank_line_event_kind_t;
 
 typedef struct {
@@ -155,8 +160,9 @@ typedef struct {
     /* EV_TOKEN, EV_PROMPT: room, token, index, has_logprobs and lp; EV_DONE: room, status, finish,
      * prompt_len, cached_tokens, generated and the times; EV_REJECTED: room, status. */
     kvs_llm_event_t llm;
-    uint32_t cached;          /* EV_MATCH */
-    uint64_t match_len;       /* EV_MATCH: "prompt_len" (absent with "error") */
+    uint32_t cached;                           /* EV_MATCH */
+    uint64_t match_len;                        /* EV_MATCH: "prompt_len" (absent with "error") */
+    uint32_t peers_down, peers_of, first_down; /* EV_PEERS */
     int final;                /* EV_STATS: the exit-time line (false: a stats answer) */
     kvs_llm_stats_t stats;    /* EV_STATS */
     kvs_pd_metrics_t metrics; /* EV_STATS: the fields the line carries (rank_line.c) */

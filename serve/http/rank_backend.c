@@ -72,7 +72,8 @@ struct kvs_rank_backend {
     int stopping;      /* destroy: the thread ends */
     int ready, ended;  /* rank 0 said ready; its events ended */
     query_t *qhead, *qtail;
-    kvs_server_backend_stats_t last; /* the last stats answer */
+    kvs_server_backend_stats_t last;           /* the last stats answer */
+    uint32_t peers_down, peers_of, first_down; /* rank 0's last peers event */
 };
 
 /* ---- helpers ---- */
@@ -342,6 +343,13 @@ static void on_line(kvs_rank_backend_t *b, const char *line, size_t len)
     case KVS_RANK_LINE_EV_ERROR:
         kvs_warn("rank backend: rank 0 reports: %s", ev.text);
         break;
+    case KVS_RANK_LINE_EV_PEERS:
+        pthread_mutex_lock(&b->mu);
+        b->peers_down = ev.peers_down;
+        b->peers_of = ev.peers_of;
+        b->first_down = ev.first_down;
+        pthread_mutex_unlock(&b->mu);
+        break;
     }
 }
 
@@ -559,9 +567,26 @@ static kvs_status_t op_health(void *ctx)
 {
     kvs_rank_backend_t *b = ctx;
     pthread_mutex_lock(&b->mu);
-    int ok = b->ready && !b->ended && !b->quit_queued;
+    int ok = b->ready && !b->ended && !b->quit_queued && b->peers_down == 0;
     pthread_mutex_unlock(&b->mu);
     return ok ? KVS_OK : KVS_ERR_IO;
+}
+
+static void op_health_detail(void *ctx, char *buf, size_t cap)
+{
+    kvs_rank_backend_t *b = ctx;
+    pthread_mutex_lock(&b->mu);
+    const char *other = b->cfg.role == KVS_SERVER_ROLE_DECODE ? "prefill" : "decode";
+    if (!b->ready)
+        snprintf(buf, cap, "the instance is not ready");
+    else if (b->ended || b->quit_queued)
+        snprintf(buf, cap, "the instance has ended");
+    else if (b->peers_down > 0)
+        snprintf(buf, cap, "%u of %u %s ranks unreachable (first: %s rank %u)", b->peers_down,
+                 b->peers_of, other, other, b->first_down);
+    else
+        buf[0] = '\0';
+    pthread_mutex_unlock(&b->mu);
 }
 
 /* Asks rank 0 (req, encoded into line[cap]) and waits for its answer (or the timeout). */
@@ -724,6 +749,7 @@ kvs_server_backend_t kvs_rank_backend_ops(kvs_rank_backend_t *b)
                                 .submit = op_submit,
                                 .cancel = op_cancel,
                                 .health = op_health,
+                                .health_detail = op_health_detail,
                                 .match = op_match,
                                 .stats = op_stats};
     return ops;

@@ -1237,10 +1237,16 @@ static enum MHD_Result handle(req_t *r)
     case EP_TOKENIZE:
     case EP_DETOKENIZE:
         return handle_tokenize(r);
-    case EP_HEALTH:
+    case EP_HEALTH: {
         if (server_healthy(srv))
             return send_text(r, 200, "application/json", "{\"status\":\"ok\"}");
-        return send_text(r, 503, "application/json", "{\"status\":\"unavailable\"}");
+        char why[256] = "";
+        if (srv->backend.health_detail)
+            srv->backend.health_detail(srv->backend.ctx, why, sizeof(why));
+        return send_json_steal(r, 503,
+                               json_pack("{s:s, s:s}", "status", "unavailable", "reason",
+                                         why[0] ? why : "the server is stopping or not ready"));
+    }
     case EP_METRICS: {
         char *text = NULL;
         if (kvs_server_metrics(srv, &text) != KVS_OK)

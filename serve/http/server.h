@@ -46,8 +46,9 @@
  *                          prompt beyond the context is counted, not refused.
  *   POST /detokenize       {"tokens": [ids]} -> {"prompt": their text (invalid UTF-8 as
  *                          U+FFFD)}.
- *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable"} when the backend's
- *                          health() fails or the server is stopping.
+ *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable", "reason": S} when
+ *                          the backend's health() fails (a decode server whose prefill ranks are
+ *                          unreachable says which) or the server is stopping.
  *   GET  /metrics          Prometheus text format: counters kvstage_http_requests_total{code},
  *                          kvstage_requests_finished_total{reason}, kvstage_requests_cancelled_
  *                          total, kvstage_{prompt,generation,cached_prompt}_tokens_total;
@@ -234,6 +235,8 @@ typedef struct {
     kvs_status_t (*cancel)(void *ctx, uint64_t room);
     /* KVS_OK while the backend can serve. NULL: always healthy. */
     kvs_status_t (*health)(void *ctx);
+    /* Why health() fails, into buf[cap] ("" when it does not); shown by /health. NULL: none. */
+    void (*health_detail)(void *ctx, char *buf, size_t cap);
     /* The longest prefix of prompt in this instance's prefix cache. NULL: 0. */
     kvs_status_t (*match)(void *ctx, const uint32_t *prompt, uint32_t prompt_len,
                           uint32_t *cached_p);

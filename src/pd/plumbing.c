@@ -6,6 +6,7 @@
 #include "kvstage/clock.h"
 #include "kvstage/grid.h"
 #include "kvstage/log.h"
+#include "transport/link.h"
 
 #define MS 1000000ull
 
@@ -108,6 +109,7 @@ kvs_status_t kvs_plumbing_create(const kvs_plumbing_config_t *config, kvs_pool_t
                            .liveness_timeout_ns = c->liveness_timeout_ns,
                            .corrupt_nth = prefill ? c->corrupt_nth : 0};
     if ((st = kvs_net_link_create(&nc, &p.link)) != KVS_OK) goto fail;
+    p.peers = nc.peer_tp;
     if (c->serve_registry && (st = kvs_registry_create(c->registry, &p.registry)) != KVS_OK)
         goto fail;
     const uint64_t boot_ns = timeouts.bootstrap_timeout_ns;
@@ -151,6 +153,17 @@ uint32_t kvs_plumbing_progress(kvs_plumbing_t *p)
     if (p->sender) work += kvs_sender_progress(p->sender);
     if (p->receiver) work += kvs_receiver_progress(p->receiver);
     return work;
+}
+
+uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *p, uint32_t *first_p)
+{
+    uint32_t down = 0;
+    if (p->link == NULL || p->link->ops->peer_status == NULL) return 0;
+    for (uint32_t i = 0; i < p->peers; i++) {
+        if (p->link->ops->peer_status(p->link->ctx, i) == KVS_OK) continue;
+        if (down++ == 0 && first_p) *first_p = i;
+    }
+    return down;
 }
 
 void kvs_plumbing_metrics(const kvs_plumbing_t *p, kvs_pd_metrics_t *metrics_p)

@@ -44,6 +44,7 @@ typedef struct {
     kvs_link_t *link;
     kvs_sender_t *sender;     /* prefill, else NULL */
     kvs_receiver_t *receiver; /* decode, else NULL */
+    uint32_t peers;           /* ranks of the other side */
 } kvs_plumbing_t;
 
 /* Creates the link, bootstraps through the registry (prefill: registers this rank's endpoint;
@@ -58,6 +59,9 @@ void kvs_plumbing_destroy(kvs_plumbing_t *plumbing);
 /* Serves the registry (when this process does) and progresses the sender or receiver; returns
  * how much work that was (0 = idle). */
 uint32_t kvs_plumbing_progress(kvs_plumbing_t *plumbing);
+/* How many of the other side's ranks the link believes dead (silent past the liveness timeout),
+ * and the first of them in *first_p (may be NULL). 0 for links whose peers never die. */
+uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *plumbing, uint32_t *first_p);
 /* The sender's or receiver's counters (all zero when there is neither). */
 void kvs_plumbing_metrics(const kvs_plumbing_t *plumbing, kvs_pd_metrics_t *metrics_p);
 

@@ -495,6 +495,16 @@ static void test_events_round_trip(void **state)
     assert_int_equal(b.match_len, 0);
 
     memset(&ev, 0, sizeof(ev));
+    ev.kind = KVS_RANK_LINE_EV_PEERS;
+    ev.peers_down = 2;
+    ev.peers_of = 3;
+    ev.first_down = 1;
+    b = event_round_trip(&ev, "{\"event\":\"peers\",\"down\":2,\"of\":3,\"first\":1}\n");
+    assert_int_equal(b.peers_down, 2);
+    assert_int_equal(b.peers_of, 3);
+    assert_int_equal(b.first_down, 1);
+
+    memset(&ev, 0, sizeof(ev));
     ev.kind = KVS_RANK_LINE_EV_STATS;
     ev.role = KVS_LLM_PREFILL;
     ev.rank = 1;

@@ -776,6 +776,23 @@ static void test_prefill_restart(void **state)
         if (kvs_now_ns() > end) fail_msg("the decode server still holds rooms");
         sleep_ms(100);
     }
+    /* The prefill server gone for good: the decode server's /health says so, and why, once its
+     * ranks are past the liveness timeout (instead of 200 while every request would fail). */
+    http_resp_t h = {0};
+    http_call(dec->port, "GET", "/health", NULL, &h);
+    assert_int_equal(h.status, 200);
+    http_resp_fini(&h);
+    kill_proc(pre);
+    end = kvs_now_ns() + 25ull * 1000000000ull;
+    for (;;) {
+        http_call(dec->port, "GET", "/health", NULL, &h);
+        if (h.status == 503) break;
+        http_resp_fini(&h);
+        if (kvs_now_ns() > end) fail_msg("the decode server stayed healthy without its prefill");
+        sleep_ms(250);
+    }
+    if (strstr(h.body.ptr, "prefill rank 0") == NULL) fail_msg("/health: %s", h.body.ptr);
+    http_resp_fini(&h);
 }
 
 /* A service manager stops a server by signalling its whole process group (its rank processes

@@ -233,8 +233,10 @@ static void job_finish(job_t *j)
 static int job_abandoned(job_t *j)
 {
     pthread_mutex_lock(&j->mu);
-    /* A client waiting on a suspended connection is not watched by libmicrohttpd: look. */
-    if (!j->client_gone && j->suspended && j->conn != NULL && kvs__http_client_left(j->conn))
+    /* A client waiting for the answer's headers on a suspended connection is not watched by
+     * libmicrohttpd: look. (Once an answer streams, a hang-up shows at the next write.) */
+    if (!j->client_gone && j->suspended && !j->headers_ready && j->conn != NULL &&
+        kvs__http_client_left(j->conn))
         j->client_gone = 1;
     int gone = j->client_gone;
     pthread_mutex_unlock(&j->mu);

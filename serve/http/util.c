@@ -516,5 +516,6 @@ int kvs__http_client_left(struct MHD_Connection *conn)
     if (ci == NULL) return 0;
     char b;
     ssize_t n = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    /* Only an orderly close or a reset says so; any other error is no proof the client left. */
+    return n == 0 || (n < 0 && errno == ECONNRESET);
 }

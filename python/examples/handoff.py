@@ -123,6 +123,10 @@ def main():
     args = ap.parse_args()
     if args.base % 16 or not 0 <= args.base < args.prompt or args.prompt > args.pages * 16:
         ap.error("--base must be a multiple of 16 in [0, prompt), and the prompt fit the pages")
+    if args.gpus < 1:
+        ap.error("--gpus must be at least 1")
+    if args.device == "cuda" and testing.cuda_devices() < args.gpus:
+        ap.error(f"--gpus {args.gpus}: this machine has {testing.cuda_devices()} CUDA device(s)")
 
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()

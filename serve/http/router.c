@@ -354,13 +354,6 @@ static size_t leg_write(char *data, size_t size, size_t n, void *ud)
     return ok ? len : 0; /* 0 aborts the transfer */
 }
 
-static size_t discard_body(char *data, size_t size, size_t n, void *ud)
-{
-    (void) data;
-    (void) ud;
-    return size * n;
-}
-
 static void leg_fini(leg_t *leg)
 {
     if (leg->easy) curl_easy_cleanup(leg->easy);
@@ -640,29 +633,25 @@ static void fail_passthrough(job_t *j, leg_t *leg)
  * its transfer timed out. Best effort: a server that does not answer is failing anyway. */
 static void cancel_room(kvs_router_t *rt, rserver_t *s, uint64_t room)
 {
-    char url[512], body[64];
-    snprintf(url, sizeof(url), "%s/internal/cancel", s->url);
-    snprintf(body, sizeof(body), "{\"room\":%llu}", (unsigned long long) room);
-    CURL *e = curl_easy_init();
-    struct curl_slist *h = curl_slist_append(NULL, "Content-Type: application/json");
-    if (e == NULL || h == NULL) {
+    /* A leg like any other, so that it carries the servers' API key too. */
+    char *body = kvs_malloc(64);
+    leg_t leg;
+    memset(&leg, 0, sizeof(leg));
+    if (body != NULL) snprintf(body, 64, "{\"room\":%llu}", (unsigned long long) room);
+    /* leg_init owns body from its first line: leg_fini frees it either way. */
+    if (body == NULL || leg_init(&leg, rt, NULL, s, "/internal/cancel", body,
+                                 rt->connect_timeout_ms * 2, 0) != KVS_OK) {
+        leg_fini(&leg);
         kvs_warn("router: room %llu: no memory to cancel it on %s", (unsigned long long) room,
                  s->url);
-    } else {
-        curl_easy_setopt(e, CURLOPT_URL, url);
-        curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
-        curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long) rt->connect_timeout_ms * 2);
-        curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
-        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
-        curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, discard_body);
-        CURLcode c = curl_easy_perform(e);
-        __atomic_add_fetch(&rt->cancels_sent, 1, __ATOMIC_RELAXED);
-        kvs_debug("router: room %llu cancelled on %s %s: %s", (unsigned long long) room,
-                  side_name(s->side), s->url, curl_easy_strerror(c));
+        return;
     }
-    curl_slist_free_all(h);
-    if (e) curl_easy_cleanup(e);
+    curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
+    CURLcode c = curl_easy_perform(leg.easy);
+    __atomic_add_fetch(&rt->cancels_sent, 1, __ATOMIC_RELAXED);
+    kvs_debug("router: room %llu cancelled on %s %s: %s", (unsigned long long) room,
+              side_name(s->side), s->url, curl_easy_strerror(c));
+    leg_fini(&leg);
 }
 
 /* Both sides' reports in one "kvstage" object: the decode server's fields, "transfer_ns" the

@@ -27,6 +27,7 @@
 
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
+#include "model/cuda/model_cuda.h"
 #include "model/model_internal.h"
 
 /* Most tokens one forward call takes (keeps every scratch size far from overflow). */
@@ -135,16 +136,22 @@ static int same_shape(const kvs_kv_shape_t *a, const kvs_kv_shape_t *b)
 static kvs_status_t check_pool(const kvs_model_t *m, const kvs_pool_t *pool)
 {
     const kvs_pool_config_t *pc = kvs_pool_config(pool);
-    if (pc->mem != KVS_MEM_HOST) {
+    if (m->device < 0 && pc->mem != KVS_MEM_HOST) {
         kvs_error("model: the CPU forward pass needs a host-memory pool");
+        return KVS_ERR_INVALID;
+    }
+    if (m->device >= 0 && (pc->mem != KVS_MEM_DEVICE || pc->device != m->device)) {
+        kvs_error("model: a model on CUDA device %d needs its pool in that device's memory",
+                  m->device);
         return KVS_ERR_INVALID;
     }
     if (!same_shape(&pc->shape, &m->kv_shape)) {
         kvs_error("model: pool shape (L %u, H %u, D %u/%u, E %u, attn %d) differs from the "
-                  "model's (L %u, H %u, D %u/%u, E 4, MHA)",
+                  "model's (L %u, H %u, D %u/%u, E %u, MHA)",
                   pc->shape.layers, pc->shape.kv_heads, pc->shape.head_dim_k, pc->shape.head_dim_v,
                   pc->shape.elem_bytes, (int) pc->shape.attn, m->kv_shape.layers,
-                  m->kv_shape.kv_heads, m->kv_shape.head_dim_k, m->kv_shape.head_dim_v);
+                  m->kv_shape.kv_heads, m->kv_shape.head_dim_k, m->kv_shape.head_dim_v,
+                  m->kv_shape.elem_bytes);
         return KVS_ERR_INVALID;
     }
     if (pc->tp.tp_size != m->tp.tp_size || pc->tp.tp_rank != m->tp.tp_rank) {
@@ -332,6 +339,8 @@ kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model
         return KVS_ERR_INVALID;
     }
     if (nseq == 0) return KVS_OK;
+    if (m->cuda != NULL)
+        return kvs__model_cuda_forward(m, pool, seqs, nseq, reduce, reduce_arg, logits);
     const uint32_t n = (uint32_t) total;
     st = scratch_reserve(m, n, positions, nseq);
     if (st != KVS_OK) return st;

@@ -9,6 +9,7 @@
 
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
+#include "model/cuda/model_cuda.h"
 #include "model/model_internal.h"
 
 /* Bounds that keep every size computation below 2^62 (and are far above real models). */
@@ -157,13 +158,14 @@ kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config
     return KVS_OK;
 }
 
-static kvs_kv_shape_t kv_shape_of(const kvs_model_config_t *c)
+/* The CPU forward writes f32 K/V, the CUDA one bf16 (elem_bytes 4 or 2). */
+static kvs_kv_shape_t kv_shape_of(const kvs_model_config_t *c, uint32_t elem_bytes)
 {
     kvs_kv_shape_t s = {.layers = c->layers,
                         .kv_heads = c->kv_heads,
                         .head_dim_k = c->head_dim,
                         .head_dim_v = c->head_dim,
-                        .elem_bytes = sizeof(float),
+                        .elem_bytes = elem_bytes,
                         .attn = KVS_ATTN_MHA};
     return s;
 }
@@ -209,7 +211,7 @@ kvs_status_t kvs_model_config_validate(const kvs_model_config_t *c, kvs_tp_t tp)
         kvs_error("model: norm_eps = %g must be >= 0 and finite", (double) c->norm_eps);
         return KVS_ERR_INVALID;
     }
-    kvs_kv_shape_t shape = kv_shape_of(c);
+    kvs_kv_shape_t shape = kv_shape_of(c, sizeof(float));
     st = kvs_tp_validate(&shape, &tp);
     if (st != KVS_OK) return st;
     if (c->heads % tp.tp_size != 0) {
@@ -276,8 +278,9 @@ static uint32_t gcd_u32(uint32_t a, uint32_t b)
     return a;
 }
 
-/* Validates, computes this rank's slices and allocates the (uninitialised) weights. */
-static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int tied,
+/* Validates, computes this rank's slices and allocates the (uninitialised) weights: in host
+ * memory, or on CUDA device `device` (>= 0) through the CUDA backend. */
+static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int tied, int device,
                                  kvs_model_t **model_p)
 {
     kvs_status_t st = kvs_model_config_validate(cfg, tp);
@@ -286,7 +289,8 @@ static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int
     if (m == NULL) goto err_nomem;
     m->config = *cfg;
     m->tp = tp;
-    m->kv_shape = kv_shape_of(cfg);
+    m->device = device < 0 ? -1 : device;
+    m->kv_shape = kv_shape_of(cfg, device < 0 ? sizeof(float) : 2);
     m->q_heads = cfg->heads / tp.tp_size;
     m->q_first = tp.tp_rank * m->q_heads;
     m->kv_heads = kvs_tp_heads_per_rank(&m->kv_shape, tp.tp_size);
@@ -316,6 +320,12 @@ static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int
         assert(kv >= m->kv_first && kv < m->kv_first + m->kv_heads);
         m->q_kv[j] = kv - m->kv_first;
     }
+    if (device >= 0) {
+        st = kvs__model_cuda_create(m, device, tied, &m->cuda);
+        if (st != KVS_OK) goto err_free_model;
+        *model_p = m;
+        return KVS_OK;
+    }
     const size_t floats = carve(m, NULL, tied);
     if (floats <= SIZE_MAX / sizeof(float))
         m->arena = kvs_aligned_alloc(64, floats * sizeof(float));
@@ -343,6 +353,7 @@ void kvs_model_destroy(kvs_model_t *m)
     if (m == NULL) return;
     if (m->backend.ops != NULL && m->backend.ops->destroy != NULL)
         m->backend.ops->destroy(m->backend.ctx);
+    kvs__model_cuda_destroy(m->cuda);
     kvs__model_scratch_free(&m->scratch);
     kvs_free(m->arena);
     kvs_free(m->layers);
@@ -363,6 +374,11 @@ kvs_tp_t kvs_model_tp(const kvs_model_t *m)
 kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *m)
 {
     return m->kv_shape;
+}
+
+int kvs_model_device(const kvs_model_t *m)
+{
+    return m->device;
 }
 
 /* ---- shards: which slice of which full tensor each weight buffer holds ---- */
@@ -409,14 +425,25 @@ static kvs_status_t visit(shard_fn fn, void *arg, const char *name, uint64_t id,
 }
 
 /* The tensor kinds of a layer in GGUF naming; the index is part of the seeded stream id. */
-enum { T_ATTN_NORM, T_Q, T_K, T_V, T_O, T_FFN_NORM, T_GATE, T_UP, T_DOWN, T_KINDS };
+enum {
+    T_ATTN_NORM = KVS_MODEL_T_ATTN_NORM,
+    T_Q = KVS_MODEL_T_Q,
+    T_K = KVS_MODEL_T_K,
+    T_V = KVS_MODEL_T_V,
+    T_O = KVS_MODEL_T_O,
+    T_FFN_NORM = KVS_MODEL_T_FFN_NORM,
+    T_GATE = KVS_MODEL_T_GATE,
+    T_UP = KVS_MODEL_T_UP,
+    T_DOWN = KVS_MODEL_T_DOWN,
+    T_KINDS = KVS_MODEL_T_KINDS
+};
 static const char *const kind_names[T_KINDS] = {"attn_norm", "attn_q",      "attn_k",
                                                 "attn_v",    "attn_output", "ffn_norm",
                                                 "ffn_gate",  "ffn_up",      "ffn_down"};
 
-#define ID_EMBED       0xffff0001u
-#define ID_OUTPUT      0xffff0002u
-#define ID_OUTPUT_NORM 0xffff0003u
+#define ID_EMBED       KVS_MODEL_ID_EMBED
+#define ID_OUTPUT      KVS_MODEL_ID_OUTPUT
+#define ID_OUTPUT_NORM KVS_MODEL_ID_OUTPUT_NORM
 
 static kvs_status_t for_each_shard(kvs_model_t *m, int tied, shard_fn fn, void *arg)
 {
@@ -457,9 +484,15 @@ static kvs_status_t for_each_shard(kvs_model_t *m, int tied, shard_fn fn, void *
 
 /* ---- loading from GGUF ---- */
 
+typedef struct {
+    kvs_model_t *m;
+    const kvs_gguf_t *gguf;
+} load_arg_t;
+
 static kvs_status_t load_shard(void *arg, const shard_t *s)
 {
-    const kvs_gguf_t *g = arg;
+    const load_arg_t *a = arg;
+    const kvs_gguf_t *g = a->gguf;
     kvs_gguf_tensor_t t;
     kvs_status_t st = kvs_gguf_tensor(g, s->name, &t);
     if (st == KVS_ERR_NOT_FOUND) {
@@ -474,10 +507,28 @@ static kvs_status_t load_shard(void *arg, const shard_t *s)
                   (unsigned long long) s->cols, (unsigned long long) s->rows);
         return KVS_ERR_INVALID;
     }
-    return kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, s->dst);
+    if (a->m->cuda == NULL)
+        return kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, s->dst);
+    /* On a device: dequantised on the host one shard at a time, converted there. */
+    if (s->nrows > SIZE_MAX / sizeof(float) / s->ncols) return KVS_ERR_NOMEM;
+    float *tmp = kvs_malloc(s->nrows * s->ncols * sizeof(float));
+    if (tmp == NULL) {
+        kvs_error("model: out of memory dequantising %s", s->name);
+        return KVS_ERR_NOMEM;
+    }
+    st = kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, tmp);
+    if (st == KVS_OK) st = kvs__model_cuda_put(a->m->cuda, s->id, tmp, s->nrows, s->ncols);
+    kvs_free(tmp);
+    return st;
 }
 
 kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **model_p)
+{
+    return kvs_model_load_on(gguf, tp, -1, model_p);
+}
+
+kvs_status_t kvs_model_load_on(const kvs_gguf_t *gguf, kvs_tp_t tp, int device,
+                               kvs_model_t **model_p)
 {
     if (gguf == NULL || model_p == NULL) {
         kvs_error("model: NULL gguf or output pointer");
@@ -489,9 +540,10 @@ kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **m
     kvs_gguf_tensor_t t;
     const int tied = kvs_gguf_tensor(gguf, "output.weight", &t) == KVS_ERR_NOT_FOUND;
     kvs_model_t *m = NULL;
-    st = model_create(&cfg, tp, tied, &m);
+    st = model_create(&cfg, tp, tied, device, &m);
     if (st != KVS_OK) return st;
-    st = for_each_shard(m, tied, load_shard, (void *) gguf);
+    load_arg_t arg = {m, gguf};
+    st = for_each_shard(m, tied, load_shard, &arg);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;
@@ -506,10 +558,15 @@ kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **m
 
 /* ---- seeded weights ---- */
 
+typedef struct {
+    kvs_model_t *m;
+    uint64_t seed;
+} seed_arg_t;
+
 static kvs_status_t seed_shard(void *arg, const shard_t *s)
 {
-    const uint64_t seed = *(const uint64_t *) arg;
-    const uint64_t key = kvs_mix64(seed ^ kvs_mix64(s->id * 0xd1b54a32d192ed03ull));
+    const seed_arg_t *a = arg;
+    const uint64_t key = kvs_mix64(a->seed ^ kvs_mix64(s->id * 0xd1b54a32d192ed03ull));
     /* uniform on [-sqrt(3), sqrt(3)) has variance 1 */
     const float spread = 1.7320508f;
     float scale, offset;
@@ -522,6 +579,11 @@ static kvs_status_t seed_shard(void *arg, const shard_t *s)
     } else {
         scale = (float) (1.0 / sqrt((double) s->cols)); /* fan_in */
         offset = 0.0f;
+    }
+    if (a->m->cuda != NULL) {
+        const kvs_model_seed_rule_t rule = {key, scale, offset};
+        return kvs__model_cuda_seed(a->m->cuda, s->id, &rule, s->rows, s->cols, s->row0, s->nrows,
+                                    s->col0, s->ncols);
     }
     for (uint64_t r = 0; r < s->nrows; r++) {
         float *row = s->dst + r * s->ncols;
@@ -538,6 +600,12 @@ static kvs_status_t seed_shard(void *arg, const shard_t *s)
 kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
                               kvs_model_t **model_p)
 {
+    return kvs_model_seeded_on(cfg, seed, tp, -1, model_p);
+}
+
+kvs_status_t kvs_model_seeded_on(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
+                                 int device, kvs_model_t **model_p)
+{
     if (cfg == NULL || model_p == NULL) {
         kvs_error("model: NULL config or output pointer");
         return KVS_ERR_INVALID;
@@ -546,9 +614,10 @@ kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_
     /* Untied: with tied embeddings of variance 1 the logit of the input token dominates and a
      * greedy continuation of random weights just repeats it, whatever the context; a separate
      * output matrix (variance 1/dim) makes the next token depend on the whole sequence. */
-    kvs_status_t st = model_create(cfg, tp, 0, &m);
+    kvs_status_t st = model_create(cfg, tp, 0, device, &m);
     if (st != KVS_OK) return st;
-    st = for_each_shard(m, 0, seed_shard, &seed);
+    seed_arg_t arg = {m, seed};
+    st = for_each_shard(m, 0, seed_shard, &arg);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;

@@ -44,6 +44,13 @@ kvs_status_t kvs_model_config_validate(const kvs_model_config_t *cfg, kvs_tp_t t
  * [r*ffn/T, (r+1)*ffn/T); embeddings, norms and output are whole. The GGUF may be closed
  * afterwards. Output weights are tied to the embeddings unless output.weight exists. */
 kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **model_p);
+/* The same on CUDA device `device` (-1: the CPU, as kvs_model_load): every tensor dequantised
+ * to f32 on the host one shard at a time and stored on the device in bf16 (norm weights in
+ * f32); the forward pass then runs there (model/cuda/model_cuda.h). KVS_ERR_UNSUPPORTED in a
+ * build without CUDA, for a missing device, or for a shape the CUDA kernels do not cover (head
+ * dim other than 64 or 128). */
+kvs_status_t kvs_model_load_on(const kvs_gguf_t *gguf, kvs_tp_t tp, int device,
+                               kvs_model_t **model_p);
 
 /* Random weights for tests: every element of the full (TP1) tensors is a function of (seed,
  * tensor, element index) only, so shard r of TP T equals the same slice of the TP1 weights.
@@ -51,13 +58,20 @@ kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **m
  * weights near 1, embeddings variance 1. */
 kvs_status_t kvs_model_seeded(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
                               kvs_model_t **model_p);
+/* The same weights, generated on CUDA device `device` by the same rule and stored in bf16 (no
+ * host copy: an 8B shape needs no file and no host memory); -1: the CPU. */
+kvs_status_t kvs_model_seeded_on(const kvs_model_config_t *cfg, uint64_t seed, kvs_tp_t tp,
+                                 int device, kvs_model_t **model_p);
 
 void kvs_model_destroy(kvs_model_t *model);
 
 const kvs_model_config_t *kvs_model_config(const kvs_model_t *model);
 kvs_tp_t kvs_model_tp(const kvs_model_t *model);
-/* The pool shape this model writes: layers, kv_heads, head_dim for K and V, f32 (E = 4), MHA. */
+/* The pool shape this model writes: layers, kv_heads, head_dim for K and V, MHA; f32 (E = 4)
+ * on the CPU, bf16 (E = 2) on a CUDA device. */
 kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *model);
+/* -1 for a model on the CPU, else its CUDA device (its pool must be device memory there). */
+int kvs_model_device(const kvs_model_t *model);
 
 /* Sums n doubles elementwise over the TP group, adding the ranks' buffers in rank order
  * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */
@@ -82,8 +96,9 @@ typedef struct {
  * and attends over positions 0..pos of their own sequence. logits receives, for each sequence,
  * the logits of its last token: [nseq][vocab], identical on every rank. All ranks of the group
  * call it with the same tokens and positions (page ids are per rank); reduce may be NULL only
- * when tp_size == 1. The pool must be host memory with shape kvs_model_kv_shape() and the
- * model's tp; pages must be allocated. KVS_ERR_INVALID (before any write) for a mismatch;
+ * when tp_size == 1. The pool must have shape kvs_model_kv_shape() and the model's tp, in host
+ * memory (a CPU model) or on the model's CUDA device; pages must be allocated. logits and
+ * all_logits are host memory either way. KVS_ERR_INVALID (before any write) for a mismatch;
  * KVS_ERR_NOMEM when scratch cannot grow; an error from reduce is returned as is, and the K/V
  * of the new positions are then unspecified. Not thread-safe per model (scratch is shared). */
 kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_model_seq_t *seqs,

@@ -9,7 +9,36 @@
 #include "model/model.h"
 #include "model/ops.h"
 
-/* One layer's weights on this rank. Matrices are [out][in] (a row per output feature), so a
+/* The stream ids of the weight tensors (model.c walks them; the CUDA backend places them):
+ * layer l's tensor of kind k is l * 16 + k, the others the ID_* below. */
+enum {
+    KVS_MODEL_T_ATTN_NORM,
+    KVS_MODEL_T_Q,
+    KVS_MODEL_T_K,
+    KVS_MODEL_T_V,
+    KVS_MODEL_T_O,
+    KVS_MODEL_T_FFN_NORM,
+    KVS_MODEL_T_GATE,
+    KVS_MODEL_T_UP,
+    KVS_MODEL_T_DOWN,
+    KVS_MODEL_T_KINDS
+};
+#define KVS_MODEL_ID_EMBED       0xffff0001u
+#define KVS_MODEL_ID_OUTPUT      0xffff0002u
+#define KVS_MODEL_ID_OUTPUT_NORM 0xffff0003u
+
+/* The seeded weights' rule (model.c): element (row, col) of a full tensor [rows][cols] is
+ * offset + scale * 1.7320508 * (2u - 1) with u = (mix64(key + row * cols + col) >> 40) * 2^-24
+ * in float (uniform with variance scale^2 around offset). */
+typedef struct {
+    uint64_t key;
+    float scale, offset;
+} kvs_model_seed_rule_t;
+
+typedef struct kvs_model_cuda kvs_model_cuda_t; /* model/cuda/model_cuda.h */
+
+/* One layer's weights on this rank (host memory; all NULL for a model on a CUDA device, whose
+ * weights the backend holds). Matrices are [out][in] (a row per output feature), so a
  * column-split shard is a run of rows and a row-split shard a run of columns. q = q_heads *
  * head_dim and kv = kv_heads * head_dim of this rank; f = this rank's ffn columns. */
 typedef struct {
@@ -62,6 +91,8 @@ struct kvs_model {
     kvs_model_layer_t *layers;    /* [layers] */
     kvs_model_backend_t backend;
     kvs_model_scratch_t scratch;
+    int device;             /* -1: the CPU; else the CUDA device the weights and forward are on */
+    kvs_model_cuda_t *cuda; /* device >= 0: the CUDA backend (weights, scratch, streams) */
 };
 
 /* Frees the scratch buffers (forward.c); the model stays usable and regrows them. */

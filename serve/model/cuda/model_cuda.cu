@@ -1,0 +1,833 @@
+/* The CUDA backend of the model (model_cuda.h says what it computes): the weights on the
+ * device, the element-wise kernels, the projections through cuBLAS and the forward pass that
+ * strings them together on one stream. Attention is in attention.cu.
+ *
+ * Per forward call the host builds, once for every layer, the call's metadata (token ids,
+ * positions, page tables, the attention work list) in one pinned buffer and copies it over in
+ * one transfer; the layers then run without the host until the logits come back. */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/cuda/attention.cuh"
+
+extern "C" {
+#include "base/cuda_util.h"
+#include "kvstage/alloc.h"
+#include "kvstage/log.h"
+#include "model/cuda/model_cuda.h"
+}
+
+using kvs_cuda::attn_args_t;
+using kvs_cuda::attn_combine_t;
+using kvs_cuda::attn_work_t;
+typedef __nv_bfloat16 bf16;
+
+namespace
+{
+
+/* ---- weights ---- */
+
+struct layer_w {
+    float *attn_norm, *ffn_norm; /* [dim] */
+    bf16 *wqkv;                  /* [q + 2 kv][dim]: the q rows, then k, then v */
+    bf16 *wo;                    /* [dim][q] */
+    bf16 *wgu;                   /* [2 f][dim]: the gate rows, then up */
+    bf16 *wdown;                 /* [dim][f] */
+};
+
+/* A growable device buffer. */
+struct dbuf {
+    void *p;
+    size_t bytes;
+};
+
+} // namespace
+
+struct kvs_model_cuda {
+    int device;
+    int sms;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    uint32_t dim, q, kv, f, vocab, hd, q_heads, kv_heads, group, layers;
+    float eps, theta;
+    void *weights; /* one allocation */
+    bf16 *embed, *output;
+    float *output_norm;
+    layer_w *layer;
+    dbuf stage; /* f32 upload staging of put */
+    /* forward scratch */
+    dbuf x, h, qkv, att, gu, partial, logits, all_logits, part_o, part_ml, meta;
+    void *hmeta; /* pinned host twin of meta */
+    size_t hmeta_bytes;
+    float *hpart; /* pinned [tokens][dim] for the host all-reduce */
+    size_t hpart_floats;
+    double *hdbl;
+    size_t hdbl_count;
+};
+
+namespace
+{
+
+kvs_status_t grow(dbuf *b, size_t bytes, const char *what)
+{
+    if (b->bytes >= bytes) return KVS_OK;
+    if (b->p != NULL) cudaFree(b->p);
+    b->p = NULL;
+    b->bytes = 0;
+    size_t want = bytes + bytes / 4;
+    kvs_status_t st =
+        KVS_CUDA_CHECK(cudaMalloc(&b->p, want), "model(cuda): %zu bytes of %s", want, what);
+    if (st == KVS_OK) b->bytes = want;
+    return st;
+}
+
+kvs_status_t blas_check(cublasStatus_t s, const char *what)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return KVS_OK;
+    kvs_error("model(cuda): %s failed: %s", what, cublasGetStatusString(s));
+    return s == CUBLAS_STATUS_ALLOC_FAILED ? KVS_ERR_NOMEM : KVS_ERR_IO;
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* The seeded rule of model.c, without contraction so that the floats are the CPU's. */
+__global__ void seed_kernel(kvs_model_seed_rule_t rule, uint64_t cols, uint64_t row0,
+                            uint64_t nrows, uint64_t col0, uint64_t ncols, bf16 *dst_b,
+                            float *dst_f)
+{
+    const uint64_t count = nrows * ncols;
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x) {
+        const uint64_t r = i / ncols, c = i % ncols;
+        const uint64_t h = mix64(rule.key + (row0 + r) * cols + col0 + c);
+        const float u = __fmul_rn((float) (h >> 40), 0x1p-24f);
+        const float v = __fadd_rn(rule.offset, __fmul_rn(__fmul_rn(rule.scale, 1.7320508f),
+                                                         __fsub_rn(__fmul_rn(2.0f, u), 1.0f)));
+        if (dst_b != NULL)
+            dst_b[i] = __float2bfloat16(v);
+        else
+            dst_f[i] = v;
+    }
+}
+
+__global__ void to_bf16_kernel(const float *src, bf16 *dst, uint64_t count)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(src[i]);
+}
+
+/* x[t] = table[tok[t]] in f32. */
+__global__ void embed_kernel(const bf16 *table, uint32_t dim, const uint32_t *tok, float *x)
+{
+    const uint32_t t = blockIdx.x;
+    const bf16 *row = table + (size_t) tok[t] * dim;
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
+        x[(size_t) t * dim + i] = __bfloat162float(row[i]);
+}
+
+/* y[r] = x[rows ? rows[r] : r] / sqrt(mean square + eps) * w, in bf16; one block per row. */
+__global__ void __launch_bounds__(256)
+    rmsnorm_kernel(const float *x, const uint32_t *rows, const float *w, uint32_t dim, float eps,
+                   bf16 *y)
+{
+    __shared__ float part[8];
+    const uint32_t r = blockIdx.x, src = rows != NULL ? rows[r] : r;
+    const float *xr = x + (size_t) src * dim;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        ss = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
+        for (int o = 4; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (threadIdx.x == 0) part[0] = ss;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(part[0] / (float) dim + eps);
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
+        y[(size_t) r * dim + i] = __float2bfloat16(xr[i] * inv * w[i]);
+}
+
+/* Rotates the pairs of the first `heads` heads of every row (the q heads, then the k heads). */
+__global__ void rope_kernel(bf16 *qkv, uint32_t stride, const uint32_t *pos, uint32_t heads,
+                            uint32_t hd, double theta, uint32_t n)
+{
+    const uint32_t half = hd / 2;
+    const uint64_t count = (uint64_t) n * heads * half;
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x) {
+        const uint32_t j = (uint32_t) (i % half);
+        const uint64_t th = i / half;
+        const uint32_t h = (uint32_t) (th % heads), t = (uint32_t) (th / heads);
+        const double angle = pos[t] * pow(theta, -2.0 * j / hd);
+        double s, c;
+        sincos(angle, &s, &c);
+        bf16 *p = qkv + (size_t) t * stride + (size_t) h * hd + 2 * j;
+        const float x0 = __bfloat162float(p[0]), x1 = __bfloat162float(p[1]);
+        p[0] = __float2bfloat16((float) (x0 * c - x1 * s));
+        p[1] = __float2bfloat16((float) (x0 * s + x1 * c));
+    }
+}
+
+/* Stores every token's K and V heads (16-byte vectors) at its position in the pool. */
+__global__ void kv_write_kernel(const bf16 *qkv, uint32_t stride, uint32_t q, uint32_t kv,
+                                const uint32_t *pos, const uint32_t *tok_pages,
+                                const uint32_t *pages, uint32_t page_size, kvs_region_t kr,
+                                kvs_region_t vr, uint32_t kv_heads, uint32_t hd, uint32_t n)
+{
+    const uint32_t chunks = hd / 8;
+    const uint64_t count = (uint64_t) n * kv_heads * chunks;
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x) {
+        const uint32_t c = (uint32_t) (i % chunks);
+        const uint64_t th = i / chunks;
+        const uint32_t h = (uint32_t) (th % kv_heads), t = (uint32_t) (th / kv_heads);
+        const uint64_t page = pages[tok_pages[t] + pos[t] / page_size], off = pos[t] % page_size;
+        const bf16 *src = qkv + (size_t) t * stride + q + (size_t) h * hd;
+        uint8_t *kd = kr.base + page * kr.page_stride + off * kr.token_stride + h * kr.head_stride;
+        uint8_t *vd = vr.base + page * vr.page_stride + off * vr.token_stride + h * vr.head_stride;
+        reinterpret_cast<uint4 *>(kd)[c] = reinterpret_cast<const uint4 *>(src)[c];
+        reinterpret_cast<uint4 *>(vd)[c] = reinterpret_cast<const uint4 *>(src + kv)[c];
+    }
+}
+
+/* gu[t][j] = silu(gate) * up for j < f, in place over the gate half. */
+__global__ void silu_mul_kernel(bf16 *gu, uint32_t f, uint32_t n)
+{
+    const uint64_t count = (uint64_t) n * f;
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x) {
+        const uint64_t t = i / f, j = i % f;
+        bf16 *row = gu + t * 2 * f;
+        const float g = __bfloat162float(row[j]), u = __bfloat162float(row[f + j]);
+        row[j] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+__global__ void add_kernel(float *x, const float *d, uint64_t count)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
+         i += (uint64_t) gridDim.x * blockDim.x)
+        x[i] += d[i];
+}
+
+unsigned grid_for(uint64_t count, unsigned threads)
+{
+    uint64_t g = (count + threads - 1) / threads;
+    return (unsigned) (g < 1 ? 1 : g > 65535 * 16 ? 65535 * 16 : g);
+}
+
+/* y[n][out] = x[n][in] w[out][in]^T (+ beta y): bf16 inputs, f32 accumulation, y bf16 or f32. */
+kvs_status_t gemm(kvs_model_cuda_t *c, const bf16 *x, uint32_t ldx, const bf16 *w, uint32_t in,
+                  uint32_t out, uint32_t n, void *y, cudaDataType_t ytype, uint32_t ldy, float beta)
+{
+    const float alpha = 1.0f;
+    return blas_check(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int) out, (int) n, (int) in,
+                                   &alpha, w, CUDA_R_16BF, (int) in, x, CUDA_R_16BF, (int) ldx,
+                                   &beta, y, ytype, (int) ldy, CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT),
+                      "cublasGemmEx");
+}
+
+/* Where shard `id` goes: a bf16 matrix (and the row its rows start at) or an f32 vector. */
+kvs_status_t locate(kvs_model_cuda_t *c, uint64_t id, uint64_t nrows, uint64_t ncols, bf16 **b_p,
+                    float **f_p)
+{
+    *b_p = NULL;
+    *f_p = NULL;
+    uint64_t want_rows = 0, want_cols = c->dim;
+    if (id == KVS_MODEL_ID_EMBED || id == KVS_MODEL_ID_OUTPUT) {
+        *b_p = id == KVS_MODEL_ID_EMBED ? c->embed : c->output;
+        want_rows = c->vocab;
+    } else if (id == KVS_MODEL_ID_OUTPUT_NORM) {
+        *f_p = c->output_norm;
+        want_rows = 1;
+    } else if (id / 16 < c->layers && id % 16 < KVS_MODEL_T_KINDS) {
+        layer_w *L = &c->layer[id / 16];
+        switch ((int) (id % 16)) {
+        case KVS_MODEL_T_ATTN_NORM:
+            *f_p = L->attn_norm, want_rows = 1;
+            break;
+        case KVS_MODEL_T_FFN_NORM:
+            *f_p = L->ffn_norm, want_rows = 1;
+            break;
+        case KVS_MODEL_T_Q:
+            *b_p = L->wqkv, want_rows = c->q;
+            break;
+        case KVS_MODEL_T_K:
+            *b_p = L->wqkv + (size_t) c->q * c->dim, want_rows = c->kv;
+            break;
+        case KVS_MODEL_T_V:
+            *b_p = L->wqkv + (size_t) (c->q + c->kv) * c->dim, want_rows = c->kv;
+            break;
+        case KVS_MODEL_T_O:
+            *b_p = L->wo, want_rows = c->dim, want_cols = c->q;
+            break;
+        case KVS_MODEL_T_GATE:
+            *b_p = L->wgu, want_rows = c->f;
+            break;
+        case KVS_MODEL_T_UP:
+            *b_p = L->wgu + (size_t) c->f * c->dim, want_rows = c->f;
+            break;
+        case KVS_MODEL_T_DOWN:
+            *b_p = L->wdown, want_rows = c->dim, want_cols = c->f;
+            break;
+        }
+    }
+    if ((*b_p == NULL && *f_p == NULL) || nrows != want_rows || ncols != want_cols) {
+        kvs_error("model(cuda): shard %llu is [%llu x %llu], expected [%llu x %llu]",
+                  (unsigned long long) id, (unsigned long long) nrows, (unsigned long long) ncols,
+                  (unsigned long long) want_rows, (unsigned long long) want_cols);
+        return KVS_ERR_INVALID;
+    }
+    return KVS_OK;
+}
+
+/* The metadata of one forward call, laid out in the pinned buffer and its device twin. */
+struct meta_t {
+    size_t tok, pos, tok_pages, pages, last, work, combine, bytes;
+};
+
+size_t align16(size_t n)
+{
+    return (n + 15) & ~(size_t) 15;
+}
+
+int cmp_work(const void *a, const void *b)
+{
+    const attn_work_t *x = (const attn_work_t *) a, *y = (const attn_work_t *) b;
+    const uint32_t lx = x->kv_end - x->kv_begin, ly = y->kv_end - y->kv_begin;
+    return lx < ly ? 1 : lx > ly ? -1 : 0;
+}
+
+kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn reduce, void *arg)
+{
+    const size_t count = (size_t) n * c->dim;
+    kvs_status_t st = KVS_OK;
+    if (c->hpart_floats < count) {
+        cudaFreeHost(c->hpart);
+        c->hpart = NULL;
+        c->hpart_floats = 0;
+        st = KVS_CUDA_CHECK(cudaMallocHost((void **) &c->hpart, count * sizeof(float)),
+                            "model(cuda): pinned all-reduce buffer");
+        if (st != KVS_OK) return st;
+        c->hpart_floats = count;
+    }
+    if (c->hdbl_count < count) {
+        kvs_free(c->hdbl);
+        c->hdbl = (double *) kvs_malloc(count * sizeof(double));
+        c->hdbl_count = c->hdbl != NULL ? count : 0;
+        if (c->hdbl == NULL) return KVS_ERR_NOMEM;
+    }
+    float *dp = (float *) c->partial.p;
+    st = KVS_CUDA_CHECK(
+        cudaMemcpyAsync(c->hpart, dp, count * sizeof(float), cudaMemcpyDeviceToHost, c->stream),
+        "model(cuda): partial sums to the host");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): partial sums");
+    if (st != KVS_OK) return st;
+    for (size_t i = 0; i < count; i++) c->hdbl[i] = c->hpart[i];
+    st = reduce(arg, c->hdbl, count);
+    if (st != KVS_OK) {
+        kvs_error("model(cuda): all-reduce of %zu partial sums failed: %s", count,
+                  kvs_status_str(st));
+        return st;
+    }
+    for (size_t i = 0; i < count; i++) c->hpart[i] = (float) c->hdbl[i];
+    st = KVS_CUDA_CHECK(
+        cudaMemcpyAsync(dp, c->hpart, count * sizeof(float), cudaMemcpyHostToDevice, c->stream),
+        "model(cuda): reduced sums to the device");
+    if (st != KVS_OK) return st;
+    add_kernel<<<grid_for(count, 256), 256, 0, c->stream>>>((float *) c->x.p, dp, count);
+    return KVS_OK;
+}
+
+} // namespace
+
+extern "C" kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device, int tied,
+                                               kvs_model_cuda_t **cuda_p)
+{
+    const kvs_model_config_t *cfg = &m->config;
+    if (cfg->head_dim != 64 && cfg->head_dim != 128) {
+        kvs_error("model(cuda): head dim %u is not supported on CUDA (64 or 128)", cfg->head_dim);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    const uint32_t group = m->q_heads / m->kv_heads;
+    if (group == 0 || group > kvs_cuda::ATTN_ROWS || group * m->kv_heads != m->q_heads) {
+        kvs_error("model(cuda): %u query heads over %u KV heads per rank are not supported",
+                  m->q_heads, m->kv_heads);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    for (uint32_t j = 0; j < m->q_heads; j++) {
+        if (m->q_kv[j] != j / group) {
+            kvs_error("model(cuda): query head %u reads KV head %u, not %u", j, m->q_kv[j],
+                      j / group);
+            return KVS_ERR_UNSUPPORTED;
+        }
+    }
+    int count = 0;
+    kvs_status_t st = KVS_CUDA_CHECK(cudaGetDeviceCount(&count), "model(cuda): device %d", device);
+    if (st != KVS_OK) return st;
+    if (device >= count) {
+        kvs_error("model(cuda): device %d does not exist (%d CUDA devices)", device, count);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    st = KVS_CUDA_CHECK(cudaSetDevice(device), "model(cuda): device %d", device);
+    if (st != KVS_OK) return st;
+    kvs_model_cuda_t *c = (kvs_model_cuda_t *) kvs_calloc(1, sizeof(*c));
+    if (c == NULL) return KVS_ERR_NOMEM;
+    c->device = device;
+    c->dim = cfg->dim;
+    c->hd = cfg->head_dim;
+    c->q_heads = m->q_heads;
+    c->kv_heads = m->kv_heads;
+    c->q = m->q_heads * cfg->head_dim;
+    c->kv = m->kv_heads * cfg->head_dim;
+    c->f = m->ffn_cols;
+    c->vocab = cfg->vocab;
+    c->group = group;
+    c->layers = cfg->layers;
+    c->eps = cfg->norm_eps;
+    c->theta = cfg->rope_theta;
+    cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device);
+    c->layer = (layer_w *) kvs_calloc(cfg->layers, sizeof(layer_w));
+    if (c->layer == NULL) {
+        kvs_free(c);
+        return KVS_ERR_NOMEM;
+    }
+    /* one arena: every piece on a 256-byte boundary */
+    const size_t dim = c->dim;
+    size_t off = 0;
+    auto take = [&](size_t bytes) {
+        size_t at = off;
+        off += (bytes + 255) & ~(size_t) 255;
+        return at;
+    };
+    const size_t o_embed = take((size_t) c->vocab * dim * 2);
+    const size_t o_output = tied ? o_embed : take((size_t) c->vocab * dim * 2);
+    const size_t o_onorm = take(dim * 4);
+    size_t *o_layer = (size_t *) kvs_malloc(cfg->layers * 6 * sizeof(size_t));
+    if (o_layer == NULL) {
+        kvs__model_cuda_destroy(c);
+        return KVS_ERR_NOMEM;
+    }
+    for (uint32_t l = 0; l < cfg->layers; l++) {
+        o_layer[l * 6 + 0] = take(dim * 4 * 2); /* both norms */
+        o_layer[l * 6 + 1] = take((size_t) (c->q + 2 * c->kv) * dim * 2);
+        o_layer[l * 6 + 2] = take(dim * c->q * 2);
+        o_layer[l * 6 + 3] = take((size_t) 2 * c->f * dim * 2);
+        o_layer[l * 6 + 4] = take(dim * c->f * 2);
+    }
+    st = KVS_CUDA_CHECK(cudaMalloc(&c->weights, off),
+                        "model(cuda): %zu MiB of weights on device %d", off >> 20, device);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
+                            "model(cuda): stream");
+    if (st == KVS_OK) st = blas_check(cublasCreate(&c->blas), "cublasCreate");
+    if (st == KVS_OK) st = blas_check(cublasSetStream(c->blas, c->stream), "cublasSetStream");
+    if (st != KVS_OK) {
+        kvs_free(o_layer);
+        kvs__model_cuda_destroy(c);
+        return st;
+    }
+    uint8_t *base = (uint8_t *) c->weights;
+    c->embed = (bf16 *) (base + o_embed);
+    c->output = (bf16 *) (base + o_output);
+    c->output_norm = (float *) (base + o_onorm);
+    for (uint32_t l = 0; l < cfg->layers; l++) {
+        layer_w *L = &c->layer[l];
+        L->attn_norm = (float *) (base + o_layer[l * 6]);
+        L->ffn_norm = L->attn_norm + dim;
+        L->wqkv = (bf16 *) (base + o_layer[l * 6 + 1]);
+        L->wo = (bf16 *) (base + o_layer[l * 6 + 2]);
+        L->wgu = (bf16 *) (base + o_layer[l * 6 + 3]);
+        L->wdown = (bf16 *) (base + o_layer[l * 6 + 4]);
+    }
+    kvs_free(o_layer);
+    kvs_debug("model(cuda): %zu MiB of bf16 weights on device %d", off >> 20, device);
+    *cuda_p = c;
+    return KVS_OK;
+}
+
+extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
+{
+    if (c == NULL) return;
+    cudaSetDevice(c->device);
+    if (c->stream != NULL) cudaStreamSynchronize(c->stream);
+    dbuf *bufs[] = {&c->stage,   &c->x,      &c->h,          &c->qkv,    &c->att,     &c->gu,
+                    &c->partial, &c->logits, &c->all_logits, &c->part_o, &c->part_ml, &c->meta};
+    for (dbuf *b : bufs)
+        if (b->p != NULL) cudaFree(b->p);
+    if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
+    if (c->hpart != NULL) cudaFreeHost(c->hpart);
+    kvs_free(c->hdbl);
+    if (c->blas != NULL) cublasDestroy(c->blas);
+    if (c->stream != NULL) cudaStreamDestroy(c->stream);
+    if (c->weights != NULL) cudaFree(c->weights);
+    kvs_free(c->layer);
+    kvs_free(c);
+}
+
+extern "C" kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
+                                            uint64_t nrows, uint64_t ncols)
+{
+    bf16 *b;
+    float *f;
+    kvs_status_t st = locate(c, id, nrows, ncols, &b, &f);
+    if (st != KVS_OK) return st;
+    const uint64_t count = nrows * ncols;
+    if (f != NULL)
+        return KVS_CUDA_CHECK(cudaMemcpy(f, host, count * 4, cudaMemcpyHostToDevice),
+                              "model(cuda): weights");
+    st = grow(&c->stage, count * 4, "weight staging");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(
+            cudaMemcpyAsync(c->stage.p, host, count * 4, cudaMemcpyHostToDevice, c->stream),
+            "model(cuda): weights");
+    if (st != KVS_OK) return st;
+    to_bf16_kernel<<<grid_for(count, 256), 256, 0, c->stream>>>((const float *) c->stage.p, b,
+                                                                count);
+    return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): weights");
+}
+
+extern "C" kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,
+                                             const kvs_model_seed_rule_t *rule, uint64_t rows,
+                                             uint64_t cols, uint64_t row0, uint64_t nrows,
+                                             uint64_t col0, uint64_t ncols)
+{
+    (void) rows;
+    bf16 *b;
+    float *f;
+    kvs_status_t st = locate(c, id, nrows, ncols, &b, &f);
+    if (st != KVS_OK) return st;
+    seed_kernel<<<grid_for(nrows * ncols, 256), 256, 0, c->stream>>>(*rule, cols, row0, nrows, col0,
+                                                                     ncols, b, f);
+    return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): seeded weights");
+}
+
+extern "C" kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
+{
+    return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): sync");
+}
+
+extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool,
+                                                const kvs_model_seq_t *seqs, uint32_t nseq,
+                                                kvs_allreduce_fn reduce, void *reduce_arg,
+                                                float *logits)
+{
+    kvs_model_cuda_t *c = m->cuda;
+    kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(c->device), "model(cuda): device %d", c->device);
+    if (st != KVS_OK) return st;
+    const uint32_t P = kvs_pool_config(pool)->page_size;
+    for (uint32_t l = 0; l < 2; l++) {
+        const kvs_region_t *r = kvs_pool_region(pool, 0, l);
+        if (((uintptr_t) r->base | r->page_stride | r->token_stride | r->head_stride) % 16 != 0) {
+            kvs_error("model(cuda): the pool's regions must be 16-byte aligned");
+            return KVS_ERR_INVALID;
+        }
+    }
+
+    /* ---- the call's metadata ---- */
+    uint32_t n = 0, npages = 0, nall = 0;
+    for (uint32_t i = 0; i < nseq; i++) {
+        n += seqs[i].n;
+        npages += (seqs[i].pos0 + seqs[i].n + P - 1) / P;
+        if (seqs[i].all_logits != NULL && seqs[i].n > nall) nall = seqs[i].n;
+    }
+    const uint32_t tpt = kvs_cuda::ATTN_ROWS / c->group; /* tokens per row block */
+    uint32_t ntiles = 0;
+    uint64_t kv_total = 0;
+    for (uint32_t i = 0; i < nseq; i++) {
+        const uint32_t tiles = (seqs[i].n + tpt - 1) / tpt;
+        ntiles += tiles * c->kv_heads;
+        for (uint32_t j = 0; j < tiles; j++) {
+            const uint32_t last = j * tpt + (seqs[i].n - j * tpt < tpt ? seqs[i].n - j * tpt : tpt);
+            kv_total += (uint64_t) (seqs[i].pos0 + last) * c->kv_heads;
+        }
+    }
+    /* Too few row blocks to fill the GPU twice over: split the positions. */
+    uint32_t split = UINT32_MAX;
+    const uint32_t target = 2u * (uint32_t) c->sms;
+    if (ntiles < target) {
+        uint64_t s = (kv_total + target - 1) / target;
+        s = (s + kvs_cuda::ATTN_TILE - 1) / kvs_cuda::ATTN_TILE * kvs_cuda::ATTN_TILE;
+        split = s < 4 * kvs_cuda::ATTN_TILE ? 4 * kvs_cuda::ATTN_TILE : (uint32_t) s;
+    }
+    uint32_t nwork = 0, ncomb = 0, nparts = 0;
+    for (uint32_t i = 0; i < nseq; i++) {
+        const uint32_t tiles = (seqs[i].n + tpt - 1) / tpt;
+        for (uint32_t j = 0; j < tiles; j++) {
+            const uint32_t ntok = seqs[i].n - j * tpt < tpt ? seqs[i].n - j * tpt : tpt;
+            const uint32_t end = seqs[i].pos0 + j * tpt + ntok;
+            const uint32_t ns = split == UINT32_MAX ? 1 : (end + split - 1) / split;
+            nwork += ns * c->kv_heads;
+            if (ns > 1) {
+                ncomb += c->kv_heads;
+                nparts += ns * c->kv_heads;
+            }
+        }
+    }
+    meta_t mt;
+    mt.tok = 0;
+    mt.pos = align16(mt.tok + (size_t) n * 4);
+    mt.tok_pages = align16(mt.pos + (size_t) n * 4);
+    mt.pages = align16(mt.tok_pages + (size_t) n * 4);
+    mt.last = align16(mt.pages + (size_t) npages * 4);
+    mt.work = align16(mt.last + (size_t) nseq * 4);
+    mt.combine = align16(mt.work + (size_t) nwork * sizeof(attn_work_t));
+    mt.bytes = align16(mt.combine + (size_t) ncomb * sizeof(attn_combine_t));
+    if (c->hmeta_bytes < mt.bytes) {
+        if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
+        c->hmeta = NULL;
+        c->hmeta_bytes = 0;
+        st =
+            KVS_CUDA_CHECK(cudaMallocHost(&c->hmeta, mt.bytes * 2), "model(cuda): pinned metadata");
+        if (st != KVS_OK) return st;
+        c->hmeta_bytes = mt.bytes * 2;
+    }
+    /* the previous call's copy out of hmeta is done: every call ends with a synchronize */
+    uint8_t *hm = (uint8_t *) c->hmeta;
+    uint32_t *tok = (uint32_t *) (hm + mt.tok), *pos = (uint32_t *) (hm + mt.pos);
+    uint32_t *tok_pages = (uint32_t *) (hm + mt.tok_pages), *pages = (uint32_t *) (hm + mt.pages);
+    uint32_t *last = (uint32_t *) (hm + mt.last);
+    attn_work_t *work = (attn_work_t *) (hm + mt.work);
+    attn_combine_t *comb = (attn_combine_t *) (hm + mt.combine);
+    uint32_t row = 0, pg = 0, w = 0, cb = 0, part = 0;
+    for (uint32_t i = 0; i < nseq; i++) {
+        const kvs_model_seq_t *s = &seqs[i];
+        const uint32_t np = (s->pos0 + s->n + P - 1) / P, page_off = pg;
+        memcpy(pages + pg, s->pages, np * sizeof(uint32_t));
+        pg += np;
+        for (uint32_t j = 0; j < s->n; j++) {
+            tok[row + j] = s->tokens[j];
+            pos[row + j] = s->pos0 + j;
+            tok_pages[row + j] = page_off;
+        }
+        const uint32_t tiles = (s->n + tpt - 1) / tpt;
+        for (uint32_t j = 0; j < tiles; j++) {
+            const uint32_t ntok = s->n - j * tpt < tpt ? s->n - j * tpt : tpt;
+            const uint32_t end = s->pos0 + j * tpt + ntok;
+            const uint32_t ns = split == UINT32_MAX ? 1 : (end + split - 1) / split;
+            for (uint32_t h = 0; h < c->kv_heads; h++) {
+                for (uint32_t k = 0; k < ns; k++) {
+                    attn_work_t *x = &work[w++];
+                    x->page_off = page_off;
+                    x->tok0 = row + j * tpt;
+                    x->ntok = ntok;
+                    x->kvh = h;
+                    x->qh0 = h * c->group;
+                    x->kv_begin = ns > 1 ? k * split : 0;
+                    x->kv_end = ns > 1 && (k + 1) * split < end ? (k + 1) * split : end;
+                    x->part = ns > 1 ? part + k : kvs_cuda::ATTN_NO_PART;
+                }
+                if (ns > 1) {
+                    comb[cb++] = attn_combine_t{part, ns, row + j * tpt, ntok, h * c->group};
+                    part += ns;
+                }
+            }
+        }
+        row += s->n;
+        last[i] = row - 1;
+    }
+    qsort(work, nwork, sizeof(*work), cmp_work); /* longest first: the tail is short */
+
+    /* ---- scratch ---- */
+    const size_t qkv_w = c->q + 2 * c->kv;
+    const uint32_t hrows = n > nseq ? n : nseq;
+    if ((st = grow(&c->meta, mt.bytes, "metadata")) != KVS_OK ||
+        (st = grow(&c->x, (size_t) n * c->dim * 4, "the residual")) != KVS_OK ||
+        (st = grow(&c->h, (size_t) hrows * c->dim * 2, "normed rows")) != KVS_OK ||
+        (st = grow(&c->qkv, (size_t) n * qkv_w * 2, "q, k, v")) != KVS_OK ||
+        (st = grow(&c->att, (size_t) n * c->q * 2, "attention output")) != KVS_OK ||
+        (st = grow(&c->gu, (size_t) n * 2 * c->f * 2, "gate and up")) != KVS_OK ||
+        (st = grow(&c->logits, (size_t) nseq * c->vocab * 4, "logits")) != KVS_OK ||
+        (m->tp.tp_size > 1 &&
+         (st = grow(&c->partial, (size_t) n * c->dim * 4, "partial sums")) != KVS_OK) ||
+        (nall > 0 &&
+         (st = grow(&c->all_logits, (size_t) nall * c->vocab * 4, "prompt logits")) != KVS_OK) ||
+        (nparts > 0 && (st = grow(&c->part_o, (size_t) nparts * kvs_cuda::ATTN_ROWS * c->hd * 4,
+                                  "attention partials")) != KVS_OK) ||
+        (nparts > 0 && (st = grow(&c->part_ml, (size_t) nparts * kvs_cuda::ATTN_ROWS * 8,
+                                  "attention partials")) != KVS_OK))
+        return st;
+    uint8_t *dm = (uint8_t *) c->meta.p;
+    st = KVS_CUDA_CHECK(cudaMemcpyAsync(dm, hm, mt.bytes, cudaMemcpyHostToDevice, c->stream),
+                        "model(cuda): call metadata");
+    if (st != KVS_OK) return st;
+    const uint32_t *d_tok = (const uint32_t *) (dm + mt.tok),
+                   *d_pos = (const uint32_t *) (dm + mt.pos);
+    const uint32_t *d_tok_pages = (const uint32_t *) (dm + mt.tok_pages);
+    const uint32_t *d_pages = (const uint32_t *) (dm + mt.pages),
+                   *d_last = (const uint32_t *) (dm + mt.last);
+    float *x = (float *) c->x.p;
+    bf16 *h = (bf16 *) c->h.p, *qkv = (bf16 *) c->qkv.p, *att = (bf16 *) c->att.p,
+         *gu = (bf16 *) c->gu.p;
+    const int tp = m->tp.tp_size > 1;
+
+    embed_kernel<<<n, 256, 0, c->stream>>>(c->embed, c->dim, d_tok, x);
+    attn_args_t aa;
+    aa.q = qkv;
+    aa.q_stride = (uint32_t) qkv_w;
+    aa.out = att;
+    aa.out_stride = c->q;
+    aa.page_size = P;
+    aa.pages = d_pages;
+    aa.pos = d_pos;
+    aa.group = c->group;
+    aa.scale_log2 = (float) (1.4426950408889634 / sqrt((double) c->hd));
+    aa.part_o = (float *) c->part_o.p;
+    aa.part_ml = (float *) c->part_ml.p;
+    for (uint32_t l = 0; l < c->layers && st == KVS_OK; l++) {
+        const layer_w *L = &c->layer[l];
+        const kvs_region_t kr = *kvs_pool_region(pool, l, 0), vr = *kvs_pool_region(pool, l, 1);
+        rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
+        if ((st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
+                       (uint32_t) qkv_w, 0.0f)) != KVS_OK)
+            break;
+        const uint64_t pairs = (uint64_t) n * (c->q_heads + c->kv_heads) * (c->hd / 2);
+        rope_kernel<<<grid_for(pairs, 256), 256, 0, c->stream>>>(
+            qkv, (uint32_t) qkv_w, d_pos, c->q_heads + c->kv_heads, c->hd, (double) c->theta, n);
+        const uint64_t vecs = (uint64_t) n * c->kv_heads * (c->hd / 8);
+        kv_write_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
+            qkv, (uint32_t) qkv_w, c->q, c->kv, d_pos, d_tok_pages, d_pages, P, kr, vr, c->kv_heads,
+            c->hd, n);
+        aa.k = kr;
+        aa.v = vr;
+        if ((st = kvs_cuda::attention_launch(aa, c->hd, (const attn_work_t *) (dm + mt.work), nwork,
+                                             (const attn_combine_t *) (dm + mt.combine), ncomb,
+                                             c->stream)) != KVS_OK)
+            break;
+        if ((st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
+                       c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
+            break;
+        if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+        rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
+        if ((st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
+                       0.0f)) != KVS_OK)
+            break;
+        silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(gu, c->f, n);
+        if ((st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
+                       CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
+            break;
+        if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+    }
+    if (st == KVS_OK) {
+        rmsnorm_kernel<<<nseq, 256, 0, c->stream>>>(x, d_last, c->output_norm, c->dim, c->eps, h);
+        st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, nseq, c->logits.p, CUDA_R_32F,
+                  c->vocab, 0.0f);
+    }
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMemcpyAsync(logits, c->logits.p, (size_t) nseq * c->vocab * 4,
+                                            cudaMemcpyDeviceToHost, c->stream),
+                            "model(cuda): logits");
+    /* Rows of every token, for the sequences that asked (prompt logprobs). */
+    for (uint32_t i = 0, r0 = 0; i < nseq && st == KVS_OK; r0 += seqs[i].n, i++) {
+        if (seqs[i].all_logits == NULL) continue;
+        rmsnorm_kernel<<<seqs[i].n, 256, 0, c->stream>>>(x + (size_t) r0 * c->dim, NULL,
+                                                         c->output_norm, c->dim, c->eps, h);
+        st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, seqs[i].n, c->all_logits.p, CUDA_R_32F,
+                  c->vocab, 0.0f);
+        if (st == KVS_OK)
+            st = KVS_CUDA_CHECK(cudaMemcpyAsync(seqs[i].all_logits, c->all_logits.p,
+                                                (size_t) seqs[i].n * c->vocab * 4,
+                                                cudaMemcpyDeviceToHost, c->stream),
+                                "model(cuda): prompt logits");
+        if (st == KVS_OK)
+            st = KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): prompt logits");
+    }
+    kvs_status_t st2 =
+        KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): forward pass");
+    if (st == KVS_OK) st = st2;
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): forward pass kernels");
+    return st;
+}
+
+/* ---- the benchmark's ceilings ---- */
+
+extern "C" kvs_status_t kvs__model_cuda_gemm_flops(int device, uint32_t m, uint32_t n, uint32_t k,
+                                                   double *flops_p)
+{
+    kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(device), "model(cuda): device %d", device);
+    if (st != KVS_OK) return st;
+    kvs_model_cuda_t c;
+    memset(&c, 0, sizeof(c));
+    void *x = NULL, *w = NULL, *y = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    st = KVS_CUDA_CHECK(cudaMalloc(&x, (size_t) m * k * 2), "model(cuda): GEMM input");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc(&w, (size_t) n * k * 2), "model(cuda): GEMM weights");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc(&y, (size_t) m * n * 2), "model(cuda): GEMM output");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaStreamCreate(&c.stream), "model(cuda): stream");
+    if (st == KVS_OK) st = blas_check(cublasCreate(&c.blas), "cublasCreate");
+    if (st == KVS_OK) st = blas_check(cublasSetStream(c.blas, c.stream), "cublasSetStream");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaEventCreate(&e0), "model(cuda): event");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaEventCreate(&e1), "model(cuda): event");
+    if (st == KVS_OK) {
+        cudaMemsetAsync(x, 0, (size_t) m * k * 2, c.stream);
+        cudaMemsetAsync(w, 0, (size_t) n * k * 2, c.stream);
+    }
+    double best = 0;
+    for (int rep = 0; rep < 6 && st == KVS_OK; rep++) {
+        cudaEventRecord(e0, c.stream);
+        for (int i = 0; i < 5 && st == KVS_OK; i++)
+            st = gemm(&c, (const bf16 *) x, k, (const bf16 *) w, k, n, m, y, CUDA_R_16BF, n, 0.0f);
+        cudaEventRecord(e1, c.stream);
+        if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaEventSynchronize(e1), "model(cuda): GEMM");
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double f = 5.0 * 2.0 * m * n * k / (ms * 1e-3);
+        if (rep > 0 && f > best) best = f; /* the first is the warm-up */
+    }
+    if (e0 != NULL) cudaEventDestroy(e0);
+    if (e1 != NULL) cudaEventDestroy(e1);
+    if (c.blas != NULL) cublasDestroy(c.blas);
+    if (c.stream != NULL) cudaStreamDestroy(c.stream);
+    cudaFree(x);
+    cudaFree(w);
+    cudaFree(y);
+    *flops_p = best;
+    return st;
+}
+
+extern "C" kvs_status_t kvs__model_cuda_copy_bytes_s(int device, size_t bytes, double *bytes_s_p)
+{
+    kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(device), "model(cuda): device %d", device);
+    if (st != KVS_OK) return st;
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    st = KVS_CUDA_CHECK(cudaMalloc(&a, bytes), "model(cuda): copy source");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaMalloc(&b, bytes), "model(cuda): copy target");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaEventCreate(&e0), "model(cuda): event");
+    if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaEventCreate(&e1), "model(cuda): event");
+    double best = 0;
+    for (int rep = 0; rep < 6 && st == KVS_OK; rep++) {
+        cudaEventRecord(e0, 0);
+        for (int i = 0; i < 5; i++) cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0);
+        cudaEventRecord(e1, 0);
+        st = KVS_CUDA_CHECK(cudaEventSynchronize(e1), "model(cuda): copy");
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double r = 5.0 * 2.0 * (double) bytes / (ms * 1e-3); /* read + written */
+        if (rep > 0 && r > best) best = r;
+    }
+    if (e0 != NULL) cudaEventDestroy(e0);
+    if (e1 != NULL) cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    *bytes_s_p = best;
+    return st;
+}

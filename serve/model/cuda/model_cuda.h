@@ -1,0 +1,61 @@
+/* The CUDA backend of the model (internal; model.c and forward.c call it for a model created on
+ * a device). Weights live on the device in bf16 (norm weights in f32); the q/k/v rows of a
+ * layer are one matrix, and so are the gate/up rows, so each is one projection. The forward
+ * pass runs on the device: cuBLAS (bf16 inputs, f32 accumulation) for every projection, our
+ * kernels for embedding, RMSNorm, RoPE, the KV write into the paged pool (bf16), paged
+ * attention (tensor-core tiles with an online softmax, split over the positions when a call
+ * has too few tiles to fill the GPU, then a reduction) and SwiGLU. The residual stream stays
+ * f32; the logits come back to the host in f32 and are sampled there.
+ *
+ * Tolerances instead of the CPU's bitwise rules (ops.h): every matrix input is rounded to bf16
+ * (a relative error of at most 2^-9 per element), sums are f32, and results do not depend on
+ * batching or chunking beyond that rounding. tests/model/test_forward_cuda.c states the bounds
+ * it holds the logits to against the CPU reference.
+ *
+ * Tensor parallelism on one GPU: ranks of a TP group on the same device (separate processes)
+ * reduce the row-split partials through the caller's host all-reduce (copied out and back):
+ * correct, and slow. */
+#ifndef KVSTAGE_MODEL_CUDA_H
+#define KVSTAGE_MODEL_CUDA_H
+
+#include <stdint.h>
+
+#include "model/model_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Allocates the weights of model m's rank (its config, slices and q_kv set) on `device`;
+ * KVS_ERR_UNSUPPORTED without CUDA, without the device, or for a head dim other than 64/128. */
+kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device, int tied,
+                                    kvs_model_cuda_t **cuda_p);
+void kvs__model_cuda_destroy(kvs_model_cuda_t *c);
+/* Stores shard `id` (KVS_MODEL_T_* of a layer, or KVS_MODEL_ID_*) from host f32 [nrows][ncols]. */
+kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
+                                 uint64_t nrows, uint64_t ncols);
+/* Generates shard `id` on the device by the seeded rule: rows [row0, row0 + nrows) and columns
+ * [col0, col0 + ncols) of the full tensor [rows][cols]. */
+kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,
+                                  const kvs_model_seed_rule_t *rule, uint64_t rows, uint64_t cols,
+                                  uint64_t row0, uint64_t nrows, uint64_t col0, uint64_t ncols);
+/* kvs_model_forward for a model on the device; the arguments were checked. */
+kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model_seq_t *seqs,
+                                     uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
+                                     float *logits);
+
+/* The limits the engine benchmark sets beside its figures, measured on `device`: the FLOP/s
+ * of a cuBLAS bf16 GEMM y[m][n] = x[m][k] w[n][k]^T (f32 accumulation, the projections' call),
+ * and the HBM bytes/s of a device-to-device copy of `bytes` (read plus written). Best of a few
+ * timed runs after a warm-up. */
+kvs_status_t kvs__model_cuda_gemm_flops(int device, uint32_t m, uint32_t n, uint32_t k,
+                                        double *flops_p);
+kvs_status_t kvs__model_cuda_copy_bytes_s(int device, size_t bytes, double *bytes_s_p);
+/* Waits for the model's device work (for timing). */
+kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

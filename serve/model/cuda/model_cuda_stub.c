@@ -1,0 +1,72 @@
+/* The CUDA model backend's entry points in builds without CUDA: a model asked for on a device
+ * is refused at creation with one logged line, so nothing else is ever reached. With CUDA the
+ * real ones live in model_cuda.cu and this file is empty. */
+#include "model/cuda/model_cuda.h"
+
+#if !KVS_HAVE_CUDA
+#include "kvstage/log.h"
+
+kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device, int tied,
+                                    kvs_model_cuda_t **cuda_p)
+{
+    (void) m;
+    (void) tied;
+    (void) cuda_p;
+    kvs_error("model: CUDA device %d: this kvstage was built without CUDA (configure with nvcc "
+              "available and -DKVS_CUDA=ON)",
+              device);
+    return KVS_ERR_UNSUPPORTED;
+}
+
+void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
+{
+    (void) c;
+}
+
+kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
+                                 uint64_t nrows, uint64_t ncols)
+{
+    (void) c, (void) id, (void) host, (void) nrows, (void) ncols;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,
+                                  const kvs_model_seed_rule_t *rule, uint64_t rows, uint64_t cols,
+                                  uint64_t row0, uint64_t nrows, uint64_t col0, uint64_t ncols)
+{
+    (void) c, (void) id, (void) rule, (void) rows, (void) cols, (void) row0, (void) nrows,
+        (void) col0, (void) ncols;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model_seq_t *seqs,
+                                     uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
+                                     float *logits)
+{
+    (void) m, (void) pool, (void) seqs, (void) nseq, (void) reduce, (void) reduce_arg,
+        (void) logits;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_gemm_flops(int device, uint32_t m, uint32_t n, uint32_t k,
+                                        double *flops_p)
+{
+    (void) device, (void) m, (void) n, (void) k, (void) flops_p;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_copy_bytes_s(int device, size_t bytes, double *bytes_s_p)
+{
+    (void) device, (void) bytes, (void) bytes_s_p;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
+{
+    (void) c;
+    return KVS_ERR_UNSUPPORTED;
+}
+#else
+/* ISO C forbids an empty translation unit. */
+typedef int kvs__model_cuda_stub_unused_t;
+#endif

@@ -1,0 +1,439 @@
+/* The CUDA backend of the model (serve/model/cuda) against the CPU reference: seeded models of
+ * several shapes (head dims 64 and 128, GQA groups 1, 3 and 4, page sizes 1, 16 and 64, NHD
+ * and HND pools), batches of sequences prefilled in chunks over cached prefixes and decoded,
+ * a long context whose decode attention is split over the positions, prompt logits, two TP
+ * ranks sharing the GPU, and SmolLM2 greedy for 32 tokens. The CUDA logits must be within
+ * TOL_ABS + TOL_REL * (the CPU logits' largest magnitude) of the CPU's everywhere, and pick the
+ * CPU's token wherever the CPU's top-2 gap exceeds twice that bound. GPU tests skip without a
+ * CUDA device; the refusals run everywhere. */
+#include "kvs_test.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "kvstage/pool.h"
+#include "kvstage/rng.h"
+#include "model/gguf.h"
+#include "model/model.h"
+#include "staging/copy.h"
+
+/* The bound the CUDA forward pass is held to (bf16 weights and activations, f32 sums). */
+#define TOL_ABS 0.05
+#define TOL_REL 0.03
+
+static void require_gpu(void)
+{
+    static int told;
+    if (!kvs_copy_cuda_available()) {
+        if (!told++) print_message("no CUDA device on this machine: GPU tests skipped\n");
+        skip();
+    }
+}
+
+static kvs_model_config_t shape(uint32_t heads, uint32_t kv_heads, uint32_t head_dim)
+{
+    kvs_model_config_t c = {.layers = 2,
+                            .dim = heads * head_dim,
+                            .ffn_dim = 2 * heads * head_dim + 64,
+                            .heads = heads,
+                            .kv_heads = kv_heads,
+                            .head_dim = head_dim,
+                            .vocab = 1001,
+                            .max_ctx = 4096,
+                            .rope_theta = 10000.0f,
+                            .norm_eps = 1e-5f};
+    return c;
+}
+
+static kvs_pool_t *make_pool(const kvs_model_t *m, uint32_t page_size, uint32_t pages,
+                             kvs_pool_layout_t layout)
+{
+    kvs_pool_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.shape = kvs_model_kv_shape(m);
+    c.tp = kvs_model_tp(m);
+    c.page_size = page_size;
+    c.num_pages = pages;
+    c.layout = layout;
+    c.mem = kvs_model_device(m) < 0 ? KVS_MEM_HOST : KVS_MEM_DEVICE;
+    c.device = kvs_model_device(m) < 0 ? 0 : kvs_model_device(m);
+    kvs_pool_t *pool = NULL;
+    assert_int_equal(kvs_pool_create(&c, &pool), KVS_OK);
+    return pool;
+}
+
+/* The two sides of one comparison: the same model (seeded or loaded) on the CPU and on GPU 0,
+ * each with its own pool and identical page ids. */
+typedef struct {
+    kvs_model_t *cpu, *gpu;
+    kvs_pool_t *hpool, *dpool;
+    uint32_t vocab;
+    float *lc, *lg; /* logits [max seqs][vocab] */
+    double worst;   /* largest error / bound seen */
+    uint32_t checked, argmax_checked;
+} pair_t;
+
+static void pair_pools(pair_t *p, uint32_t page_size, uint32_t pages, kvs_pool_layout_t layout)
+{
+    p->hpool = make_pool(p->cpu, page_size, pages, layout);
+    p->dpool = make_pool(p->gpu, page_size, pages, layout);
+    p->vocab = kvs_model_config(p->cpu)->vocab;
+    p->lc = kvs_calloc((size_t) 8 * p->vocab, sizeof(float));
+    p->lg = kvs_calloc((size_t) 8 * p->vocab, sizeof(float));
+    assert_non_null(p->lc);
+    assert_non_null(p->lg);
+}
+
+static void pair_seeded(pair_t *p, const kvs_model_config_t *c, uint64_t seed, uint32_t page_size,
+                        uint32_t pages, kvs_pool_layout_t layout)
+{
+    memset(p, 0, sizeof(*p));
+    assert_int_equal(kvs_model_seeded(c, seed, (kvs_tp_t){1, 0}, &p->cpu), KVS_OK);
+    assert_int_equal(kvs_model_seeded_on(c, seed, (kvs_tp_t){1, 0}, 0, &p->gpu), KVS_OK);
+    pair_pools(p, page_size, pages, layout);
+}
+
+static void pair_free(pair_t *p)
+{
+    print_message("  checked %u logit rows (%u argmax), worst error %.2f of the bound\n",
+                  p->checked, p->argmax_checked, p->worst);
+    kvs_free(p->lc);
+    kvs_free(p->lg);
+    kvs_pool_destroy(p->hpool);
+    kvs_pool_destroy(p->dpool);
+    kvs_model_destroy(p->cpu);
+    kvs_model_destroy(p->gpu);
+}
+
+static uint32_t argmax(const float *x, uint32_t n, float *gap_p)
+{
+    uint32_t best = 0, second = n > 1 ? 1 : 0;
+    if (n > 1 && x[1] > x[0]) best = 1, second = 0;
+    for (uint32_t i = 2; i < n; i++) {
+        if (x[i] > x[best]) {
+            second = best;
+            best = i;
+        } else if (x[i] > x[second]) {
+            second = i;
+        }
+    }
+    *gap_p = n > 1 ? x[best] - x[second] : INFINITY;
+    return best;
+}
+
+/* One logits row of each side: within the bound everywhere, the same argmax where the CPU's
+ * top-2 gap exceeds twice the bound. */
+static void compare_row(pair_t *p, const float *cpu, const float *gpu, const char *what, uint32_t i)
+{
+    double big = 0;
+    for (uint32_t v = 0; v < p->vocab; v++) big = fmax(big, fabs(cpu[v]));
+    const double bound = TOL_ABS + TOL_REL * big;
+    double err = 0;
+    uint32_t at = 0;
+    for (uint32_t v = 0; v < p->vocab; v++) {
+        const double e = fabs((double) cpu[v] - gpu[v]);
+        if (!(e <= err)) err = e, at = v;
+    }
+    p->worst = fmax(p->worst, err / bound);
+    p->checked++;
+    if (!(err <= bound))
+        fail_msg("%s row %u: logit %u is %.5f on CUDA, %.5f on the CPU (bound %.5f)", what, i, at,
+                 (double) gpu[at], (double) cpu[at], bound);
+    float gc, gg;
+    const uint32_t tc = argmax(cpu, p->vocab, &gc), tg = argmax(gpu, p->vocab, &gg);
+    if (gc > 2 * bound) {
+        p->argmax_checked++;
+        if (tc != tg)
+            fail_msg("%s row %u: CUDA picks %u, the CPU %u (gap %.4f)", what, i, tg, tc,
+                     (double) gc);
+    }
+}
+
+/* Runs the same call on both sides and compares every sequence's logits (and prompt logits
+ * when all_c/all_g are given for sequence 0). */
+static void step(pair_t *p, const kvs_model_seq_t *seqs, uint32_t nseq, const char *what)
+{
+    assert_true(nseq <= 8);
+    assert_int_equal(kvs_model_forward(p->cpu, p->hpool, seqs, nseq, NULL, NULL, p->lc), KVS_OK);
+    kvs_model_seq_t g[8];
+    memcpy(g, seqs, nseq * sizeof(*seqs));
+    float *all = NULL;
+    if (seqs[0].all_logits != NULL) {
+        all = kvs_calloc((size_t) seqs[0].n * p->vocab, sizeof(float));
+        assert_non_null(all);
+        g[0].all_logits = all;
+    }
+    assert_int_equal(kvs_model_forward(p->gpu, p->dpool, g, nseq, NULL, NULL, p->lg), KVS_OK);
+    for (uint32_t i = 0; i < nseq; i++)
+        compare_row(p, p->lc + (size_t) i * p->vocab, p->lg + (size_t) i * p->vocab, what, i);
+    if (all != NULL) {
+        for (uint32_t t = 0; t < seqs[0].n; t++)
+            compare_row(p, seqs[0].all_logits + (size_t) t * p->vocab, all + (size_t) t * p->vocab,
+                        "prompt logits", t);
+        kvs_free(all);
+    }
+}
+
+typedef struct {
+    uint32_t tokens[4096];
+    uint32_t len;
+    uint32_t pages[4096];
+    uint32_t npages;
+} seq_t;
+
+static void seq_init(seq_t *s, kvs_pool_t *hpool, kvs_pool_t *dpool, uint32_t len, uint32_t vocab,
+                     uint64_t seed)
+{
+    const uint32_t P = kvs_pool_config(hpool)->page_size;
+    s->len = len;
+    s->npages = (len + 64 + P - 1) / P;
+    assert_true(s->npages <= 4096);
+    assert_int_equal(kvs_pool_alloc(hpool, s->npages, s->pages), KVS_OK);
+    uint32_t twin[4096];
+    assert_int_equal(kvs_pool_alloc(dpool, s->npages, twin), KVS_OK);
+    assert_memory_equal(twin, s->pages, s->npages * sizeof(uint32_t));
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    for (uint32_t i = 0; i < len + 64; i++) s->tokens[i] = (uint32_t) (kvs_rng_next(&rng) % vocab);
+}
+
+static kvs_model_seq_t part(const seq_t *s, uint32_t from, uint32_t n)
+{
+    return (kvs_model_seq_t){
+        .tokens = s->tokens + from, .n = n, .pos0 = from, .pages = s->pages, .npages = s->npages};
+}
+
+/* Three sequences: prefilled in uneven chunks (the later chunks over their own cached prefix),
+ * batched together, then decoded together for a few steps. */
+static void run_batch(const kvs_model_config_t *c, uint32_t page_size, kvs_pool_layout_t layout)
+{
+    print_message("shape heads %u kv %u head dim %u, page %u %s\n", c->heads, c->kv_heads,
+                  c->head_dim, page_size, layout == KVS_POOL_NHD ? "NHD" : "HND");
+    pair_t p;
+    pair_seeded(&p, c, 7, page_size, (3 * 600 + 3 * 64) / page_size + 16, layout);
+    static seq_t s[3];
+    const uint32_t len[3] = {300, 129, 17};
+    for (int i = 0; i < 3; i++) seq_init(&s[i], p.hpool, p.dpool, len[i], p.vocab, 11 + i);
+    kvs_model_seq_t q[3] = {part(&s[0], 0, 100), part(&s[1], 0, 129), part(&s[2], 0, 5)};
+    step(&p, q, 3, "first chunks");
+    q[0] = part(&s[0], 100, 200);
+    q[1] = part(&s[2], 5, 12);
+    step(&p, q, 2, "later chunks");
+    uint32_t at[3] = {300, 129, 17};
+    for (int k = 0; k < 6; k++) {
+        for (int i = 0; i < 3; i++) q[i] = part(&s[i], at[i]++, 1);
+        step(&p, q, 3, "decode");
+    }
+    pair_free(&p);
+    kvs_assert_no_leaks();
+}
+
+static void test_shapes(void **state)
+{
+    (void) state;
+    require_gpu();
+    kvs_model_config_t a = shape(8, 2, 64), b = shape(4, 4, 128), c = shape(9, 3, 64);
+    run_batch(&a, 16, KVS_POOL_NHD);
+    run_batch(&a, 1, KVS_POOL_HND);
+    run_batch(&b, 64, KVS_POOL_NHD);
+    run_batch(&b, 16, KVS_POOL_HND);
+    run_batch(&c, 16, KVS_POOL_NHD);
+}
+
+/* A context of 3000 positions decoded one token at a time: few row blocks, so the attention is
+ * split over the positions and recombined; and the prompt's logits of a later chunk. */
+static void test_long_context(void **state)
+{
+    (void) state;
+    require_gpu();
+    kvs_model_config_t c = shape(8, 2, 128);
+    pair_t p;
+    pair_seeded(&p, &c, 3, 16, 3100 / 16 + 8, KVS_POOL_NHD);
+    static seq_t s;
+    seq_init(&s, p.hpool, p.dpool, 3000, p.vocab, 5);
+    for (uint32_t from = 0; from < 2900; from += 725) {
+        kvs_model_seq_t q = part(&s, from, 725);
+        step(&p, &q, 1, "long prefill");
+    }
+    float *all = kvs_calloc((size_t) 100 * p.vocab, sizeof(float));
+    kvs_model_seq_t q = part(&s, 2900, 100);
+    q.all_logits = all;
+    step(&p, &q, 1, "last chunk");
+    kvs_free(all);
+    for (uint32_t t = 3000; t < 3004; t++) {
+        q = part(&s, t, 1);
+        step(&p, &q, 1, "long decode");
+    }
+    pair_free(&p);
+    kvs_assert_no_leaks();
+}
+
+/* ---- two TP ranks on one GPU: threads, a test-local all-reduce in rank order ---- */
+
+typedef struct {
+    pthread_barrier_t barrier;
+    double *bufs[2];
+} tgroup_t;
+
+typedef struct {
+    tgroup_t *g;
+    uint32_t rank;
+    kvs_model_t *model;
+    kvs_pool_t *pool;
+    const kvs_model_seq_t *seqs;
+    float *logits;
+    kvs_status_t st;
+} trank_t;
+
+static kvs_status_t thread_allreduce(void *arg, double *buf, size_t n)
+{
+    trank_t *r = arg;
+    r->g->bufs[r->rank] = buf;
+    pthread_barrier_wait(&r->g->barrier);
+    if (r->rank == 0)
+        for (size_t i = 0; i < n; i++) buf[i] += r->g->bufs[1][i];
+    pthread_barrier_wait(&r->g->barrier);
+    if (r->rank == 1) memcpy(buf, r->g->bufs[0], n * sizeof(double));
+    pthread_barrier_wait(&r->g->barrier);
+    return KVS_OK;
+}
+
+static void *trank_main(void *arg)
+{
+    trank_t *r = arg;
+    r->st = kvs_model_forward(r->model, r->pool, r->seqs, 1, thread_allreduce, r, r->logits);
+    return NULL;
+}
+
+static void test_tp2_one_gpu(void **state)
+{
+    (void) state;
+    require_gpu();
+    kvs_model_config_t c = shape(8, 2, 64);
+    pair_t p;
+    pair_seeded(&p, &c, 9, 16, 64, KVS_POOL_NHD);
+    static seq_t s;
+    seq_init(&s, p.hpool, p.dpool, 200, p.vocab, 2);
+    tgroup_t g;
+    assert_int_equal(pthread_barrier_init(&g.barrier, NULL, 2), 0);
+    trank_t r[2];
+    float *lg[2];
+    for (uint32_t k = 0; k < 2; k++) {
+        memset(&r[k], 0, sizeof(r[k]));
+        r[k].g = &g;
+        r[k].rank = k;
+        assert_int_equal(kvs_model_seeded_on(&c, 9, (kvs_tp_t){2, k}, 0, &r[k].model), KVS_OK);
+        r[k].pool = make_pool(r[k].model, 16, 64, KVS_POOL_NHD);
+        uint32_t pages[64];
+        assert_int_equal(kvs_pool_alloc(r[k].pool, s.npages, pages), KVS_OK);
+        assert_memory_equal(pages, s.pages, s.npages * sizeof(uint32_t));
+        lg[k] = r[k].logits = kvs_calloc(p.vocab, sizeof(float));
+    }
+    for (uint32_t from = 0; from < 204; from = from < 200 ? 200 : from + 1) {
+        const uint32_t n = from < 200 ? 200 : 1;
+        kvs_model_seq_t q = part(&s, from, n);
+        assert_int_equal(kvs_model_forward(p.cpu, p.hpool, &q, 1, NULL, NULL, p.lc), KVS_OK);
+        pthread_t th[2];
+        for (uint32_t k = 0; k < 2; k++) {
+            r[k].seqs = &q;
+            assert_int_equal(pthread_create(&th[k], NULL, trank_main, &r[k]), 0);
+        }
+        for (uint32_t k = 0; k < 2; k++) pthread_join(th[k], NULL);
+        for (uint32_t k = 0; k < 2; k++) assert_int_equal(r[k].st, KVS_OK);
+        /* the ranks agree with each other exactly (one reduced sum) and with the CPU closely */
+        assert_memory_equal(lg[0], lg[1], p.vocab * sizeof(float));
+        compare_row(&p, p.lc, lg[0], "TP2 on one GPU", from);
+    }
+    for (uint32_t k = 0; k < 2; k++) {
+        kvs_free(lg[k]);
+        kvs_pool_destroy(r[k].pool);
+        kvs_model_destroy(r[k].model);
+    }
+    pthread_barrier_destroy(&g.barrier);
+    pair_free(&p);
+    kvs_assert_no_leaks();
+}
+
+/* SmolLM2 from its GGUF: greedy for 32 tokens on the CPU; the CUDA model, fed the CPU's tokens,
+ * is within the bound at every step and picks the same token wherever the gap allows. */
+static void test_smollm2(void **state)
+{
+    (void) state;
+    require_gpu();
+    char path[4096];
+    if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
+    kvs_gguf_t *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g), KVS_OK);
+    pair_t p;
+    memset(&p, 0, sizeof(p));
+    assert_int_equal(kvs_model_load(g, (kvs_tp_t){1, 0}, &p.cpu), KVS_OK);
+    assert_int_equal(kvs_model_load_on(g, (kvs_tp_t){1, 0}, 0, &p.gpu), KVS_OK);
+    kvs_gguf_close(g);
+    pair_pools(&p, 16, 16, KVS_POOL_NHD);
+    /* "The capital of France is" (tests/model/test_forward.c) */
+    static seq_t s;
+    memset(&s, 0, sizeof(s));
+    const uint32_t prompt[] = {504, 3575, 282, 4649, 314};
+    memcpy(s.tokens, prompt, sizeof(prompt));
+    s.len = 5;
+    s.npages = 4;
+    assert_int_equal(kvs_pool_alloc(p.hpool, 4, s.pages), KVS_OK);
+    uint32_t twin[4];
+    assert_int_equal(kvs_pool_alloc(p.dpool, 4, twin), KVS_OK);
+    uint32_t from = 0, same = 0;
+    for (uint32_t i = 0; i < 32; i++) {
+        kvs_model_seq_t q = part(&s, from, s.len - from);
+        step(&p, &q, 1, "SmolLM2");
+        float gap, gg;
+        const uint32_t tc = argmax(p.lc, p.vocab, &gap), tg = argmax(p.lg, p.vocab, &gg);
+        same += tc == tg;
+        s.tokens[s.len] = tc;
+        from = s.len++;
+    }
+    print_message("SmolLM2: CUDA picked the CPU's greedy token at %u of 32 steps\n", same);
+    pair_free(&p);
+    kvs_assert_no_leaks();
+}
+
+/* Refusals that need no GPU: a head dim the kernels do not cover, a pool in the wrong memory. */
+static void test_refusals(void **state)
+{
+    (void) state;
+    kvs_model_config_t c = shape(4, 2, 32);
+    kvs_model_t *m = NULL;
+    assert_int_equal(kvs_model_seeded_on(&c, 1, (kvs_tp_t){1, 0}, 0, &m), KVS_ERR_UNSUPPORTED);
+    assert_null(m);
+    if (!kvs_copy_cuda_available()) return;
+    c = shape(4, 2, 64);
+    assert_int_equal(kvs_model_seeded_on(&c, 1, (kvs_tp_t){1, 0}, 0, &m), KVS_OK);
+    assert_int_equal(kvs_model_kv_shape(m).elem_bytes, 2);
+    kvs_pool_config_t pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.shape = kvs_model_kv_shape(m);
+    pc.tp = (kvs_tp_t){1, 0};
+    pc.page_size = 16;
+    pc.num_pages = 4;
+    pc.mem = KVS_MEM_HOST;
+    kvs_pool_t *pool = NULL;
+    assert_int_equal(kvs_pool_create(&pc, &pool), KVS_OK);
+    uint32_t page, tok = 1;
+    assert_int_equal(kvs_pool_alloc(pool, 1, &page), KVS_OK);
+    float logits[1001];
+    kvs_model_seq_t q = {.tokens = &tok, .n = 1, .pos0 = 0, .pages = &page, .npages = 1};
+    assert_int_equal(kvs_model_forward(m, pool, &q, 1, NULL, NULL, logits), KVS_ERR_INVALID);
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(m);
+    kvs_assert_no_leaks();
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_refusals),     cmocka_unit_test(test_shapes),
+        cmocka_unit_test(test_long_context), cmocka_unit_test(test_tp2_one_gpu),
+        cmocka_unit_test(test_smollm2),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -273,11 +273,13 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     kvs_tp_t tp = kvs_model_tp(c->model);
     const kvs_pool_config_t *pc = kvs_pool_config(c->pool);
     kvs_kv_shape_t shape = kvs_model_kv_shape(c->model);
-    if (pc->mem != KVS_MEM_HOST || memcmp(&pc->shape, &shape, sizeof(shape)) != 0 ||
-        pc->tp.tp_size != tp.tp_size || pc->tp.tp_rank != tp.tp_rank) {
-        kvs_error("llm: the pool must be host memory with the model's KV shape and TP rank %u of "
-                  "%u",
-                  tp.tp_rank, tp.tp_size);
+    const int dev = kvs_model_device(c->model);
+    if (pc->mem != (dev < 0 ? KVS_MEM_HOST : KVS_MEM_DEVICE) || (dev >= 0 && pc->device != dev) ||
+        memcmp(&pc->shape, &shape, sizeof(shape)) != 0 || pc->tp.tp_size != tp.tp_size ||
+        pc->tp.tp_rank != tp.tp_rank) {
+        kvs_error("llm: the pool must be in the model's memory (%s) with its KV shape and TP rank "
+                  "%u of %u",
+                  dev < 0 ? "host" : "its CUDA device", tp.tp_rank, tp.tp_size);
         return KVS_ERR_INVALID;
     }
     if ((tp.tp_size > 1) != (c->group != NULL) ||

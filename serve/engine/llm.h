@@ -56,7 +56,8 @@ typedef enum {
 typedef struct {
     kvs_llm_role_t role;
     kvs_model_t *model;       /* this rank's shard; borrowed */
-    kvs_pool_t *pool;         /* host memory, the model's KV shape and TP layout; borrowed */
+    kvs_pool_t *pool;         /* in the model's memory (host, or its CUDA device), its KV
+                                 shape and TP layout; borrowed */
     kvs_tpgroup_t *group;     /* the instance's TP group; NULL when the model's tp_size is 1 */
     kvs_sender_t *sender;     /* PREFILL: this rank's sender; borrowed */
     kvs_receiver_t *receiver; /* DECODE: this rank's receiver; borrowed */

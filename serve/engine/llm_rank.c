@@ -339,11 +339,12 @@ static void read_input(io_t *io)
 
 static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_model_t **model_p)
 {
-    if (c->model_path == NULL) return kvs_model_seeded(&c->seeded, c->model_seed, tp, model_p);
+    if (c->model_path == NULL)
+        return kvs_model_seeded_on(&c->seeded, c->model_seed, tp, c->device, model_p);
     kvs_gguf_t *g = NULL;
     kvs_status_t st = kvs_gguf_open(c->model_path, &g);
     if (st != KVS_OK) return st;
-    st = kvs_model_load(g, tp, model_p);
+    st = kvs_model_load_on(g, tp, c->device, model_p);
     kvs_gguf_close(g);
     return st;
 }
@@ -449,7 +450,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                             .page_size = c.page_size,
                             .num_pages = (uint32_t) pages,
                             .layout = KVS_POOL_NHD,
-                            .mem = KVS_MEM_HOST};
+                            .mem = c.device < 0 ? KVS_MEM_HOST : KVS_MEM_DEVICE,
+                            .device = c.device < 0 ? 0 : c.device};
     if ((st = kvs_pool_create(&pc, &pool)) != KVS_OK) goto out;
 
     /* The group before the link: a rank waiting here for a slow loader sends no heartbeats. */
@@ -476,7 +478,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                      .bind = c.bind,
                                      .data = c.data,
                                      .net_device = c.net_device,
-                                     .mem = KVS_MEM_HOST,
+                                     .mem = pc.mem,
+                                     .device = pc.device,
                                      .liveness_timeout_ns = c.liveness_timeout_ns,
                                      .write_mode = KVS_WRITE_AUTO};
         if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;

@@ -27,6 +27,9 @@ typedef struct {
     const char *model_path;
     kvs_model_config_t seeded;
     uint64_t model_seed;
+    /* -1: the model, its KV pool and the transfers on the CPU (f32 KV); else the CUDA device
+     * they are on (bf16 KV, model/cuda). */
+    int device;
     /* Engine. */
     uint32_t page_size;
     uint32_t chunk_tokens; /* prefill chunk, also the kvstage chunk C */

@@ -428,8 +428,10 @@ static void test_refusals(void **state)
     kvs_assert_no_leaks();
 }
 
-int main(void)
+/* argv[1], when given: run only the tests matching it (a cmocka filter, e.g. for a sanitizer). */
+int main(int argc, char **argv)
 {
+    if (argc > 1) cmocka_set_test_filter(argv[1]);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refusals),     cmocka_unit_test(test_shapes),
         cmocka_unit_test(test_long_context), cmocka_unit_test(test_tp2_one_gpu),

@@ -28,6 +28,8 @@ typedef struct {
     int seeded;
     uint32_t prefill_tp, decode_tp; /* colocated: prefill_tp is the instance's TP */
     int colocated;
+    const char *shape;   /* seeded: L,dim,... (NULL: SEEDED) */
+    uint32_t prompt_len; /* 0: --prompt-len */
 } config_t;
 
 typedef struct {
@@ -36,8 +38,18 @@ typedef struct {
 } row_t;
 
 static const config_t configs[] = {
-    {"SmolLM2-135M", 0, 1, 1, 1},  {"SmolLM2-135M", 0, 1, 1, 0},  {"SmolLM2-135M", 0, 3, 1, 0},
-    {"seeded 8L/512", 1, 1, 1, 1}, {"seeded 8L/512", 1, 1, 1, 0}, {"seeded 8L/512", 1, 2, 1, 0},
+    {"SmolLM2-135M", 0, 1, 1, 1, NULL, 0},  {"SmolLM2-135M", 0, 1, 1, 0, NULL, 0},
+    {"SmolLM2-135M", 0, 3, 1, 0, NULL, 0},  {"seeded 8L/512", 1, 1, 1, 1, NULL, 0},
+    {"seeded 8L/512", 1, 1, 1, 0, NULL, 0}, {"seeded 8L/512", 1, 2, 1, 0, NULL, 0},
+};
+
+/* On a GPU (--device cuda): both instances on one GPU, the KV through CUDA IPC. */
+#define LLAMA8B "32,4096,14336,32,8,128,128256"
+static const config_t gpu_configs[] = {
+    {"SmolLM2-135M", 0, 1, 1, 1, NULL, 1024},  {"SmolLM2-135M", 0, 1, 1, 0, NULL, 1024},
+    {"SmolLM2-135M", 0, 1, 1, 1, NULL, 4096},  {"SmolLM2-135M", 0, 1, 1, 0, NULL, 4096},
+    {"Llama-3-8B", 1, 1, 1, 1, LLAMA8B, 1024}, {"Llama-3-8B", 1, 1, 1, 0, LLAMA8B, 1024},
+    {"Llama-3-8B", 1, 1, 1, 1, LLAMA8B, 4096}, {"Llama-3-8B", 1, 1, 1, 0, LLAMA8B, 4096},
 };
 
 static int cmp_double(const void *a, const void *b)
@@ -101,16 +113,18 @@ static char *run_tool(char **argv)
     return out;
 }
 
-/* One deployment serving `runs` distinct random prompts one after another. */
+/* One deployment serving `runs` distinct random prompts one after another; gpu >= 0: on that
+ * GPU. */
 static row_t measure(const config_t *c, uint32_t runs, uint32_t prompt_len, uint32_t max_tokens,
-                     uint64_t seed)
+                     uint64_t seed, int gpu)
 {
     row_t row;
     memset(&row, 0, sizeof(row));
     char *args[32 + 2 * MAX_RUNS];
     char *ids[MAX_RUNS];
-    char num[4][16];
+    char num[5][16];
     int n = 0;
+    if (c->prompt_len != 0) prompt_len = c->prompt_len;
     args[n++] = "kvstage";
     args[n++] = "generate";
     args[n++] = "--json";
@@ -123,7 +137,19 @@ static row_t measure(const config_t *c, uint32_t runs, uint32_t prompt_len, uint
     args[n++] = num[0];
     if (c->seeded) {
         args[n++] = "--seeded";
-        args[n++] = SEEDED;
+        args[n++] = (char *) (c->shape ? c->shape : SEEDED);
+    }
+    if (gpu >= 0) {
+        snprintf(num[3], sizeof(num[3]), "%d", gpu);
+        args[n++] = "--device";
+        args[n++] = "cuda";
+        args[n++] = "--gpus";
+        args[n++] = num[3];
+        args[n++] = "--chunk";
+        args[n++] = "512";
+        args[n++] = "--max-model-len";
+        snprintf(num[4], sizeof(num[4]), "%u", prompt_len + max_tokens);
+        args[n++] = num[4];
     }
     snprintf(num[1], sizeof(num[1]), "%u", c->prefill_tp);
     snprintf(num[2], sizeof(num[2]), "%u", c->decode_tp);
@@ -182,9 +208,10 @@ static row_t measure(const config_t *c, uint32_t runs, uint32_t prompt_len, uint
 }
 
 typedef struct {
-    uint32_t runs, prompt_len, max_tokens;
+    uint32_t runs, prompt_len, max_tokens, gpu;
     uint64_t seed;
     int json, only; /* only: 0 all, 1 SmolLM2, 2 seeded */
+    int device;     /* 0 cpu, 1 cuda */
 } engine_opts_t;
 
 static void engine_flags(kvs_arg_table_t *t, engine_opts_t *o)
@@ -198,16 +225,33 @@ static void engine_flags(kvs_arg_table_t *t, engine_opts_t *o)
         {"seed", KVS_ARG_U64, &o->seed, "seed of the random prompts", NULL, NULL},
         {"only", KVS_ARG_CHOICE, &o->only, "which models", "all|smollm2|seeded", NULL},
         {"json", KVS_ARG_FLAG, &o->json, "one JSON object", NULL, NULL},
+        {"device", KVS_ARG_CHOICE, &o->device,
+         "cpu: the f32 reference engine; cuda: the CUDA forward pass of seeded Llama-3-8B and "
+         "SmolLM2 shapes against the GEMM and copy limits, then 1k and 4k-token prompts colocated "
+         "vs disaggregated on one GPU",
+         "cpu|cuda", NULL},
+        {"gpu", KVS_ARG_U32, &o->gpu, "with --device cuda: the GPU (0)", "[0,1024]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
 
 /* The table's preamble and header, or the JSON object's opening fields. */
-static void print_begin(const engine_opts_t *o, kvs_json_t *j, const char *cpu, long cores,
-                        int have_smol)
+/* -1 when the GPU of --device cuda is not usable (said), else 0. */
+static int print_begin(const engine_opts_t *o, kvs_json_t *j, const char *cpu, long cores,
+                       int have_smol, int *failed_p)
 {
+    int rc = 0;
+    if (o->device && !o->json && (rc = kvs_bench_engine_cuda_model((int) o->gpu, 0, NULL)) != 0) {
+        if (rc < 0) return -1;
+        *failed_p = 1;
+    }
     if (o->json) {
         kvs_json_begin(j, stdout);
+        if (o->device) {
+            kvs_json_u64(j, "gpu", o->gpu);
+            if ((rc = kvs_bench_engine_cuda_model((int) o->gpu, 1, j)) < 0) return -1;
+            *failed_p |= rc;
+        }
         kvs_json_str(j, "cpu", cpu);
         kvs_json_u64(j, "cores", (uint64_t) cores);
         kvs_json_u64(j, "prompt_tokens", o->prompt_len);
@@ -215,7 +259,17 @@ static void print_begin(const engine_opts_t *o, kvs_json_t *j, const char *cpu, 
         kvs_json_u64(j, "runs", o->runs);
         kvs_json_str(j, "seeded_shape", SEEDED);
         kvs_json_array_begin(j, "rows");
-        return;
+        return 0;
+    }
+    if (o->device) {
+        printf("deployments on GPU %u: `kvstage generate --device cuda`, both instances on it, "
+               "the KV through CUDA IPC;\nprompts as the rows say, %u new tokens, radix off, "
+               "median of %u requests one after another\n",
+               o->gpu, o->max_tokens, o->runs);
+        printf("%-14s %-15s %7s %14s %13s %10s %12s %7s %10s\n", "model", "deployment", "prompt",
+               "prefill tok/s", "decode tok/s", "TTFT ms", "transfer ms", "share", "KV/req KiB");
+        fflush(stdout);
+        return 0;
     }
     printf("kvstage bench engine: the reference engine (f32, CPU), colocated vs disaggregated "
            "through kvstage\nhardware: %s, %ld cores; every rank a process, ranks of both "
@@ -228,6 +282,7 @@ static void print_begin(const engine_opts_t *o, kvs_json_t *j, const char *cpu, 
     printf("%-14s %-15s %14s %13s %10s %12s %7s %10s\n", "model", "deployment", "prefill tok/s",
            "decode tok/s", "TTFT ms", "transfer ms", "share", "KV/req KiB");
     fflush(stdout);
+    return 0;
 }
 
 /* One deployment's row: a JSON object, or a table line. */
@@ -245,6 +300,7 @@ static void print_row(const engine_opts_t *o, kvs_json_t *j, const config_t *c, 
         kvs_json_bool(j, "colocated", c->colocated);
         kvs_json_u64(j, "prefill_tp", c->prefill_tp);
         kvs_json_u64(j, "decode_tp", c->colocated ? c->prefill_tp : c->decode_tp);
+        kvs_json_u64(j, "prompt_tokens", c->prompt_len ? c->prompt_len : o->prompt_len);
         kvs_json_bool(j, "ok", r->ok);
         kvs_json_double(j, "prefill_tok_s", r->prefill_tok_s);
         kvs_json_double(j, "decode_tok_s", r->decode_tok_s);
@@ -257,6 +313,12 @@ static void print_row(const engine_opts_t *o, kvs_json_t *j, const config_t *c, 
     } else if (!r->ok) {
         printf("%-14s %-15s   FAILED (run `kvstage generate` with these settings to see why)\n",
                c->model, deploy);
+    } else if (o->device) {
+        printf("%-14s %-15s %7u %14.1f %13.1f %10.1f %12s %7s %10s\n", c->model, deploy,
+               c->prompt_len, r->prefill_tok_s, r->decode_tok_s, r->ttft_ms, "-", "-", "-");
+        if (!c->colocated)
+            printf("%-14s %-15s %7s %14s %13s %10s %12.2f %6.1f%% %10.0f\n", "", "", "", "", "", "",
+                   r->transfer_ms, 100.0 * r->share, r->kv_bytes / 1024.0);
     } else if (c->colocated) {
         printf("%-14s %-15s %14.1f %13.1f %10.1f %12s %7s %10s\n", c->model, deploy,
                r->prefill_tok_s, r->decode_tok_s, r->ttft_ms, "-", "-", "-");
@@ -296,12 +358,16 @@ int kvs_bench_engine(int argc, char **argv)
     int have_smol = o.only != 2 && kvs_model_default_path(path, sizeof(path)) == KVS_OK;
     if (o.only == 1 && !have_smol) return 1;
     kvs_json_t j;
-    print_begin(&o, &j, cpu, cores, have_smol);
     int failed = 0;
-    for (size_t i = 0; i < sizeof(configs) / sizeof(configs[0]); i++) {
-        const config_t *c = &configs[i];
+    if (print_begin(&o, &j, cpu, cores, have_smol, &failed) != 0) return 1;
+    const config_t *list = o.device ? gpu_configs : configs;
+    const size_t count = o.device ? sizeof(gpu_configs) / sizeof(gpu_configs[0])
+                                  : sizeof(configs) / sizeof(configs[0]);
+    for (size_t i = 0; i < count; i++) {
+        const config_t *c = &list[i];
         if ((c->seeded && o.only == 1) || (!c->seeded && (o.only == 2 || !have_smol))) continue;
-        row_t r = measure(c, o.runs, o.prompt_len, o.max_tokens, o.seed);
+        row_t r =
+            measure(c, o.runs, o.prompt_len, o.max_tokens, o.seed, o.device ? (int) o.gpu : -1);
         failed |= !r.ok;
         print_row(&o, &j, c, &r);
     }

@@ -18,7 +18,8 @@ static const kvs_command_t benches[] = {
      "control-plane cost per chunk and room, bulk vs per-page writes"},
     {"kernels", kvs_bench_kernels, "CUDA gather/scatter kernels vs a device-to-device memcpy"},
     {"engine", kvs_bench_engine,
-     "the reference engine on CPU: prefill and decode tok/s, colocated vs disaggregated"},
+     "the reference engine on CPU (or --device cuda): prefill and decode, colocated vs "
+     "disaggregated"},
     {"serve", kvs_bench_serve,
      "HTTP serving under concurrent clients: TTFT and tok/s, colocated vs disaggregated"},
     {"transfer", kvs_bench_transfer,

@@ -68,7 +68,8 @@ static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
 /* Flag values that are not kvs_llm_rank_config_t fields as they stand. */
 typedef struct {
     kvs_llm_rank_config_t c;
-    int role, data, checksum;
+    int role, data, checksum, device;
+    uint32_t gpu;
     const char *seeded;
     char path[4096]; /* the default model's, when neither --model nor --seeded is given */
 } llm_rank_opts_t;
@@ -100,6 +101,9 @@ static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"seeded", KVS_ARG_STR, &o->seeded, "L,dim,ffn,heads,kv_heads,head_dim,vocab",
          "L,dim,ffn,heads,kv_heads,head_dim,vocab", NULL},
         {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
+        {"device", KVS_ARG_CHOICE, &o->device, "where the model and its KV pool live", "cpu|cuda",
+         NULL},
+        {"gpu", KVS_ARG_U32, &o->gpu, "with --device cuda: this rank's GPU (0)", "[0,1024]", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -149,6 +153,7 @@ static int llm_rank_config_build(llm_rank_opts_t *o)
     c->role = (kvs_llm_role_t) o->role;
     c->data = (kvs_net_data_t) o->data;
     c->no_checksum = !o->checksum;
+    c->device = o->device ? (int) o->gpu : -1;
     const uint32_t tp = c->role == KVS_LLM_DECODE ? c->decode_tp : c->prefill_tp;
     if (c->rank >= tp)
         return kvs_args_error("--rank", "below the instance's TP size", "%u is not below TP %u",
@@ -245,6 +250,9 @@ typedef struct {
     uint32_t top_k;
     int ignore_eos;
     int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
+    int device;       /* 0 cpu, 1 cuda */
+    const char *gpus; /* --gpus "P,D" or "P" */
+    int gpu[2];       /* with cuda: the prefill (colocated) ranks' GPU, the decode ranks' */
     const char *system, *model, *seeded;
     /* model */
     char model_path[4096];
@@ -535,7 +543,7 @@ static void read_child(gen_t *g, child_t *c)
 typedef struct {
     char *argv[64];
     int argc;
-    char num[10][24];
+    char num[12][24];
     int nnum;
 } rank_argv_t;
 
@@ -577,6 +585,10 @@ static void rank_argv(const gen_t *g, const child_t *c, const char *registry, ra
     add_arg(a, "--radix",
             (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
     add_arg(a, "--checksum", g->checksum ? "on" : "off");
+    if (g->device) {
+        add_arg(a, "--device", "cuda");
+        add_num(a, "--gpu", (unsigned) g->gpu[c->role == KVS_LLM_DECODE]);
+    }
     const int gi = c->role == KVS_LLM_PREFILL ? 0 : c->role == KVS_LLM_DECODE ? 1 : 2;
     add_arg(a, "--group", g->groups[gi]);
     if (registry != NULL) add_arg(a, "--registry", registry);
@@ -1058,6 +1070,13 @@ static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
          "one instance does prefill and decode: no transfer", NULL, NULL},
         {"tp", KVS_ARG_U32, &g->tp, "ranks of the colocated instance (default: --prefill-tp)",
          KVS_ARGS_TP, &g->tp_seen},
+        {"device", KVS_ARG_CHOICE, &g->device,
+         "where the model runs: cpu (f32 KV) or cuda (bf16 KV; TP ranks sharing a GPU reduce "
+         "through the host: correct, slow)",
+         "cpu|cuda", NULL},
+        {"gpus", KVS_ARG_STR, &g->gpus,
+         "with --device cuda: the prefill (or colocated) and decode instances' GPUs (0 or 0,0)",
+         KVS_ARGS_GPUS_ACCEPTED, NULL},
     };
     KVS_ARG_TABLE_ADD(t, a);
 }
@@ -1135,6 +1154,10 @@ static int check_flags(gen_t *g)
         return kvs_args_error("--tp", "--tp with --colocated, else --prefill-tp and --decode-tp",
                               "is for --colocated");
     if (!g->tp_seen) g->tp = g->prefill_tp;
+    if (g->gpus != NULL && !g->device)
+        return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (g->gpus != NULL && kvs_args_parse_gpus(g->gpus, &g->gpu[0], &g->gpu[1]) != 0)
+        return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", g->gpus);
     return 0;
 }
 
@@ -1213,15 +1236,20 @@ static void print_banner(const gen_t *g)
 {
     const char *name = g->seeded ? "seeded model" : strrchr(g->model_path, '/');
     name = name && name[0] == '/' ? name + 1 : name ? name : g->model_path;
+    char where[48] = "";
+    if (g->device && g->colocated)
+        snprintf(where, sizeof(where), " on GPU %d", g->gpu[0]);
+    else if (g->device)
+        snprintf(where, sizeof(where), " on GPUs %d -> %d", g->gpu[0], g->gpu[1]);
     if (g->colocated)
-        printf("kvstage generate: %s, colocated TP%u (no transfer), page %u, chunk %u, radix "
+        printf("kvstage generate: %s%s, colocated TP%u (no transfer), page %u, chunk %u, radix "
                "%s\n",
-               name, g->tp, g->page_size, g->chunk, g->prefill_radix ? "on" : "off");
+               name, where, g->tp, g->page_size, g->chunk, g->prefill_radix ? "on" : "off");
     else
-        printf("kvstage generate: %s, prefill TP%u -> decode TP%u, every rank a process "
+        printf("kvstage generate: %s%s, prefill TP%u -> decode TP%u, every rank a process "
                "(ZeroMQ control, UCX data);\npage %u, chunk %u, radix prefill %s / decode "
                "%s, %u request%s%s\n",
-               name, g->prefill_tp, g->decode_tp, g->page_size, g->chunk,
+               name, where, g->prefill_tp, g->decode_tp, g->page_size, g->chunk,
                g->prefill_radix ? "on" : "off", g->decode_radix ? "on" : "off", g->nreqs,
                g->nreqs == 1 ? "" : "s", g->sequential && g->nreqs > 1 ? " one after another" : "");
     fflush(stdout);

@@ -61,6 +61,9 @@ typedef struct {
     uint64_t kv_tokens;     /* 0: twice max_model_len */
     uint32_t startup_s;
     int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
+    int device; /* 0 cpu, 1 cuda */
+    uint32_t gpus;
+    int gpus_seen;
     kvs_http_flags_t http;
 } serve_flags_t;
 
@@ -146,6 +149,8 @@ static int check_flags(const serve_flags_t *f)
                               "is for prefill and decode servers");
     if (f->model != NULL && f->seeded != NULL)
         return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
+    if (f->gpus_seen && !f->device)
+        return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
     return 0;
 }
 
@@ -275,6 +280,12 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "[2,4294967296]", NULL},
         {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},
+        {"device", KVS_ARG_CHOICE, &f->device,
+         "where the model runs: cpu (f32 KV) or cuda (bf16 KV; both servers of a pair must "
+         "agree; TP ranks share the GPU and reduce through the host: correct, slow)",
+         "cpu|cuda", NULL},
+        {"gpus", KVS_ARG_U32, &f->gpus, "with --device cuda: the GPU of this instance's ranks (0)",
+         "[0,1024]", &f->gpus_seen},
         {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,
          "give up when the instance is not ready this long after the start, a decode "
          "server's wait for its prefill instance included (300)",
@@ -346,7 +357,8 @@ static int start_instance(serve_run_t *s)
                                 .radix = f->radix,
                                 .no_checksum = !f->checksum,
                                 .registry = s->ep,
-                                .data = f->data};
+                                .data = f->data,
+                                .gpu = f->device ? (int) f->gpus : -1};
     if (kvs_instance_start(&ic, &s->inst) != 0) return 1;
     s->inst_started = 1;
     kvs_rank_backend_config_t bc = {.in_fd = s->inst.in_fd,
@@ -355,7 +367,8 @@ static int start_instance(serve_run_t *s)
                                     .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
                                     .page_size = f->page_size,
                                     .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads *
-                                                          mc->head_dim * 2 * sizeof(float),
+                                                          mc->head_dim * 2 *
+                                                          (f->device ? 2 : sizeof(float)),
                                     .vocab = mc->vocab,
                                     .text_vocab = s->tok ? 0 : 257,
                                     .max_context = f->max_model_len};

@@ -103,7 +103,7 @@ static const char *role_name(kvs_llm_role_t r)
 
 static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint32_t rank)
 {
-    char num[10][24];
+    char num[11][24];
     char *args[64];
     int n = 0;
     const int pd = c->role != KVS_LLM_COLOCATED;
@@ -158,6 +158,13 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     }
     args[n++] = "--data";
     args[n++] = c->data == 1 ? "shm" : c->data == 2 ? "tcp" : "auto";
+    if (c->gpu >= 0) {
+        args[n++] = "--device";
+        args[n++] = "cuda";
+        args[n++] = "--gpu";
+        snprintf(num[10], sizeof(num[10]), "%d", c->gpu);
+        args[n++] = num[10];
+    }
     args[n] = NULL;
 
     kvs_spawned_t k;

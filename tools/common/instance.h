@@ -41,6 +41,7 @@ typedef struct {
     int no_checksum;      /* prefill and decode: chunk checksums off */
     const char *registry; /* prefill and decode: the prefill instance's registry endpoint */
     int data;             /* UCX data: 0 auto, 1 shm, 2 tcp */
+    int gpu;              /* -1: the model on the CPU; else every rank's CUDA device */
 } kvs_instance_config_t;
 
 typedef struct {

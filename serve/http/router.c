@@ -1241,6 +1241,7 @@ static void per_server(kvs__sb_t *sb, kvs_router_t *rt, const char *name, const 
     for (int side = 0; side < 2; side++) {
         for (size_t i = 0, n = nservers(rt, side); i < n; i++) {
             rserver_t *s = &rt->servers[side][i];
+            if (__atomic_load_n(&s->removed, __ATOMIC_RELAXED)) continue; /* gone from the fleet */
             uint64_t v = field == 0   ? (uint64_t) __atomic_load_n(&s->up, __ATOMIC_RELAXED)
                          : field == 1 ? __atomic_load_n(&s->chosen, __ATOMIC_RELAXED)
                          : field == 2 ? __atomic_load_n(&s->failures, __ATOMIC_RELAXED)
@@ -1989,10 +1990,12 @@ static kvs_status_t read_servers_file(const char *path, listed_t *list, size_t *
             kvs_error("router: servers file %s line %u: more than %d servers", path, line_no,
                       MAX_LISTED);
             st = KVS_ERR_INVALID;
+        } else if (strncmp(url, "http://", 7) != 0 || strlen(url) > 400) {
+            kvs_error("router: servers file %s line %u: '%s' is not an http:// URL", path,
+                      line_no, url);
+            st = KVS_ERR_INVALID;
         } else if ((st = url_copy((kvs_router_side_t) side, url, &list[n].url)) == KVS_OK) {
             list[n++].side = (kvs_router_side_t) side;
-        } else {
-            kvs_error("router: servers file %s line %u: not an http:// URL", path, line_no);
         }
     }
     if (st == KVS_OK && ferror(f)) {

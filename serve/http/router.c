@@ -265,8 +265,8 @@ typedef struct {
     kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
     char ctype[128];
     int done;
-    int dropped; /* ended by the router before its answer came */
-    int lost;    /* ended because a health check found its server unreachable */
+    int dropped;            /* ended by the router before its answer came */
+    int lost;               /* ended because a health check found its server unreachable */
     uint32_t lost_at_start; /* the server's lost count when the leg began */
     CURLcode result;
     long status;
@@ -679,7 +679,10 @@ static void fail_from_curl(job_t *j, leg_t *leg)
                  "%s server %s stopped answering (out of rotation); the request was on it",
                  side_name(s->side), s->url);
     else
-        job_fail(j, timeout ? 504 : gone ? 503 : 502,
+        job_fail(j,
+                 timeout ? 504
+                 : gone  ? 503
+                         : 502,
                  timeout ? "gateway_timeout"
                  : gone  ? "server_unavailable"
                          : "bad_gateway",
@@ -1592,8 +1595,8 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
         if (was && !ok) {
             __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
             if (c != CURLE_OK)
-                kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side),
-                         s->url, curl_easy_strerror(c));
+                kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
+                         curl_easy_strerror(c));
             else
                 kvs_warn("router: %s server %s is out of rotation: /health answered %ld",
                          side_name(s->side), s->url, ck[i].code);
@@ -1991,8 +1994,8 @@ static kvs_status_t read_servers_file(const char *path, listed_t *list, size_t *
                       MAX_LISTED);
             st = KVS_ERR_INVALID;
         } else if (strncmp(url, "http://", 7) != 0 || strlen(url) > 400) {
-            kvs_error("router: servers file %s line %u: '%s' is not an http:// URL", path,
-                      line_no, url);
+            kvs_error("router: servers file %s line %u: '%s' is not an http:// URL", path, line_no,
+                      url);
             st = KVS_ERR_INVALID;
         } else if ((st = url_copy((kvs_router_side_t) side, url, &list[n].url)) == KVS_OK) {
             list[n++].side = (kvs_router_side_t) side;

@@ -52,7 +52,7 @@ struct kvs_server_fake {
     uint32_t fail_at;
     kvs_server_fake_counts_t counts;
     uint64_t kv_bytes, chunks;
-    uint32_t pages_total, pages_free; /* reported as they were set */
+    uint32_t pages_total, pages_free;  /* reported as they were set */
     kvs_server_fake_record_t *records; /* [FAKE_RECORDS], ring */
     uint64_t n_records;                /* ever written */
     uint32_t *cache[FAKE_CACHE];       /* finished prompts, FIFO replacement */

@@ -749,8 +749,8 @@ static void test_prefill_restart(void **state)
     char port[8], reg[64];
     snprintf(port, sizeof(port), "%u", free_port());
     snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", free_port());
-    const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED,   "--model-seed",
-                           "11",    "--port", port,      "--registry", reg,      "--max-model-len",
+    const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED, "--model-seed",
+                           "11",    "--port", port,      "--registry", reg,    "--max-model-len",
                            MAX_LEN, "--tp",   "2",       NULL};
     proc_t *pre = spawn_tool(pargs);
     wait_up(pre, "serving on");

@@ -121,8 +121,7 @@ int kvs_cmd_router(int argc, char **argv)
         {"match-timeout-ms", KVS_ARG_U32, &match_ms,
          "prefix policy: how long a server's cache answer may take (2000)", "[1,3600000]", NULL},
         {"health-interval-ms", KVS_ARG_U32, &health_ms,
-         "health checks of every server (500): a dead one is out within this", "[1,3600000]",
-         NULL},
+         "health checks of every server (500): a dead one is out within this", "[1,3600000]", NULL},
         {"request-timeout-s", KVS_ARG_U32, &timeout_s, "one request at most (600)", "[1,4000000]",
          NULL},
         {"server-api-key", KVS_ARG_STR, &server_key,
@@ -187,8 +186,7 @@ int kvs_cmd_router(int argc, char **argv)
            names[policies[KVS_ROUTER_PREFILL]], names[policies[KVS_ROUTER_DECODE]]);
     fflush(stdout);
     while (!kvs_serve_signal_wait(1000)) {
-        if (servers_file != NULL && kvs_serve_signal_hup_take() &&
-            kvs_router_reload(rt) != KVS_OK)
+        if (servers_file != NULL && kvs_serve_signal_hup_take() && kvs_router_reload(rt) != KVS_OK)
             fprintf(stderr, "kvstage router: %s not applied (the servers stay as they were)\n",
                     servers_file);
     }

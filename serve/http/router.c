@@ -11,6 +11,7 @@
 #include "http/router.h"
 
 #include <curl/curl.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -32,6 +33,14 @@ typedef struct {
     char *bootstrap; /* from /internal/info, under router->mu; NULL when not declared */
     int removed;     /* atomic: taken out by kvs_router_remove_server (never chosen, checked) */
     uint64_t chosen, failures, prefix_hits; /* atomic */
+    /* Load, for the choice (atomic): the last /internal/info's requests_live (high 32 bits)
+     * with this router's requests on the server when it was asked (low 32), its kv_pages_free,
+     * and this router's requests on it now. */
+    uint64_t info_live;
+    uint32_t pages_free;
+    uint32_t inflight;
+    uint32_t lost; /* atomic: health checks that found it unreachable; legs on it then fail */
+    int from_config, from_file; /* under router->mu: given at creation; listed by servers_file */
 } rserver_t;
 
 typedef enum {
@@ -55,6 +64,7 @@ struct kvs_router {
     kvs_router_policy_t policy[2];
     uint64_t rr[2]; /* atomic round-robin positions */
     uint32_t health_interval_ms, connect_timeout_ms, request_timeout_ms, match_timeout_ms;
+    char *servers_file; /* or NULL */
     size_t max_body;
     int strict;
     char *api_key;      /* required of clients, or NULL */
@@ -255,8 +265,9 @@ typedef struct {
     kvs__sb_t resp; /* other legs: the answer, up to 64 KiB */
     char ctype[128];
     int done;
-    int dropped;
-    /* ended by the router before its answer came */
+    int dropped;            /* ended by the router before its answer came */
+    int lost;               /* ended because a health check found its server unreachable */
+    uint32_t lost_at_start; /* the server's lost count when the leg began */
     CURLcode result;
     long status;
 } leg_t;
@@ -371,6 +382,7 @@ static kvs_status_t leg_init(leg_t *leg, kvs_router_t *rt, job_t *j, rserver_t *
     memset(leg, 0, sizeof(*leg));
     leg->job = j;
     leg->server = s;
+    leg->lost_at_start = __atomic_load_n(&s->lost, __ATOMIC_RELAXED);
     leg->payload = payload;
     leg->to_client = to_client;
     leg->easy = curl_easy_init();
@@ -450,7 +462,19 @@ static void run_legs(CURLM *multi, leg_t **legs, size_t n, job_t *j, int all)
             }
         }
         size_t pending = 0;
-        for (size_t i = 0; i < n; i++) pending += legs[i] && !legs[i]->done;
+        for (size_t i = 0; i < n; i++) {
+            leg_t *l = legs[i];
+            if (l == NULL || l->done) continue;
+            if (__atomic_load_n(&l->server->lost, __ATOMIC_RELAXED) != l->lost_at_start) {
+                /* Its server stopped answering health checks: waiting on it would hang. */
+                curl_multi_remove_handle(multi, l->easy);
+                l->done = l->lost = 1;
+                l->result = CURLE_RECV_ERROR;
+                newly++;
+                continue;
+            }
+            pending++;
+        }
         if (pending == 0 || (newly && !all) || (j && job_abandoned(j))) return;
         curl_multi_poll(multi, NULL, 0, 50, NULL);
     }
@@ -494,6 +518,39 @@ static int eligible(kvs_router_t *rt, rserver_t *s, const rserver_t *pre)
     return 0;
 }
 
+/* The requests on s now, as far as the router knows: those its last /internal/info counted that
+ * were not this router's, and this router's own now (exact, and fresher than any poll). */
+static uint64_t load_of(const rserver_t *s)
+{
+    uint64_t info = __atomic_load_n(&s->info_live, __ATOMIC_RELAXED);
+    uint32_t live = (uint32_t) (info >> 32), mine_then = (uint32_t) info;
+    uint64_t others = live > mine_then ? live - mine_then : 0;
+    return others + __atomic_load_n(&s->inflight, __ATOMIC_RELAXED);
+}
+
+/* Whether a is less loaded than b (NULL: anything is): fewer requests, then more free pages. */
+static int less_loaded(const rserver_t *a, const rserver_t *b)
+{
+    if (b == NULL) return 1;
+    uint64_t la = load_of(a), lb = load_of(b);
+    if (la != lb) return la < lb;
+    return __atomic_load_n(&a->pages_free, __ATOMIC_RELAXED) >
+           __atomic_load_n(&b->pages_free, __ATOMIC_RELAXED);
+}
+
+/* The least loaded eligible server; ties in round-robin order. */
+static rserver_t *pick_least_loaded(kvs_router_t *rt, kvs_router_side_t side, const rserver_t *pre)
+{
+    size_t n = nservers(rt, side);
+    uint64_t start = __atomic_fetch_add(&rt->rr[side], 1, __ATOMIC_RELAXED);
+    rserver_t *best = NULL;
+    for (size_t i = 0; i < n; i++) {
+        rserver_t *s = &rt->servers[side][(start + i) % n];
+        if (eligible(rt, s, pre) && less_loaded(s, best)) best = s;
+    }
+    return best;
+}
+
 static rserver_t *pick_round_robin(kvs_router_t *rt, kvs_router_side_t side, const rserver_t *pre)
 {
     size_t n = nservers(rt, side);
@@ -532,7 +589,8 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
         ptrs[i] = &legs[i];
     }
     run_legs(multi, ptrs, n, j, 1);
-    /* In round-robin order from start, so ties go to the next server in turn. */
+    /* In round-robin order from start: equal prefixes go to the less loaded server, then to the
+     * next in turn. */
     for (size_t i = 0; i < n; i++) {
         rserver_t *s = &rt->servers[side][(start + i) % n];
         if (!eligible(rt, s, pre)) continue;
@@ -549,7 +607,7 @@ static rserver_t *pick_prefix(kvs_router_t *rt, kvs_router_side_t side, job_t *j
             mark_down(s, curl_easy_strerror(leg->result));
             continue;
         }
-        if (cached > best_cached) {
+        if (cached > best_cached || (cached == best_cached && less_loaded(s, best))) {
             best_cached = cached;
             best = s;
         }
@@ -563,7 +621,7 @@ out:
     if (multi) curl_multi_cleanup(multi);
     kvs_free(ptrs);
     kvs_free(legs);
-    return best ? best : pick_round_robin(rt, side, pre);
+    return best ? best : pick_least_loaded(rt, side, pre);
 }
 
 /* pre: for the decode side, the prefill server already chosen. */
@@ -571,6 +629,7 @@ static rserver_t *pick(kvs_router_t *rt, kvs_router_side_t side, job_t *j, const
 {
     if (rt->policy[side] == KVS_ROUTER_PREFIX && j->body.len > 0)
         return pick_prefix(rt, side, j, pre);
+    if (rt->policy[side] == KVS_ROUTER_LEAST_LOADED) return pick_least_loaded(rt, side, pre);
     return pick_round_robin(rt, side, pre);
 }
 
@@ -605,13 +664,29 @@ static char *forward_body(job_t *j, uint64_t room, kvs_router_side_t side, rserv
     return kvs__json_dump_steal(copy);
 }
 
+/* A leg that failed in transit: 503 when its server is unreachable or went away (refused,
+ * reset, closed, or found unreachable by a health check meanwhile), 504 when it timed out, 502
+ * otherwise. */
 static void fail_from_curl(job_t *j, leg_t *leg)
 {
-    int timeout = leg->result == CURLE_OPERATION_TIMEDOUT;
-    if (connection_failure(leg->result)) mark_down(leg->server, curl_easy_strerror(leg->result));
-    job_fail(j, timeout ? 504 : 502, timeout ? "gateway_timeout" : "bad_gateway",
-             "%s server %s: %s", side_name(leg->server->side), leg->server->url,
-             curl_easy_strerror(leg->result));
+    rserver_t *s = leg->server;
+    int timeout = !leg->lost && leg->result == CURLE_OPERATION_TIMEDOUT;
+    int gone = leg->lost || (!timeout && connection_failure(leg->result));
+    if (!leg->lost && connection_failure(leg->result))
+        mark_down(s, curl_easy_strerror(leg->result));
+    if (leg->lost)
+        job_fail(j, 503, "server_unavailable",
+                 "%s server %s stopped answering (out of rotation); the request was on it",
+                 side_name(s->side), s->url);
+    else
+        job_fail(j,
+                 timeout ? 504
+                 : gone  ? 503
+                         : 502,
+                 timeout ? "gateway_timeout"
+                 : gone  ? "server_unavailable"
+                         : "bad_gateway",
+                 "%s server %s: %s", side_name(s->side), s->url, curl_easy_strerror(leg->result));
 }
 
 /* A server's own error answer, passed to the client when nothing else was sent yet. */
@@ -800,6 +875,8 @@ static void run_generate(job_t *j)
     __atomic_add_fetch(&rt->requests, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&pre->chosen, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&dec->chosen, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pre->inflight, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&dec->inflight, 1, __ATOMIC_RELAXED);
     kvs_debug("router: room %llu: prefill %s, decode %s", (unsigned long long) room, pre->url,
               dec->url);
     const char *path = j->ep == EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
@@ -876,6 +953,8 @@ out:
     leg_fini(&lp);
     leg_fini(&ld);
     if (multi) curl_multi_cleanup(multi);
+    __atomic_sub_fetch(&pre->inflight, 1, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&dec->inflight, 1, __ATOMIC_RELAXED);
     job_finish(j); /* a no-op when already finished */
     if (cancel_pre) cancel_room(rt, pre, room);
     if (cancel_dec) cancel_room(rt, dec, room);
@@ -1165,6 +1244,7 @@ static void per_server(kvs__sb_t *sb, kvs_router_t *rt, const char *name, const 
     for (int side = 0; side < 2; side++) {
         for (size_t i = 0, n = nservers(rt, side); i < n; i++) {
             rserver_t *s = &rt->servers[side][i];
+            if (__atomic_load_n(&s->removed, __ATOMIC_RELAXED)) continue; /* gone from the fleet */
             uint64_t v = field == 0   ? (uint64_t) __atomic_load_n(&s->up, __ATOMIC_RELAXED)
                          : field == 1 ? __atomic_load_n(&s->chosen, __ATOMIC_RELAXED)
                          : field == 2 ? __atomic_load_n(&s->failures, __ATOMIC_RELAXED)
@@ -1422,59 +1502,130 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
 
 /* ---- health ---- */
 
-static void check_server(kvs_router_t *rt, rserver_t *s)
+/* What the /internal/info answer of s says: its bootstrap and its load (mine: this router's
+ * requests on it when it was asked). */
+static void take_info(kvs_router_t *rt, rserver_t *s, const kvs__sb_t *resp, uint32_t mine)
 {
-    leg_t leg;
-    uint32_t timeout = rt->connect_timeout_ms * 2;
-    if (leg_init(&leg, rt, NULL, s, "/health", NULL, timeout, 0) != KVS_OK) {
-        leg_fini(&leg);
+    json_t *info = json_loadb(resp->ptr ? resp->ptr : "", resp->len, 0, NULL);
+    if (!json_is_object(info)) {
+        json_decref(info);
         return;
     }
-    curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
-    CURLcode c = curl_easy_perform(leg.easy);
-    long code = 0;
-    curl_easy_getinfo(leg.easy, CURLINFO_RESPONSE_CODE, &code);
-    leg_fini(&leg);
-    int ok = c == CURLE_OK && code == 200;
-    /* Prefill servers declare their bootstrap endpoint; decode servers the prefill instance
-     * they are bound to, if any. */
-    if (ok && leg_init(&leg, rt, NULL, s, "/internal/info", NULL, timeout, 0) == KVS_OK) {
-        curl_easy_setopt(leg.easy, CURLOPT_CONNECTTIMEOUT_MS, (long) rt->connect_timeout_ms);
-        if (curl_easy_perform(leg.easy) == CURLE_OK) {
-            json_t *info = json_loadb(leg.resp.ptr ? leg.resp.ptr : "", leg.resp.len, 0, NULL);
-            const char *b = json_string_value(json_object_get(info, "bootstrap"));
-            char *copy = b ? kvs_strdup(b) : NULL;
-            pthread_mutex_lock(&rt->mu);
-            if (copy || b == NULL) {
-                kvs_free(s->bootstrap);
-                s->bootstrap = copy;
+    const char *b = json_string_value(json_object_get(info, "bootstrap"));
+    char *copy = b ? kvs_strdup(b) : NULL;
+    pthread_mutex_lock(&rt->mu);
+    if (copy || b == NULL) {
+        kvs_free(s->bootstrap);
+        s->bootstrap = copy;
+    }
+    pthread_mutex_unlock(&rt->mu);
+    json_t *load = json_object_get(info, "load");
+    json_int_t live = json_integer_value(json_object_get(load, "requests_live"));
+    json_int_t free_pages = json_integer_value(json_object_get(load, "kv_pages_free"));
+    if (live < 0 || live > UINT32_MAX) live = 0;
+    if (free_pages < 0 || free_pages > UINT32_MAX) free_pages = 0;
+    __atomic_store_n(&s->info_live, (uint64_t) live << 32 | mine, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->pages_free, (uint32_t) free_pages, __ATOMIC_RELAXED);
+    json_decref(info);
+}
+
+typedef struct {
+    rserver_t *s;
+    int checked, ok;
+    CURLcode c;
+    long code;
+    uint32_t mine;
+} check_t;
+
+/* One health pass over list[n], every server at once: GET /health (200: in rotation; refused,
+ * dropped or silent for 2 x connect_timeout_ms: out, and the requests on it fail), then GET
+ * /internal/info of those in rotation (bootstrap, load). */
+static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
+{
+    const uint32_t timeout = rt->connect_timeout_ms * 2;
+    leg_t *legs = kvs_calloc(n, sizeof(leg_t));
+    leg_t **ptrs = kvs_calloc(n, sizeof(leg_t *));
+    check_t *ck = kvs_calloc(n, sizeof(check_t));
+    CURLM *multi = curl_multi_init();
+    if (legs == NULL || ptrs == NULL || ck == NULL || multi == NULL) {
+        kvs_warn("router: no memory for a health check of %zu servers", n);
+        goto out;
+    }
+    for (int phase = 0; phase < 2; phase++) {
+        for (size_t i = 0; i < n; i++) {
+            ck[i].s = list[i];
+            if (phase == 1 && !ck[i].ok) continue;
+            ck[i].mine = __atomic_load_n(&list[i]->inflight, __ATOMIC_RELAXED);
+            if (leg_init(&legs[i], rt, NULL, list[i], phase ? "/internal/info" : "/health", NULL,
+                         timeout, 0) != KVS_OK) {
+                leg_fini(&legs[i]);
+                continue;
             }
-            pthread_mutex_unlock(&rt->mu);
-            json_decref(info);
+            curl_easy_setopt(legs[i].easy, CURLOPT_CONNECTTIMEOUT_MS,
+                             (long) rt->connect_timeout_ms);
+            curl_multi_add_handle(multi, legs[i].easy);
+            ptrs[i] = &legs[i];
+        }
+        run_legs(multi, ptrs, n, NULL, 1);
+        for (size_t i = 0; i < n; i++) {
+            leg_t *l = ptrs[i];
+            if (l == NULL) continue;
+            if (phase == 0) {
+                ck[i].checked = 1;
+                ck[i].c = l->result;
+                ck[i].code = l->status;
+                ck[i].ok = l->result == CURLE_OK && l->status == 200;
+            } else if (l->result == CURLE_OK && l->status == 200) {
+                take_info(rt, list[i], &l->resp, ck[i].mine);
+            }
+            curl_multi_remove_handle(multi, l->easy);
+            leg_fini(l);
+            ptrs[i] = NULL;
         }
     }
-    leg_fini(&leg);
-    int was = __atomic_exchange_n(&s->up, ok, __ATOMIC_RELAXED);
-    if (was && !ok) {
-        __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
-        if (c != CURLE_OK)
-            kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
-                     curl_easy_strerror(c));
-        else
-            kvs_warn("router: %s server %s is out of rotation: /health answered %ld",
-                     side_name(s->side), s->url, code);
-    } else if (!was && ok) {
-        kvs_info("router: %s server %s is in rotation", side_name(s->side), s->url);
+    for (size_t i = 0; i < n; i++) {
+        if (!ck[i].checked) continue;
+        rserver_t *s = ck[i].s;
+        int ok = ck[i].ok;
+        CURLcode c = ck[i].c;
+        /* Unreachable (not merely unhealthy: a draining server finishes its requests). */
+        if (!ok && c != CURLE_OK && connection_failure(c))
+            __atomic_add_fetch(&s->lost, 1, __ATOMIC_RELAXED);
+        int was = __atomic_exchange_n(&s->up, ok, __ATOMIC_RELAXED);
+        if (was && !ok) {
+            __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
+            if (c != CURLE_OK)
+                kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
+                         curl_easy_strerror(c));
+            else
+                kvs_warn("router: %s server %s is out of rotation: /health answered %ld",
+                         side_name(s->side), s->url, ck[i].code);
+        } else if (!was && ok) {
+            kvs_info("router: %s server %s is in rotation", side_name(s->side), s->url);
+        }
     }
+out:
+    for (size_t i = 0; ptrs && i < n; i++) {
+        if (ptrs[i] == NULL) continue;
+        curl_multi_remove_handle(multi, ptrs[i]->easy);
+        leg_fini(ptrs[i]);
+    }
+    if (multi) curl_multi_cleanup(multi);
+    kvs_free(ck);
+    kvs_free(ptrs);
+    kvs_free(legs);
 }
 
 void kvs_router_check_now(kvs_router_t *rt)
 {
+    rserver_t *list[2 * KVS_ROUTER_MAX_SERVERS];
+    size_t n = 0;
     pthread_mutex_lock(&rt->check_mu);
     for (int side = 0; side < 2; side++)
-        for (size_t i = 0, n = nservers(rt, side); i < n; i++)
+        for (size_t i = 0, ns = nservers(rt, side); i < ns; i++)
             if (!__atomic_load_n(&rt->servers[side][i].removed, __ATOMIC_RELAXED))
-                check_server(rt, &rt->servers[side][i]);
+                list[n++] = &rt->servers[side][i];
+    check_servers(rt, list, n);
     pthread_mutex_unlock(&rt->check_mu);
 }
 
@@ -1506,6 +1657,7 @@ static void free_config(kvs_router_t *rt)
 {
     kvs_free(rt->api_key);
     kvs_free(rt->server_key);
+    kvs_free(rt->servers_file);
     for (int side = 0; side < 2; side++) {
         for (size_t i = 0; rt->servers[side] && i < rt->n[side]; i++) {
             kvs_free(rt->servers[side][i].url);
@@ -1537,13 +1689,11 @@ static kvs_status_t server_init(rserver_t *s, kvs_router_side_t side, const char
     return url_copy(side, url, &s->url);
 }
 
+/* The servers of side given at creation (none is fine when a servers file may list some). */
 static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const char *const *urls,
                                 size_t n)
 {
-    if (n == 0 || urls == NULL) {
-        kvs_error("router: no %s server given", side_name(side));
-        return KVS_ERR_INVALID;
-    }
+    if (urls == NULL) n = 0;
     if (n > KVS_ROUTER_MAX_SERVERS) {
         kvs_error("router: %zu %s servers; at most %d", n, side_name(side), KVS_ROUTER_MAX_SERVERS);
         return KVS_ERR_INVALID;
@@ -1554,6 +1704,28 @@ static kvs_status_t add_servers(kvs_router_t *rt, kvs_router_side_t side, const 
     for (size_t i = 0; i < n; i++) {
         kvs_status_t st = server_init(&rt->servers[side][i], side, urls[i]);
         if (st != KVS_OK) return st;
+        rt->servers[side][i].from_config = 1;
+    }
+    return KVS_OK;
+}
+
+static kvs_status_t apply_servers_file(kvs_router_t *rt, int check);
+
+/* The servers file's first reading, then at least one server of each side. */
+static kvs_status_t first_servers(kvs_router_t *rt, const char *path)
+{
+    if (path != NULL) {
+        rt->servers_file = kvs_strdup(path);
+        if (rt->servers_file == NULL) return KVS_ERR_NOMEM;
+        kvs_status_t st = apply_servers_file(rt, 0);
+        if (st != KVS_OK) return st;
+    }
+    for (int side = 0; side < 2; side++) {
+        if (rt->n[side] == 0) {
+            kvs_error("router: no %s server given%s", side_name((kvs_router_side_t) side),
+                      path ? " (nor in the servers file)" : "");
+            return KVS_ERR_INVALID;
+        }
     }
     return KVS_OK;
 }
@@ -1589,14 +1761,17 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     kvs_status_t st = add_servers(rt, KVS_ROUTER_PREFILL, config->prefill, config->n_prefill);
     if (st == KVS_OK) st = add_servers(rt, KVS_ROUTER_DECODE, config->decode, config->n_decode);
     if (st == KVS_OK) st = copy_keys(rt, config);
+    pthread_mutex_init(&rt->mu, NULL);
+    if (st == KVS_OK) st = first_servers(rt, config->servers_file);
     if (st != KVS_OK) {
+        pthread_mutex_destroy(&rt->mu);
         free_config(rt);
         kvs_free(rt);
         return st;
     }
     rt->policy[KVS_ROUTER_PREFILL] = config->prefill_policy;
     rt->policy[KVS_ROUTER_DECODE] = config->decode_policy;
-    rt->health_interval_ms = config->health_interval_ms ? config->health_interval_ms : 1000;
+    rt->health_interval_ms = config->health_interval_ms ? config->health_interval_ms : 500;
     rt->connect_timeout_ms = config->connect_timeout_ms ? config->connect_timeout_ms : 1000;
     rt->request_timeout_ms = config->request_timeout_ms ? config->request_timeout_ms : 600000;
     rt->match_timeout_ms = config->match_timeout_ms ? config->match_timeout_ms : 200;
@@ -1605,7 +1780,6 @@ kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t *
     rt->next_room =
         config->first_room ? config->first_room : ((kvs_now_ns() >> 10) & 0x3fffffffu) << 32;
     kvs__hist_init(&rt->transfer, kvs__transfer_bounds, KVS__TRANSFER_BOUNDS);
-    pthread_mutex_init(&rt->mu, NULL);
     pthread_mutex_init(&rt->check_mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1702,21 +1876,17 @@ kvs_status_t kvs_router_server_stats(kvs_router_t *rt, kvs_router_side_t side, s
     return KVS_OK;
 }
 
-kvs_status_t kvs_router_add_server(kvs_router_t *rt, kvs_router_side_t side, const char *url,
-                                   size_t *index_p)
+/* Puts url in the table of side (back in, when the router had it), under rt->mu; not checked
+ * yet. from_file: listed by the servers file. */
+static kvs_status_t register_locked(kvs_router_t *rt, kvs_router_side_t side, char *copy,
+                                    int from_file, size_t *index_p)
 {
-    if (side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) return KVS_ERR_INVALID;
-    char *copy = NULL;
-    kvs_status_t st = url_copy(side, url, &copy);
-    if (st != KVS_OK) return st;
-    pthread_mutex_lock(&rt->mu);
     size_t n = rt->n[side], i = 0;
     while (i < n && strcmp(rt->servers[side][i].url, copy) != 0) i++;
     rserver_t *s = &rt->servers[side][i];
     if (i < n) { /* known, maybe removed: back in */
         kvs_free(copy);
     } else if (n == KVS_ROUTER_MAX_SERVERS) {
-        pthread_mutex_unlock(&rt->mu);
         kvs_error("router: %d %s servers already; %s not added", KVS_ROUTER_MAX_SERVERS,
                   side_name(side), copy);
         kvs_free(copy);
@@ -1727,11 +1897,28 @@ kvs_status_t kvs_router_add_server(kvs_router_t *rt, kvs_router_side_t side, con
         s->url = copy;
         __atomic_store_n(&rt->n[side], n + 1, __ATOMIC_RELEASE);
     }
+    if (from_file) s->from_file = 1;
     __atomic_store_n(&s->removed, 0, __ATOMIC_RELAXED);
+    *index_p = i;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_router_add_server(kvs_router_t *rt, kvs_router_side_t side, const char *url,
+                                   size_t *index_p)
+{
+    if (side != KVS_ROUTER_PREFILL && side != KVS_ROUTER_DECODE) return KVS_ERR_INVALID;
+    char *copy = NULL;
+    kvs_status_t st = url_copy(side, url, &copy);
+    if (st != KVS_OK) return st;
+    size_t i = 0;
+    pthread_mutex_lock(&rt->mu);
+    st = register_locked(rt, side, copy, 0, &i);
     pthread_mutex_unlock(&rt->mu);
+    if (st != KVS_OK) return st;
     /* In rotation once it answers: checked now, then with the others. */
+    rserver_t *s = &rt->servers[side][i];
     pthread_mutex_lock(&rt->check_mu);
-    check_server(rt, s);
+    check_servers(rt, &s, 1);
     pthread_mutex_unlock(&rt->check_mu);
     kvs_info("router: %s server %s added (%s)", side_name(side), s->url,
              in_rotation(s) ? "in rotation" : "not answering yet");
@@ -1758,4 +1945,126 @@ kvs_status_t kvs_router_remove_server(kvs_router_t *rt, kvs_router_side_t side, 
     if (st == KVS_OK) kvs_info("router: %s server %s removed", side_name(side), copy);
     kvs_free(copy);
     return st;
+}
+
+/* ---- the servers file ---- */
+
+typedef struct {
+    kvs_router_side_t side;
+    char *url;
+} listed_t;
+
+#define MAX_LISTED (2 * KVS_ROUTER_MAX_SERVERS)
+
+/* The servers file's entries into list[MAX_LISTED] (urls owned by the caller on KVS_OK). Lines:
+ * "prefill URL" or "decode URL"; blank ones and those starting with '#' are skipped. */
+static kvs_status_t read_servers_file(const char *path, listed_t *list, size_t *n_p)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        kvs_error("router: cannot read the servers file %s: %s", path, strerror(errno));
+        return KVS_ERR_IO;
+    }
+    size_t n = 0;
+    unsigned line_no = 0;
+    kvs_status_t st = KVS_OK;
+    char line[1024];
+    while (st == KVS_OK && fgets(line, sizeof(line), f) != NULL) {
+        line_no++;
+        size_t len = strlen(line);
+        if (len == sizeof(line) - 1 && line[len - 1] != '\n') {
+            kvs_error("router: servers file %s line %u: longer than %zu bytes", path, line_no,
+                      sizeof(line) - 2);
+            st = KVS_ERR_INVALID;
+            break;
+        }
+        char side_s[16], url[1024], extra[2];
+        int got = sscanf(line, " %15s %1023s %1s", side_s, url, extra);
+        if (got <= 0 || side_s[0] == '#') continue;
+        int side = strcmp(side_s, "prefill") == 0  ? KVS_ROUTER_PREFILL
+                   : strcmp(side_s, "decode") == 0 ? KVS_ROUTER_DECODE
+                                                   : -1;
+        if (side < 0 || got != 2) {
+            kvs_error("router: servers file %s line %u: expected \"prefill URL\" or \"decode "
+                      "URL\"",
+                      path, line_no);
+            st = KVS_ERR_INVALID;
+        } else if (n == MAX_LISTED) {
+            kvs_error("router: servers file %s line %u: more than %d servers", path, line_no,
+                      MAX_LISTED);
+            st = KVS_ERR_INVALID;
+        } else if (strncmp(url, "http://", 7) != 0 || strlen(url) > 400) {
+            kvs_error("router: servers file %s line %u: '%s' is not an http:// URL", path, line_no,
+                      url);
+            st = KVS_ERR_INVALID;
+        } else if ((st = url_copy((kvs_router_side_t) side, url, &list[n].url)) == KVS_OK) {
+            list[n++].side = (kvs_router_side_t) side;
+        }
+    }
+    if (st == KVS_OK && ferror(f)) {
+        kvs_error("router: cannot read the servers file %s", path);
+        st = KVS_ERR_IO;
+    }
+    fclose(f);
+    if (st != KVS_OK) {
+        for (size_t i = 0; i < n; i++) kvs_free(list[i].url);
+        return st;
+    }
+    *n_p = n;
+    return KVS_OK;
+}
+
+/* Makes the servers the file lists the ones it owns: each listed one in (added, or back in),
+ * each it listed before and lists no more out (unless given at creation). check: check the
+ * listed ones now (else the caller does). */
+static kvs_status_t apply_servers_file(kvs_router_t *rt, int check)
+{
+    listed_t list[MAX_LISTED];
+    size_t n = 0;
+    kvs_status_t st = read_servers_file(rt->servers_file, list, &n);
+    if (st != KVS_OK) return st;
+    rserver_t *added[MAX_LISTED];
+    unsigned char keep[2][KVS_ROUTER_MAX_SERVERS];
+    memset(keep, 0, sizeof(keep));
+    size_t n_added = 0;
+    pthread_mutex_lock(&rt->mu);
+    for (size_t k = 0; k < n; k++) {
+        size_t i = 0;
+        kvs_status_t r = register_locked(rt, list[k].side, list[k].url, 1, &i);
+        list[k].url = NULL; /* register_locked's now */
+        if (r != KVS_OK) {
+            st = r;
+            continue;
+        }
+        if (!keep[list[k].side][i]) added[n_added++] = &rt->servers[list[k].side][i];
+        keep[list[k].side][i] = 1;
+    }
+    for (int side = 0; side < 2; side++) {
+        for (size_t i = 0; i < rt->n[side]; i++) {
+            rserver_t *s = &rt->servers[side][i];
+            if (!s->from_file || keep[side][i]) continue;
+            s->from_file = 0;
+            if (s->from_config || __atomic_load_n(&s->removed, __ATOMIC_RELAXED)) continue;
+            __atomic_store_n(&s->removed, 1, __ATOMIC_RELAXED);
+            kvs_info("router: %s server %s removed (no longer in %s)", side_name(s->side), s->url,
+                     rt->servers_file);
+        }
+    }
+    pthread_mutex_unlock(&rt->mu);
+    if (check) {
+        pthread_mutex_lock(&rt->check_mu);
+        check_servers(rt, added, n_added);
+        pthread_mutex_unlock(&rt->check_mu);
+    }
+    kvs_info("router: %zu servers listed in %s", n_added, rt->servers_file);
+    return st;
+}
+
+kvs_status_t kvs_router_reload(kvs_router_t *rt)
+{
+    if (rt->servers_file == NULL) {
+        kvs_error("router: no servers file to reload");
+        return KVS_ERR_INVALID;
+    }
+    return apply_servers_file(rt, 1);
 }

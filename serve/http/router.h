@@ -2,13 +2,23 @@
  * request to one prefill server and one decode server (http/server.h) and streams the decode
  * server's answer back (libcurl towards the servers).
  *
- * Per request: pick a prefill server (round robin, or prefix-aware: POST /internal/match with
- * the client's body to every live prefill server, the longest cached prefix wins, ties in
- * round-robin order) and a decode server (round robin or prefix-aware likewise), assign a room
- * id, and forward the client's body, with a "kvstage" object added, to both at once.
+ * Per request: pick a prefill server, then a decode server, each side by its own policy, assign
+ * a room id, and forward the client's body, with a "kvstage" object added, to both at once.
+ * Policies (kvs_router_policy_t; `kvstage router` defaults to prefix on both sides):
+ *   round robin   the next server in turn;
+ *   least loaded  the fewest requests on it, then the most free KV pages, then in turn;
+ *   prefix        POST /internal/match with the client's body to every candidate server: the
+ *                 longest cached prefix wins, equal ones (no hit anywhere included) go to the
+ *                 less loaded, then in turn. On the decode side this sends a multi-turn chat
+ *                 back to the server that holds its earlier turns.
+ * A server's load is what its last GET /internal/info said ("load": "requests_live",
+ * "kv_pages_free"; fetched with every health check, never per request), less the requests this
+ * router had on it then, plus those it has on it now (exact): other routers' requests count
+ * too, and a burst between two checks spreads at once.
  * Pairing: a decode server whose GET /internal/info declares a bootstrap is bound to the
  * prefill server declaring the same one, and only those two are chosen together; a prefill
- * server without a live partner is passed over (a server declaring none pairs with any).
+ * server without a live partner is passed over (a server declaring none pairs with any, so the
+ * two sides are chosen independently).
  * A match that times out counts as no cache hit (it does not take the server out). Bodies:
  *   prefill: "kvstage": {"room": N, "role": "prefill"}, "stream": false
  *   decode:  "kvstage": {"room": N, "role": "decode", "prefill": "URL", "bootstrap": "EP"}
@@ -28,10 +38,18 @@
  * held whole until the prefill answer is in: its first chunk needs them).
  * A client body that already has "kvstage" is refused (400).
  *
- * Failures: a server that refuses the connection, times out, drops the connection or fails
- * GET /health is taken out of rotation and re-checked every health_interval_ms. A request whose
- * chosen server failed that way answers 502 (504 on a timeout) {"error": {"message" naming the
- * server, "type": "server_error", "code": "bad_gateway" / "gateway_timeout"}}, or, when the
+ * Failures: every health_interval_ms (500 by default) one pass checks every server at once
+ * (GET /health, then GET /internal/info): a server that refuses the connection, drops it, does
+ * not answer within 2 x connect_timeout_ms or answers other than 200 is out of rotation until a
+ * pass finds it well; so is one that refuses, drops or times out a forwarded request. A server
+ * killed outright is thus out within health_interval_ms (its refused port), and the requests
+ * on it fail at once (their connections close with it). When a pass finds a server
+ * unreachable (not merely unhealthy: a draining server's /health 503 leaves its requests be),
+ * every request still waiting on it fails too, so a hung server or host costs at most
+ * health_interval_ms + 2 x connect_timeout_ms, not the request timeout. A request whose chosen
+ * server failed that way answers 503 {"error": {"message" naming the server, "type":
+ * "server_error", "code": "server_unavailable"}} (504 "gateway_timeout" when the request itself
+ * timed out, 502 "bad_gateway" for another transfer error), or, when the
  * decode stream had already started, ends the stream after its last whole event with
  * "data: {"error": {...}}" and no [DONE] (a stream the decode server ends that way itself is
  * passed through as it is). No live server of a role: 503 (code "no_server"). A server's own
@@ -44,7 +62,12 @@
  *
  * Fleet changes at run time: POST /admin/servers {"action": "add"|"remove", "side":
  * "prefill"|"decode", "url": URL} (kvs_router_add_server / kvs_router_remove_server below),
- * guarded by the API key like every endpoint but /health and /metrics.
+ * guarded by the API key like every endpoint but /health and /metrics; and the servers file
+ * (config.servers_file), read at creation and again by kvs_router_reload (`kvstage router`: on
+ * SIGHUP). Its lines are "prefill URL" or "decode URL"; blank lines and lines starting with '#'
+ * are skipped. A reload adds the servers it lists (or takes them back in) and removes those it
+ * listed before and lists no more, except servers given at creation; removed ones finish the
+ * requests they have.
  *
  * Front endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
  * /v1/models/{id}, POST /tokenize and POST /detokenize (these proxied to a live decode server,
@@ -76,7 +99,8 @@
 
 typedef enum {
     KVS_ROUTER_ROUND_ROBIN = 0,
-    KVS_ROUTER_PREFIX = 1, /* longest cached prefix (POST /internal/match), ties round robin */
+    KVS_ROUTER_PREFIX = 1,       /* longest cached prefix (POST /internal/match), then load */
+    KVS_ROUTER_LEAST_LOADED = 2, /* fewest requests, then most free pages */
 } kvs_router_policy_t;
 
 typedef enum {
@@ -89,12 +113,13 @@ typedef struct {
     uint16_t port;                      /* 0: chosen by the system */
     uint32_t threads;                   /* HTTP worker threads; 0: 4 */
     const char *const *prefill;         /* [n_prefill] base URLs, "http://host:port" */
-    size_t n_prefill;                   /* >= 1 */
+    size_t n_prefill;                   /* >= 1 with servers_file's */
     const char *const *decode;          /* [n_decode] base URLs */
-    size_t n_decode;                    /* >= 1 */
+    size_t n_decode;                    /* >= 1 with servers_file's */
+    const char *servers_file;           /* more servers (see above); NULL: none */
     kvs_router_policy_t prefill_policy; /* default round robin */
     kvs_router_policy_t decode_policy;
-    uint32_t health_interval_ms; /* 0: 1000 */
+    uint32_t health_interval_ms; /* 0: 500 */
     uint32_t connect_timeout_ms; /* 0: 1000 */
     uint32_t request_timeout_ms; /* whole request; 0: 600000 */
     uint32_t match_timeout_ms;   /* each /internal/match; 0: 200 */
@@ -112,7 +137,8 @@ typedef struct kvs_router kvs_router_t;
 /* Checks every server once (GET /health and /internal/info) before serving, so the first
  * requests see the true liveness. KVS_ERR_INVALID for a bad configuration (no server of a
  * role, a URL that is not http://, a key that is not 1 to 1024 printable ASCII characters
- * without spaces), KVS_ERR_IO when the address cannot be bound. */
+ * without spaces, a servers file line that is not "prefill URL" or "decode URL": its number
+ * logged), KVS_ERR_IO when the address cannot be bound or the servers file read. */
 kvs_status_t kvs_router_create(const kvs_router_config_t *config, kvs_router_t **router_p);
 uint16_t kvs_router_port(const kvs_router_t *router);
 /* Stops the health checks, abandons in-flight requests (their clients see an error), frees. */
@@ -136,6 +162,11 @@ kvs_status_t kvs_router_add_server(kvs_router_t *router, kvs_router_side_t side,
  * router does not have in use. */
 kvs_status_t kvs_router_remove_server(kvs_router_t *router, kvs_router_side_t side,
                                       const char *url);
+/* Reads config.servers_file again and applies it (see above); the servers it added are checked
+ * before it returns. A file that cannot be read or has a bad line (KVS_ERR_IO, KVS_ERR_INVALID,
+ * logged with the line's number) changes nothing; KVS_ERR_NOSPACE when it lists more than
+ * KVS_ROUTER_MAX_SERVERS of a side (the others applied). KVS_ERR_INVALID without a file. */
+kvs_status_t kvs_router_reload(kvs_router_t *router);
 
 typedef struct {
     uint64_t requests;    /* requests forwarded (a server pair was chosen) */

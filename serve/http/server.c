@@ -1194,6 +1194,23 @@ static const char *role_name(kvs_server_role_t role)
     return "colocated";
 }
 
+/* GET /internal/info: what the router pairs by (bootstrap) and chooses by (load: the gauges of
+ * /metrics it weighs, read now). */
+static json_t *info_json(kvs_server_t *srv)
+{
+    kvs_server_backend_stats_t bs;
+    memset(&bs, 0, sizeof(bs));
+    if (srv->backend.stats) srv->backend.stats(srv->backend.ctx, &bs);
+    pthread_mutex_lock(&srv->mu);
+    uint32_t live = srv->n_live;
+    pthread_mutex_unlock(&srv->mu);
+    return json_pack("{s:s, s:s, s:s?, s:{s:I, s:I, s:I, s:I, s:I}}", "model", srv->model, "role",
+                     role_name(srv->role), "bootstrap", srv->bootstrap, "load", "requests_live",
+                     (json_int_t) live, "requests_running", (json_int_t) bs.running,
+                     "requests_queued", (json_int_t) bs.queued, "kv_pages_total",
+                     (json_int_t) bs.pages_total, "kv_pages_free", (json_int_t) bs.pages_free);
+}
+
 static json_t *model_json(const kvs_server_t *srv)
 {
     return json_pack("{s:s, s:s, s:I, s:s}", "id", srv->model, "object", "model", "created",
@@ -1265,9 +1282,7 @@ static enum MHD_Result handle(req_t *r)
         return send_error(r, 404, msg, "model", "model_not_found");
     }
     case EP_INFO:
-        return send_json_steal(r, 200,
-                               json_pack("{s:s, s:s, s:s?}", "model", srv->model, "role",
-                                         role_name(srv->role), "bootstrap", srv->bootstrap));
+        return send_json_steal(r, 200, info_json(srv));
     case EP_UNKNOWN:
         break;
     }

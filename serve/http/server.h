@@ -63,7 +63,10 @@
  *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
  *                          "prompt_tokens": M} from the backend's match() (the router's
  *                          prefix-aware choice).
- *   GET  /internal/info    {"model", "role", "bootstrap"} (the router learns bootstrap here).
+ *   GET  /internal/info    {"model", "role", "bootstrap", "load": {"requests_live",
+ *                          "requests_running", "requests_queued", "kv_pages_total",
+ *                          "kv_pages_free"}} (the gauges of /metrics, now): the router pairs by
+ *                          bootstrap and weighs load, fetched with its health checks.
  *   POST /internal/cancel  body {"room": N}: the router gave up on room N (the other side
  *                          refused or failed it, or the client left). Its live request here ends
  *                          now through the backend's cancel (a prefill room is aborted through

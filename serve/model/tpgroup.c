@@ -17,6 +17,8 @@
  * reopens the name. */
 #include "model/tpgroup.h"
 
+#include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -25,6 +27,7 @@
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -713,4 +716,29 @@ void kvs_tpgroup_leave(kvs_tpgroup_t *g)
     }
     kvs_free(g->name);
     kvs_free(g);
+}
+
+uint32_t kvs_tpgroup_reclaim(void)
+{
+    DIR *dir = opendir("/dev/shm");
+    if (dir == NULL) return 0;
+    uint32_t removed = 0;
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+        const char *n = e->d_name;
+        if (strncmp(n, "kvs-", 4) != 0 || !isdigit((unsigned char) n[4])) continue;
+        char *end;
+        errno = 0;
+        long pid = strtol(n + 4, &end, 10);
+        if (errno != 0 || *end != '-' || pid <= 0 || pid != (long) (pid_t) pid) continue;
+        if (kill((pid_t) pid, 0) == 0 || errno != ESRCH) continue; /* alive (EPERM: someone's) */
+        char name[NAME_MAX + 2];
+        snprintf(name, sizeof(name), "/%s", n);
+        if (shm_unlink(name) == 0) {
+            removed++;
+            kvs_info("tpgroup: removed %s, left behind by process %ld, which is gone", name, pid);
+        }
+    }
+    closedir(dir);
+    return removed;
 }

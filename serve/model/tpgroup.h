@@ -19,7 +19,13 @@
  * fails at once with KVS_ERR_STATE; the only thing left to do is kvs_tpgroup_leave(). An
  * invalid argument (KVS_ERR_INVALID) touches nothing and does not poison the group.
  *
- * One group handle belongs to one thread at a time. */
+ * One group handle belongs to one thread at a time.
+ *
+ * Names and reclaim: a segment outlives its processes only when rank 0 dies without leaving
+ * (SIGKILL of the whole instance). Names of the form "/kvs-PID-TAG" (PID in decimal, the
+ * process that owns the name: the launcher of the ranks) let kvs_tpgroup_reclaim() find the
+ * segments whose owner is gone and remove them; kvstage calls it whenever it launches an
+ * instance. */
 #ifndef KVSTAGE_TPGROUP_H
 #define KVSTAGE_TPGROUP_H
 
@@ -35,7 +41,8 @@ typedef struct kvs_tpgroup kvs_tpgroup_t;
 
 typedef struct {
     /* POSIX shm name, unique per group and the same on every rank: '/' then 1..254 characters
-     * without '/', e.g. "/kvs-tp-<pid of rank 0's parent>-<instance>". Unused when size is 1. */
+     * without '/', e.g. "/kvs-<pid of rank 0's parent>-<instance>" (reclaimable, above). Unused
+     * when size is 1. */
     const char *name;
     uint32_t size; /* ranks in the group, 1..KVS_TPGROUP_MAX_RANKS */
     uint32_t rank; /* this rank, < size */
@@ -59,6 +66,12 @@ kvs_status_t kvs_tpgroup_join(const kvs_tpgroup_config_t *config, kvs_tpgroup_t 
 /* Unmaps the segment and frees the handle; rank 0 also removes the name. No barrier: a rank
  * may leave while the others still finish their last call. NULL is a no-op. */
 void kvs_tpgroup_leave(kvs_tpgroup_t *group);
+
+/* Removes every segment named "/kvs-PID-..." (/dev/shm) whose owner PID no longer exists
+ * (kill(PID, 0) fails with ESRCH); logs each. Returns how many it removed. A live owner is never
+ * touched, nor a name of another form. Limit: PIDs are this PID namespace's, so hosts that share
+ * /dev/shm between PID namespaces (containers) must not share it with kvstage instances. */
+uint32_t kvs_tpgroup_reclaim(void);
 
 uint32_t kvs_tpgroup_size(const kvs_tpgroup_t *group);
 uint32_t kvs_tpgroup_rank(const kvs_tpgroup_t *group);

@@ -13,6 +13,8 @@ Spawns the built tool (--tool) in a session of its own for each case and checks:
   protocol version;
 - a port in use: serve and router say "error: port P on HOST is in use" and exit 2;
 - the decode server's bootstrap wait ends at --startup-timeout-s;
+- the router's --servers-file: a bad line is a usage error naming it, and SIGHUP re-reads it
+  (the servers /metrics lists follow the file);
 - help and README agree: every flag the README names for a command is in that command's
   --help, the bench list is the same in `kvstage --help`, `kvstage bench --help` and the README.
 Every flag of every --help is exercised, so a flag without a range check shows up here too.
@@ -25,7 +27,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 QUICK_S = 3.0  # a usage error answers well within this
 SEEDED = "2,64,128,4,2,16,300"  # 4 query heads, 2 KV heads, ffn 128: TP 1, 2 or 4
@@ -311,6 +315,55 @@ def check_bootstrap_timeout(tool):
     s.close()
 
 
+def servers_file(text):
+    f = tempfile.NamedTemporaryFile("w", prefix="kvs-servers-", suffix=".txt", delete=False)
+    f.write(text)
+    f.close()
+    return f.name
+
+
+def check_servers_file(tool):
+    """A bad line is one usage error naming the flag and the line; SIGHUP applies a new file."""
+    bad = servers_file("prefill http://127.0.0.1:1\ndecode ftp://x\n")
+    expect_usage_error(tool, ["router", "--servers-file", bad], "--servers-file", "line 2")
+    one_side = servers_file("# no decode server\nprefill http://127.0.0.1:1\n")
+    expect_usage_error(tool, ["router", "--servers-file", one_side], "--servers-file", "decode")
+    path = servers_file("prefill http://127.0.0.1:1\ndecode http://127.0.0.1:2\n")
+    p = subprocess.Popen([tool, "router", "--servers-file", path, "--health-interval-ms", "100"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        line = p.stdout.readline()
+        m = re.search(r"routing on (http://[0-9.]+:\d+)", line)
+        if not m:
+            fail("router --servers-file: no 'routing on' line: %r" % line)
+            return
+        def servers():
+            text = urllib.request.urlopen(m.group(1) + "/metrics", timeout=5).read().decode()
+            return set(re.findall(r'kvstage_router_server_up\{side="(\w+)",url="([^"]+)"\}', text))
+        want = {("prefill", "http://127.0.0.1:1"), ("decode", "http://127.0.0.1:2")}
+        if servers() != want:
+            fail("router --servers-file: /metrics lists %s, want %s" % (servers(), want))
+        with open(path, "w") as f:
+            f.write("prefill http://127.0.0.1:1\ndecode http://127.0.0.1:3\n")
+        os.kill(p.pid, signal.SIGHUP)
+        want = {("prefill", "http://127.0.0.1:1"), ("decode", "http://127.0.0.1:3")}
+        end = time.monotonic() + 5
+        while servers() != want and time.monotonic() < end:
+            time.sleep(0.05)
+        if servers() != want:
+            fail("router after SIGHUP: /metrics lists %s, want %s" % (servers(), want))
+        p.send_signal(signal.SIGTERM)
+        if p.wait(timeout=10) != 0:
+            fail("router --servers-file: exit %s after SIGTERM" % p.returncode)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for f in (bad, one_side, path):
+            os.unlink(f)
+
+
 def check_readme(tool, readme, helps, benches):
     text = open(readme).read()
     # The tool table: "| `kvstage X` | ... |" rows, a row may name two commands.
@@ -385,6 +438,7 @@ def main():
     check_version(tool, a.version)
     check_port_in_use(tool)
     check_bootstrap_timeout(tool)
+    check_servers_file(tool)
     check_readme(tool, a.readme, helps, benches)
     print("%d usage-error cases over %d commands, %d failures, %.1f s" %
           (len(cases), len(cmd_lists), len(failures), time.monotonic() - t0))

@@ -52,6 +52,7 @@ struct kvs_server_fake {
     uint32_t fail_at;
     kvs_server_fake_counts_t counts;
     uint64_t kv_bytes, chunks;
+    uint32_t pages_total, pages_free;  /* reported as they were set */
     kvs_server_fake_record_t *records; /* [FAKE_RECORDS], ring */
     uint64_t n_records;                /* ever written */
     uint32_t *cache[FAKE_CACHE];       /* finished prompts, FIFO replacement */
@@ -394,6 +395,8 @@ static void fake_stats(void *ctx, kvs_server_backend_stats_t *s)
     s->metrics.ring_capacity = f->config.ring_capacity;
     uint64_t used = (uint64_t) f->n_live * 4096u;
     s->metrics.ring_used = used < s->metrics.ring_capacity ? used : s->metrics.ring_capacity;
+    s->pages_total = f->pages_total;
+    s->pages_free = f->pages_free;
     for (uint32_t i = 0; i < f->n_live; i++) {
         if (f->live[i]->generated == 0)
             s->queued++;
@@ -481,6 +484,14 @@ kvs_server_backend_t kvs_server_fake_backend(kvs_server_fake_t *fake)
 void kvs_server_fake_set_healthy(kvs_server_fake_t *fake, int healthy)
 {
     __atomic_store_n(&fake->healthy, healthy ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+void kvs_server_fake_set_pages(kvs_server_fake_t *fake, uint32_t total, uint32_t free_pages)
+{
+    pthread_mutex_lock(&fake->mu);
+    fake->pages_total = total;
+    fake->pages_free = free_pages;
+    pthread_mutex_unlock(&fake->mu);
 }
 
 void kvs_server_fake_set_fail_at(kvs_server_fake_t *fake, uint32_t fail_at)

@@ -41,6 +41,8 @@ kvs_server_backend_t kvs_server_fake_backend(kvs_server_fake_t *fake);
 
 void kvs_server_fake_set_healthy(kvs_server_fake_t *fake, int healthy);
 void kvs_server_fake_set_fail_at(kvs_server_fake_t *fake, uint32_t fail_at);
+/* The KV pool gauges its stats report (0 and 0 until set). */
+void kvs_server_fake_set_pages(kvs_server_fake_t *fake, uint32_t total, uint32_t free_pages);
 
 typedef struct {
     uint64_t submitted, completed, failed, cancelled; /* cancelled: cancel() found it live */

@@ -23,6 +23,8 @@ typedef struct {
     const char *server_key; /* the servers require this API key */
     int router_strict;
     const char *router_key, *router_server_key;
+    kvs_router_policy_t decode_policy;
+    uint32_t decode_max_connections; /* 0: the servers' default */
 } deploy_opts_t;
 
 typedef struct {
@@ -54,6 +56,7 @@ static void server_start(deploy_t *d, int side, int i, uint16_t port)
     c.tokenizer = kvs_server_byte_tokenizer();
     c.strict = d->opts.server_strict;
     c.api_key = d->opts.server_key;
+    if (side == D) c.max_connections = d->opts.decode_max_connections;
     assert_int_equal(kvs_server_create(&c, &d->srv[side][i]), KVS_OK);
     d->port[side][i] = kvs_server_port(d->srv[side][i]);
     snprintf(d->url[side][i], sizeof(d->url[side][i]), "http://127.0.0.1:%u", d->port[side][i]);
@@ -71,6 +74,7 @@ static void router_start(deploy_t *d, kvs_router_policy_t prefill_policy, uint32
     rc.decode = dec;
     rc.n_decode = 2;
     rc.prefill_policy = prefill_policy;
+    rc.decode_policy = d->opts.decode_policy;
     rc.health_interval_ms = health_ms;
     rc.connect_timeout_ms = 500;
     rc.max_body = 8192;
@@ -391,11 +395,11 @@ static void test_dead_decode(void **state)
             json_decref(j);
         } else {
             failures++;
-            expect_error_json(&r, 502, "server_error", NULL);
+            expect_error_json(&r, 503, "server_error", NULL);
             json_t *j = http_json(&r);
             json_t *e = json_object_get(j, "error");
             assert_non_null(strstr(str_of(e, "message"), d.url[D][1]));
-            assert_string_equal(str_of(e, "code"), "bad_gateway");
+            assert_string_equal(str_of(e, "code"), "server_unavailable");
             json_decref(j);
         }
         http_resp_fini(&r);
@@ -1233,6 +1237,384 @@ static void test_router_logprobs(void **state)
     kvs_assert_no_leaks();
 }
 
+/* ---- the choice by load, and decode-side prefixes ---- */
+
+typedef struct {
+    uint16_t port;
+    const char *path;
+    char body[256];
+    http_resp_t r;
+    pthread_t th;
+} bg_call_t;
+
+static void *bg_call_main(void *arg)
+{
+    bg_call_t *b = arg;
+    http_call(b->port, NULL, b->path, b->body, &b->r);
+    return NULL;
+}
+
+static void bg_call_start(bg_call_t *b, uint16_t port, const char *body)
+{
+    memset(b, 0, sizeof(*b));
+    b->port = port;
+    b->path = "/v1/completions";
+    snprintf(b->body, sizeof(b->body), "%s", body);
+    assert_int_equal(pthread_create(&b->th, NULL, bg_call_main, b), 0);
+}
+
+/* Joins b; its status. */
+static long bg_call_join(bg_call_t *b)
+{
+    pthread_join(b->th, NULL);
+    long st = b->r.status;
+    http_resp_fini(&b->r);
+    return st;
+}
+
+typedef struct {
+    kvs_server_fake_t *fake;
+    uint32_t live;
+} live_ref_t;
+
+static int fake_live_is(void *arg)
+{
+    live_ref_t *a = arg;
+    kvs_server_fake_counts_t c;
+    kvs_server_fake_counts(a->fake, &c);
+    return c.live == a->live;
+}
+
+/* The index of the decode server that served a quick request of prompt. */
+static int chosen_decode(deploy_t *d, const char *prompt)
+{
+    char body[256];
+    snprintf(body, sizeof(body), "{\"prompt\":\"%s\",\"max_tokens\":2}", prompt);
+    http_resp_t r = {0};
+    http_call(d->rport, NULL, "/v1/completions", body, &r);
+    assert_int_equal(r.status, 200);
+    int i = who_served(d, D, room_of(&r), NULL);
+    http_resp_fini(&r);
+    return i;
+}
+
+/* Least loaded decode servers: the requests a server's /internal/info counted (not the router's
+ * own) and the router's own in flight now both count, then the free pages decide. */
+static void test_least_loaded(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 2000000};
+    deploy_opts_t o = {.decode_policy = KVS_ROUTER_LEAST_LOADED};
+    deploy_t d;
+    deploy_start_opts(&d, &o, KVS_ROUTER_ROUND_ROBIN, NULL, &fc, 60000);
+    /* Two requests of another client straight to decode server 0 (served whole there). */
+    bg_call_t other[2];
+    for (int k = 0; k < 2; k++)
+        bg_call_start(&other[k], d.port[D][0], "{\"prompt\":\"elsewhere\",\"max_tokens\":250}");
+    live_ref_t two = {d.fake[D][0], 2};
+    assert_true(wait_until(fake_live_is, &two, 2000));
+    kvs_router_check_now(d.rt); /* /internal/info: 2 live on decode server 0 */
+    for (int k = 0; k < 4; k++) assert_int_equal(chosen_decode(&d, "quick"), 1);
+    for (int k = 0; k < 2; k++) assert_int_equal(bg_call_join(&other[k]), 200);
+
+    /* The router's own request in flight counts before any check sees it. */
+    kvs_router_check_now(d.rt);
+    bg_call_t mine;
+    bg_call_start(&mine, d.rport, "{\"prompt\":\"mine\",\"max_tokens\":250}");
+    live_ref_t one0 = {d.fake[D][0], 1}, one1 = {d.fake[D][1], 1};
+    uint64_t end = kvs_now_ns() + 2000000000ull;
+    while (!fake_live_is(&one0) && !fake_live_is(&one1) && kvs_now_ns() < end) sleep_ms(2);
+    int busy = fake_live_is(&one0) ? 0 : 1;
+    assert_true(fake_live_is(busy ? &one1 : &one0));
+    for (int k = 0; k < 3; k++) assert_int_equal(chosen_decode(&d, "quick"), 1 - busy);
+    assert_int_equal(bg_call_join(&mine), 200);
+
+    /* Equal loads: the more free pages win. */
+    for (int way = 0; way < 2; way++) {
+        kvs_server_fake_set_pages(d.fake[D][0], 100, way ? 90 : 10);
+        kvs_server_fake_set_pages(d.fake[D][1], 100, way ? 10 : 90);
+        kvs_router_check_now(d.rt);
+        for (int k = 0; k < 3; k++) assert_int_equal(chosen_decode(&d, "quick"), way ? 0 : 1);
+    }
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* Prefix-aware: equal prefixes (none cached) go to the less loaded server; a cached prefix
+ * still beats load. On the decode side, a chat's next turn returns to its server. */
+static void test_prefix_then_load(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 2000000};
+    deploy_opts_t o = {.decode_policy = KVS_ROUTER_PREFIX};
+    deploy_t d;
+    deploy_start_opts(&d, &o, KVS_ROUTER_PREFIX, &fc, NULL, 60000);
+    bg_call_t other[2];
+    for (int k = 0; k < 2; k++)
+        bg_call_start(&other[k], d.port[P][0], "{\"prompt\":\"0 busy\",\"max_tokens\":250}");
+    live_ref_t two = {d.fake[P][0], 2};
+    assert_true(wait_until(fake_live_is, &two, 2000));
+    kvs_router_check_now(d.rt);
+    /* Distinct first bytes: no server has any of them cached. */
+    const char *fresh[] = {"1 one", "2 two", "3 three", "4 four"};
+    for (int k = 0; k < 4; k++) assert_int_equal(chosen_prefill(&d, fresh[k]), 1);
+    /* Cached on the loaded server: it is still the one. */
+    http_resp_t r = {0};
+    http_call(d.port[P][0], NULL, "/v1/completions",
+              "{\"prompt\":\"5 lorem ipsum dolor\",\"kvstage\":{\"room\":7,\"role\":\"prefill\"}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    http_resp_fini(&r);
+    assert_int_equal(chosen_prefill(&d, "5 lorem ipsum dolor sit"), 0);
+    for (int k = 0; k < 2; k++) assert_int_equal(bg_call_join(&other[k]), 200);
+
+    /* Decode side: four chats of two turns; the first turns spread (no prefix anywhere: ties
+     * in turn), each second turn goes where its first was. */
+    int first[4], used[2] = {0, 0};
+    for (int c = 0; c < 4; c++) {
+        char t1[64];
+        snprintf(t1, sizeof(t1), "%c chat turn one", 'a' + c);
+        first[c] = chosen_decode(&d, t1);
+        used[first[c]]++;
+    }
+    for (int c = 0; c < 4; c++) {
+        char t2[96];
+        snprintf(t2, sizeof(t2), "%c chat turn one, and turn two", 'a' + c);
+        assert_int_equal(chosen_decode(&d, t2), first[c]);
+    }
+    assert_true(used[0] > 0 && used[1] > 0);
+    kvs_router_server_stats_t st;
+    assert_int_equal(kvs_router_server_stats(d.rt, D, 0, &st), KVS_OK);
+    uint64_t hits = st.prefix_hits;
+    assert_int_equal(kvs_router_server_stats(d.rt, D, 1, &st), KVS_OK);
+    assert_true(hits + st.prefix_hits >= 4);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* ---- the servers file ---- */
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* Servers listed in a file join at creation and at each reload; those that leave it leave the
+ * rotation once their requests are done, those given at creation stay; a bad file changes
+ * nothing. */
+static void test_servers_file(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 2000000};
+    deploy_t d;
+    memset(&d, 0, sizeof(d));
+    for (int side = 0; side < 2; side++) {
+        for (int i = 0; i < 2; i++) {
+            assert_int_equal(kvs_server_fake_create(side == D ? &fc : NULL, &d.fake[side][i]),
+                             KVS_OK);
+            server_start(&d, side, i, 0);
+        }
+    }
+    char path[] = "/tmp/kvs-servers-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    char text[512];
+    snprintf(text, sizeof(text), "# the fleet\n\nprefill %s\n  decode\t%s  \n", d.url[P][0],
+             d.url[D][0]);
+    write_file(path, text);
+    const char *pre[1] = {d.url[P][1]};
+    kvs_router_config_t rc;
+    memset(&rc, 0, sizeof(rc));
+    rc.prefill = pre;
+    rc.n_prefill = 1;
+    rc.servers_file = path;
+    rc.health_interval_ms = 60000;
+    rc.connect_timeout_ms = 500;
+    assert_int_equal(kvs_router_create(&rc, &d.rt), KVS_OK);
+    d.rport = kvs_router_port(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1); /* the command line's */
+    assert_int_equal(kvs_router_server_up(d.rt, P, 1), 1); /* the file's */
+    assert_int_equal(kvs_router_server_up(d.rt, D, 0), 1);
+    /* A request in flight on the file's decode server, the only one. */
+    bg_call_t slow;
+    bg_call_start(&slow, d.rport, "{\"prompt\":\"slow\",\"max_tokens\":150}");
+    live_ref_t one = {d.fake[D][0], 1};
+    assert_true(wait_until(fake_live_is, &one, 2000));
+
+    /* Now the file lists the other decode server only. */
+    snprintf(text, sizeof(text), "decode %s\n", d.url[D][1]);
+    write_file(path, text);
+    assert_int_equal(kvs_router_reload(d.rt), KVS_OK);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 1), 1);
+    for (int k = 0; k < 4; k++) {
+        http_resp_t r = {0};
+        http_call(d.rport, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":2}", &r);
+        assert_int_equal(r.status, 200);
+        assert_int_equal(who_served(&d, D, room_of(&r), NULL), 1);
+        assert_int_equal(who_served(&d, P, room_of(&r), NULL), 1); /* the file's prefill left */
+        http_resp_fini(&r);
+    }
+    assert_int_equal(bg_call_join(&slow), 200); /* it finished on the server that left */
+
+    /* A bad file changes nothing, and names its line. */
+    write_file(path, "decode http://127.0.0.1:1\nmiddle http://127.0.0.1:2\n");
+    kvs_log_capture_t cap = {.errors_only = 1};
+    kvs_log_set_sink(kvs_log_capture_sink, &cap);
+    assert_int_equal(kvs_router_reload(d.rt), KVS_ERR_INVALID);
+    kvs_log_set_sink(NULL, NULL);
+    assert_int_equal(cap.calls, 1);
+    assert_non_null(strstr(cap.msg, "line 2"));
+    assert_int_equal(chosen_decode(&d, "abc"), 1);
+    /* Back again under its old index; the command line's server stays whatever the file says. */
+    snprintf(text, sizeof(text), "decode %s\n", d.url[D][0]);
+    write_file(path, text);
+    assert_int_equal(kvs_router_reload(d.rt), KVS_OK);
+    for (int k = 0; k < 4; k++) assert_int_equal(chosen_decode(&d, "abc"), 0);
+    assert_int_equal(chosen_prefill(&d, "abc"), 1);
+    deploy_stop(&d);
+    unlink(path);
+    kvs_assert_no_leaks();
+}
+
+/* ---- a server that stops answering ---- */
+
+/* A TCP relay in front of a server that can freeze: it then refuses new connections (its
+ * listening socket closed) and leaves the open ones silent, as a hung or vanished host would. */
+typedef struct {
+    int lfd;
+    uint16_t port, target;
+    int fds[64][2]; /* client, upstream */
+    int n;
+    int frozen, stop; /* atomic */
+    pthread_t th;
+} relay_t;
+
+static void *relay_main(void *arg)
+{
+    relay_t *rl = arg;
+    while (!__atomic_load_n(&rl->stop, __ATOMIC_RELAXED)) {
+        if (__atomic_load_n(&rl->frozen, __ATOMIC_RELAXED)) {
+            if (rl->lfd >= 0) close(rl->lfd);
+            rl->lfd = -1;
+            sleep_ms(5);
+            continue;
+        }
+        struct pollfd p[129];
+        int np = 0;
+        p[np++] = (struct pollfd){rl->lfd, POLLIN, 0};
+        for (int i = 0; i < rl->n; i++)
+            for (int k = 0; k < 2; k++) p[np++] = (struct pollfd){rl->fds[i][k], POLLIN, 0};
+        if (poll(p, (nfds_t) np, 5) <= 0) continue;
+        if ((p[0].revents & POLLIN) && rl->n < 64) {
+            int c = accept(rl->lfd, NULL, NULL);
+            int u = socket(AF_INET, SOCK_STREAM, 0);
+            struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(rl->target)};
+            a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            if (c >= 0 && u >= 0 && connect(u, (struct sockaddr *) &a, sizeof(a)) == 0) {
+                rl->fds[rl->n][0] = c;
+                rl->fds[rl->n][1] = u;
+                rl->n++;
+            } else {
+                if (c >= 0) close(c);
+                if (u >= 0) close(u);
+            }
+            continue; /* the pairs' poll entries no longer line up */
+        }
+        for (int i = 0, at = 1; i < rl->n; i++, at += 2) {
+            for (int k = 0; k < 2; k++) {
+                if (!(p[at + k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+                char buf[16384];
+                ssize_t got = read(rl->fds[i][k], buf, sizeof(buf));
+                if (got > 0 && write(rl->fds[i][1 - k], buf, (size_t) got) == got) continue;
+                close(rl->fds[i][0]);
+                close(rl->fds[i][1]);
+                rl->fds[i][0] = rl->fds[i][1] = -1;
+            }
+        }
+        int m = 0;
+        for (int i = 0; i < rl->n; i++)
+            if (rl->fds[i][0] >= 0) {
+                rl->fds[m][0] = rl->fds[i][0];
+                rl->fds[m][1] = rl->fds[i][1];
+                m++;
+            }
+        rl->n = m;
+    }
+    for (int i = 0; i < rl->n; i++) {
+        close(rl->fds[i][0]);
+        close(rl->fds[i][1]);
+    }
+    if (rl->lfd >= 0) close(rl->lfd);
+    return NULL;
+}
+
+static void relay_start(relay_t *rl, uint16_t target)
+{
+    memset(rl, 0, sizeof(*rl));
+    rl->target = target;
+    rl->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(rl->lfd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(bind(rl->lfd, (struct sockaddr *) &a, sizeof(a)), 0);
+    assert_int_equal(listen(rl->lfd, 16), 0);
+    socklen_t len = sizeof(a);
+    assert_int_equal(getsockname(rl->lfd, (struct sockaddr *) &a, &len), 0);
+    rl->port = ntohs(a.sin_port);
+    assert_int_equal(pthread_create(&rl->th, NULL, relay_main, rl), 0);
+}
+
+static void relay_stop(relay_t *rl)
+{
+    __atomic_store_n(&rl->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(rl->th, NULL);
+}
+
+/* A decode server that stops answering while it streams a request: the next health pass takes
+ * it out and that request fails at once with a 503 naming it (not at the request timeout). */
+static void test_unreachable_server(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 5000000};
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, &fc, 60000);
+    relay_t rl;
+    relay_start(&rl, d.port[D][0]);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", rl.port);
+    size_t idx = 0;
+    assert_int_equal(kvs_router_add_server(d.rt, D, url, &idx), KVS_OK);
+    assert_int_equal(idx, 2);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 2), 1);
+    for (int i = 0; i < 2; i++) assert_int_equal(kvs_router_remove_server(d.rt, D, d.url[D][i]), 0);
+    bg_call_t slow;
+    bg_call_start(&slow, d.rport,
+                  "{\"prompt\":\"frozen\",\"max_tokens\":400,\"stream\":true}"); /* 2 s */
+    live_ref_t one = {d.fake[D][0], 1};
+    assert_true(wait_until(fake_live_is, &one, 2000));
+    sleep_ms(50); /* some tokens through */
+    __atomic_store_n(&rl.frozen, 1, __ATOMIC_RELAXED);
+    sleep_ms(20);
+    uint64_t t0 = kvs_now_ns();
+    kvs_router_check_now(d.rt);
+    assert_int_equal(kvs_router_server_up(d.rt, D, 2), 0);
+    pthread_join(slow.th, NULL);
+    assert_true(kvs_now_ns() - t0 < 1000000000ull);
+    /* The stream had started: it ends with an error event naming the server, no [DONE]. */
+    assert_int_equal(slow.r.status, 200);
+    assert_null(strstr(slow.r.body.ptr, "[DONE]"));
+    assert_non_null(strstr(slow.r.body.ptr, "\"server_unavailable\""));
+    assert_non_null(strstr(slow.r.body.ptr, url));
+    http_resp_fini(&slow.r);
+    relay_stop(&rl);
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -1250,6 +1632,10 @@ int main(void)
         cmocka_unit_test(test_client_hangs_up),
         cmocka_unit_test(test_waiting_client_hangs_up),
         cmocka_unit_test(test_admin_servers),
+        cmocka_unit_test(test_least_loaded),
+        cmocka_unit_test(test_prefix_then_load),
+        cmocka_unit_test(test_servers_file),
+        cmocka_unit_test(test_unreachable_server),
         cmocka_unit_test(test_router_bad_inputs_and_metrics),
         cmocka_unit_test(test_router_unknown_fields),
         cmocka_unit_test(test_router_models),

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "model/gguf.h"
+#include "model/tpgroup.h"
 
 #define MAX_PROCS 8
 #define SEEDED    "2,64,128,4,2,16,257" /* vocab 257: the byte tokenizer's, every id a byte */
@@ -37,6 +38,8 @@ typedef struct {
 
 static proc_t g_procs[MAX_PROCS];
 static int g_nprocs;
+static pid_t g_spawned[256]; /* every server, router and demo started, for the /dev/shm check */
+static size_t g_nspawned;
 
 static const char *tool(void)
 {
@@ -75,6 +78,7 @@ static proc_t *spawn_tool(const char *const *args)
     setpgid(pid, pid);
     close(fds[1]);
     fcntl(fds[0], F_SETFD, FD_CLOEXEC);
+    if (g_nspawned < sizeof(g_spawned) / sizeof(g_spawned[0])) g_spawned[g_nspawned++] = pid;
     proc_t *p = &g_procs[g_nprocs++];
     memset(p, 0, sizeof(*p));
     p->pid = pid;
@@ -110,6 +114,19 @@ static void wait_up(proc_t *p, const char *prefix)
         return;
     }
     fail_msg("no '%s' line within %d s", prefix, START_S);
+}
+
+/* Whether the TP group segment a server of pid named for itself (tools/common/instance.c) is in
+ * /dev/shm. */
+static int group_left(pid_t pid)
+{
+    char path[64];
+    int left = 0;
+    for (const char *r = "pdc"; *r; r++) {
+        snprintf(path, sizeof(path), "/dev/shm/kvs-%ld-%c", (long) pid, *r);
+        left |= access(path, F_OK) == 0;
+    }
+    return left;
 }
 
 static void kill_proc(proc_t *p)
@@ -615,7 +632,7 @@ static void *inflight_main(void *arg)
 }
 
 /* A decode server killed while it holds a request: that request fails with a 5xx JSON error
- * (502 bad_gateway), and the other pair serves every request after it, correctly. */
+ * (503 server_unavailable), and the other pair serves every request after it, correctly. */
 static void test_killed_decode_server(void **state)
 {
     (void) state;
@@ -649,9 +666,10 @@ static void test_killed_decode_server(void **state)
     if (in.r.status < 500)
         fail_msg("the dead server's request answered %ld: %s", in.r.status, in.r.body.ptr);
     expect_error_json(&in.r, in.r.status, "server_error", NULL);
-    /* 502 once its request reached it; 503 should a slow router still have been asking it
-     * for its cache when it died. */
-    if (strstr(in.r.body.ptr, "bad_gateway") == NULL && strstr(in.r.body.ptr, "no_server") == NULL)
+    /* server_unavailable once its request reached it; no_server should a slow router still
+     * have been asking it for its cache when it died. */
+    if (strstr(in.r.body.ptr, "server_unavailable") == NULL &&
+        strstr(in.r.body.ptr, "no_server") == NULL)
         fail_msg("unexpected error: %s", in.r.body.ptr);
     http_resp_fini(&in.r);
 
@@ -733,7 +751,7 @@ static void test_prefill_restart(void **state)
     snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", free_port());
     const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED, "--model-seed",
                            "11",    "--port", port,      "--registry", reg,    "--max-model-len",
-                           MAX_LEN, NULL};
+                           MAX_LEN, "--tp",   "2",       NULL};
     proc_t *pre = spawn_tool(pargs);
     wait_up(pre, "serving on");
     const char *dargs[] = {"serve", "--role", "decode", "--seeded",    SEEDED, "--model-seed",
@@ -752,9 +770,14 @@ static void test_prefill_restart(void **state)
     char want[2048], text[2048];
     assert_int_equal(complete(rt->port, prompt, 8, 0, want, sizeof(want), NULL), 200);
 
+    /* SIGKILL of the whole instance leaves its TP group's segment; the next instance on the host
+     * removes it. */
+    pid_t old = pre->pid;
     kill_proc(pre);
+    assert_true(group_left(old));
     pre = spawn_tool(pargs);
     wait_up(pre, "serving on");
+    assert_false(group_left(old));
     /* The router has the server back within its health interval, the decode ranks the new
      * prefill ranks within a second of their silence. */
     long st = 0;
@@ -917,5 +940,15 @@ int main(void)
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
     kill_all();
+    /* Nothing left in /dev/shm: instances killed with SIGKILL left their segments, which the
+     * next one started here (as this) removes. */
+    kvs_tpgroup_reclaim();
+    for (size_t i = 0; i < g_nspawned; i++) {
+        if (group_left(g_spawned[i])) {
+            fprintf(stderr, "FAIL: the TP group of server %ld is left in /dev/shm\n",
+                    (long) g_spawned[i]);
+            failed++;
+        }
+    }
     return failed;
 }

@@ -937,12 +937,44 @@ static void test_latency_processes(void **state)
     kvs_assert_no_leaks();
 }
 
+static void shm_make(const char *name)
+{
+    int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
+    assert_true(fd >= 0);
+    close(fd);
+}
+
+/* kvs_tpgroup_reclaim removes the "/kvs-PID-..." segments of owners that are gone, and only
+ * those: a live owner's stays, as does a name of another form. */
+static void test_reclaim(void **state)
+{
+    (void) state;
+    pid_t dead = fork();
+    assert_true(dead >= 0);
+    if (dead == 0) _exit(0);
+    assert_int_equal(waitpid(dead, NULL, 0), dead);
+    char gone[64], alive[64], other[64];
+    snprintf(gone, sizeof(gone), "/kvs-%ld-p", (long) dead);
+    snprintf(alive, sizeof(alive), "/kvs-%ld-d", (long) getpid());
+    snprintf(other, sizeof(other), "/kvs-x%ld-p", (long) dead);
+    shm_make(gone);
+    shm_make(alive);
+    shm_make(other);
+    assert_true(kvs_tpgroup_reclaim() >= 1);
+    assert_false(shm_exists(gone));
+    assert_true(shm_exists(alive));
+    assert_true(shm_exists(other));
+    shm_unlink(alive);
+    shm_unlink(other);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_data_is_order_sensitive),
         cmocka_unit_test(test_size_one),
         cmocka_unit_test(test_invalid_args),
+        cmocka_unit_test(test_reclaim),
         cmocka_unit_test(test_join_alloc_failure),
         cmocka_unit_test(test_threads),
         cmocka_unit_test_teardown(test_processes, kill_children),

@@ -28,6 +28,7 @@
 #include "model/model.h"
 #include "kvstage/registry.h"
 #include "model/tokenizer.h"
+#include "model/tpgroup.h"
 #include "common/spawn.h"
 
 #define MAX_PROMPTS 256
@@ -652,6 +653,7 @@ static int start_ranks(gen_t *g)
         ep = kvs_registry_endpoint(g->registry);
     }
     pid_t me = getpid();
+    kvs_tpgroup_reclaim(); /* the groups of runs killed before they could remove them */
     snprintf(g->groups[0], sizeof(g->groups[0]), "/kvs-%ld-p", (long) me);
     snprintf(g->groups[1], sizeof(g->groups[1]), "/kvs-%ld-d", (long) me);
     snprintf(g->groups[2], sizeof(g->groups[2]), "/kvs-%ld-c", (long) me);

@@ -15,6 +15,7 @@
 #include "kvstage/clock.h"
 #include "common/spawn.h"
 #include "engine/llm_rank.h"
+#include "model/tpgroup.h"
 
 int kvs_parse_seeded(const char *s, kvs_model_config_t *cfg_p)
 {
@@ -188,8 +189,11 @@ int kvs_instance_start(const kvs_instance_config_t *c, kvs_instance_t *inst)
                 KVS_MAX_TP);
         return -1;
     }
+    /* Named for this process (tpgroup.h): the next instance on the host removes it should a
+     * SIGKILL of the whole instance leave it; this one removes those of instances before. */
     snprintf(inst->group, sizeof(inst->group), "/kvs-%ld-%c", (long) getpid(),
              role_name(c->role)[0]);
+    kvs_tpgroup_reclaim();
     /* Ignored signals stay ignored across exec; handled ones do not. */
     struct sigaction ign, old;
     memset(&ign, 0, sizeof(ign));

@@ -9,14 +9,16 @@
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t g_stop;
+static volatile sig_atomic_t g_stop, g_hup;
 static int g_pipe[2] = {-1, -1};
 
 static void on_signal(int sig)
 {
-    (void) sig;
     int e = errno;
-    g_stop = 1;
+    if (sig == SIGHUP)
+        g_hup = 1;
+    else
+        g_stop = 1;
     if (g_pipe[1] >= 0) {
         char c = 1;
         (void) !write(g_pipe[1], &c, 1);
@@ -39,6 +41,22 @@ void kvs_serve_signal_install(void)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+}
+
+void kvs_serve_signal_install_hup(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGHUP, &sa, NULL);
+}
+
+int kvs_serve_signal_hup_take(void)
+{
+    if (!g_hup) return 0;
+    g_hup = 0;
+    return 1;
 }
 
 int kvs_serve_signal_wait(int timeout_ms)

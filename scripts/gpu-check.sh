@@ -5,7 +5,10 @@
 # own (none may skip): the CUDA copy backend, device memory (test_mem), the simulation's
 # exactness suite on GPUs (test_sim_gpu), the cross-process CUDA IPC test (test_cuda_ipc) and
 # the multi-process deployments (test_rank_processes: GPU pools in every rank process, CUDA
-# IPC through the net link), the Python package's GPU tests (py-gpu: needs a venv with torch);
+# IPC through the net link), the model's CUDA backend against the CPU (test_forward_cuda), the
+# Python package's GPU tests (py-gpu: needs a venv with torch); the real model on the GPU
+# (generate-cuda: colocated and disaggregated give the same tokens) and `kvstage bench engine
+# --device cuda`;
 # `kvstage sim --device cuda` and `kvstage demo --device cuda`
 # (prefill on GPU 0, decode on GPU 1 when there are two); `kvstage bench transfer` (table, and
 # JSON in $LOGS/bench-transfer.json for bench/plot_transfer.py), `kvstage bench kernels` and
@@ -186,7 +189,7 @@ step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS' ${CTEST_
 
 # Each GPU test alone, verbose: on a GPU machine nothing may be skipped.
 export KVS_TOOL=$(pwd)/$BUILD/kvstage
-GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes)
+GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes test_forward_cuda)
 for t in "${GPU_TESTS[@]}"; do
     if step "$t" "$BUILD/$t" && ! skipped "$t"; then
         if grep -q "SKIPPED" "$LOGS/$t.log"; then
@@ -212,6 +215,30 @@ GPUS=0,0
 [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 1 ] && GPUS=0,1
 step sim-cuda "$BUILD/kvstage" sim --device cuda --gpus "$GPUS"
 step demo-cuda "$BUILD/kvstage" demo --device cuda --gpus "$GPUS"
+
+# The real model on GPUs (model/cuda): SmolLM2 greedy, colocated on the GPU, disaggregated GPU
+# -> GPU (TP1 -> TP1 and TP3 -> TP1, the KV through CUDA IPC) and on the CPU; every run must
+# succeed and the three GPU runs must give the same tokens.
+generate_cuda() {
+    local p=504,3575,282,4649,314,28,1041,314,253,1345,30,198,198,504,3575,282,4649,314 ids=()
+    for mode in "--colocated" "--prefill-tp 1" "--prefill-tp 3"; do
+        # shellcheck disable=SC2086 # mode is a flag list
+        "$BUILD/kvstage" generate --device cuda --gpus "$GPUS" $mode --max-tokens 24 \
+            --prompt-ids "$p" --json >"$LOGS/generate-cuda.json" || return 1
+        ids+=("$(grep -o '"ids":\[[0-9,]*\]' "$LOGS/generate-cuda.json")")
+        echo "generate --device cuda $mode: ${ids[-1]}"
+    done
+    [ "${ids[0]}" = "${ids[1]}" ] && [ "${ids[0]}" = "${ids[2]}" ] || {
+        echo "generate-cuda: the GPU runs differ"
+        return 1
+    }
+}
+if [ -s "$MODEL_FILE" ]; then
+    step generate-cuda generate_cuda
+else
+    mark generate-cuda "FAIL (no model at $MODEL_FILE)"
+fi
+step bench-engine timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench engine --device cuda
 
 # shellcheck disable=SC2086 # TRANSFER_ARGS is a flag list
 step bench-transfer timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench transfer --device cuda \
@@ -240,6 +267,12 @@ if [ -x "$SAN" ]; then
         "$BUILD/test_copy_cuda"
     step racecheck-sim timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck --error-exitcode 99 \
         "$BUILD/test_sim_gpu"
+    # The model's kernels: every test under memcheck, the shapes (both head dims, split and
+    # direct attention) under racecheck.
+    step memcheck-forward timeout "$STEP_TIMEOUT" "$SAN" --tool memcheck --leak-check full \
+        --error-exitcode 99 "$BUILD/test_forward_cuda"
+    step racecheck-forward timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck --error-exitcode 99 \
+        "$BUILD/test_forward_cuda" test_shapes
     unset KVS_ITERS
 else
     mark compute-sanitizer "FAIL (compute-sanitizer not found)"

@@ -49,7 +49,7 @@ static const config_t gpu_configs[] = {
     {"SmolLM2-135M", 0, 1, 1, 1, NULL, 1024},  {"SmolLM2-135M", 0, 1, 1, 0, NULL, 1024},
     {"SmolLM2-135M", 0, 1, 1, 1, NULL, 4096},  {"SmolLM2-135M", 0, 1, 1, 0, NULL, 4096},
     {"Llama-3-8B", 1, 1, 1, 1, LLAMA8B, 1024}, {"Llama-3-8B", 1, 1, 1, 0, LLAMA8B, 1024},
-    {"Llama-3-8B", 1, 1, 1, 1, LLAMA8B, 4096}, {"Llama-3-8B", 1, 1, 1, 0, LLAMA8B, 4096},
+    {"Llama-3-8B", 1, 1, 1, 1, LLAMA8B, 4000}, {"Llama-3-8B", 1, 1, 1, 0, LLAMA8B, 4000},
 };
 
 static int cmp_double(const void *a, const void *b)

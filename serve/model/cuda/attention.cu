@@ -47,14 +47,66 @@ __device__ __forceinline__ uint32_t ld32(const __nv_bfloat16 *p)
     return *reinterpret_cast<const uint32_t *>(p);
 }
 
+/* 16 bytes global -> shared without the registers; src_bytes 0 fills zeros (src unread). */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, uint32_t src_bytes)
+{
+    const uint32_t d = (uint32_t) __cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int HD> __host__ __device__ constexpr int tile_elems()
+{
+    return (int) ATTN_TILE * (HD + 8); /* padded rows: conflict-free fragment loads */
+}
+
+/* Shared memory of one block: two stages of a K tile and a V tile. */
+template <int HD> __host__ __device__ constexpr size_t attention_smem()
+{
+    return 4 * (size_t) tile_elems<HD>() * sizeof(__nv_bfloat16);
+}
+
+/* Starts the copy of positions [kv0, kv0 + 64) of the block's KV head into one stage. */
+template <int HD>
+__device__ __forceinline__ void load_tile(const attn_args_t &a, const attn_work_t &w,
+                                          const uint32_t *pt, uint32_t kv0, __nv_bfloat16 *ks,
+                                          __nv_bfloat16 *vs)
+{
+    constexpr int LD = HD + 8, CHUNKS = HD / 8;
+    for (int i = threadIdx.x; i < (int) ATTN_TILE * CHUNKS; i += THREADS) {
+        const int p = i / CHUNKS, c = i % CHUNKS;
+        const uint32_t kp = kv0 + p;
+        const uint8_t *kb = a.k.base, *vb = a.v.base;
+        uint32_t bytes = 0;
+        if (kp < w.kv_end) {
+            const uint64_t page = pt[kp / a.page_size], off = kp % a.page_size;
+            kb += page * a.k.page_stride + off * a.k.token_stride +
+                  (uint64_t) w.kvh * a.k.head_stride;
+            vb += page * a.v.page_stride + off * a.v.token_stride +
+                  (uint64_t) w.kvh * a.v.head_stride;
+            bytes = 16;
+        }
+        cp_async16(&ks[p * LD + c * 8], kb + c * 16, bytes);
+        cp_async16(&vs[p * LD + c * 8], vb + c * 16, bytes);
+    }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(THREADS)
     attention_kernel(const attn_args_t a, const attn_work_t *__restrict__ works)
 {
-    constexpr int LD = HD + 8;     /* padded rows: conflict-free fragment loads */
-    constexpr int CHUNKS = HD / 8; /* 16-byte vectors per position */
-    __shared__ __align__(16) __nv_bfloat16 ks[ATTN_TILE * LD];
-    __shared__ __align__(16) __nv_bfloat16 vs[ATTN_TILE * LD];
+    constexpr int LD = HD + 8;
+    extern __shared__ __align__(16) __nv_bfloat16 smem[];
 
     const attn_work_t w = works[blockIdx.x];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -68,6 +120,9 @@ __global__ void __launch_bounds__(THREADS)
     /* a row past the block's rows sees no position */
     const int64_t qpos0 = ok0 ? (int64_t) a.pos[tok0] : -1;
     const int64_t qpos1 = ok1 ? (int64_t) a.pos[tok1] : -1;
+    const uint32_t *pt = a.pages + w.page_off;
+    if (w.kv_begin < w.kv_end) load_tile<HD>(a, w, pt, w.kv_begin, smem, smem + tile_elems<HD>());
+    cp_async_commit();
 
     uint32_t qa[HD / 16][4];
     {
@@ -85,27 +140,18 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    const uint32_t *pt = a.pages + w.page_off;
 
-    for (uint32_t kv0 = w.kv_begin; kv0 < w.kv_end; kv0 += ATTN_TILE) {
-        __syncthreads(); /* the previous tile is consumed */
-        for (int i = threadIdx.x; i < (int) ATTN_TILE * CHUNKS; i += THREADS) {
-            const int p = i / CHUNKS, c = i % CHUNKS;
-            const uint32_t kp = kv0 + p;
-            uint4 kval = make_uint4(0, 0, 0, 0), vval = make_uint4(0, 0, 0, 0);
-            if (kp < w.kv_end) {
-                const uint64_t page = pt[kp / a.page_size], off = kp % a.page_size;
-                const uint8_t *kb = a.k.base + page * a.k.page_stride + off * a.k.token_stride +
-                                    (uint64_t) w.kvh * a.k.head_stride;
-                const uint8_t *vb = a.v.base + page * a.v.page_stride + off * a.v.token_stride +
-                                    (uint64_t) w.kvh * a.v.head_stride;
-                kval = reinterpret_cast<const uint4 *>(kb)[c];
-                vval = reinterpret_cast<const uint4 *>(vb)[c];
-            }
-            *reinterpret_cast<uint4 *>(&ks[p * LD + c * 8]) = kval;
-            *reinterpret_cast<uint4 *>(&vs[p * LD + c * 8]) = vval;
-        }
+    int stage = 0;
+    for (uint32_t kv0 = w.kv_begin; kv0 < w.kv_end; kv0 += ATTN_TILE, stage ^= 1) {
+        /* the next tile streams in while this one is computed */
+        if (kv0 + ATTN_TILE < w.kv_end)
+            load_tile<HD>(a, w, pt, kv0 + ATTN_TILE, smem + (stage ^ 1) * 2 * tile_elems<HD>(),
+                          smem + (stage ^ 1) * 2 * tile_elems<HD>() + tile_elems<HD>());
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
+        const __nv_bfloat16 *ks = smem + stage * 2 * tile_elems<HD>();
+        const __nv_bfloat16 *vs = ks + tile_elems<HD>();
 
         float s[ATTN_TILE / 8][4];
 #pragma unroll
@@ -172,6 +218,7 @@ __global__ void __launch_bounds__(THREADS)
                 mma_bf16(o[n + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads(); /* every warp is done with this stage before it is refilled */
     }
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -240,7 +287,16 @@ template <int HD>
 kvs_status_t launch(const attn_args_t &a, const attn_work_t *work, uint32_t nwork,
                     const attn_combine_t *combine, uint32_t ncombine, cudaStream_t stream)
 {
-    if (nwork > 0) attention_kernel<HD><<<nwork, THREADS, 0, stream>>>(a, work);
+    static int configured; /* per process: the attribute is a property of the function */
+    if (!configured) {
+        kvs_status_t st = KVS_CUDA_CHECK(
+            cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int) attention_smem<HD>()),
+            "model(cuda): attention's %zu bytes of shared memory", attention_smem<HD>());
+        if (st != KVS_OK) return st;
+        configured = 1;
+    }
+    if (nwork > 0) attention_kernel<HD><<<nwork, THREADS, attention_smem<HD>(), stream>>>(a, work);
     if (ncombine > 0) combine_kernel<HD><<<ncombine, 256, 0, stream>>>(a, combine);
     return KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): attention over %u blocks", nwork);
 }

@@ -6,7 +6,8 @@
  * Per tile of 64 positions it computes S = Q K^T on the tensor cores (mma m16n8k16, bf16 in,
  * f32 out), masks positions past each row's own position (causal within the new tokens, all
  * of the cached prefix visible), keeps a running max and sum (online softmax, base 2) and
- * accumulates P V on the tensor cores, P rounded to bf16. A block covers positions
+ * accumulates P V on the tensor cores, P rounded to bf16. Tiles stream into shared memory with
+ * cp.async in two stages, the next tile's reads under this tile's math. A block covers positions
  * [kv_begin, kv_end); when one row block's positions are split over several blocks (a call
  * with few rows and a long context: decode), each writes its unnormalised output, max and sum
  * to a partial slot and a second kernel combines the slots of each row block. */

@@ -46,6 +46,12 @@ struct dbuf {
     size_t bytes;
 };
 
+/* Forward calls of one shape (tokens, sequences, attention blocks, buffers, pool) replay one
+ * captured CUDA graph: a decode step is hundreds of small launches. The last GRAPHS shapes are
+ * kept. */
+constexpr int GRAPHS = 16;
+constexpr size_t BLAS_WORKSPACE = (size_t) 32 << 20;
+
 } // namespace
 
 struct kvs_model_cuda {
@@ -68,6 +74,12 @@ struct kvs_model_cuda {
     size_t hpart_floats;
     double *hdbl;
     size_t hdbl_count;
+    void *blas_ws; /* cuBLAS's workspace, set so that its calls can be captured */
+    struct {
+        uint64_t key, used;
+        cudaGraphExec_t exec;
+    } graphs[GRAPHS];
+    uint64_t uses;
 };
 
 namespace
@@ -355,6 +367,49 @@ kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn re
     return KVS_OK;
 }
 
+uint64_t mix_key(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+}
+
+/* Launches the graph of `key`, capturing `enqueue` into it first when it is not kept (the
+ * least recently used one makes room). */
+template <typename F> kvs_status_t replay(kvs_model_cuda_t *c, uint64_t key, F &enqueue)
+{
+    int at = -1, lru = 0;
+    for (int i = 0; i < GRAPHS; i++) {
+        if (c->graphs[i].exec != NULL && c->graphs[i].key == key) at = i;
+        if (c->graphs[i].used < c->graphs[lru].used) lru = i;
+    }
+    if (at < 0) {
+        at = lru;
+        if (c->graphs[at].exec != NULL) cudaGraphExecDestroy(c->graphs[at].exec);
+        c->graphs[at].exec = NULL;
+        kvs_status_t st =
+            KVS_CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal),
+                           "model(cuda): capturing a forward pass");
+        if (st != KVS_OK) return st;
+        st = enqueue();
+        cudaGraph_t graph = NULL;
+        kvs_status_t end = KVS_CUDA_CHECK(cudaStreamEndCapture(c->stream, &graph),
+                                          "model(cuda): capturing a forward pass");
+        if (st == KVS_OK) st = end;
+        if (st == KVS_OK)
+            st = KVS_CUDA_CHECK(cudaGraphInstantiate(&c->graphs[at].exec, graph, 0),
+                                "model(cuda): instantiating a forward pass");
+        if (graph != NULL) cudaGraphDestroy(graph);
+        if (st != KVS_OK) {
+            c->graphs[at].exec = NULL;
+            return st;
+        }
+        c->graphs[at].key = key;
+    }
+    c->graphs[at].used = ++c->uses;
+    return KVS_CUDA_CHECK(cudaGraphLaunch(c->graphs[at].exec, c->stream),
+                          "model(cuda): launching a forward pass");
+}
+
 } // namespace
 
 extern "C" kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device, int tied,
@@ -438,6 +493,12 @@ extern "C" kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device,
                             "model(cuda): stream");
     if (st == KVS_OK) st = blas_check(cublasCreate(&c->blas), "cublasCreate");
     if (st == KVS_OK) st = blas_check(cublasSetStream(c->blas, c->stream), "cublasSetStream");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc(&c->blas_ws, BLAS_WORKSPACE),
+                            "model(cuda): cuBLAS workspace");
+    if (st == KVS_OK)
+        st = blas_check(cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE),
+                        "cublasSetWorkspace");
     if (st != KVS_OK) {
         kvs_free(o_layer);
         kvs__model_cuda_destroy(c);
@@ -474,7 +535,10 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
     if (c->hpart != NULL) cudaFreeHost(c->hpart);
     kvs_free(c->hdbl);
+    for (int i = 0; i < GRAPHS; i++)
+        if (c->graphs[i].exec != NULL) cudaGraphExecDestroy(c->graphs[i].exec);
     if (c->blas != NULL) cublasDestroy(c->blas);
+    if (c->blas_ws != NULL) cudaFree(c->blas_ws);
     if (c->stream != NULL) cudaStreamDestroy(c->stream);
     if (c->weights != NULL) cudaFree(c->weights);
     kvs_free(c->layer);
@@ -677,57 +741,83 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
          *gu = (bf16 *) c->gu.p;
     const int tp = m->tp.tp_size > 1;
 
-    embed_kernel<<<n, 256, 0, c->stream>>>(c->embed, c->dim, d_tok, x);
-    attn_args_t aa;
-    aa.q = qkv;
-    aa.q_stride = (uint32_t) qkv_w;
-    aa.out = att;
-    aa.out_stride = c->q;
-    aa.page_size = P;
-    aa.pages = d_pages;
-    aa.pos = d_pos;
-    aa.group = c->group;
-    aa.scale_log2 = (float) (1.4426950408889634 / sqrt((double) c->hd));
-    aa.part_o = (float *) c->part_o.p;
-    aa.part_ml = (float *) c->part_ml.p;
-    for (uint32_t l = 0; l < c->layers && st == KVS_OK; l++) {
-        const layer_w *L = &c->layer[l];
-        const kvs_region_t kr = *kvs_pool_region(pool, l, 0), vr = *kvs_pool_region(pool, l, 1);
-        rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
-        if ((st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
-                       (uint32_t) qkv_w, 0.0f)) != KVS_OK)
-            break;
-        const uint64_t pairs = (uint64_t) n * (c->q_heads + c->kv_heads) * (c->hd / 2);
-        rope_kernel<<<grid_for(pairs, 256), 256, 0, c->stream>>>(
-            qkv, (uint32_t) qkv_w, d_pos, c->q_heads + c->kv_heads, c->hd, (double) c->theta, n);
-        const uint64_t vecs = (uint64_t) n * c->kv_heads * (c->hd / 8);
-        kv_write_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
-            qkv, (uint32_t) qkv_w, c->q, c->kv, d_pos, d_tok_pages, d_pages, P, kr, vr, c->kv_heads,
-            c->hd, n);
-        aa.k = kr;
-        aa.v = vr;
-        if ((st = kvs_cuda::attention_launch(aa, c->hd, (const attn_work_t *) (dm + mt.work), nwork,
-                                             (const attn_combine_t *) (dm + mt.combine), ncomb,
-                                             c->stream)) != KVS_OK)
-            break;
-        if ((st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
-                       c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
-            break;
-        if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
-        rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
-        if ((st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
-                       0.0f)) != KVS_OK)
-            break;
-        silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(gu, c->f, n);
-        if ((st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
-                       CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
-            break;
-        if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
-    }
-    if (st == KVS_OK) {
-        rmsnorm_kernel<<<nseq, 256, 0, c->stream>>>(x, d_last, c->output_norm, c->dim, c->eps, h);
-        st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, nseq, c->logits.p, CUDA_R_32F,
-                  c->vocab, 0.0f);
+    /* Everything from the embedding to the logits, on the stream. */
+    auto enqueue = [&]() -> kvs_status_t {
+        kvs_status_t st = KVS_OK;
+        embed_kernel<<<n, 256, 0, c->stream>>>(c->embed, c->dim, d_tok, x);
+        attn_args_t aa;
+        aa.q = qkv;
+        aa.q_stride = (uint32_t) qkv_w;
+        aa.out = att;
+        aa.out_stride = c->q;
+        aa.page_size = P;
+        aa.pages = d_pages;
+        aa.pos = d_pos;
+        aa.group = c->group;
+        aa.scale_log2 = (float) (1.4426950408889634 / sqrt((double) c->hd));
+        aa.part_o = (float *) c->part_o.p;
+        aa.part_ml = (float *) c->part_ml.p;
+        for (uint32_t l = 0; l < c->layers && st == KVS_OK; l++) {
+            const layer_w *L = &c->layer[l];
+            const kvs_region_t kr = *kvs_pool_region(pool, l, 0), vr = *kvs_pool_region(pool, l, 1);
+            rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
+            if ((st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
+                           (uint32_t) qkv_w, 0.0f)) != KVS_OK)
+                break;
+            const uint64_t pairs = (uint64_t) n * (c->q_heads + c->kv_heads) * (c->hd / 2);
+            rope_kernel<<<grid_for(pairs, 256), 256, 0, c->stream>>>(qkv, (uint32_t) qkv_w, d_pos,
+                                                                     c->q_heads + c->kv_heads,
+                                                                     c->hd, (double) c->theta, n);
+            const uint64_t vecs = (uint64_t) n * c->kv_heads * (c->hd / 8);
+            kv_write_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
+                qkv, (uint32_t) qkv_w, c->q, c->kv, d_pos, d_tok_pages, d_pages, P, kr, vr,
+                c->kv_heads, c->hd, n);
+            aa.k = kr;
+            aa.v = vr;
+            if ((st = kvs_cuda::attention_launch(aa, c->hd, (const attn_work_t *) (dm + mt.work),
+                                                 nwork, (const attn_combine_t *) (dm + mt.combine),
+                                                 ncomb, c->stream)) != KVS_OK)
+                break;
+            if ((st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
+                           c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
+                break;
+            if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+            rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
+            if ((st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
+                           0.0f)) != KVS_OK)
+                break;
+            silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(gu, c->f, n);
+            if ((st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
+                           CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
+                break;
+            if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+        }
+        if (st == KVS_OK) {
+            rmsnorm_kernel<<<nseq, 256, 0, c->stream>>>(x, d_last, c->output_norm, c->dim, c->eps,
+                                                        h);
+            st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, nseq, c->logits.p, CUDA_R_32F,
+                      c->vocab, 0.0f);
+        }
+        return st;
+    };
+    if (tp || nall > 0) {
+        st = enqueue(); /* the host takes part (the all-reduce) or the call is one of a kind */
+    } else {
+        uint64_t key = mix_key(0, n);
+        key = mix_key(key, ((uint64_t) nseq << 32) | nwork);
+        key = mix_key(key, ncomb);
+        const void *ptrs[] = {c->meta.p, c->x.p,      c->h.p,      c->qkv.p,    c->att.p,
+                              c->gu.p,   c->logits.p, c->part_o.p, c->part_ml.p};
+        for (const void *q : ptrs) key = mix_key(key, (uint64_t) (uintptr_t) q);
+        for (uint32_t l = 0; l < c->layers; l++)
+            for (uint32_t k = 0; k < 2; k++) {
+                const kvs_region_t *r = kvs_pool_region(pool, l, k);
+                key = mix_key(key, (uint64_t) (uintptr_t) r->base);
+                key =
+                    mix_key(key, r->page_stride ^ (r->token_stride << 20) ^ (r->head_stride << 40));
+            }
+        key = mix_key(key, P);
+        st = replay(c, key, enqueue);
     }
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemcpyAsync(logits, c->logits.p, (size_t) nseq * c->vocab * 4,

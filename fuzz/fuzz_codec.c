@@ -53,6 +53,8 @@ static void seed_register(kvs_msg_register_t *reg)
                                   .attn = KVS_ATTN_MHA};
     reg->page_size = 16;
     reg->decode_page_size = 32;
+    reg->decode_dcp = 2;
+    reg->dcp_interleave = 4;
     reg->chunk_tokens = 512;
     reg->checksum = 1;
     reg->layout_hash = 0x5eed5eed12345678ull;

@@ -1,6 +1,9 @@
 /* The decode engine of one decode instance: one scheduler for all of its TP ranks, one radix
  * cache over page ids identical on every rank, FIFO admission when pages are free. It drives one
- * kvs_receiver_t per rank.
+ * kvs_receiver_t per rank. Its pages are of U = kvs_pd_geometry_unit tokens: under decode
+ * context parallelism page id i holds on every rank of a DCP group that rank's tokens of
+ * [i*U, (i+1)*U) (U / N of them, one pool page), so one id list and one radix cache still serve
+ * every rank, and a prefix hit is a multiple of U (protocol.md §1).
  *
  * A room's life, as the protocol sees it:
  *   admit:   radix match + lock (base = page-aligned hit), allocate delta pages for
@@ -54,14 +57,15 @@ kvs_status_t kvs_decode_engine_create(const kvs_decode_engine_config_t *config,
                                       kvs_decode_engine_t **engine_p)
 {
     uint32_t tp = config->local_ranks ? config->local_ranks : config->geo.decode_tp;
-    kvs_status_t st = kvs_engine_check_pools("decode engine", "decode", pools, tp,
-                                             config->geo.page_size, config->max_prompt_len);
+    kvs_status_t st =
+        kvs_engine_check_pools("decode engine", "decode", pools, tp,
+                               kvs_pd_geometry_unit(&config->geo), config->max_prompt_len);
     if (st != KVS_OK) return st;
     kvs_decode_engine_t *e = kvs_calloc(1, sizeof(*e));
     if (e == NULL) goto err_nomem;
     e->config = *config;
     e->tp = tp;
-    e->page = config->geo.page_size;
+    e->page = kvs_pd_geometry_unit(&config->geo);
     e->done = done;
     e->done_arg = done_arg;
     e->receivers = kvs_calloc(e->tp, sizeof(*e->receivers));
@@ -204,7 +208,10 @@ static void verify(kvs_decode_engine_t *e, dc_room_t *r, kvs_engine_outcome_t *o
                        (uint8_t) (first >> 24)};
     o->meta_ok = 1;
     for (uint32_t k = 0; k < e->tp; k++) {
-        o->mismatched_bytes += kvs_synth_verify(e->pools[k], e->hashes, r->pages, 0, req->len);
+        const kvs_dcp_t dcp =
+            kvs_pd_geometry_dcp_of(&e->config.geo, kvs_pool_config(e->pools[k])->tp.tp_rank);
+        o->mismatched_bytes +=
+            kvs_synth_verify_dcp(e->pools[k], &dcp, e->hashes, r->pages, 0, req->len);
         if (e->infos[k].final_len != sizeof(meta) ||
             memcmp(e->infos[k].final, meta, sizeof(meta)) != 0)
             o->meta_ok = 0;

@@ -14,10 +14,11 @@ uint64_t kvs_engine_slot_bytes(const kvs_pd_geometry_t *geo, uint32_t decode_ran
                                uint32_t max_prompt_len)
 {
     /* A chunk is at most one grid step; a prompt shorter than that only ever asks for its own
-     * pages. */
-    uint64_t tokens = kvs_grid_tokens(geo->chunk_tokens, geo->page_size);
+     * pages. Under DCP a decode rank holds a page of every N x P tokens, G / N of a chunk. */
+    const uint32_t n_dcp = kvs_pd_geometry_dcp(geo);
+    uint64_t tokens = kvs_grid_tokens(geo->chunk_tokens, geo->page_size) / n_dcp;
     uint64_t prompt =
-        (uint64_t) kvs_engine_prompt_pages(max_prompt_len, geo->page_size) * geo->page_size;
+        (uint64_t) kvs_engine_prompt_pages(max_prompt_len, n_dcp * geo->page_size) * geo->page_size;
     if (prompt < tokens) tokens = prompt;
     kvs_writer_t writers[KVS_MAX_WRITERS];
     uint32_t n = 0;

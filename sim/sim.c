@@ -117,7 +117,8 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
                  c->shape.kv_heads, c->shape.head_dim_k, c->shape.head_dim_v);
     snprintf(buf, cap,
              "kvstage sim --prefill-tp %u --decode-tp %u %s --layers %u --dtype-bytes %u "
-             "--prefill-pp %u --prefill-page-size %u --decode-page-size %u --chunk %u %s "
+             "--prefill-pp %u --prefill-page-size %u --decode-page-size %u --decode-dcp %u "
+             "--dcp-interleave %u --chunk %u %s "
              "--prefill-layout %s "
              "--decode-layout %s "
              "--prefill-pool-pages %u --decode-pool-pages %u --window %u --staging-buffers %u "
@@ -126,6 +127,7 @@ void kvs_sim_config_cmdline(const kvs_sim_config_t *c, char *buf, size_t cap)
              "--prefill-radix %s --faults %s --fault-rooms %u --seed %llu",
              c->prefill_tp, c->decode_tp, dims, c->shape.layers, c->shape.elem_bytes,
              c->prefill_pp ? c->prefill_pp : 1, sim_page(c, KVS_SIDE_PREFILL), c->page_size,
+             c->decode_dcp ? c->decode_dcp : 1, c->dcp_interleave ? c->dcp_interleave : 1,
              c->chunk_tokens, ring, lay[c->prefill_layout & 1], lay[c->decode_layout & 1],
              c->prefill_pool_pages, c->decode_pool_pages, c->window_chunks, c->staging_buffers,
              c->prefill_batch, c->workload.requests, c->concurrency,
@@ -222,7 +224,7 @@ static kvs_status_t sim_validate(const kvs_sim_config_t *c, const kvs_pd_geometr
         kvs_error("sim: unknown write mode %d", (int) c->write_mode);
         return KVS_ERR_INVALID;
     }
-    if (c->misaligned_request >= 0 && c->page_size < 2) {
+    if (c->misaligned_request >= 0 && kvs_pd_geometry_unit(geo) < 2) {
         kvs_error("sim: a misaligned decode prefix needs a page size > 1");
         return KVS_ERR_INVALID;
     }
@@ -270,6 +272,8 @@ kvs_pd_geometry_t kvs_sim_geometry(const kvs_sim_config_t *c)
                                .prefill_page_size = c->prefill_page_size,
                                .chunk_tokens = c->chunk_tokens,
                                .prefill_pp = c->prefill_pp,
+                               .decode_dcp = c->decode_dcp,
+                               .dcp_interleave = c->dcp_interleave,
                                .no_checksum = c->no_checksum ? 1u : 0u};
 }
 
@@ -302,7 +306,9 @@ static void pool_pages(const kvs_sim_config_t *c, uint32_t *prefill_p, uint32_t 
 {
     uint32_t pf_max =
         kvs_engine_prompt_pages(c->workload.prompt_len, sim_page(c, KVS_SIDE_PREFILL)) + 1;
-    uint32_t dc_max = kvs_engine_prompt_pages(c->workload.prompt_len, c->page_size) + 1;
+    const kvs_pd_geometry_t geo = kvs_sim_geometry(c);
+    uint32_t dc_max =
+        kvs_engine_prompt_pages(c->workload.prompt_len, kvs_pd_geometry_unit(&geo)) + 1;
     uint32_t inflight =
         c->concurrency < c->workload.requests ? c->concurrency : c->workload.requests;
     uint32_t dc_prompts = inflight / 4 > 4 ? inflight / 4 : 4;
@@ -323,8 +329,8 @@ static kvs_status_t sim_check_fit(const kvs_sim_config_t *c, const kvs_pd_geomet
     kvs_status_t st = kvs_engine_check_pool("sim", "prefill", "--prefill-pool-pages", pf_pages,
                                             sim_page(c, KVS_SIDE_PREFILL), longest);
     if (st == KVS_OK)
-        st = kvs_engine_check_pool("sim", "decode", "--decode-pool-pages", dc_pages, c->page_size,
-                                   longest);
+        st = kvs_engine_check_pool("sim", "decode", "--decode-pool-pages", dc_pages,
+                                   kvs_pd_geometry_unit(geo), longest);
     if (st == KVS_OK && c->ring_bytes != 0)
         st = kvs_engine_check_ring("sim", geo, longest, c->ring_bytes);
     return st;
@@ -370,19 +376,24 @@ static void on_decode_done(void *arg, const kvs_request_t *req, const kvs_engine
 
 /* What a per-page transfer path would issue for a succeeded room: one write per page, layer,
  * component and writer (the head slice of one writer is contiguous within a page row; a
- * stage's writer writes its layers). */
-static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t total_pages)
+ * stage's writer writes its layers), and the chunks each decode rank scatters; under DCP a
+ * rank's pages and chunks hold its tokens only. */
+static void count_writes(sim_t *s, const kvs_request_t *req, uint64_t base)
 {
     const kvs_sim_config_t *c = s->cfg;
     kvs_writer_t writers[KVS_MAX_WRITERS];
     uint32_t comps = kvs_kv_shape_components(&c->shape);
+    const uint64_t P = c->page_size;
+    const uint64_t rank_grid = kvs_grid_tokens(c->chunk_tokens, P) / kvs_pd_geometry_dcp(&s->geo);
     for (uint32_t d = 0; d < c->decode_tp; d++) {
         uint32_t n = 0;
         if (kvs_plan_geo_writers(&s->geo, d, req->room, writers, &n) != KVS_OK) continue;
+        const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(&s->geo, d);
+        uint64_t pages = kvs_grid_rank_total_pages(
+            req->len, base, P, kvs_pd_geometry_page(&s->geo, KVS_SIDE_PREFILL), &dcp);
         for (uint32_t i = 0; i < n; i++)
-            s->res.per_page_writes += total_pages * writers[i].layers * comps;
-        s->res.expected_chunks += kvs_grid_chunk_count(
-            total_pages, kvs_grid_tokens(c->chunk_tokens, c->page_size), c->page_size);
+            s->res.per_page_writes += pages * writers[i].layers * comps;
+        s->res.expected_chunks += kvs_grid_chunk_count(pages, rank_grid, P);
     }
 }
 
@@ -409,7 +420,7 @@ static void on_done(sim_t *s, const kvs_request_t *req)
     if (q->dc.status == KVS_ROOM_SUCCESS && q->pf.status == KVS_ROOM_SUCCESS) {
         res->succeeded++;
         if (q->dc.total_pages == 0) res->full_decode_hits++;
-        count_writes(s, req, q->dc.total_pages);
+        count_writes(s, req, q->dc.hit_tokens);
     } else {
         res->failed++;
         kvs_status_t reason = q->dc.status == KVS_ROOM_FAILED ? q->dc.reason : q->pf.reason;

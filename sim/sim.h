@@ -40,6 +40,10 @@ void kvs_synth_write_layers(kvs_pool_t *pool, uint32_t first_layer, const uint64
  * differ (0 = exact). */
 uint64_t kvs_synth_verify(const kvs_pool_t *pool, const uint64_t *hashes,
                           const uint32_t *page_table, uint64_t start, uint64_t end);
+/* The same for a decode context parallel rank's pool: the positions of [start, end) that it
+ * holds, each at its local position (kvs_dcp_local) of the page table. */
+uint64_t kvs_synth_verify_dcp(const kvs_pool_t *pool, const kvs_dcp_t *dcp, const uint64_t *hashes,
+                              const uint32_t *page_table, uint64_t start, uint64_t end);
 
 /* The synthetic "first generated token" of a prompt whose last rolling hash is last_hash: what
  * prefill sends as final metadata (4 bytes, little-endian). */
@@ -127,6 +131,8 @@ typedef struct {
     kvs_kv_shape_t shape;
     uint32_t prefill_tp, decode_tp;
     uint32_t prefill_pp;        /* pipeline stages on prefill (0 or 1: none) */
+    uint32_t decode_dcp;        /* decode context parallel group size (0 or 1: none) */
+    uint32_t dcp_interleave;    /* its interleave (0: 1) */
     uint32_t page_size;         /* decode pages (the grid's); prefill too unless set below */
     uint32_t prefill_page_size; /* 0 = page_size */
     uint32_t chunk_tokens;

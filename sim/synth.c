@@ -97,8 +97,9 @@ static inline uint64_t head_walk(uint8_t *dst, uint64_t key, uint32_t n, int wri
  * page_table[pos0 / P] onwards lie back to back from `pages` (a run of consecutive page ids:
  * the region's own memory, or a host copy of a device run). */
 static uint64_t run_walk(const kvs_region_t *r, uint8_t *pages, uint64_t first_page,
-                         const uint64_t *hashes, uint32_t layer, uint32_t comp, uint32_t first_head,
-                         uint32_t page_size, uint64_t pos0, uint64_t pos1, int write)
+                         const uint64_t *hashes, const kvs_dcp_t *dcp, uint32_t layer,
+                         uint32_t comp, uint32_t first_head, uint32_t page_size, uint64_t pos0,
+                         uint64_t pos1, int write)
 {
     const uint32_t n = r->dim * r->elem_bytes;
     uint64_t mismatched = 0;
@@ -107,7 +108,8 @@ static uint64_t run_walk(const kvs_region_t *r, uint8_t *pages, uint64_t first_p
         for (uint64_t pos = pos0; pos < pos1; pos++) {
             uint8_t *dst = pages + (pos / page_size - first_page) * r->page_stride +
                            (pos % page_size) * r->token_stride + h * r->head_stride;
-            mismatched += head_walk(dst, synth_mix(hashes[pos] ^ ck), n, write);
+            const uint64_t hash = hashes[dcp->size > 1 ? kvs_dcp_global(dcp, pos) : pos];
+            mismatched += head_walk(dst, synth_mix(hash ^ ck), n, write);
         }
     }
     return mismatched;
@@ -116,11 +118,15 @@ static uint64_t run_walk(const kvs_region_t *r, uint8_t *pages, uint64_t first_p
 /* Visits every (position, layer, component, local head) of [start, end) for the pool's heads,
  * either writing the expected bytes or counting how many differ. Positions are taken in runs
  * of consecutive page ids; for a device pool each run is staged through a host buffer (read,
- * written or checked, written back), so a pool of either kind costs a few copies per run. */
+ * written or checked, written back), so a pool of either kind costs a few copies per run. A
+ * DCP rank's pool holds only its positions of [start, end), at their local positions. */
 static uint64_t synth_walk(const kvs_pool_t *pool, uint32_t first_layer, const uint64_t *hashes,
-                           const uint32_t *page_table, uint64_t start, uint64_t end, int write)
+                           const uint32_t *page_table, const kvs_dcp_t *dcp, uint64_t start,
+                           uint64_t end, int write)
 {
     const kvs_pool_config_t *c = kvs_pool_config(pool);
+    start = kvs_dcp_count(dcp, start);
+    end = kvs_dcp_count(dcp, end);
     if (start >= end) return 0;
     uint32_t comps = kvs_kv_shape_components(&c->shape);
     uint32_t heads = kvs_pool_heads(pool);
@@ -158,8 +164,8 @@ static uint64_t synth_walk(const kvs_pool_t *pool, uint32_t first_layer, const u
                     pos = stop;
                     continue;
                 }
-                mismatched += run_walk(r, device ? host : mem, idx, hashes, first_layer + l, comp,
-                                       first, (uint32_t) P, pos, stop, write);
+                mismatched += run_walk(r, device ? host : mem, idx, hashes, dcp, first_layer + l,
+                                       comp, first, (uint32_t) P, pos, stop, write);
                 if (device && write) (void) kvs_mem_copy(mem, host, bytes); /* logs failures */
                 pos = stop;
             }
@@ -169,22 +175,30 @@ static uint64_t synth_walk(const kvs_pool_t *pool, uint32_t first_layer, const u
     return mismatched;
 }
 
+static const kvs_dcp_t no_dcp = {.size = 1, .interleave = 1, .rank = 0};
+
 void kvs_synth_write(kvs_pool_t *pool, const uint64_t *hashes, const uint32_t *page_table,
                      uint64_t start, uint64_t end)
 {
-    synth_walk(pool, 0, hashes, page_table, start, end, 1);
+    synth_walk(pool, 0, hashes, page_table, &no_dcp, start, end, 1);
 }
 
 void kvs_synth_write_layers(kvs_pool_t *pool, uint32_t first_layer, const uint64_t *hashes,
                             const uint32_t *page_table, uint64_t start, uint64_t end)
 {
-    synth_walk(pool, first_layer, hashes, page_table, start, end, 1);
+    synth_walk(pool, first_layer, hashes, page_table, &no_dcp, start, end, 1);
 }
 
 uint64_t kvs_synth_verify(const kvs_pool_t *pool, const uint64_t *hashes,
                           const uint32_t *page_table, uint64_t start, uint64_t end)
 {
-    return synth_walk(pool, 0, hashes, page_table, start, end, 0);
+    return synth_walk(pool, 0, hashes, page_table, &no_dcp, start, end, 0);
+}
+
+uint64_t kvs_synth_verify_dcp(const kvs_pool_t *pool, const kvs_dcp_t *dcp, const uint64_t *hashes,
+                              const uint32_t *page_table, uint64_t start, uint64_t end)
+{
+    return synth_walk(pool, 0, hashes, page_table, dcp, start, end, 0);
 }
 
 int32_t kvs_synth_first_token(uint64_t last_hash)

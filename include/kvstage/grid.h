@@ -1,5 +1,6 @@
 /* Grid arithmetic of protocol.md §1: slot size, segments split at grid boundaries, flooring a
- * send to the grid, and chunk numbering. All positions are absolute token positions. */
+ * send to the grid, chunk numbering, and the decode context parallel token map (which tokens a
+ * decode rank holds, and where). Positions are absolute token positions unless named local. */
 #ifndef KVSTAGE_GRID_H
 #define KVSTAGE_GRID_H
 
@@ -52,5 +53,39 @@ typedef struct {
 } kvs_page_span_t;
 
 kvs_page_span_t kvs_grid_page_span(uint64_t start, uint64_t tokens, uint64_t page);
+
+/* ---- decode context parallelism (protocol.md §1 "Context parallelism") ----
+ * A DCP group of N decode ranks holds the same heads and different tokens: token t lives on
+ * rank (t / T) mod N of the group, at local position (t / (N*T)) * T + t mod T of that rank's
+ * pages, so each rank holds its tokens densely and in order. N = 1 is plain TP (local = t). */
+
+typedef struct {
+    uint32_t size;       /* N: ranks in the group (0 or 1: no DCP) */
+    uint32_t interleave; /* T: consecutive tokens per rank (0 or 1: one) */
+    uint32_t rank;       /* this rank's place in its group, below N */
+} kvs_dcp_t;
+
+/* The group rank that holds token t: (t / T) mod N. */
+uint32_t kvs_dcp_owner(const kvs_dcp_t *dcp, uint64_t t);
+/* Token t's local position on the rank that holds it. */
+uint64_t kvs_dcp_local(const kvs_dcp_t *dcp, uint64_t t);
+/* The converse for dcp->rank: the absolute position of its local position `local`. */
+uint64_t kvs_dcp_global(const kvs_dcp_t *dcp, uint64_t local);
+/* How many of the tokens [0, end) dcp->rank holds: the local position of its first token at or
+ * after `end`. */
+uint64_t kvs_dcp_count(const kvs_dcp_t *dcp, uint64_t end);
+
+/* A decode rank's delta pages for a room: its tokens in [base, E) (E as for
+ * kvs_grid_slot_tokens), in pages of decode_page from its local position of base, rounded up.
+ * Without DCP this is kvs_grid_total_pages(prompt_len, base, decode_page) for any base that is
+ * a multiple of the decode page. */
+uint64_t kvs_grid_rank_total_pages(uint64_t prompt_len, uint64_t base, uint64_t decode_page,
+                                   uint64_t prefill_page, const kvs_dcp_t *dcp);
+/* Tokens in a decode rank's slot of chunk k: its tokens among the chunk's kvs_grid_slot_tokens
+ * tokens from base + k*G (grid = G). With base and G multiples of N*T each full chunk gives
+ * every rank G / N tokens, at local positions from base / N + k*G/N. */
+uint64_t kvs_grid_rank_slot_tokens(uint64_t chunk, uint64_t prompt_len, uint64_t base,
+                                   uint64_t grid, uint64_t decode_page, uint64_t prefill_page,
+                                   const kvs_dcp_t *dcp);
 
 #endif

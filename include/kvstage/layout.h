@@ -1,11 +1,12 @@
-/* KV shape, tensor-parallel layout, pipeline stages and the transfer plan (protocol.md §1 and
- * §2). Everything here is a pure function of its arguments. */
+/* KV shape, tensor-parallel layout, pipeline stages, decode context parallelism and the
+ * transfer plan (protocol.md §1 and §2). Everything here is a pure function of its arguments. */
 #ifndef KVSTAGE_LAYOUT_H
 #define KVSTAGE_LAYOUT_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvstage/grid.h"
 #include "kvstage/status.h"
 
 #define KVS_MAX_TP        64  /* largest TP size on either side; most prefill ranks (PP x TP) */
@@ -135,19 +136,37 @@ typedef struct {
      * prefill_tp ranks, rank = stage * prefill_tp + TP rank, stage s holding the layers
      * kvs_pp_stage gives it (protocol.md §2, "Pipeline stages"). */
     uint32_t prefill_pp;
+    /* Decode context parallelism (0 or 1: none; protocol.md §1 "Context parallelism"): the
+     * decode ranks form groups of decode_dcp consecutive ranks that hold the same heads (so it
+     * divides the ranks holding each head) and different tokens: token t on group rank
+     * (t / T) mod N, T = dcp_interleave (0: 1), which divides the decode page. The decode
+     * prefix and the chunk size are then multiples of N x Pd (kvs_pd_geometry_unit). */
+    uint32_t decode_dcp;
+    uint32_t dcp_interleave;
     /* 0 (the default): every CHUNK_READY carries its region's checksum and decode verifies it
      * before the chunk counts (protocol.md §5.5); 1: off. Both sides must agree. */
     uint32_t no_checksum;
 } kvs_pd_geometry_t;
 
-/* Checks the shape, both TP layouts, both page sizes in [1, KVS_MAX_PAGE_SIZE], the chunk
- * size (a positive multiple of the decode page) and the prefill stages (at most one per layer,
- * at most KVS_MAX_TP prefill ranks); logs what is wrong, naming the numbers. */
+/* Checks the shape, both TP layouts, both page sizes in [1, KVS_MAX_PAGE_SIZE], the prefill
+ * stages (at most one per layer, at most KVS_MAX_TP prefill ranks), the decode DCP groups (N
+ * dividing the decode ranks that hold each head, T dividing the decode page) and the chunk
+ * size (a positive multiple of kvs_pd_geometry_unit); logs what is wrong, naming the numbers. */
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
 
 /* The page size of one side's pools: page_size for decode, prefill_page_size (or page_size when
  * that is 0) for prefill. */
 uint32_t kvs_pd_geometry_page(const kvs_pd_geometry_t *geo, kvs_side_t side);
+
+/* DCP group size N (decode_dcp, or 1 when 0) and interleave T (dcp_interleave, or 1). */
+uint32_t kvs_pd_geometry_dcp(const kvs_pd_geometry_t *geo);
+uint32_t kvs_pd_geometry_interleave(const kvs_pd_geometry_t *geo);
+/* Decode rank d's place in its DCP group: {N, T, d mod N}. */
+kvs_dcp_t kvs_pd_geometry_dcp_of(const kvs_pd_geometry_t *geo, uint32_t decode_rank);
+/* U = N x Pd: the tokens of one page on every rank of a DCP group (Pd without DCP). The decode
+ * prefix and the chunk size are multiples of it, and decode allocates and caches prefixes in
+ * such pages, page id i holding [i*U, (i+1)*U) on every rank (protocol.md §1). */
+uint32_t kvs_pd_geometry_unit(const kvs_pd_geometry_t *geo);
 
 /* ---- pipeline stages (protocol.md §2, "Pipeline stages") ---- */
 

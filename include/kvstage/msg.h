@@ -15,8 +15,9 @@
 
 #define KVS_MSG_MAGIC 0x3153564bu
 /* 2: CHUNK_READY checksum, the registration's checksum setting; 3: the registration's decode
- * page size (a page size per side); 4: its pipeline stages (rank: stage * TP + TP rank) */
-#define KVS_MSG_VERSION      4
+ * page size (a page size per side); 4: its pipeline stages (rank: stage * TP + TP rank); 5: the
+ * decode DCP size and interleave it expects */
+#define KVS_MSG_VERSION      5
 #define KVS_MSG_HEADER_SIZE  12
 #define KVS_MSG_MAX_SIZE     1024 /* no valid message is larger */
 #define KVS_MSG_FINAL_MAX    192  /* bytes of final metadata (the first token and its logprobs) */
@@ -128,6 +129,8 @@ typedef struct {
     kvs_kv_shape_t shape;      /* the whole model's (every stage registers the same) */
     uint32_t page_size;        /* the registering prefill rank's pool pages */
     uint32_t decode_page_size; /* the decode page size that rank's geometry expects */
+    uint32_t decode_dcp;       /* the decode DCP group size it expects (1: none) */
+    uint32_t dcp_interleave;   /* and the DCP interleave (1 without DCP) */
     uint32_t chunk_tokens;
     uint32_t checksum;    /* 1: chunk checksums on (the default), 0: off */
     uint64_t layout_hash; /* hash of pool layout details both sides must agree on */

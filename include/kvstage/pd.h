@@ -210,10 +210,13 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
                                  kvs_receiver_t **receiver_p);
 void kvs_receiver_destroy(kvs_receiver_t *receiver);
 
-/* base: tokens already held (decode radix hit), a multiple of P, else the room fails (the call
- * returns KVS_OK and poll reports Failed with KVS_ERR_INVALID). delta_pages: page ids for
- * [base, prompt_len), ceil((prompt_len - base) / P) entries, owned by the engine and kept valid
- * until release. Registers the room, then sends metadata to every prefill peer. */
+/* base: tokens already held (decode radix hit), a multiple of P (of N x P under DCP:
+ * kvs_pd_geometry_unit), else the room fails (the call returns KVS_OK and poll reports Failed
+ * with KVS_ERR_INVALID). delta_pages: page ids for [base, prompt_len), ceil((prompt_len - base)
+ * / P) entries (under DCP this rank's tokens of it from its local position base / N:
+ * kvs_grid_rank_total_pages entries, at most ceil((prompt_len - base) / (N x P)), so a pool's
+ * page of N x P tokens suits every rank), owned by the engine and kept valid until release.
+ * Registers the room, then sends metadata to every prefill peer. */
 kvs_status_t kvs_receiver_add_room(kvs_receiver_t *receiver, uint64_t room, uint64_t base,
                                    uint64_t prompt_len, const uint32_t *delta_pages);
 kvs_status_t kvs_receiver_abort(kvs_receiver_t *receiver, uint64_t room);

@@ -170,6 +170,8 @@ static const kvs_msg_field_t kvs_msg_fields_ack[] = {
     U32(S,   shape.attn,       SET(BIT(KVS_ATTN_MHA) | BIT(KVS_ATTN_MLA), "0 or 1")), \
     U32(S,   page_size,        ANY), \
     U32(S,   decode_page_size, ANY), \
+    U32(S,   decode_dcp,       RANGE(1, KVS_MAX_TP)), \
+    U32(S,   dcp_interleave,   RANGE(1, KVS_MAX_PAGE_SIZE)), \
     U32(S,   chunk_tokens,     ANY), \
     U32(S,   checksum,         SET(BIT(0) | BIT(1), "0 or 1")), \
     U64(S,   layout_hash,      ANY), \

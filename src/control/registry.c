@@ -259,12 +259,20 @@ kvs_status_t kvs_registry_query(const char *registry, uint32_t rank, uint64_t ti
 uint64_t kvs_registry_layout_hash(const kvs_pd_geometry_t *geo)
 {
     const kvs_kv_shape_t *s = &geo->shape;
-    const uint64_t fields[] = {KVS_MSG_VERSION,   KVS_REGION_ALIGN,
-                               s->layers,         s->kv_heads,
-                               s->head_dim_k,     s->head_dim_v,
-                               s->elem_bytes,     s->attn,
-                               geo->page_size,    kvs_pd_geometry_page(geo, KVS_SIDE_PREFILL),
-                               geo->chunk_tokens, kvs_pd_geometry_pp(geo)};
+    const uint64_t fields[] = {KVS_MSG_VERSION,
+                               KVS_REGION_ALIGN,
+                               s->layers,
+                               s->kv_heads,
+                               s->head_dim_k,
+                               s->head_dim_v,
+                               s->elem_bytes,
+                               s->attn,
+                               geo->page_size,
+                               kvs_pd_geometry_page(geo, KVS_SIDE_PREFILL),
+                               geo->chunk_tokens,
+                               kvs_pd_geometry_pp(geo),
+                               kvs_pd_geometry_dcp(geo),
+                               kvs_pd_geometry_interleave(geo)};
     uint64_t h = 0x6b7673746167656bull;
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) h = kvs_mix64(h ^ fields[i]);
     return h;
@@ -280,6 +288,8 @@ void kvs_registry_describe(const kvs_pd_geometry_t *geo, uint32_t rank, const ch
     reg_p->shape = geo->shape;
     reg_p->page_size = kvs_pd_geometry_page(geo, KVS_SIDE_PREFILL);
     reg_p->decode_page_size = geo->page_size;
+    reg_p->decode_dcp = kvs_pd_geometry_dcp(geo);
+    reg_p->dcp_interleave = kvs_pd_geometry_interleave(geo);
     reg_p->chunk_tokens = geo->chunk_tokens;
     reg_p->checksum = geo->no_checksum ? 0 : 1;
     reg_p->layout_hash = kvs_registry_layout_hash(geo);
@@ -316,6 +326,11 @@ kvs_status_t kvs_registry_check(const kvs_msg_register_t *p, const kvs_pd_geomet
     else if (p->decode_page_size != mine->page_size)
         snprintf(msg, sizeof(msg), "decode page size %u expected there vs %u here",
                  p->decode_page_size, mine->page_size);
+    else if (p->decode_dcp != kvs_pd_geometry_dcp(mine) ||
+             p->dcp_interleave != kvs_pd_geometry_interleave(mine))
+        snprintf(msg, sizeof(msg), "decode DCP %u, interleave %u expected there vs %u, %u here",
+                 p->decode_dcp, p->dcp_interleave, kvs_pd_geometry_dcp(mine),
+                 kvs_pd_geometry_interleave(mine));
     else if (p->chunk_tokens != mine->chunk_tokens)
         snprintf(msg, sizeof(msg), "chunk size %u vs %u here", p->chunk_tokens, mine->chunk_tokens);
     else if (p->checksum != (mine->no_checksum ? 0u : 1u))

@@ -1,4 +1,5 @@
-/* KV shape validation and the tensor-parallel head layout of one side (protocol.md §1). */
+/* KV shape validation, the tensor-parallel head layout of one side and the geometry both sides
+ * agree on: page sizes, pipeline stages, decode context parallel groups (protocol.md §1, §2). */
 #include "kvstage/layout.h"
 
 #include "kvstage/log.h"
@@ -157,14 +158,62 @@ kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
                   geo->prefill_tp, pp * geo->prefill_tp, KVS_MAX_TP);
         return KVS_ERR_INVALID;
     }
-    /* Slot boundaries lie at base + k*C and must fall on decode pages; prefill pages are
-     * gathered at any offset, so C need not be a multiple of the prefill page. */
-    if (geo->chunk_tokens == 0 || geo->chunk_tokens % geo->page_size != 0) {
-        kvs_error("chunk size %u must be a positive multiple of the decode page size %u",
-                  geo->chunk_tokens, geo->page_size);
+    const uint32_t n = kvs_pd_geometry_dcp(geo), t = kvs_pd_geometry_interleave(geo);
+    if (n > KVS_MAX_TP || geo->decode_tp % n != 0) {
+        kvs_error("decode DCP %u does not divide decode TP %u", n, geo->decode_tp);
+        return KVS_ERR_INVALID;
+    }
+    /* A DCP group holds the same heads: its N ranks must be replicas of one head group. */
+    const uint32_t replicas = kvs_tp_replication(&geo->shape, geo->decode_tp);
+    if (replicas % n != 0) {
+        kvs_error("decode DCP %u needs %u decode ranks holding the same KV heads, but decode TP "
+                  "%u over %u KV heads holds each head on %u (DCP must divide max(1, TP / heads))",
+                  n, n, geo->decode_tp, geo->shape.kv_heads, replicas);
+        return KVS_ERR_INVALID;
+    }
+    if (t > geo->page_size || geo->page_size % t != 0) {
+        kvs_error("DCP interleave %u must divide the decode page size %u (a page holds whole "
+                  "runs of a rank's tokens)",
+                  t, geo->page_size);
+        return KVS_ERR_INVALID;
+    }
+    /* Slot boundaries lie at base + k*C and must fall on decode pages (of every DCP rank);
+     * prefill pages are gathered at any offset, so C need not be a multiple of the prefill
+     * page. */
+    const uint32_t unit = kvs_pd_geometry_unit(geo);
+    if (geo->chunk_tokens == 0 || geo->chunk_tokens % unit != 0) {
+        if (n > 1)
+            kvs_error("chunk size %u must be a positive multiple of decode DCP %u x decode page "
+                      "size %u = %u",
+                      geo->chunk_tokens, n, geo->page_size, unit);
+        else
+            kvs_error("chunk size %u must be a positive multiple of the decode page size %u",
+                      geo->chunk_tokens, geo->page_size);
         return KVS_ERR_INVALID;
     }
     return KVS_OK;
+}
+
+uint32_t kvs_pd_geometry_dcp(const kvs_pd_geometry_t *geo)
+{
+    return geo->decode_dcp > 1 ? geo->decode_dcp : 1;
+}
+
+uint32_t kvs_pd_geometry_interleave(const kvs_pd_geometry_t *geo)
+{
+    return geo->dcp_interleave > 1 ? geo->dcp_interleave : 1;
+}
+
+kvs_dcp_t kvs_pd_geometry_dcp_of(const kvs_pd_geometry_t *geo, uint32_t decode_rank)
+{
+    const uint32_t n = kvs_pd_geometry_dcp(geo);
+    return (kvs_dcp_t){
+        .size = n, .interleave = kvs_pd_geometry_interleave(geo), .rank = decode_rank % n};
+}
+
+uint32_t kvs_pd_geometry_unit(const kvs_pd_geometry_t *geo)
+{
+    return kvs_pd_geometry_dcp(geo) * geo->page_size;
 }
 
 uint32_t kvs_pd_geometry_pp(const kvs_pd_geometry_t *geo)

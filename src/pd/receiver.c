@@ -75,7 +75,9 @@ struct kvs_receiver {
     kvs_map_t serials;  /* serial -> rroom_t* */
     kvs_map_t early;    /* id -> early_fail_t*: rooms a prefill rank failed before we knew them */
     uint64_t next_serial;
-    uint64_t grid; /* G */
+    uint64_t grid;      /* G */
+    kvs_dcp_t dcp;      /* this rank's place in its DCP group (size 1 without DCP) */
+    uint64_t rank_grid; /* G / N: this rank's tokens in a full slot, in its own pages */
     /* [stages] the layers each prefill stage writes, as a shape: a stage writer's region is
      * [K of its layers][V of its layers] (protocol.md §2) */
     kvs_kv_shape_t stage_shapes[KVS_MAX_TP];
@@ -140,6 +142,8 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
     rx->link = link;
     rx->clock = *clock;
     rx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
+    rx->dcp = kvs_pd_geometry_dcp_of(&config->geo, config->rank);
+    rx->rank_grid = rx->grid / kvs_pd_geometry_dcp(&config->geo);
     for (uint32_t s = 0; s < kvs_pd_geometry_pp(&config->geo); s++)
         rx->stage_shapes[s] =
             kvs_pp_stage_shape(&config->geo.shape, kvs_pd_geometry_pp(&config->geo), s);
@@ -322,9 +326,11 @@ static void retry_grants(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
 
 /* ---- slots and chunks ---- */
 
+/* Pages and slots count this rank's own tokens, at their local positions (protocol.md §1: all
+ * of them without DCP). */
 static uint64_t chunk_pages(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk)
 {
-    return kvs_grid_chunk_pages(chunk, r->total_pages, rx->grid, rx->cfg.geo.page_size);
+    return kvs_grid_chunk_pages(chunk, r->total_pages, rx->rank_grid, rx->cfg.geo.page_size);
 }
 
 /* Tokens in a chunk's slot: its pages' tokens, up to where the prefill pages end too
@@ -332,8 +338,8 @@ static uint64_t chunk_pages(const kvs_receiver_t *rx, const rroom_t *r, uint64_t
 static uint64_t chunk_tokens(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk)
 {
     const kvs_pd_geometry_t *g = &rx->cfg.geo;
-    return kvs_grid_slot_tokens(chunk, r->prompt_len, r->base, rx->grid, g->page_size,
-                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+    return kvs_grid_rank_slot_tokens(chunk, r->prompt_len, r->base, rx->grid, g->page_size,
+                                     kvs_pd_geometry_page(g, KVS_SIDE_PREFILL), &rx->dcp);
 }
 
 static uint64_t slot_bytes(const kvs_receiver_t *rx, const rroom_t *r, uint64_t chunk,
@@ -361,7 +367,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     kvs_status_t st = rx->link->ops->flush(rx->link->ctx);
     if (st != KVS_OK) return st;
     uint64_t t0 = kvs_now_ns();
-    const uint64_t F = rx->grid / rx->cfg.geo.page_size;
+    const uint64_t F = rx->rank_grid / rx->cfg.geo.page_size;
     for (uint32_t w = 0; w < r->nwriters; w++) {
         /* into the layers of the writer's stage */
         const kvs_kv_shape_t *shape = &rx->stage_shapes[r->writers[w].stage];
@@ -370,7 +376,8 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
             .layers = shape->layers,
             .components = kvs_kv_shape_components(shape),
             .shape = shape,
-            .pages = r->pages + chunk * F, /* scatter lands at token base + chunk*F*P */
+            /* lands at local token base/N + chunk*F*P: base and G are N*P multiples */
+            .pages = r->pages + chunk * F,
             .npages = (uint32_t) npages,
             .page_size = rx->cfg.geo.page_size,
             .tokens = tokens, /* from the first page's start: base and G are page multiples */
@@ -463,13 +470,15 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
                   (unsigned long long) prompt_len);
         return KVS_ERR_INVALID;
     }
-    uint64_t total_pages = kvs_grid_total_pages(prompt_len, base, P);
+    const kvs_pd_geometry_t *g = &rx->cfg.geo;
+    uint64_t total_pages = kvs_grid_rank_total_pages(
+        prompt_len, base, P, kvs_pd_geometry_page(g, KVS_SIDE_PREFILL), &rx->dcp);
     if (total_pages > 0 && delta_pages == NULL) {
         kvs_error("room %llu: %llu delta pages needed but none given", (unsigned long long) room,
                   (unsigned long long) total_pages);
         return KVS_ERR_INVALID;
     }
-    uint64_t nchunks = kvs_grid_chunk_count(total_pages, rx->grid, P);
+    uint64_t nchunks = kvs_grid_chunk_count(total_pages, rx->rank_grid, P);
     if (nchunks >= (1ull << COOKIE_CHUNK_BITS)) {
         kvs_error("room %llu: %llu chunks is more than supported", (unsigned long long) room,
                   (unsigned long long) nchunks);
@@ -490,7 +499,6 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
     r->nchunks = nchunks;
     r->pages = delta_pages;
     r->status = KVS_ROOM_BOOTSTRAPPING;
-    const kvs_pd_geometry_t *g = &rx->cfg.geo;
     kvs_status_t st = kvs_plan_geo_writers(g, rx->cfg.rank, room, r->writers, &r->nwriters);
     if (st == KVS_OK) st = kvs_plan_geo_peers(g, rx->cfg.rank, r->peers, &r->npeers);
     if (st == KVS_OK && !g->no_checksum && nchunks > 0) {
@@ -518,10 +526,17 @@ kvs_status_t kvs_receiver_add_room(kvs_receiver_t *rx, uint64_t room, uint64_t b
     }
     rx->m.rooms_added++;
     r->meta_sent_at = now_ns(rx);
-    if (base % P != 0) {
+    const uint64_t unit = kvs_pd_geometry_unit(g);
+    if (base % unit != 0) {
         /* The room fails; the process and every other room live on. */
-        kvs_error("room %llu: decode prefix %llu is not a multiple of the page size %llu",
-                  (unsigned long long) room, (unsigned long long) base, (unsigned long long) P);
+        if (unit != P)
+            kvs_error("room %llu: decode prefix %llu is not a multiple of decode DCP %u x page "
+                      "size %llu = %llu",
+                      (unsigned long long) room, (unsigned long long) base, rx->dcp.size,
+                      (unsigned long long) P, (unsigned long long) unit);
+        else
+            kvs_error("room %llu: decode prefix %llu is not a multiple of the page size %llu",
+                      (unsigned long long) room, (unsigned long long) base, (unsigned long long) P);
         fail_room(rx, r, KVS_ERR_INVALID, "misaligned decode prefix");
         return KVS_OK;
     }
@@ -649,7 +664,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
         send_ack(rx, cr->room, KVS_MSG_CHUNK_READY, cr->chunk, cr->writer, cr->prefill_rank);
         return;
     }
-    const uint64_t F = rx->grid / rx->cfg.geo.page_size;
+    const uint64_t F = rx->rank_grid / rx->cfg.geo.page_size;
     if (cr->chunk >= r->nchunks || cr->writer >= r->nwriters ||
         r->writers[cr->writer].prefill_rank != cr->prefill_rank) {
         rx->m.rejected++;

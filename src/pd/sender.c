@@ -60,11 +60,11 @@ typedef struct {
     uint32_t ndests;
     uint32_t dpeers[KVS_MAX_TP]; /* decode ranks exchanging metadata and status */
     uint32_t ndpeers;
-    uint64_t meta_got;     /* bit per dpeer index */
-    uint64_t aborted_by;   /* bit per dpeer index: sent ABORT, owed an ABORT_ACK */
-    uint64_t status_acked; /* bit per dpeer index */
-    int status_sent;       /* our STATUS (Success or Failed) is out */
-    uint64_t base, total_pages, nchunks;
+    uint64_t meta_got;      /* bit per dpeer index */
+    uint64_t aborted_by;    /* bit per dpeer index: sent ABORT, owed an ABORT_ACK */
+    uint64_t status_acked;  /* bit per dpeer index */
+    int status_sent;        /* our STATUS (Success or Failed) is out */
+    uint64_t base, nchunks; /* chunks of the room's grid, G tokens each from base */
     uint64_t computed, scheduled;
     int finished;
     uint32_t final_len;
@@ -239,13 +239,32 @@ void kvs_sender_destroy(kvs_sender_t *tx)
 
 /* ---- sending ---- */
 
-/* Tokens in chunk k's slot (protocol.md §1): the decode pages', up to where this rank's pages
- * end. */
-static uint64_t chunk_tokens(const kvs_sender_t *tx, const sroom_t *r, uint64_t k)
+/* Tokens in chunk k's slot at a decode rank (protocol.md §1): the decode pages', up to where
+ * this rank's pages end; under DCP only the decode rank's own tokens of them. */
+static uint64_t chunk_tokens(const kvs_sender_t *tx, const sroom_t *r, uint64_t k,
+                             uint32_t decode_rank)
 {
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
-    return kvs_grid_slot_tokens(k, r->prompt_len, r->base, tx->grid, g->page_size,
-                                kvs_pd_geometry_page(g, KVS_SIDE_PREFILL));
+    const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(g, decode_rank);
+    return kvs_grid_rank_slot_tokens(k, r->prompt_len, r->base, tx->grid, g->page_size,
+                                     kvs_pd_geometry_page(g, KVS_SIDE_PREFILL), &dcp);
+}
+
+/* A decode rank's delta pages for the room (protocol.md §1): what its ROOM_META states. */
+static uint64_t rank_total_pages(const kvs_sender_t *tx, const sroom_t *r, uint64_t base,
+                                 uint32_t decode_rank)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(g, decode_rank);
+    return kvs_grid_rank_total_pages(r->prompt_len, base, g->page_size,
+                                     kvs_pd_geometry_page(g, KVS_SIDE_PREFILL), &dcp);
+}
+
+/* Decode pages per slot on a decode rank: G / N tokens of its own, in its pages. */
+static uint64_t rank_slot_pages(const kvs_sender_t *tx)
+{
+    const kvs_pd_geometry_t *g = &tx->cfg.geo;
+    return tx->grid / kvs_pd_geometry_dcp(g) / g->page_size;
 }
 
 /* The slot of chunk k at destination d as the decode rank lays it out: its total size, and this
@@ -258,7 +277,8 @@ static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, 
     uint64_t offsets[KVS_MAX_WRITERS];
     uint32_t n = 0;
     kvs_plan_geo_writers(g, r->dests[d].decode_rank, r->id, writers, &n);
-    uint64_t size = kvs_slot_layout(writers, n, chunk_tokens(tx, r, k), offsets);
+    uint64_t size =
+        kvs_slot_layout(writers, n, chunk_tokens(tx, r, k, r->dests[d].decode_rank), offsets);
     if (region_offset_p) *region_offset_p = offsets[r->dests[d].writer];
     return size;
 }
@@ -279,9 +299,11 @@ static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
 
 static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
 {
-    const kvs_pd_geometry_t *g = &tx->cfg.geo;
-    uint64_t pages = kvs_grid_chunk_pages(chunk, r->total_pages, tx->grid, g->page_size);
     const kvs_dest_t *dest = &r->dests[d];
+    const uint64_t F = rank_slot_pages(tx);
+    uint64_t pages =
+        kvs_grid_chunk_pages(chunk, rank_total_pages(tx, r, r->base, dest->decode_rank),
+                             F * tx->cfg.geo.page_size, tx->cfg.geo.page_size);
     kvs_msg_t msg = {.type = KVS_MSG_CHUNK_READY};
     msg.u.chunk_ready = (kvs_msg_chunk_ready_t){
         .room = r->id,
@@ -289,9 +311,9 @@ static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .prefill_rank = tx->cfg.rank,
         .decode_rank = dest->decode_rank,
         .writer = dest->writer,
-        .suffix_page_start = chunk * (tx->grid / g->page_size),
+        .suffix_page_start = chunk * F, /* in the decode rank's own pages */
         .pages = (uint32_t) pages,
-        .bytes = chunk_tokens(tx, r, chunk) * dest->w.bytes_per_token,
+        .bytes = chunk_tokens(tx, r, chunk, dest->decode_rank) * dest->w.bytes_per_token,
         .checksum = r->cd[chunk * r->ndests + d].checksum,
     };
     kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
@@ -371,8 +393,10 @@ static void fail_room(kvs_sender_t *tx, sroom_t *r, kvs_status_t reason, const c
 static void apply_meta(kvs_sender_t *tx, sroom_t *r, uint32_t i, const smeta_t *meta)
 {
     const uint32_t P = tx->cfg.geo.page_size;
-    if (meta->prompt_len != r->prompt_len || meta->grid != tx->grid || meta->base % P != 0 ||
-        meta->total_pages != kvs_grid_total_pages(meta->prompt_len, meta->base, P)) {
+    /* The decode prefix lies on a page of every rank of a DCP group (protocol.md §1). */
+    if (meta->prompt_len != r->prompt_len || meta->grid != tx->grid ||
+        meta->base % kvs_pd_geometry_unit(&tx->cfg.geo) != 0 ||
+        meta->total_pages != rank_total_pages(tx, r, meta->base, r->dpeers[i])) {
         fail_room(tx, r, KVS_ERR_PROTOCOL, "room metadata does not match the request");
         return;
     }
@@ -383,12 +407,22 @@ static void apply_meta(kvs_sender_t *tx, sroom_t *r, uint32_t i, const smeta_t *
     r->meta_got |= KVS_BIT(i);
     if (r->cd != NULL) return;
     r->base = meta->base;
-    r->total_pages = meta->total_pages;
-    r->nchunks = kvs_grid_chunk_count(r->total_pages, tx->grid, P);
+    r->nchunks = kvs_grid_chunk_count(kvs_grid_total_pages(r->prompt_len, r->base, P), tx->grid, P);
     r->sent_upto = r->base;
     if (r->nchunks && r->ndests) {
         r->cd = kvs_calloc(r->nchunks * r->ndests, sizeof(*r->cd));
-        if (r->cd == NULL) fail_room(tx, r, KVS_ERR_NOMEM, "no memory for the chunk table");
+        if (r->cd == NULL) {
+            fail_room(tx, r, KVS_ERR_NOMEM, "no memory for the chunk table");
+            return;
+        }
+    }
+    /* Under DCP a decode rank holds none of a short last chunk's tokens (its chunks end
+     * earlier): nothing goes there. */
+    const uint64_t F = rank_slot_pages(tx);
+    for (uint32_t d = 0; d < r->ndests; d++) {
+        uint64_t pages = rank_total_pages(tx, r, r->base, r->dests[d].decode_rank);
+        for (uint64_t k = kvs_grid_chunk_count(pages, F * P, P); k < r->nchunks; k++)
+            r->cd[k * r->ndests + d].state = SD_DONE;
     }
 }
 
@@ -774,11 +808,17 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     sdest_t *sd = &r->cd[k * r->ndests + d];
     const kvs_dest_t *dest = &r->dests[d];
-    const uint64_t tokens = chunk_tokens(tx, r, k);
+    const uint64_t tokens = chunk_tokens(tx, r, k, dest->decode_rank);
     const uint64_t bytes = tokens * dest->w.bytes_per_token;
-    /* The chunk starts at base + k*G, on a decode page but anywhere in a prefill page. */
+    /* The chunk starts at base + k*G, on a decode page but anywhere in a prefill page. Under
+     * DCP the decode rank's tokens of it are runs of T every N*T, from its first one; the
+     * gather packs them densely, in the order of its local positions (protocol.md §1). */
     const uint32_t Pp = kvs_pd_geometry_page(g, KVS_SIDE_PREFILL);
-    const kvs_page_span_t src = kvs_grid_page_span(r->base + k * tx->grid, tokens, Pp);
+    const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(g, dest->decode_rank);
+    const uint64_t local = kvs_dcp_count(&dcp, r->base + k * tx->grid);
+    const uint64_t first = kvs_dcp_global(&dcp, local);
+    const uint64_t reach = tokens ? kvs_dcp_global(&dcp, local + tokens - 1) + 1 - first : 0;
+    const kvs_page_span_t src = kvs_grid_page_span(first, reach, Pp);
     uint64_t at;
     dest_slot(tx, r, k, d, &at);
     if (at > sd->size || bytes > sd->size - at) {
@@ -806,6 +846,8 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         .page_size = Pp,
         .first_token = (uint32_t) src.offset,
         .tokens = tokens,
+        .run = dcp.size > 1 ? dcp.interleave : 0,
+        .stride = dcp.size > 1 ? dcp.size * dcp.interleave : 0,
         .pool_head = dest->w.src_head,
         .heads = dest->w.heads,
         .pool_pages = kvs_pool_total_pages(tx->pool),

@@ -75,10 +75,20 @@ kvs_status_t kvs_copy_desc_validate(kvs_copy_dir_t dir, const kvs_copy_desc_t *d
             return KVS_ERR_INVALID;
         }
     }
+    if (d->run > d->stride || (d->run == 0) != (d->stride == 0)) {
+        kvs_error("copy: %s in runs of %u tokens every %u: need 1 <= run <= stride (or both 0)",
+                  what, d->run, d->stride);
+        return KVS_ERR_INVALID;
+    }
     const uint64_t tokens = kvs_copy_desc_tokens(d);
     const uint64_t span = (uint64_t) d->npages * d->page_size;
-    if (d->first_token >= d->page_size || tokens == 0 || tokens > span - d->first_token ||
-        d->first_token + tokens <= span - d->page_size) {
+    /* the pool tokens the copy reaches: from first_token to one past its last token (runs
+     * that would pass 2^64 reach past any pool) */
+    const int huge = d->run != 0 && tokens > 0 &&
+                     (tokens - 1) / d->run > (UINT64_MAX - (uint64_t) d->page_size) / d->stride;
+    const uint64_t reach = tokens == 0 || huge ? UINT64_MAX : kvs_copy_desc_pos(d, tokens - 1) + 1;
+    if (d->first_token >= d->page_size || tokens == 0 || reach > span ||
+        reach <= span - d->page_size) {
         kvs_error("copy: %s of %llu tokens from token %u of %u pages of %u tokens: the tokens "
                   "must start in the first page and end in the last",
                   what, (unsigned long long) tokens, d->first_token, d->npages, d->page_size);

@@ -12,10 +12,13 @@
 
 /* One gather or scatter: `tokens` tokens starting at token `first_token` of the first of npages
  * pages (ids in `pages`) of a pool, heads [pool_head, pool_head + heads) of the pool rank, all
- * layers and components, to or from one writer region of a slot. Token t of the region is token
- * (first_token + t) % page_size of page pages[(first_token + t) / page_size]. first_token and
- * tokens both 0 mean whole pages (tokens = npages * page_size); otherwise the tokens must end in
- * the last page (a page size per side, protocol.md §1). */
+ * layers and components, to or from one writer region of a slot. Token t of the region is pool
+ * token x = first_token + t (counted from the first page's start), i.e. token x % page_size of
+ * page pages[x / page_size]; with runs (run > 0) it is x = first_token + (t / run) * stride +
+ * t % run instead: runs of `run` tokens every `stride`, the tokens of one decode context
+ * parallel rank (protocol.md §1). first_token and tokens both 0 (and no runs) mean whole pages
+ * (tokens = npages * page_size); otherwise the tokens must end in the last page (a page size
+ * per side, protocol.md §1). */
 typedef struct {
     const kvs_region_t *regions; /* [layers][components], from the pool */
     uint32_t layers, components;
@@ -26,7 +29,9 @@ typedef struct {
     uint32_t page_size;
     uint32_t first_token; /* < page_size */
     uint64_t tokens;      /* 0 with first_token 0: npages * page_size */
-    uint32_t pool_head;   /* first head, within the pool rank's heads */
+    uint32_t run;         /* 0: consecutive tokens; else 1 <= run <= stride */
+    uint32_t stride;
+    uint32_t pool_head; /* first head, within the pool rank's heads */
     uint32_t heads;
     /* The writer region: kvs_copy_desc_tokens() tokens laid out as kvs_region_block_offset says,
      * [K layer 0..L-1][V layer 0..L-1] each [tokens][heads][D]; region_bytes is the room
@@ -67,8 +72,16 @@ uint64_t kvs_copy_region_bytes(const kvs_kv_shape_t *shape, uint32_t heads, uint
 /* The region's token count: tokens, or npages * page_size for whole pages. */
 static inline uint64_t kvs_copy_desc_tokens(const kvs_copy_desc_t *d)
 {
-    if (d->tokens == 0 && d->first_token == 0) return (uint64_t) d->npages * d->page_size;
+    if (d->tokens == 0 && d->first_token == 0 && d->run == 0)
+        return (uint64_t) d->npages * d->page_size;
     return d->tokens;
+}
+
+/* Pool token (from the first page's start) of region token t. */
+static inline uint64_t kvs_copy_desc_pos(const kvs_copy_desc_t *d, uint64_t t)
+{
+    if (d->run == 0) return d->first_token + t;
+    return d->first_token + t / d->run * d->stride + t % d->run;
 }
 
 /* Checks a descriptor against its shape, regions, pool size and region room; logs the first

@@ -126,8 +126,8 @@ static void test_compatibility_names_the_mismatch(void **state)
     geo_default(&g);
     kvs_msg_register_t reg;
     char why[256];
-    kvs_pd_geometry_t variants[9];
-    for (int i = 0; i < 9; i++) variants[i] = g;
+    kvs_pd_geometry_t variants[11];
+    for (int i = 0; i < 11; i++) variants[i] = g;
     variants[0].shape.kv_heads = 4;
     variants[1].shape.elem_bytes = 1;
     variants[2].page_size = 32;
@@ -138,18 +138,22 @@ static void test_compatibility_names_the_mismatch(void **state)
     variants[7].prefill_page_size = 16; /* the same prefill pages, another decode page */
     variants[7].page_size = 32;
     variants[8].prefill_pp = 2;
-    const char *expect[9] = {"KV shape",
-                             "element size 1 bytes vs 2",
-                             "prefill page size 32 vs 16",
-                             "chunk size 512 vs 256",
-                             "attention kind MLA vs MHA",
-                             "chunk checksums off vs on here",
-                             "prefill page size 64 vs 16",
-                             "decode page size 32 expected there vs 16 here",
-                             "prefill pipeline stages 2 vs 1 here"};
+    variants[9].decode_dcp = 2; /* the decode DCP groups prefill splits tokens for */
+    variants[10].dcp_interleave = 4;
+    const char *expect[11] = {"KV shape",
+                              "element size 1 bytes vs 2",
+                              "prefill page size 32 vs 16",
+                              "chunk size 512 vs 256",
+                              "attention kind MLA vs MHA",
+                              "chunk checksums off vs on here",
+                              "prefill page size 64 vs 16",
+                              "decode page size 32 expected there vs 16 here",
+                              "prefill pipeline stages 2 vs 1 here",
+                              "decode DCP 2, interleave 1 expected there vs 1, 1 here",
+                              "decode DCP 1, interleave 4 expected there vs 1, 1 here"};
     kvs_log_level_t old = kvs_log_get_level();
     kvs_log_set_level((kvs_log_level_t) -1);
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 11; i++) {
         kvs_registry_describe(&variants[i], 1, "tcp://127.0.0.1:1", &reg);
         assert_int_equal(kvs_registry_check(&reg, &g, why, sizeof(why)), KVS_ERR_INCOMPATIBLE);
         if (strstr(why, expect[i]) == NULL) fail_msg("case %d: '%s' lacks '%s'", i, why, expect[i]);

@@ -1,6 +1,6 @@
 /* Tests for src/layout/grid.c: the protocol.md §1 test vectors, the worked request, and seeded
- * property tests of segments, floor and chunk numbering, and of slot tokens and page spans with
- * a page size per side. */
+ * property tests of segments, floor and chunk numbering, of slot tokens and page spans with a
+ * page size per side, and of the decode context parallel token map and its per-rank grid. */
 #include "kvs_test.h"
 
 #include <inttypes.h>
@@ -335,6 +335,128 @@ static void test_slot_tokens_vectors(void **state)
 
 /* For any pair of page sizes: the slots tile [base, E) with E >= prompt_len, each within its
  * chunk's decode pages, and each slot's prefill span lies in the prompt's prefill pages. */
+static void test_dcp_token_map_vectors(void **state)
+{
+    (void) state;
+    /* N = 4, T = 1: round robin */
+    static const uint32_t owner4[] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1};
+    static const uint64_t local4[] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2};
+    kvs_dcp_t d = {.size = 4, .interleave = 1};
+    for (uint64_t t = 0; t < 10; t++) {
+        assert_int_equal(kvs_dcp_owner(&d, t), owner4[t]);
+        assert_int_equal(kvs_dcp_local(&d, t), local4[t]);
+    }
+    /* N = 2, T = 4: runs of 4, so 0-3 and 8-11 on rank 0, 4-7 and 12-15 on rank 1 */
+    static const uint32_t owner2[] = {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1};
+    static const uint64_t local2[] = {0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7};
+    d = (kvs_dcp_t){.size = 2, .interleave = 4, .rank = 1};
+    for (uint64_t t = 0; t < 16; t++) {
+        assert_int_equal(kvs_dcp_owner(&d, t), owner2[t]);
+        assert_int_equal(kvs_dcp_local(&d, t), local2[t]);
+    }
+    assert_int_equal(kvs_dcp_global(&d, 5), 13);
+    assert_int_equal(kvs_dcp_global(&d, 0), 4);
+    static const uint64_t below[][2] = {{0, 0}, {4, 0}, {5, 1}, {8, 4}, {12, 4}, {13, 5}, {16, 8}};
+    for (size_t i = 0; i < sizeof(below) / sizeof(below[0]); i++)
+        assert_int_equal(kvs_dcp_count(&d, below[i][0]), below[i][1]);
+    /* no DCP (size 0 or 1): every token on rank 0 at its own position */
+    d = (kvs_dcp_t){0};
+    assert_int_equal(kvs_dcp_owner(&d, 77), 0);
+    assert_int_equal(kvs_dcp_local(&d, 77), 77);
+    assert_int_equal(kvs_dcp_global(&d, 77), 77);
+    assert_int_equal(kvs_dcp_count(&d, 77), 77);
+}
+
+static void test_dcp_rank_grid_vectors(void **state)
+{
+    (void) state;
+    static const struct {
+        uint64_t prompt_len, base, grid, pd, pp;
+        uint32_t n, t, rank;
+        uint64_t pages, slot0, slot1;
+    } v[] = {
+        /* N 4, T 2, page 16, prefix 128 (two units of 64): E = 304, every rank 44 tokens from
+         * its local 32 (the prefix offset is 128 / 4), 3 pages, all in chunk 0 */
+        {300, 128, 256, 16, 16, 4, 2, 0, 3, 44, 0},
+        {300, 128, 256, 16, 16, 4, 2, 3, 3, 44, 0},
+        /* N 4, T 2, page 4, G 32, prompt 33: E = 36, chunk 1 holds tokens 32-35, on ranks 0, 1 */
+        {33, 0, 32, 4, 4, 4, 2, 0, 3, 8, 2},
+        {33, 0, 32, 4, 4, 4, 2, 1, 3, 8, 2},
+        {33, 0, 32, 4, 4, 4, 2, 2, 2, 8, 0},
+        {33, 0, 32, 4, 4, 4, 2, 3, 2, 8, 0},
+        /* N 2, T 1, decode page 2, prefill page 4, prompt 5: E = 6, token 5 on rank 1 */
+        {5, 0, 4, 2, 4, 2, 1, 0, 2, 2, 1},
+        {5, 0, 4, 2, 4, 2, 1, 1, 2, 2, 1},
+        /* no DCP: the plain grid (the worked request's chunks 0 and 1) */
+        {30000, 6144, 8192, 64, 64, 1, 1, 0, 373, 8192, 8192},
+        /* a full decode hit */
+        {64, 64, 64, 16, 16, 2, 1, 1, 0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++) {
+        const kvs_dcp_t d = {.size = v[i].n, .interleave = v[i].t, .rank = v[i].rank};
+        uint64_t pages =
+            kvs_grid_rank_total_pages(v[i].prompt_len, v[i].base, v[i].pd, v[i].pp, &d);
+        uint64_t s0 = kvs_grid_rank_slot_tokens(0, v[i].prompt_len, v[i].base, v[i].grid, v[i].pd,
+                                                v[i].pp, &d);
+        uint64_t s1 = kvs_grid_rank_slot_tokens(1, v[i].prompt_len, v[i].base, v[i].grid, v[i].pd,
+                                                v[i].pp, &d);
+        if (pages != v[i].pages || s0 != v[i].slot0 || s1 != v[i].slot1)
+            fail_msg("case %zu: %" PRIu64 " pages, slots %" PRIu64 ", %" PRIu64 "; want %" PRIu64
+                     ", %" PRIu64 ", %" PRIu64,
+                     i, pages, s0, s1, v[i].pages, v[i].slot0, v[i].slot1);
+    }
+}
+
+/* Random DCP groups: the map is a bijection onto dense local positions, counts agree with a
+ * brute-force count, and for a geometry the rules allow (T dividing Pd, prefix and G multiples
+ * of N*Pd) the ranks' slots partition each slot, start on their own pages at base/N + k*G/N,
+ * fit the engine's ceil((prompt - base) / (N*Pd)) pages, and N = 1 is the plain grid. */
+static void test_dcp_property(void **state)
+{
+    (void) state;
+    uint64_t seed = kvs_test_seed(0xdc9ull);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    for (int iter = 0; iter < 2000; iter++) {
+        const uint32_t n = (uint32_t) kvs_rng_range(&rng, 1, 8);
+        const uint32_t pd = 1u << kvs_rng_below(&rng, 5);
+        const uint32_t t = 1u << kvs_rng_below(&rng, (uint64_t) __builtin_ctz(pd) + 1);
+        uint64_t seen[8] = {0};
+        for (uint64_t x = 0; x < 200; x++) {
+            uint32_t j = kvs_dcp_owner(&(kvs_dcp_t){n, t, 0}, x);
+            const kvs_dcp_t d = {n, t, j};
+            assert_true(j < n);
+            if (kvs_dcp_local(&d, x) != seen[j] || kvs_dcp_global(&d, seen[j]) != x ||
+                kvs_dcp_count(&d, x) != seen[j])
+                fail_msg("seed %" PRIu64 ": N %u T %u token %" PRIu64, seed, n, t, x);
+            seen[j]++;
+            for (uint32_t r = 0; r < n; r++)
+                assert_int_equal(kvs_dcp_count(&(kvs_dcp_t){n, t, r}, x + 1), seen[r]);
+        }
+        const uint64_t unit = (uint64_t) n * pd, pp = kvs_rng_range(&rng, 1, 40);
+        const uint64_t grid = unit * kvs_rng_range(&rng, 1, 4);
+        const uint64_t prompt = kvs_rng_range(&rng, 1, 600);
+        const uint64_t base = unit * kvs_rng_below(&rng, prompt / unit + 1);
+        const uint64_t engine_pages = (prompt + unit - 1) / unit - base / unit;
+        for (uint64_t k = 0; k * grid + base < prompt + grid; k++) {
+            uint64_t sum = 0;
+            for (uint32_t r = 0; r < n; r++) {
+                const kvs_dcp_t d = {n, t, r};
+                sum += kvs_grid_rank_slot_tokens(k, prompt, base, grid, pd, pp, &d);
+                assert_int_equal(kvs_dcp_count(&d, base + k * grid), base / n + k * grid / n);
+                assert_true(kvs_grid_rank_total_pages(prompt, base, pd, pp, &d) <= engine_pages);
+            }
+            if (sum != kvs_grid_slot_tokens(k, prompt, base, grid, pd, pp))
+                fail_msg("seed %" PRIu64 ": N %u T %u Pd %u Pp %" PRIu64 " prompt %" PRIu64
+                         " base %" PRIu64 " chunk %" PRIu64 ": ranks hold %" PRIu64,
+                         seed, n, t, pd, pp, prompt, base, k, sum);
+        }
+        const kvs_dcp_t one = {1, 1, 0};
+        assert_int_equal(kvs_grid_rank_total_pages(prompt, base, pd, pp, &one),
+                         kvs_grid_total_pages(prompt, base, pd));
+    }
+}
+
 static void test_slot_tokens_property(void **state)
 {
     (void) state;
@@ -386,6 +508,9 @@ int main(void)
         cmocka_unit_test(test_sends_are_whole_chunks_property),
         cmocka_unit_test(test_slot_tokens_vectors),
         cmocka_unit_test(test_slot_tokens_property),
+        cmocka_unit_test(test_dcp_token_map_vectors),
+        cmocka_unit_test(test_dcp_rank_grid_vectors),
+        cmocka_unit_test(test_dcp_property),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

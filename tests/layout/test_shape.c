@@ -1,5 +1,6 @@
 /* Tests for src/layout/shape.c: KV shape validation (with the logged reason), components and
- * dims, and the TP head layout (heads per rank, replication, first head, divisibility). */
+ * dims, the TP head layout (heads per rank, replication, first head, divisibility), and the
+ * geometry's page sizes, stages and decode context parallel groups. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -292,10 +293,80 @@ static void test_geometry_page_sizes(void **state)
     }
 }
 
+/* Decode context parallelism: N divides the decode ranks holding each head (every rank for
+ * MLA), T divides the decode page, the chunk is a multiple of N x Pd; refusals name the
+ * numbers. */
+static void test_geometry_dcp(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g = {.shape = mla(),
+                           .prefill_tp = 2,
+                           .decode_tp = 8,
+                           .page_size = 16,
+                           .chunk_tokens = 256,
+                           .decode_dcp = 8,
+                           .dcp_interleave = 4};
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_dcp(&g), 8);
+    assert_int_equal(kvs_pd_geometry_interleave(&g), 4);
+    assert_int_equal(kvs_pd_geometry_unit(&g), 128);
+    kvs_dcp_t d = kvs_pd_geometry_dcp_of(&g, 5);
+    assert_int_equal(d.size, 8);
+    assert_int_equal(d.interleave, 4);
+    assert_int_equal(d.rank, 5);
+    /* GQA: 4 heads on TP 8 replicate each head twice, so DCP 2 groups ranks 0-1, 2-3, ... */
+    g = (kvs_pd_geometry_t){.shape = mha(4),
+                            .prefill_tp = 4,
+                            .decode_tp = 8,
+                            .page_size = 16,
+                            .chunk_tokens = 64,
+                            .decode_dcp = 2};
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    assert_int_equal(kvs_pd_geometry_dcp_of(&g, 3).rank, 1);
+    assert_int_equal(kvs_tp_first_head(&g.shape, 8, 2), kvs_tp_first_head(&g.shape, 8, 3));
+    /* none: 0 and 1 both mean plain TP */
+    g.decode_dcp = 0;
+    assert_int_equal(kvs_pd_geometry_dcp(&g), 1);
+    assert_int_equal(kvs_pd_geometry_unit(&g), 16);
+    static const struct {
+        int is_mla;
+        uint32_t heads, decode_tp, dcp, interleave, page, chunk;
+        const char *needle;
+    } bad[] = {
+        {1, 1, 8, 3, 1, 16, 256, "decode DCP 3 does not divide decode TP 8"},
+        {1, 1, 4, 65, 1, 16, 256, "decode DCP 65 does not divide decode TP 4"},
+        {0, 8, 8, 2, 1, 16, 256,
+         "decode DCP 2 needs 2 decode ranks holding the same KV heads, but decode TP 8 over 8 KV "
+         "heads holds each head on 1"},
+        {0, 2, 8, 8, 1, 16, 256, "decode TP 8 over 2 KV heads holds each head on 4"},
+        {1, 1, 4, 4, 3, 16, 256, "DCP interleave 3 must divide the decode page size 16"},
+        {1, 1, 4, 4, 32, 16, 256, "DCP interleave 32 must divide the decode page size 16"},
+        {1, 1, 4, 4, 1, 16, 96,
+         "chunk size 96 must be a positive multiple of decode DCP 4 x decode page size 16 = 64"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        g = (kvs_pd_geometry_t){.shape = bad[i].is_mla ? mla() : mha(bad[i].heads),
+                                .prefill_tp = 1,
+                                .decode_tp = bad[i].decode_tp,
+                                .page_size = bad[i].page,
+                                .chunk_tokens = bad[i].chunk,
+                                .decode_dcp = bad[i].dcp,
+                                .dcp_interleave = bad[i].interleave};
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        kvs_status_t st = kvs_pd_geometry_validate(&g);
+        kvs_log_set_sink(NULL, NULL);
+        assert_int_equal(st, KVS_ERR_INVALID);
+        if (strstr(cap.msg, bad[i].needle) == NULL)
+            fail_msg("dcp %zu: '%s' lacks '%s'", i, cap.msg, bad[i].needle);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_shape_validate),
+        cmocka_unit_test(test_geometry_dcp),
         cmocka_unit_test(test_shape_components_and_dims),
         cmocka_unit_test(test_tp_heads_and_replication),
         cmocka_unit_test(test_tp_validate),

@@ -1,10 +1,10 @@
 /* Seeded property test: random small deployments (TP pairs with non-integer ratios and
- * replication, MLA, page and chunk sizes, a page size per side, prefill pipeline stages, ring
- * sizes, workloads, radix on/off, pool layouts) under random fault mixes, and random large ones
- * (prompts of hundreds of chunks, dozens of rooms sharing rings of a few slots, uneven TP pairs),
- * each checked against every protocol.md §7 invariant the simulation can observe. KVS_SEED picks
- * the seed, KVS_ITERS the scenario count (a soak); a failure prints the `kvstage sim` command line
- * that replays it. */
+ * replication, MLA, page and chunk sizes, a page size per side, prefill pipeline stages, decode
+ * context parallelism, ring sizes, workloads, radix on/off, pool layouts) under random fault mixes,
+ * and random large ones (prompts of hundreds of chunks, dozens of rooms sharing rings of a few
+ * slots, uneven TP pairs), each checked against every protocol.md §7 invariant the simulation can
+ * observe. KVS_SEED picks the seed, KVS_ITERS the scenario count (a soak); a failure prints the
+ * `kvstage sim` command line that replays it. */
 #include "kvs_test.h"
 
 #include <string.h>
@@ -72,6 +72,22 @@ static void random_prefill_pp(kvs_rng_t *rng, kvs_sim_config_t *c)
     if (most >= 2) c->prefill_pp = (uint32_t) kvs_rng_range(rng, 2, most);
 }
 
+/* Half the time, where decode holds each head on more than one rank (always for MLA with TP
+ * > 1), decode context parallelism (protocol.md §1): a DCP size dividing those ranks, an
+ * interleave dividing the decode page, and the chunk redrawn as 1..max_units multiples of
+ * DCP x page. Drawn before the ring: a rank's slot holds its share of the tokens. */
+static void random_decode_dcp(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t max_units)
+{
+    const uint32_t replicas = kvs_tp_replication(&c->shape, c->decode_tp);
+    if (replicas < 2 || !kvs_rng_chance(rng, 1, 2)) return;
+    uint32_t divisors[KVS_MAX_TP], n = 0;
+    for (uint32_t d = 2; d <= replicas; d++)
+        if (replicas % d == 0) divisors[n++] = d;
+    c->decode_dcp = pick(rng, divisors, n);
+    c->dcp_interleave = 1u << kvs_rng_below(rng, (uint64_t) __builtin_ctz(c->page_size) + 1);
+    c->chunk_tokens = c->decode_dcp * c->page_size * (uint32_t) kvs_rng_range(rng, 1, max_units);
+}
+
 /* Room-level timeouts from the waiting timeout (in ticks): completion half of it, release a
  * quarter, bootstrap and transfer twice; and the iteration limit. */
 static void set_timeouts(kvs_sim_config_t *c, uint64_t waiting, uint64_t max_iterations)
@@ -136,6 +152,7 @@ static void random_config(kvs_rng_t *rng, kvs_sim_config_t *c)
 
     random_prefill_page(rng, c, 64, 48);
     random_prefill_pp(rng, c);
+    random_decode_dcp(rng, c, 3);
     random_ring_and_faults(rng, c, 5, 3, 400);
     /* Timeouts far above a healthy room's life here, far below the defaults (1 s) so that
      * stalled rooms end quickly. */
@@ -208,6 +225,7 @@ static void draw_large_config(kvs_rng_t *rng, kvs_sim_config_t *c)
      * of chunks, take minutes. */
     random_prefill_page(rng, c, 8, 6);
     random_prefill_pp(rng, c);
+    random_decode_dcp(rng, c, 2);
     random_ring_and_faults(rng, c, 4, 4, 40);
     /* A healthy room here may wait behind dozens of others for each of hundreds of chunks: the
      * room-level timeouts sit far above a whole scenario's virtual time, so only the faults

@@ -142,6 +142,20 @@ static void test_prefill_pipeline_stages(void **state)
             "--prefill-page-size 4 --decode-page-size 64");
 }
 
+/* Decode context parallelism (protocol.md §1): each decode rank a process receiving only its
+ * tokens; MLA over TCP with staged writes, interleave and a page size per side; GQA replicas
+ * with prefill stages over shared memory. */
+static void test_decode_context_parallel(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    demo_ok("--requests 12 --prefill-tp 2 --decode-tp 4 --mla --head-dim 48 --decode-dcp 4 "
+            "--dcp-interleave 2 --prefill-page-size 24 --chunk 128 --data tcp --net-device lo "
+            "--write-mode staged");
+    demo_ok("--requests 8 --prefill-pp 2 --prefill-tp 2 --decode-tp 4 --kv-heads 2 --decode-dcp 2 "
+            "--chunk 64 --layout hnd --data shm");
+}
+
 static void test_incompatible_decode_refused(void **state)
 {
     (void) state;
@@ -238,6 +252,7 @@ int main(void)
         cmocka_unit_test(test_replicated_and_mla),
         cmocka_unit_test(test_page_sizes_per_side),
         cmocka_unit_test(test_prefill_pipeline_stages),
+        cmocka_unit_test(test_decode_context_parallel),
         cmocka_unit_test(test_incompatible_decode_refused),
         cmocka_unit_test(test_bad_flags),
         cmocka_unit_test(test_ring_smaller_than_slot_refused),

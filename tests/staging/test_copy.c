@@ -146,6 +146,19 @@ static void test_invalid_descriptors(void **state)
     REFUSED(KVS_COPY_GATHER);
     d = good;
     REFUSED((kvs_copy_dir_t) 5);
+    /* runs: run above stride, one of the two without the other, or a reach past the pages (3
+     * pages of 4 tokens: 4 tokens in runs of 1 every 4 reach token 13) */
+    d = good, d.tokens = 2, d.run = 3, d.stride = 2;
+    REFUSED(KVS_COPY_GATHER);
+    d = good, d.tokens = 2, d.run = 1, d.stride = 0;
+    REFUSED(KVS_COPY_GATHER);
+    d = good, d.tokens = 4, d.run = 1, d.stride = 4;
+    REFUSED(KVS_COPY_SCATTER);
+    d = good, d.tokens = 3, d.run = 1, d.stride = 4; /* reaches token 9, in the last page */
+    d.region_bytes = kvs_copy_region_bytes(&shape, 2, 3) - 1;
+    REFUSED(KVS_COPY_GATHER);
+    d = good, d.tokens = 1, d.run = 1, d.stride = 4; /* ends in the first page of three */
+    REFUSED(KVS_COPY_GATHER);
     kvs_kv_shape_t other = shape;
     other.head_dim_v = 4; /* regions no longer match the shape */
     d = good, d.shape = &other;
@@ -299,6 +312,29 @@ static void test_gather_scatter_property(void **state)
             lo = lo > first ? lo - first : 1;
             T = kvs_rng_range(&rng, lo, (uint64_t) npages * P - first);
         }
+        /* A third of the time runs (a decode context parallel rank's tokens): `run` tokens
+         * every `stride` from `first`, as many as end in the last page. */
+        uint32_t run = 0, stride = 0;
+        if (kvs_rng_chance(&rng, 1, 3)) {
+            uint32_t r = (uint32_t) kvs_rng_range(&rng, 1, 4);
+            uint32_t st = r * (uint32_t) kvs_rng_range(&rng, 1, 4);
+            uint64_t lo = 0, hi = 0; /* token counts whose reach ends in the last page */
+            for (uint64_t n = 1;; n++) {
+                uint64_t reach = first + (n - 1) / r * st + (n - 1) % r + 1;
+                if (reach > (uint64_t) npages * P) break;
+                if (reach > (uint64_t) (npages - 1) * P) {
+                    if (lo == 0) lo = n;
+                    hi = n;
+                }
+            }
+            if (lo != 0) {
+                run = r;
+                stride = st;
+                T = kvs_rng_range(&rng, lo, hi);
+            }
+        }
+        /* pool token (from the first page's start) of region token t */
+#define POS(t) (run ? first + (t) / run * stride + (t) % run : first + (t))
         const uint64_t rbytes = kvs_copy_region_bytes(&s, heads, T);
         const uint64_t guard = 64;
         uint8_t *buf = malloc(rbytes + 2 * guard);
@@ -307,7 +343,9 @@ static void test_gather_scatter_property(void **state)
 
         /* gather A -> region */
         kvs_copy_desc_t d = copy_desc(pa, ra, list_a, npages, head_a, heads, region, rbytes);
-        if (partial) d.first_token = first, d.tokens = T;
+        if (partial || run) d.first_token = first, d.tokens = T;
+        d.run = run;
+        d.stride = stride;
         uint64_t gsum = 0;
         d.checksum = &gsum; /* the fused checksum equals the one over the region it wrote */
         run_copy(&b, KVS_COPY_GATHER, &d);
@@ -327,9 +365,8 @@ static void test_gather_scatter_property(void **state)
                       "block offset of layer %u component %u", l, c);
                 for (uint64_t t = 0; t < T; t++) {
                     for (uint32_t j = 0; j < heads; j++) {
-                        uint64_t src =
-                            ref_pool_offset(lay_a, P, ha, hbytes, list_a[(first + t) / P],
-                                            (uint32_t) ((first + t) % P), head_a + j);
+                        uint64_t src = ref_pool_offset(lay_a, P, ha, hbytes, list_a[POS(t) / P],
+                                                       (uint32_t) (POS(t) % P), head_a + j);
                         uint64_t dst = ref_region_offset(&s, heads, T, l, c, t, j);
                         CHECK(dst + hbytes <= rbytes, "reference offset outside the region");
                         for (uint64_t x = 0; x < hbytes; x++)
@@ -352,7 +389,9 @@ static void test_gather_scatter_property(void **state)
         uint8_t *snapshot = malloc(rbytes);
         memcpy(snapshot, region, rbytes);
         d = copy_desc(pb, rb, list_b, npages, head_b, heads, region, rbytes);
-        if (partial) d.first_token = first, d.tokens = T;
+        if (partial || run) d.first_token = first, d.tokens = T;
+        d.run = run;
+        d.stride = stride;
         uint64_t ssum = 0;
         d.checksum = &ssum;
         run_copy(&b, KVS_COPY_SCATTER, &d);
@@ -367,8 +406,13 @@ static void test_gather_scatter_property(void **state)
                         for (uint32_t h = 0; h < hb; h++) {
                             uint64_t off = ref_pool_offset(lay_b, P, hb, hbytes, p, t, h);
                             const uint64_t at = (uint64_t) slot_of_b[p] * P + t; /* in the span */
-                            int copied = slot_of_b[p] >= 0 && h >= head_b && h < head_b + heads &&
-                                         at >= first && at < first + T;
+                            int member = at >= first && at < first + T;
+                            if (run && at >= first) {
+                                const uint64_t q = (at - first) / stride, r = (at - first) % stride;
+                                member = r < run && q * run + r < T;
+                            }
+                            int copied =
+                                slot_of_b[p] >= 0 && h >= head_b && h < head_b + heads && member;
                             for (uint64_t x = 0; x < hbytes; x++) {
                                 uint8_t want = fill_byte(salt_b, ri, off + x);
                                 if (copied) {
@@ -388,6 +432,7 @@ static void test_gather_scatter_property(void **state)
                 }
             }
         }
+#undef POS
         free(snapshot);
         free(buf);
         free(ra);

@@ -147,8 +147,12 @@ static unsigned long long per_page_writes(const kvs_rank_config_t *c)
     const kvs_pd_geometry_t *g = &c->geo;
     unsigned long long n = 0;
     for (uint32_t i = 0; i < wl->count; i++) {
-        uint64_t pages = kvs_grid_total_pages(wl->requests[i].len, 0, g->page_size);
         for (uint32_t d = 0; d < g->decode_tp; d++) {
+            /* under DCP a decode rank's pages hold its tokens only */
+            const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(g, d);
+            const uint64_t pages =
+                kvs_grid_rank_total_pages(wl->requests[i].len, 0, g->page_size,
+                                          kvs_pd_geometry_page(g, KVS_SIDE_PREFILL), &dcp);
             kvs_writer_t w[KVS_MAX_WRITERS];
             uint32_t nw = 0;
             if (kvs_plan_geo_writers(g, d, wl->requests[i].room, w, &nw) != KVS_OK) continue;
@@ -219,13 +223,16 @@ static void print_deployment(const kvs_rank_config_t *c, const int gpu[2],
                  kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL), c->geo.page_size);
     else
         snprintf(pages, sizeof(pages), "page %u", c->geo.page_size);
-    char pp[24] = "";
+    char pp[24] = "", dcp[48] = "";
     if (kvs_pd_geometry_pp(&c->geo) > 1)
         snprintf(pp, sizeof(pp), "PP%u x ", kvs_pd_geometry_pp(&c->geo));
-    printf("kvstage demo: prefill %sTP%u -> decode TP%u, each rank a process; ZeroMQ control, "
+    if (kvs_pd_geometry_dcp(&c->geo) > 1)
+        snprintf(dcp, sizeof(dcp), " (DCP%u, interleave %u)", kvs_pd_geometry_dcp(&c->geo),
+                 kvs_pd_geometry_interleave(&c->geo));
+    printf("kvstage demo: prefill %sTP%u -> decode TP%u%s, each rank a process; ZeroMQ control, "
            "%s;\n%u KV heads x %u layers x %u dims x %u B, %s, chunk %u; %u "
            "requests (prompts <= %u tokens), %u in flight\nregistry %s\n\n",
-           pp, c->geo.prefill_tp, c->geo.decode_tp, data, c->geo.shape.kv_heads,
+           pp, c->geo.prefill_tp, c->geo.decode_tp, dcp, data, c->geo.shape.kv_heads,
            c->geo.shape.layers, c->geo.shape.head_dim_k, c->geo.shape.elem_bytes, pages,
            c->geo.chunk_tokens, c->workload.requests, c->workload.prompt_len, c->concurrency,
            kvs_registry_endpoint(registry));
@@ -341,6 +348,8 @@ static void print_json(const kvs_rank_config_t *c, const totals_t *t, uint64_t t
     kvs_json_u64(&j, "decode_tp", c->geo.decode_tp);
     kvs_json_u64(&j, "prefill_page_size", kvs_pd_geometry_page(&c->geo, KVS_SIDE_PREFILL));
     kvs_json_u64(&j, "decode_page_size", c->geo.page_size);
+    kvs_json_u64(&j, "decode_dcp", kvs_pd_geometry_dcp(&c->geo));
+    kvs_json_u64(&j, "dcp_interleave", kvs_pd_geometry_interleave(&c->geo));
     kvs_json_u64(&j, "requests", c->workload.requests);
     kvs_json_u64(&j, "succeeded", t->succeeded);
     kvs_json_u64(&j, "failed", t->failed);

@@ -1,6 +1,6 @@
 /* `kvstage plan`: prints the transfer plan between a prefill layout (PP x TP) and a decode TP
- * layout (who writes which heads of which layers where, slot layout, status peers) and what
- * staging saves over per-page writes. */
+ * layout with its DCP groups (who writes which heads of which layers and which tokens where,
+ * slot layout, status peers) and what staging saves over per-page writes. */
 #include "cmd/commands.h"
 
 #include <inttypes.h>
@@ -18,6 +18,7 @@ typedef struct {
     kvs_kv_shape_t shape;
     uint32_t page, prefill_page, chunk; /* page: decode's; prefill_page 0: the same */
     uint32_t pp;                        /* prefill pipeline stages */
+    uint32_t dcp, interleave;           /* decode context parallelism (0: none) */
     uint64_t room;
     int json;
 } plan_cfg_t;
@@ -29,6 +30,10 @@ typedef struct {
      * on decode pages, so anywhere in a prefill page that is a multiple of gcd(Pd, Pp)), and
      * the pieces a per-page path would cut a slot into (at either side's page boundaries). */
     uint64_t prefill_pages_per_slot, pieces_per_slot;
+    /* Decode context parallelism: each decode rank's tokens of a full slot (G / N), and the
+     * per-page path's pieces of them per decode rank (a run of T tokens is contiguous on
+     * decode but not next to the rank's previous run on prefill). */
+    uint64_t rank_tokens, rank_pieces[KVS_MAX_TP];
     kvs_writer_t writers[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint64_t offsets[KVS_MAX_TP][KVS_MAX_WRITERS];
     uint32_t writer_count[KVS_MAX_TP];
@@ -49,7 +54,9 @@ static kvs_pd_geometry_t plan_geo(const plan_cfg_t *cfg)
                                .page_size = cfg->page,
                                .prefill_page_size = cfg->prefill_page,
                                .chunk_tokens = cfg->chunk,
-                               .prefill_pp = cfg->pp};
+                               .prefill_pp = cfg->pp,
+                               .decode_dcp = cfg->dcp,
+                               .dcp_interleave = cfg->interleave};
 }
 
 static int mul_ok(uint64_t a, uint64_t b, uint64_t *out)
@@ -121,8 +128,17 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
     const uint64_t g = gcd_u64(pd, pp), lcm = pd / g * pp;
     plan->prefill_pages_per_slot = (pp - g + G + pp - 1) / pp;
     plan->pieces_per_slot = (G - 1) / pd + (G - 1) / pp - (G - 1) / lcm + 1;
+    plan->rank_tokens = G / kvs_pd_geometry_dcp(&geo);
     plan->bulk_writes = 0;
     for (uint32_t d = 0; d < cfg->decode_tp; d++) {
+        const kvs_dcp_t dcp = kvs_pd_geometry_dcp_of(&geo, d);
+        plan->rank_pieces[d] = dcp.size > 1 ? 0 : plan->pieces_per_slot;
+        /* the slot from token 0: rank j's runs start at j*T + i*N*T; each is one piece per
+         * prefill page it touches (T divides the decode page, so no decode page splits it) */
+        for (uint64_t x = 0; dcp.size > 1 && x < plan->rank_tokens; x += dcp.interleave) {
+            uint64_t a = kvs_dcp_global(&dcp, x);
+            plan->rank_pieces[d] += (a + dcp.interleave - 1) / pp - a / pp + 1;
+        }
         if (kvs_plan_geo_writers(&geo, d, cfg->room, plan->writers[d], &plan->writer_count[d]) !=
                 KVS_OK ||
             kvs_plan_geo_peers(&geo, d, plan->peers[d], &plan->peer_count[d]) != KVS_OK)
@@ -133,14 +149,14 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
         uint64_t per_token = 0, payload;
         for (uint32_t i = 0; i < plan->writer_count[d]; i++)
             per_token += plan->writers[d][i].bytes_per_token;
-        if (!mul_ok(plan->grid_tokens, per_token, &payload) || payload > UINT64_MAX / 2) {
+        if (!mul_ok(plan->rank_tokens, per_token, &payload) || payload > UINT64_MAX / 2) {
             kvs_args_error("--chunk", "a smaller chunk",
                            "a %" PRIu64 "-token slot of %" PRIu64 " bytes per token is too large",
                            plan->grid_tokens, per_token);
             return 0;
         }
         plan->slot_bytes[d] = kvs_slot_layout(plan->writers[d], plan->writer_count[d],
-                                              plan->grid_tokens, plan->offsets[d]);
+                                              plan->rank_tokens, plan->offsets[d]);
         plan->bulk_writes += plan->writer_count[d];
     }
     for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
@@ -152,19 +168,25 @@ static int plan_compute(const plan_cfg_t *cfg, plan_t *plan)
     }
     /* The per-page path posts one write per page piece x component x layer of every writer
      * (a piece: a run of tokens in one page on both sides). */
-    uint64_t per_piece;
-    if (!mul_ok(plan->writer_layers, kvs_kv_shape_components(s), &per_piece) ||
-        !mul_ok(per_piece, plan->pieces_per_slot, &plan->per_page_writes)) {
-        kvs_args_error("--layers", "fewer layers or a smaller --chunk",
-                       "the per-page write count overflows");
-        return 0;
+    plan->per_page_writes = 0;
+    for (uint32_t d = 0; d < cfg->decode_tp; d++) {
+        uint64_t layers = 0, per_piece, writes;
+        for (uint32_t i = 0; i < plan->writer_count[d]; i++) layers += plan->writers[d][i].layers;
+        if (!mul_ok(layers, kvs_kv_shape_components(s), &per_piece) ||
+            !mul_ok(per_piece, plan->rank_pieces[d], &writes) ||
+            writes > UINT64_MAX - plan->per_page_writes) {
+            kvs_args_error("--layers", "fewer layers or a smaller --chunk",
+                           "the per-page write count overflows");
+            return 0;
+        }
+        plan->per_page_writes += writes;
     }
     return 1;
 }
 
 static uint64_t region_bytes(const plan_t *plan, const kvs_writer_t *w)
 {
-    return plan->grid_tokens * w->bytes_per_token;
+    return plan->rank_tokens * w->bytes_per_token;
 }
 
 static void format_heads(char *buf, size_t cap, const kvs_kv_shape_t *s, uint32_t first,
@@ -247,14 +269,27 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
     printf("  heads per rank: prefill %u (replication %u), decode %u (replication %u)\n",
            kvs_tp_heads_per_rank(s, cfg->prefill_tp), kvs_tp_replication(s, cfg->prefill_tp),
            kvs_tp_heads_per_rank(s, cfg->decode_tp), kvs_tp_replication(s, cfg->decode_tp));
+    const uint32_t n_dcp = kvs_pd_geometry_dcp(&geo), t_dcp = kvs_pd_geometry_interleave(&geo);
+    if (n_dcp > 1)
+        printf("  decode DCP %u, interleave %u: groups of %u decode ranks hold the same heads; "
+               "token t lives on\n  group rank (t / %u) mod %u at its local position "
+               "(t / %u) * %u + t mod %u, so each rank\n  receives %" PRIu64
+               " tokens of a full slot; decode prefix and chunk are multiples of %u x %u = %u\n",
+               n_dcp, t_dcp, n_dcp, t_dcp, n_dcp, n_dcp * t_dcp, t_dcp, t_dcp, plan->rank_tokens,
+               n_dcp, cfg->page, kvs_pd_geometry_unit(&geo));
 
     for (uint32_t d = 0; d < cfg->decode_tp; d++) {
         format_slice(buf, sizeof(buf), s, kvs_tp_first_head(s, cfg->decode_tp, d),
                      kvs_tp_heads_per_rank(s, cfg->decode_tp));
         format_bytes(buf2, sizeof(buf2), plan->slot_bytes[d]);
-        printf("\ndecode rank %u (%s): %u writer%s, slot %" PRIu64 " bytes (%s); ", d, buf,
-               plan->writer_count[d], plan->writer_count[d] == 1 ? "" : "s", plan->slot_bytes[d],
-               buf2);
+        char tokens[96] = "";
+        if (n_dcp > 1)
+            snprintf(tokens, sizeof(tokens),
+                     ", DCP group %u rank %u: tokens (t / %u) mod %u = %u, %" PRIu64 " per slot",
+                     d / n_dcp, d % n_dcp, t_dcp, n_dcp, d % n_dcp, plan->rank_tokens);
+        printf("\ndecode rank %u (%s%s): %u writer%s, slot %" PRIu64 " bytes (%s); ", d, buf,
+               tokens, plan->writer_count[d], plan->writer_count[d] == 1 ? "" : "s",
+               plan->slot_bytes[d], buf2);
         print_ranks("status peers: prefill", plan->peers[d], plan->peer_count[d]);
         printf("\n  %6s %8s %5s %9s %13s %9s %9s %6s %14s %14s\n", "writer", "prefill", "stage",
                "layers", "global heads", "src head", "dst head", "heads", "region offset",
@@ -301,10 +336,15 @@ static void print_table(const plan_cfg_t *cfg, const plan_t *plan)
     snprintf(label, sizeof(label),
              "per-page (page x layer x %s x writer):", s->attn == KVS_ATTN_MLA ? "latent" : "K/V");
     printf("  %-44s %12" PRIu64 "\n", "staged (one bulk write per writer):", plan->bulk_writes);
-    printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u x %" PRIu64 " layers of the %" PRIu64
-           " writers\n",
-           label, plan->per_page_writes, plan->pieces_per_slot, kvs_kv_shape_components(s),
-           plan->writer_layers, plan->bulk_writes);
+    if (n_dcp > 1)
+        printf("  %-44s %12" PRIu64 "  = over decode ranks, their pieces (runs of %u tokens, "
+               "split at prefill pages) x %u x their writers' layers\n",
+               label, plan->per_page_writes, t_dcp, kvs_kv_shape_components(s));
+    else
+        printf("  %-44s %12" PRIu64 "  = %" PRIu64 " pages x %u x %" PRIu64
+               " layers of the %" PRIu64 " writers\n",
+               label, plan->per_page_writes, plan->pieces_per_slot, kvs_kv_shape_components(s),
+               plan->writer_layers, plan->bulk_writes);
     printf("  %-44s %11" PRIu64 "x\n", "reduction:", plan->per_page_writes / plan->bulk_writes);
 }
 
@@ -315,8 +355,8 @@ static void json_ranks(kvs_json_t *j, const char *key, const uint32_t *ranks, ui
     kvs_json_array_end(j);
 }
 
-static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t offset,
-                               uint64_t bytes)
+static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t tokens,
+                               uint64_t offset, uint64_t bytes)
 {
     kvs_json_u64(j, "stage", w->stage);
     kvs_json_u64(j, "first_layer", w->first_layer);
@@ -325,6 +365,7 @@ static void json_writer_fields(kvs_json_t *j, const kvs_writer_t *w, uint64_t of
     kvs_json_u64(j, "dst_head", w->dst_head);
     kvs_json_u64(j, "heads", w->heads);
     kvs_json_u64(j, "bytes_per_token", w->bytes_per_token);
+    kvs_json_u64(j, "tokens", tokens); /* of a full slot, the decode rank's own */
     kvs_json_u64(j, "region_offset", offset);
     kvs_json_u64(j, "region_bytes", bytes);
 }
@@ -347,6 +388,10 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_u64(&j, "page_size", cfg->page);
     kvs_json_u64(&j, "prefill_page_size", prefill_page(cfg));
     kvs_json_u64(&j, "decode_page_size", cfg->page);
+    const kvs_pd_geometry_t geo = plan_geo(cfg);
+    const uint32_t n_dcp = kvs_pd_geometry_dcp(&geo);
+    kvs_json_u64(&j, "decode_dcp", n_dcp);
+    kvs_json_u64(&j, "dcp_interleave", kvs_pd_geometry_interleave(&geo));
     kvs_json_u64(&j, "chunk", cfg->chunk);
     kvs_json_u64(&j, "room", cfg->room);
     kvs_json_object_end(&j);
@@ -362,6 +407,9 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
         kvs_json_u64(&j, "rank", d);
         kvs_json_u64(&j, "first_head", kvs_tp_first_head(s, cfg->decode_tp, d));
         kvs_json_u64(&j, "heads", kvs_tp_heads_per_rank(s, cfg->decode_tp));
+        kvs_json_u64(&j, "dcp_group", d / n_dcp);
+        kvs_json_u64(&j, "dcp_rank", d % n_dcp);
+        kvs_json_u64(&j, "tokens_per_slot", plan->rank_tokens);
         kvs_json_u64(&j, "slot_bytes", plan->slot_bytes[d]);
         json_ranks(&j, "peers", plan->peers[d], plan->peer_count[d]);
         kvs_json_array_begin(&j, "writers");
@@ -369,7 +417,8 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
             const kvs_writer_t *w = &plan->writers[d][i];
             kvs_json_object_begin(&j, NULL);
             kvs_json_u64(&j, "prefill_rank", w->prefill_rank);
-            json_writer_fields(&j, w, plan->offsets[d][i], region_bytes(plan, w));
+            json_writer_fields(&j, w, plan->rank_tokens, plan->offsets[d][i],
+                               region_bytes(plan, w));
             kvs_json_object_end(&j);
         }
         kvs_json_array_end(&j);
@@ -379,7 +428,6 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
     kvs_json_array_end(&j);
 
     kvs_json_array_begin(&j, "prefill");
-    const kvs_pd_geometry_t geo = plan_geo(cfg);
     const uint32_t pp = kvs_pd_geometry_pp(&geo);
     for (uint32_t p = 0; p < kvs_pd_geometry_prefill_ranks(&geo); p++) {
         uint32_t first, layers;
@@ -399,8 +447,8 @@ static void print_json(const plan_cfg_t *cfg, const plan_t *plan)
             kvs_json_object_begin(&j, NULL);
             kvs_json_u64(&j, "decode_rank", x->decode_rank);
             kvs_json_u64(&j, "writer", x->writer);
-            json_writer_fields(&j, &x->w, plan->offsets[x->decode_rank][x->writer],
-                               region_bytes(plan, &x->w));
+            json_writer_fields(&j, &x->w, plan->rank_tokens,
+                               plan->offsets[x->decode_rank][x->writer], region_bytes(plan, &x->w));
             kvs_json_object_end(&j);
         }
         kvs_json_array_end(&j);
@@ -421,8 +469,9 @@ int kvs_cmd_plan(int argc, char **argv)
     uint32_t kv_heads = 8, layers = 32, head_dim = 128, dim_k = 0, dim_v = 0;
     int mla = 0, seen_heads = 0, seen_k = 0, seen_v = 0, dtype = 1;
     kvs_args_pages_t pages = {0};
-    kvs_arg_t page_rows[3];
+    kvs_arg_t page_rows[3], dcp_rows[2];
     kvs_args_page_rows(&pages, page_rows);
+    kvs_args_dcp_rows(&cfg.dcp, &cfg.interleave, dcp_rows);
     const kvs_arg_t args[] = {
         {"prefill-tp", KVS_ARG_U32, &cfg.prefill_tp, "prefill attention TP size (4)", KVS_ARGS_TP,
          NULL},
@@ -430,6 +479,8 @@ int kvs_cmd_plan(int argc, char **argv)
          "prefill pipeline stages, each a contiguous range of layers (1)", "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &cfg.decode_tp, "decode attention TP size (2)", KVS_ARGS_TP,
          NULL},
+        dcp_rows[0],
+        dcp_rows[1],
         {"kv-heads", KVS_ARG_U32, &kv_heads, "total KV heads H (8; 1 with --mla)", "[1,65536]",
          &seen_heads},
         {"layers", KVS_ARG_U32, &layers, "layers L (32)", "[1,65536]", NULL},

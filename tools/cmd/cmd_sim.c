@@ -60,6 +60,8 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "prefill_page_size",
                  c->prefill_page_size ? c->prefill_page_size : c->page_size);
     kvs_json_u64(&j, "decode_page_size", c->page_size);
+    kvs_json_u64(&j, "decode_dcp", c->decode_dcp ? c->decode_dcp : 1);
+    kvs_json_u64(&j, "dcp_interleave", c->dcp_interleave ? c->dcp_interleave : 1);
     kvs_json_u64(&j, "requests", r->requests);
     kvs_json_u64(&j, "succeeded", r->succeeded);
     kvs_json_u64(&j, "failed", r->failed);
@@ -117,18 +119,22 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
                  c->page_size);
     else
         snprintf(pages, sizeof(pages), "page %u", c->page_size);
-    char pp[24] = "";
+    char pp[24] = "", dcp[48] = "";
     if (c->prefill_pp > 1) snprintf(pp, sizeof(pp), "PP%u x ", c->prefill_pp);
+    if (c->decode_dcp > 1)
+        snprintf(dcp, sizeof(dcp), " (DCP%u, interleave %u)", c->decode_dcp,
+                 c->dcp_interleave ? c->dcp_interleave : 1);
     if (s->attn == KVS_ATTN_MLA)
-        printf("kvstage sim: prefill %sTP%u -> decode TP%u, MLA latent %u x %u layers x %u B, "
+        printf("kvstage sim: prefill %sTP%u -> decode TP%u%s, MLA latent %u x %u layers x %u B, "
                "%s, chunk %u\n",
-               pp, c->prefill_tp, c->decode_tp, s->head_dim_k, s->layers, s->elem_bytes, pages,
+               pp, c->prefill_tp, c->decode_tp, dcp, s->head_dim_k, s->layers, s->elem_bytes, pages,
                c->chunk_tokens);
     else
-        printf("kvstage sim: prefill %sTP%u -> decode TP%u, %u KV heads x %u layers x %u/%u dim x "
-               "%u B, %s, chunk %u\n",
-               pp, c->prefill_tp, c->decode_tp, s->kv_heads, s->layers, s->head_dim_k,
-               s->head_dim_v, s->elem_bytes, pages, c->chunk_tokens);
+        printf(
+            "kvstage sim: prefill %sTP%u -> decode TP%u%s, %u KV heads x %u layers x %u/%u dim x "
+            "%u B, %s, chunk %u\n",
+            pp, c->prefill_tp, c->decode_tp, dcp, s->kv_heads, s->layers, s->head_dim_k,
+            s->head_dim_v, s->elem_bytes, pages, c->chunk_tokens);
     if (c->mem == KVS_MEM_DEVICE)
         printf("memory: CUDA devices, prefill ranks on GPU %d, decode ranks on GPU %d; write "
                "mode %s\n",
@@ -197,7 +203,7 @@ typedef struct {
         seen_dl, seen_pool, seen_mis, seen_gpus;
     const char *faults, *gpus;
     kvs_args_pages_t pages;
-    kvs_arg_t page_rows[3];
+    kvs_arg_t page_rows[3], dcp_rows[2];
     uint64_t misaligned;
     uint64_t to_us[6]; /* retry, bootstrap, transfer, waiting, completion, release */
     uint64_t write_delay_us, step_us;
@@ -242,12 +248,15 @@ static void add_device_flags(kvs_arg_table_t *t, sim_opts_t *o)
 static void add_shape_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     kvs_sim_config_t *c = &o->c;
+    kvs_args_dcp_rows(&c->decode_dcp, &c->dcp_interleave, o->dcp_rows);
     const kvs_arg_t g[] = {
         {"prefill-tp", KVS_ARG_U32, &c->prefill_tp, "prefill TP size (4)", KVS_ARGS_TP, NULL},
         {"prefill-pp", KVS_ARG_U32, &c->prefill_pp,
          "prefill pipeline stages: PP x TP ranks, each stage a contiguous range of layers (1)",
          "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &c->decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
+        o->dcp_rows[0],
+        o->dcp_rows[1],
         {"kv-heads", KVS_ARG_U32, &o->kv_heads, "KV heads (8)", "[1,65536]", NULL},
         {"layers", KVS_ARG_U32, &o->layers, "layers (4)", "[1,65536]", NULL},
         {"head-dim", KVS_ARG_U32, &o->head_dim, "head dim for K and V, or the MLA latent (32)",

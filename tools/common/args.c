@@ -427,24 +427,44 @@ int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint3
     return 0;
 }
 
+void kvs_args_dcp_rows(uint32_t *dcp, uint32_t *interleave, kvs_arg_t *rows_p)
+{
+    rows_p[0] = (kvs_arg_t){"decode-dcp",
+                            KVS_ARG_U32,
+                            dcp,
+                            "decode context parallelism: groups of N decode ranks holding the "
+                            "same heads, token t on rank (t / interleave) mod N of its group (1)",
+                            "[1,64]",
+                            NULL};
+    rows_p[1] = (kvs_arg_t){
+        "dcp-interleave", KVS_ARG_U32,
+        interleave,       "consecutive tokens per DCP rank; divides the decode page (1)",
+        "[1,1048576]",    NULL};
+}
+
 int kvs_args_check_layout(const kvs_pd_geometry_t *geo)
 {
-    /* The geometry checks the stages before the chunk, which one decode page always passes. */
-    kvs_pd_geometry_t stages = *geo;
-    stages.chunk_tokens = geo->page_size;
-    kvs_args_capture_t cap;
-    kvs_args_capture_begin(&cap);
-    kvs_status_t st = kvs_pd_geometry_validate(&stages);
-    kvs_args_capture_end(&cap, st != KVS_OK);
-    if (st != KVS_OK)
-        return kvs_args_error("--prefill-pp",
-                              "at most one stage per layer and at most 64 prefill ranks (PP x TP)",
-                              "%s", cap.msg);
-    kvs_args_capture_begin(&cap);
-    st = kvs_pd_geometry_validate(geo);
-    kvs_args_capture_end(&cap, st != KVS_OK);
-    if (st != KVS_OK)
-        return kvs_args_error("--chunk", "a positive multiple of the decode page size", "%s",
-                              cap.msg);
+    /* The geometry checks stages, then the DCP size, then the interleave, then the chunk: each
+     * step below switches on one more of them (a chunk of one unit always passes). */
+    static const struct {
+        const char *flag, *accepted;
+    } steps[] = {
+        {"--prefill-pp", "at most one stage per layer and at most 64 prefill ranks (PP x TP)"},
+        {"--decode-dcp", "a divisor of the decode ranks that hold each KV head, max(1, decode "
+                         "TP / KV heads)"},
+        {"--dcp-interleave", "a divisor of the decode page size"},
+        {"--chunk", "a positive multiple of the decode page size (times --decode-dcp)"},
+    };
+    for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
+        kvs_pd_geometry_t g = *geo;
+        if (i < 1) g.decode_dcp = 0;
+        if (i < 2) g.dcp_interleave = 0;
+        if (i < 3) g.chunk_tokens = kvs_pd_geometry_unit(&g);
+        kvs_args_capture_t cap;
+        kvs_args_capture_begin(&cap);
+        kvs_status_t st = kvs_pd_geometry_validate(&g);
+        kvs_args_capture_end(&cap, st != KVS_OK);
+        if (st != KVS_OK) return kvs_args_error(steps[i].flag, steps[i].accepted, "%s", cap.msg);
+    }
     return 0;
 }

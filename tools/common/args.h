@@ -108,9 +108,14 @@ void kvs_args_page_rows(kvs_args_pages_t *pages, kvs_arg_t *rows_p);
  * error line. */
 int kvs_args_page_sizes(const kvs_args_pages_t *pages, uint32_t *decode_p, uint32_t *prefill_p);
 
+/* The decode context parallel flags of every command that takes a deployment, --decode-dcp
+ * over *dcp and --dcp-interleave over *interleave, into rows_p[2]. */
+void kvs_args_dcp_rows(uint32_t *dcp, uint32_t *interleave, kvs_arg_t *rows_p);
+
 /* The layout checks past the TP sizes (callers check those first), each naming its flag:
- * --prefill-pp against the layers and the prefill rank limit, then --chunk against the decode
- * page. 0, or 2 after the one error line. */
+ * --prefill-pp against the layers and the prefill rank limit, --decode-dcp against the decode
+ * ranks holding each head, --dcp-interleave against the decode page, then --chunk against
+ * DCP x the decode page. 0, or 2 after the one error line. */
 int kvs_args_check_layout(const kvs_pd_geometry_t *geo);
 
 /* Prints "usage + one line per flag" to f. */

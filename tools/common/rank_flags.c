@@ -42,8 +42,9 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
     int checksum = !c->geo.no_checksum;
     uint64_t liveness_ms = 0, deadline_s = 0;
     kvs_args_pages_t pages = {0};
-    kvs_arg_t page_rows[3];
+    kvs_arg_t page_rows[3], dcp_rows[2];
     kvs_args_page_rows(&pages, page_rows);
+    kvs_args_dcp_rows(&c->geo.decode_dcp, &c->geo.dcp_interleave, dcp_rows);
     const kvs_arg_t args[] = {
         {"rank", KVS_ARG_U32, &c->rank, "this rank on its side (0)", "[0,63]", NULL},
         {"registry", KVS_ARG_STR, &c->registry, "the prefill instance's registry endpoint", NULL,
@@ -68,6 +69,8 @@ int kvs_rank_flags_parse(kvs_rank_flags_t *f, const char *usage, int argc, char 
          "prefill pipeline stages: PP x TP prefill ranks, rank = stage x TP + TP rank (1)",
          "[1,64]", NULL},
         {"decode-tp", KVS_ARG_U32, &c->geo.decode_tp, "decode TP size (2)", KVS_ARGS_TP, NULL},
+        dcp_rows[0],
+        dcp_rows[1],
         {"kv-heads", KVS_ARG_U32, &kv_heads, "KV heads (8)", "[1,65536]", NULL},
         {"layers", KVS_ARG_U32, &layers, "layers (4)", "[1,65536]", NULL},
         {"head-dim", KVS_ARG_U32, &head_dim, "head dim for K and V, or the MLA latent (32)",

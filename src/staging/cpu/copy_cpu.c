@@ -125,30 +125,30 @@ static inline void move(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t
         copy_bytes_sum(pool, region, n, cs, off);
 }
 
-/* One (layer, component): the region block is [tokens][heads][D]; pool pages are strided.
- * Region token t is token first_token + t counted from the start of the first page. */
-static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs,
-                       const kvs_region_t *r, uint8_t *block)
+/* Pool tokens [pos, pos + n) (counted from the first page's start) to or from region tokens
+ * [t, t + n) of one (layer, component) block, [tokens][heads][D]; pool pages are strided. */
+static void copy_span(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs,
+                      const kvs_region_t *r, uint8_t *block, uint64_t pos, uint64_t t, uint64_t n)
 {
     const uint64_t head_bytes = (uint64_t) r->dim * r->elem_bytes;
     const uint64_t row = d->heads * head_bytes; /* one token of the block */
     const uint64_t P = d->page_size;
-    const uint64_t end = d->first_token + kvs_copy_desc_tokens(d); /* from page 0's start */
     /* NHD with every head selected: a page's run of tokens is one run of bytes */
     const int page_contig = r->head_stride == head_bytes && r->token_stride == row;
     const int heads_contig = r->head_stride == head_bytes;
-    for (uint32_t i = 0; i < d->npages; i++) {
-        const uint64_t lo = i == 0 ? d->first_token : 0;
-        const uint64_t hi = end - (uint64_t) i * P < P ? end - (uint64_t) i * P : P;
+    const uint64_t end = pos + n;
+    for (uint64_t i = pos / P; i * P < end; i++) {
+        const uint64_t lo = i * P > pos ? 0 : pos - i * P;
+        const uint64_t hi = end - i * P < P ? end - i * P : P;
         uint8_t *pool_page = kvs_region_addr(r, d->pages[i], 0, d->pool_head);
-        uint8_t *reg_page = block + ((uint64_t) i * P + lo - d->first_token) * row;
+        uint8_t *reg_page = block + (t + i * P + lo - pos) * row;
         if (page_contig) {
             move(dir, d, cs, pool_page + lo * r->token_stride, reg_page, (hi - lo) * row);
             continue;
         }
-        for (uint64_t t = lo; t < hi; t++) {
-            uint8_t *src = pool_page + t * r->token_stride;
-            uint8_t *dst = reg_page + (t - lo) * row;
+        for (uint64_t x = lo; x < hi; x++) {
+            uint8_t *src = pool_page + x * r->token_stride;
+            uint8_t *dst = reg_page + (x - lo) * row;
             if (heads_contig) {
                 move(dir, d, cs, src, dst, row);
                 continue;
@@ -156,6 +156,21 @@ static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t 
             for (uint32_t j = 0; j < d->heads; j++)
                 move(dir, d, cs, src + j * r->head_stride, dst + j * head_bytes, head_bytes);
         }
+    }
+}
+
+/* One (layer, component): its region block's tokens, one span, or one per run. */
+static void copy_block(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_csum_t *cs,
+                       const kvs_region_t *r, uint8_t *block)
+{
+    const uint64_t tokens = kvs_copy_desc_tokens(d);
+    if (d->run == 0) {
+        copy_span(dir, d, cs, r, block, d->first_token, 0, tokens);
+        return;
+    }
+    for (uint64_t t = 0; t < tokens; t += d->run) {
+        const uint64_t n = tokens - t < d->run ? tokens - t : d->run;
+        copy_span(dir, d, cs, r, block, kvs_copy_desc_pos(d, t), t, n);
     }
 }
 

@@ -644,15 +644,17 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
             }
         }
     }
+    /* The arrays whose sizes the graph key fixes first, the page tables (which grow) last, so
+     * that a captured graph's pointers into the buffer stay right. */
     meta_t mt;
-    mt.tok = 0;
+    mt.work = 0;
+    mt.combine = align16(mt.work + (size_t) nwork * sizeof(attn_work_t));
+    mt.tok = align16(mt.combine + (size_t) ncomb * sizeof(attn_combine_t));
     mt.pos = align16(mt.tok + (size_t) n * 4);
     mt.tok_pages = align16(mt.pos + (size_t) n * 4);
-    mt.pages = align16(mt.tok_pages + (size_t) n * 4);
-    mt.last = align16(mt.pages + (size_t) npages * 4);
-    mt.work = align16(mt.last + (size_t) nseq * 4);
-    mt.combine = align16(mt.work + (size_t) nwork * sizeof(attn_work_t));
-    mt.bytes = align16(mt.combine + (size_t) ncomb * sizeof(attn_combine_t));
+    mt.last = align16(mt.tok_pages + (size_t) n * 4);
+    mt.pages = align16(mt.last + (size_t) nseq * 4);
+    mt.bytes = align16(mt.pages + (size_t) npages * 4);
     if (c->hmeta_bytes < mt.bytes) {
         if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
         c->hmeta = NULL;

@@ -110,6 +110,7 @@ static uint64_t time_calls(rig_t *r, uint32_t first, uint32_t nseq, uint32_t n, 
         if (kvs_model_forward(r->m, r->pool, seqs, nseq, NULL, NULL, r->logits) != KVS_OK) return 0;
         t[k] = kvs_now_ns() - t0;
     }
+    if (reps == 0) return t[0];
     qsort(t + 1, (size_t) reps, sizeof(uint64_t), cmp_u64);
     return t[1 + reps / 2];
 }

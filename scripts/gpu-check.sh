@@ -271,9 +271,19 @@ if [ -x "$SAN" ]; then
     # direct attention) under racecheck.
     step memcheck-forward timeout "$STEP_TIMEOUT" "$SAN" --tool memcheck --leak-check full \
         --error-exitcode 99 "$BUILD/test_forward_cuda"
-    # (cuBLAS's own kernels are left out: racecheck reports hazards inside its Hopper GEMMs.)
-    step racecheck-forward timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck --error-exitcode 99 \
-        --kernel-name kns=kvs_cuda "$BUILD/test_forward_cuda" test_shapes
+    # racecheck reports hazards inside cuBLAS's Hopper GEMMs (nvjet_*), which are not ours;
+    # any other hazard fails the step (filtering them out with --kernel-name made the sanitizer
+    # itself fail on the captured graphs).
+    racecheck_forward() {
+        timeout "$STEP_TIMEOUT" "$SAN" --tool racecheck "$BUILD/test_forward_cuda" test_shapes
+    }
+    if step racecheck-forward racecheck_forward && ! skipped racecheck-forward; then
+        if grep "Race reported" "$LOGS/racecheck-forward.log" | grep -qv nvjet_; then
+            mark racecheck-forward-ours "FAIL (a hazard in kvstage's kernels)"
+        else
+            mark racecheck-forward-ours "PASS (hazards only in cuBLAS's kernels, if any)"
+        fi
+    fi
     unset KVS_ITERS
 else
     mark compute-sanitizer "FAIL (compute-sanitizer not found)"

@@ -250,74 +250,13 @@ unsigned grid_for(uint64_t count, unsigned threads)
     return (unsigned) (g < 1 ? 1 : g > 65535 * 16 ? 65535 * 16 : g);
 }
 
-/* y[t][o] = dot(x[t], w[o]) (+ beta y) for NT <= 8 tokens: one warp per output row, so every
- * weight is read once, in 16-byte vectors (the decode steps, which only stream weights). */
-template <int NT>
-__global__ void __launch_bounds__(256)
-    gemv_kernel(const bf16 *__restrict__ x, uint32_t ldx, const bf16 *__restrict__ w, uint32_t in,
-                uint32_t out, void *y, int y_f32, uint32_t ldy, float beta)
-{
-    const uint32_t row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= out) return;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t) row * in);
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-#pragma unroll 4
-    for (uint32_t i = lane; i < in / 8; i += 32) {
-        const uint4 wv = __ldg(wr + i);
-        const __nv_bfloat162 *wp = reinterpret_cast<const __nv_bfloat162 *>(&wv);
-        float2 wf[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) wf[k] = __bfloat1622float2(wp[k]);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const uint4 xv = __ldg(reinterpret_cast<const uint4 *>(x + (size_t) t * ldx) + i);
-            const __nv_bfloat162 *xp = reinterpret_cast<const __nv_bfloat162 *>(&xv);
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float2 xf = __bfloat1622float2(xp[k]);
-                acc[t] = fmaf(wf[k].x, xf.x, fmaf(wf[k].y, xf.y, acc[t]));
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        for (int o = 16; o > 0; o /= 2) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-    if (lane != 0) return;
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        const size_t at = (size_t) t * ldy + row;
-        if (y_f32)
-            static_cast<float *>(y)[at] =
-                acc[t] + (beta != 0.0f ? beta * static_cast<float *>(y)[at] : 0.0f);
-        else
-            static_cast<bf16 *>(y)[at] = __float2bfloat16(acc[t]);
-    }
-}
-
-template <int NT>
-void gemv_launch(cudaStream_t s, const bf16 *x, uint32_t ldx, const bf16 *w, uint32_t in,
-                 uint32_t out, void *y, int y_f32, uint32_t ldy, float beta)
-{
-    gemv_kernel<NT><<<(out + 7) / 8, 256, 0, s>>>(x, ldx, w, in, out, y, y_f32, ldy, beta);
-}
-
-/* y[n][out] = x[n][in] w[out][in]^T (+ beta y): bf16 inputs, f32 accumulation, y bf16 or f32;
- * up to 8 rows through gemv_kernel, more through cuBLAS. */
+/* y[n][out] = x[n][in] w[out][in]^T (+ beta y): bf16 inputs, f32 accumulation, y bf16 or f32.
+ * (A GEMV of our own for the decode rows, one warp per weight row, measured no faster than
+ * cuBLAS at one row and half as fast at eight on the H200.) */
 kvs_status_t gemm(kvs_model_cuda_t *c, const bf16 *x, uint32_t ldx, const bf16 *w, uint32_t in,
                   uint32_t out, uint32_t n, void *y, cudaDataType_t ytype, uint32_t ldy, float beta)
 {
     const float alpha = 1.0f;
-    if (n <= 8 && in % 8 == 0 && ldx % 8 == 0 && ((uintptr_t) x | (uintptr_t) w) % 16 == 0) {
-        void (*const launch[8])(cudaStream_t, const bf16 *, uint32_t, const bf16 *, uint32_t,
-                                uint32_t, void *, int, uint32_t, float) = {
-            gemv_launch<1>, gemv_launch<2>, gemv_launch<3>, gemv_launch<4>,
-            gemv_launch<5>, gemv_launch<6>, gemv_launch<7>, gemv_launch<8>};
-        launch[n - 1](c->stream, x, ldx, w, in, out, y, ytype == CUDA_R_32F, ldy, beta);
-        return KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): a %u x %u projection of %u rows",
-                              out, in, n);
-    }
     return blas_check(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int) out, (int) n, (int) in,
                                    &alpha, w, CUDA_R_16BF, (int) in, x, CUDA_R_16BF, (int) ldx,
                                    &beta, y, ytype, (int) ldy, CUBLAS_COMPUTE_32F,

@@ -242,6 +242,12 @@ typedef struct {
                           uint32_t *cached_p);
     /* NULL: all zero. */
     void (*stats)(void *ctx, kvs_server_backend_stats_t *stats_p);
+    /* DECODE with per-room bootstrap (no bootstrap configured): whether the prefill instance
+     * whose registry endpoint `bootstrap` is can feed this instance, before its room is
+     * submitted (the server then answers a refusal before any byte of the answer). KVS_OK;
+     * KVS_ERR_INCOMPATIBLE or KVS_ERR_INVALID (400, why names the mismatch); anything else
+     * (503, why: unreachable). NULL: rooms from any instance are submitted. */
+    kvs_status_t (*peer)(void *ctx, const char *bootstrap, char *why, size_t cap);
 } kvs_server_backend_t;
 
 /* ---------------------------------------------------------------------------------------- */

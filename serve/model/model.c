@@ -157,7 +157,7 @@ kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config
     return KVS_OK;
 }
 
-static kvs_kv_shape_t kv_shape_of(const kvs_model_config_t *c)
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *c)
 {
     kvs_kv_shape_t s = {.layers = c->layers,
                         .kv_heads = c->kv_heads,
@@ -209,7 +209,7 @@ kvs_status_t kvs_model_config_validate(const kvs_model_config_t *c, kvs_tp_t tp)
         kvs_error("model: norm_eps = %g must be >= 0 and finite", (double) c->norm_eps);
         return KVS_ERR_INVALID;
     }
-    kvs_kv_shape_t shape = kv_shape_of(c);
+    kvs_kv_shape_t shape = kvs_model_config_kv_shape(c);
     st = kvs_tp_validate(&shape, &tp);
     if (st != KVS_OK) return st;
     if (c->heads % tp.tp_size != 0) {
@@ -286,7 +286,7 @@ static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int
     if (m == NULL) goto err_nomem;
     m->config = *cfg;
     m->tp = tp;
-    m->kv_shape = kv_shape_of(cfg);
+    m->kv_shape = kvs_model_config_kv_shape(cfg);
     m->q_heads = cfg->heads / tp.tp_size;
     m->q_first = tp.tp_rank * m->q_heads;
     m->kv_heads = kvs_tp_heads_per_rank(&m->kv_shape, tp.tp_size);

@@ -58,6 +58,8 @@ const kvs_model_config_t *kvs_model_config(const kvs_model_t *model);
 kvs_tp_t kvs_model_tp(const kvs_model_t *model);
 /* The pool shape this model writes: layers, kv_heads, head_dim for K and V, f32 (E = 4), MHA. */
 kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *model);
+/* The same from the configuration alone (a server checking a peer before any rank loads). */
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *config);
 
 /* Sums n doubles elementwise over the TP group, adding the ranks' buffers in rank order
  * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */

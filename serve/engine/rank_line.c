@@ -331,7 +331,7 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs
         ids[i] = (uint32_t) id;
     }
     static const char peer[] = " peer ";
-    if (c->len - c->at > sizeof(peer) - 1 && memcmp(c->s + c->at, peer, sizeof(peer) - 1) == 0) {
+    if (c->len - c->at >= sizeof(peer) - 1 && memcmp(c->s + c->at, peer, sizeof(peer) - 1) == 0) {
         c->at += sizeof(peer) - 1;
         s->peer = c->s + c->at;
         while (c->at < c->len && c->s[c->at] > ' ' && c->s[c->at] <= '~') c->at++;

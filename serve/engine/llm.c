@@ -57,10 +57,10 @@ typedef struct {
     uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
     int has_first_lp;        /* decode: the first token's logprobs came with it */
     kvs_logprobs_t first_lp;
-    int in_protocol; /* added to the sender or receiver, not yet released */
-    int aborted;     /* abort sent to the sender or receiver */
-    int stop;        /* kvs_llm_stop reached this rank */
-    int local_fail;  /* this rank could not add the room to its sender or receiver */
+    int in_protocol;    /* added to the sender or receiver, not yet released */
+    int aborted;        /* abort sent to the sender or receiver */
+    int stop;           /* kvs_llm_stop reached this rank */
+    int local_fail;     /* this rank could not add the room to its sender or receiver */
     kvs_receiver_t *rx; /* decode: the room's receiver, from admission on */
     char *peer;         /* decode: req.peer's copy, or NULL */
     kvs_status_t status;

@@ -67,15 +67,15 @@ typedef struct {
 
 typedef struct {
     kvs_llm_role_t role;
-    kvs_model_t *model;       /* this rank's shard; borrowed */
-    kvs_pool_t *pool;         /* host memory, the model's KV shape and TP layout; borrowed */
-    kvs_tpgroup_t *group;     /* the instance's TP group; NULL when the model's tp_size is 1 */
-    kvs_sender_t *sender;     /* PREFILL: this rank's sender; borrowed */
-    kvs_receiver_t *receiver; /* DECODE: this rank's receiver; borrowed; or NULL and: */
+    kvs_model_t *model;            /* this rank's shard; borrowed */
+    kvs_pool_t *pool;              /* host memory, the model's KV shape and TP layout; borrowed */
+    kvs_tpgroup_t *group;          /* the instance's TP group; NULL when the model's tp_size is 1 */
+    kvs_sender_t *sender;          /* PREFILL: this rank's sender; borrowed */
+    kvs_receiver_t *receiver;      /* DECODE: this rank's receiver; borrowed; or NULL and: */
     kvs_llm_receivers_t receivers; /* DECODE without a receiver: one per prefill instance */
-    uint32_t chunk_tokens;    /* prefill tokens per request per pass (use the kvstage C) */
-    uint32_t batch_tokens;    /* prompt tokens per pass, all requests (>= chunk_tokens) */
-    uint32_t max_running;     /* requests admitted at once */
+    uint32_t chunk_tokens;         /* prefill tokens per request per pass (use the kvstage C) */
+    uint32_t batch_tokens;         /* prompt tokens per pass, all requests (>= chunk_tokens) */
+    uint32_t max_running;          /* requests admitted at once */
     /* Prompt + max_new_tokens at most (the served context, vLLM's max_model_len); 0: the model's
      * max_ctx; above it: refused. A prefill request counts one new token. */
     uint32_t max_context;

@@ -32,7 +32,7 @@
 #include "kvstage/log.h"
 #include "http/server_internal.h"
 
-#define MAX_EVENT_LINE (1u << 20) /* rank 0's lines are short; anything longer is garbage */
+#define MAX_EVENT_LINE (1u << 20)    /* rank 0's lines are short; anything longer is garbage */
 #define PEER_TTL_NS    2000000000ull /* a looked-up prefill instance is reused this long */
 #define PEER_WAIT_NS   2000000000ull /* a lookup waits this long for the registry */
 #define PEER_CACHE     32

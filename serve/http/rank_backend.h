@@ -43,7 +43,7 @@ typedef struct {
      * backend's peer op (kvs_plumbing_peer_lookup; a result is reused for PEER_TTL_NS, 2 s),
      * and its peer description goes to rank 0 with the room. */
     const char *bootstrap;
-    kvs_pd_geometry_t geo; /* DECODE without bootstrap: this instance's (prefill_tp unused) */
+    kvs_pd_geometry_t geo;       /* DECODE without bootstrap: this instance's (prefill_tp unused) */
     uint32_t page_size;          /* the instance's KV page, tokens */
     uint64_t kv_bytes_per_token; /* the whole model's: layers x kv_heads x head_dim x 2 x 4 */
     uint32_t vocab;              /* the model's: prompt ids must be below it */

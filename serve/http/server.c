@@ -1014,8 +1014,10 @@ static enum MHD_Result handle_generate(req_t *r)
                               "kvstage.bootstrap", "missing_bootstrap");
         st = srv->backend.peer(srv->backend.ctx, r->api.bootstrap, why, sizeof(why));
         if (st == KVS_ERR_INCOMPATIBLE || st == KVS_ERR_INVALID) {
-            snprintf(msg, sizeof(msg), "the prefill instance at %s cannot feed this decode "
-                     "server: %s", r->api.bootstrap, why);
+            snprintf(msg, sizeof(msg),
+                     "the prefill instance at %s cannot feed this decode "
+                     "server: %s",
+                     r->api.bootstrap, why);
             return send_error(r, 400, msg, "kvstage.bootstrap", "incompatible_prefill");
         }
         if (st != KVS_OK) {

@@ -302,16 +302,18 @@ kvs_status_t kvs_plumbing_peer_lookup(const kvs_pd_geometry_t *mine, const char 
     kvs_pd_geometry_t geo;
     adopt(mine, &reg, &geo);
     if (kvs_pd_geometry_validate(&geo) != KVS_OK) {
-        snprintf(why, why_cap, "the prefill instance at %s (TP %u, %u stages) cannot feed "
-                 "decode TP %u", registry, reg.tp_size, reg.pp_size, mine->decode_tp);
+        snprintf(why, why_cap,
+                 "the prefill instance at %s (TP %u, %u stages) cannot feed "
+                 "decode TP %u",
+                 registry, reg.tp_size, reg.pp_size, mine->decode_tp);
         return KVS_ERR_INCOMPATIBLE;
     }
     const uint32_t ranks = kvs_pd_geometry_prefill_ranks(&geo);
     int n = snprintf(desc, cap, "%s,%u,%u", registry, reg.tp_size, reg.pp_size);
     for (uint32_t r = 0; r < ranks; r++) {
         uint64_t now = kvs_now_ns();
-        if (r > 0 && (now >= end ||
-                      (st = kvs_registry_query(registry, r, end - now, &reg)) != KVS_OK)) {
+        if (r > 0 &&
+            (now >= end || (st = kvs_registry_query(registry, r, end - now, &reg)) != KVS_OK)) {
             snprintf(why, why_cap, "prefill rank %u did not register at %s", r, registry);
             return st != KVS_OK ? st : KVS_ERR_TIMEOUT;
         }
@@ -366,7 +368,8 @@ static int desc_parse(const char *s, peer_desc_t *d)
     d->tp = (uint32_t) tp;
     d->pp = (uint32_t) pp;
     d->ranks = (uint32_t) (tp * pp);
-    for (uint32_t r = 0; r < d->ranks; r++) snprintf(d->eps[r], sizeof(d->eps[r]), "%s", fields[3 + r]);
+    for (uint32_t r = 0; r < d->ranks; r++)
+        snprintf(d->eps[r], sizeof(d->eps[r]), "%s", fields[3 + r]);
     return 1;
 }
 

@@ -881,7 +881,7 @@ static void test_http_flags(void **state)
 
 /* ---- the fleet: decode servers without --bootstrap (per-room bootstrap) ---- */
 
-#define FLEET_LEN "512" /* --max-model-len of the SmolLM2 fleet: small pools, six rank processes */
+#define FLEET_LEN "512" /* --max-model-len of the SmolLM2 fleet: small pools */
 
 typedef struct {
     proc_t *pre[2], *dec, *colo, *router;
@@ -892,8 +892,8 @@ static fleet_t g_f;
 /* A SmolLM2 server of the fleet; extra: more flags (NULL-terminated, up to 6). */
 static proc_t *start_fleet(const char *role, const char *tp, const char *const *extra)
 {
-    const char *args[24] = {"serve", "--role",          role,      "--tp", tp, "--port", "0",
-                            "--max-model-len", FLEET_LEN, NULL};
+    const char *args[24] = {"serve", "--role",          role,      "--tp", tp, "--port",
+                            "0",     "--max-model-len", FLEET_LEN, NULL};
     int n = 9;
     for (; extra && *extra; extra++) args[n++] = *extra;
     args[n] = NULL;
@@ -919,8 +919,9 @@ static int fleet_setup(void **state)
     g_f.colo = start_fleet("colocated", "1", NULL);
     char pre[300];
     snprintf(pre, sizeof(pre), "%s,%s", g_f.pre[0]->url, g_f.pre[1]->url);
-    const char *rargs[] = {"router", "--prefill",           pre,   "--decode", g_f.dec->url,
-                           "--port", "0", "--health-interval-ms", "200",    NULL};
+    const char *rargs[] = {"router",     "--prefill", pre, "--decode",
+                           g_f.dec->url, "--port",    "0", "--health-interval-ms",
+                           "200",        NULL};
     g_f.router = spawn_tool(rargs);
     wait_up(g_f.router, "routing on");
     return 0;
@@ -1145,11 +1146,11 @@ static void test_fleet_peer_limit(void **state)
         snprintf(urls + strlen(urls), sizeof(urls) - strlen(urls), "%s%s", i ? "," : "",
                  pre[i]->url);
     }
-    const char *dargs[] = {"serve",       "--role", "decode",         "--seeded",
-                           SEEDED,        "--model-seed", "11",       "--port",
-                           "0",           "--page-size", "4",         "--chunk",
-                           "8",           "--max-model-len", MAX_LEN, "--max-peer-instances",
-                           "2",           "--peer-idle-s", "1",       NULL};
+    const char *dargs[] = {"serve", "--role",          "decode", "--seeded",
+                           SEEDED,  "--model-seed",    "11",     "--port",
+                           "0",     "--page-size",     "4",      "--chunk",
+                           "8",     "--max-model-len", MAX_LEN,  "--max-peer-instances",
+                           "2",     "--peer-idle-s",   "1",      NULL};
     proc_t *dec = spawn_tool(dargs);
     wait_up(dec, "serving on");
     const char *cargs[] = {"serve", "--role",          "colocated", "--seeded",
@@ -1220,8 +1221,7 @@ int main(void)
         cmocka_unit_test_teardown(test_http_flags, demo_teardown),
     };
     const struct CMUnitTest fleet[] = {
-        cmocka_unit_test(test_fleet_two_prefill),
-        cmocka_unit_test(test_fleet_incompatible),
+        cmocka_unit_test(test_fleet_two_prefill), cmocka_unit_test(test_fleet_incompatible),
         cmocka_unit_test(test_fleet_prefill_killed), /* last: it kills a server */
     };
     const struct CMUnitTest limits[] = {

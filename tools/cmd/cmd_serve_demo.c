@@ -109,12 +109,13 @@ static int start_deployment(demo_t *d)
         snprintf(urls + strlen(urls), sizeof(urls) - strlen(urls), "%s%s", i ? "," : "",
                  pre[i].url);
     }
-    char *dargs[] = {"kvstage", "serve",           "--role", "decode", "--tp",
-                     dtp,       "--model",         path,     "--port", "0",
-                     "--max-model-len", "2048", "--bootstrap", pre->bootstrap, NULL};
+    char *dargs[] = {
+        "kvstage", "serve",  "--role", "decode",          "--tp", dtp,           "--model",
+        path,      "--port", "0",      "--max-model-len", "2048", "--bootstrap", pre->bootstrap,
+        NULL};
     if (np > 1) dargs[12] = NULL; /* bound to none: rooms from any of them */
     if (start_child(d, dec, dargs, "serving on") != 0) return -1;
-    char *rargs[] = {"kvstage", "router", "--prefill", urls,    "--decode", dec->url,
+    char *rargs[] = {"kvstage", "router", "--prefill", urls,     "--decode", dec->url,
                      "--port",  "0",      "--policy",  "prefix", NULL};
     if (start_child(d, rt, rargs, "routing on") != 0) return -1;
     printf("up in %.1f s\n\n", (double) (kvs_now_ns() - d->t0) / 1e9);
@@ -241,7 +242,7 @@ int kvs_cmd_serve_demo(int argc, char **argv)
     d.path = path;
     d.n = f.prefill + 2;
     for (uint32_t i = 0; i < d.n; i++)
-        d.ps[i] = (kvs_child_t){.name = i < f.prefill       ? "prefill server"
+        d.ps[i] = (kvs_child_t){.name = i < f.prefill    ? "prefill server"
                                         : i == f.prefill ? "decode server"
                                                          : "router",
                                 .out_fd = -1};

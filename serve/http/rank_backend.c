@@ -497,7 +497,7 @@ static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_
 
 static int per_room(const kvs_rank_backend_t *b)
 {
-    return b->cfg.role == KVS_SERVER_ROLE_DECODE && b->bootstrap == NULL;
+    return b->cfg.role == KVS_SERVER_ROLE_DECODE && b->cfg.per_room;
 }
 
 /* The peer description of the prefill instance at registry, from the cache while fresh, else

@@ -377,6 +377,7 @@ static int start_instance(serve_run_t *s)
                                     .vocab = mc->vocab,
                                     .text_vocab = s->tok ? 0 : 257,
                                     .max_context = f->max_model_len,
+                                    .per_room = f->role == KVS_LLM_DECODE && s->ep == NULL,
                                     .geo = {.shape = kvs_model_config_kv_shape(mc),
                                             .prefill_tp = 1,
                                             .decode_tp = f->tp,

@@ -109,7 +109,11 @@ typedef struct {
     X(data_ns, COUNTER, NULL, NULL, NULL, NULL, 0, NULL)                                           \
     /* receiver: writer regions whose bytes in the ring failed their checksum */                   \
     X(checksum_failures, COUNTER, "checksum_failures", "checksum_failures", NULL,                  \
-      "kvstage_kv_checksum_failures_total", 7, "KV regions that failed their checksum (backend).")
+      "kvstage_kv_checksum_failures_total", 7, "KV regions that failed their checksum (backend).") \
+    /* decode with per-room bootstrap, now: prefill instances wired (a link and a receiver each)   \
+     */                                                                                            \
+    X(peer_instances, GAUGE, NULL, "peer_instances", NULL, "kvstage_peer_instances", 11,           \
+      "Prefill instances a decode instance is wired to (summed over its ranks).")
 
 typedef struct {
 #define KVS_PD_METRIC_MEMBER_(field, ...) uint64_t field;

@@ -23,7 +23,7 @@
 
 #define PIECE_BYTES  65536 /* broadcast piece; the group's max_bytes must be at least this */
 #define HEADER_BYTES 32
-#define REQ_FIXED    64 /* bytes of one request in the broadcast, before its tokens */
+#define REQ_FIXED    64 /* bytes of one request in the broadcast, before its tokens, biases, peer */
 /* Prompt positions per pass whose logits rank 0 keeps for prompt logprobs ([rows][vocab] floats:
  * 24 MiB for a vocabulary of 49152); longer chunks of such requests wait for the next pass. */
 #define PROMPT_LP_ROWS 128
@@ -57,10 +57,12 @@ typedef struct {
     uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
     int has_first_lp;        /* decode: the first token's logprobs came with it */
     kvs_logprobs_t first_lp;
-    int in_protocol; /* added to the sender or receiver, not yet released */
-    int aborted;     /* abort sent to the sender or receiver */
-    int stop;        /* kvs_llm_stop reached this rank */
-    int local_fail;  /* this rank could not add the room to its sender or receiver */
+    int in_protocol;    /* added to the sender or receiver, not yet released */
+    int aborted;        /* abort sent to the sender or receiver */
+    int stop;           /* kvs_llm_stop reached this rank */
+    int local_fail;     /* this rank could not add the room to its sender or receiver */
+    kvs_receiver_t *rx; /* decode: the room's receiver, from admission on */
+    char *peer;         /* decode: req.peer's copy, or NULL */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;
@@ -264,7 +266,9 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
         return KVS_ERR_INVALID;
     }
     if ((c->role == KVS_LLM_PREFILL && c->sender == NULL) ||
-        (c->role == KVS_LLM_DECODE && c->receiver == NULL)) {
+        (c->role == KVS_LLM_DECODE && c->receiver == NULL &&
+         (c->receivers.receiver == NULL || c->receivers.progress == NULL ||
+          c->receivers.metrics == NULL))) {
         kvs_error("llm: a %s engine needs its %s",
                   c->role == KVS_LLM_PREFILL ? "prefill" : "decode",
                   c->role == KVS_LLM_PREFILL ? "sender" : "receiver");
@@ -327,6 +331,7 @@ static void rq_free(rq_t *r)
     kvs_free(r->tokens);
     kvs_free(r->bias);
     kvs_free(r->pages);
+    kvs_free(r->peer);
     kvs_free(r);
 }
 
@@ -415,8 +420,14 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     }
     if (!grow((void **) &e->pending, &e->cap_pending, e->npending + 1, sizeof(pending_t)))
         return KVS_ERR_NOMEM;
+    const size_t peer_len = q->peer ? strlen(q->peer) : 0;
+    if (peer_len > KVS_LLM_PEER_MAX) {
+        kvs_error("llm: room %llu: a prefill instance description of %zu bytes (at most %u)",
+                  (unsigned long long) q->room, peer_len, KVS_LLM_PEER_MAX);
+        return KVS_ERR_INVALID;
+    }
     const kvs_sample_params_t *sp = &q->sampling;
-    size_t len = REQ_FIXED + (size_t) q->prompt_len * 4 + (size_t) sp->n_bias * 8;
+    size_t len = REQ_FIXED + (size_t) q->prompt_len * 4 + (size_t) sp->n_bias * 8 + 4 + peer_len;
     uint8_t *b = kvs_malloc(len);
     if (b == NULL) return KVS_ERR_NOMEM;
     kvs_put_u64(b, q->room);
@@ -441,6 +452,8 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
         kvs_put_u32(at, sp->bias[i].token);
         put_f32(at + 4, sp->bias[i].bias);
     }
+    kvs_put_u32(at, (uint32_t) peer_len);
+    if (peer_len > 0) memcpy(at + 4, q->peer, peer_len);
     e->pending[e->npending++] = (pending_t){.room = q->room, .bytes = b, .len = len};
     return KVS_OK;
 }
@@ -465,9 +478,12 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
 {
     if (len < REQ_FIXED) return KVS_ERR_PROTOCOL;
     uint32_t n = kvs_get_u32(b + 8), nb = kvs_get_u32(b + 36);
-    if (n == 0 || nb > KVS_SAMPLE_BIAS_LIMIT || len - REQ_FIXED < (size_t) n * 4 + (size_t) nb * 8)
+    const size_t body = (size_t) n * 4 + (size_t) nb * 8;
+    if (n == 0 || nb > KVS_SAMPLE_BIAS_LIMIT || len - REQ_FIXED < body + 4) return KVS_ERR_PROTOCOL;
+    const uint32_t peer_len = kvs_get_u32(b + REQ_FIXED + body);
+    if (peer_len > KVS_LLM_PEER_MAX || len - REQ_FIXED - body - 4 < peer_len)
         return KVS_ERR_PROTOCOL;
-    *used_p = REQ_FIXED + (size_t) n * 4 + (size_t) nb * 8;
+    *used_p = REQ_FIXED + body + 4 + peer_len;
     rq_t *r = kvs_calloc(1, sizeof(*r));
     if (r == NULL || !grow((void **) &e->rqs, &e->cap_rqs, e->nrqs + 1, sizeof(rq_t *))) {
         kvs_free(r);
@@ -496,7 +512,9 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
     r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
     r->bias = nb > 0 ? kvs_malloc((size_t) nb * sizeof(kvs_logit_bias_t)) : NULL;
-    if (r->tokens == NULL || r->pages == NULL || (nb > 0 && r->bias == NULL)) {
+    r->peer = peer_len > 0 ? kvs_malloc((size_t) peer_len + 1) : NULL;
+    if (r->tokens == NULL || r->pages == NULL || (nb > 0 && r->bias == NULL) ||
+        (peer_len > 0 && r->peer == NULL)) {
         rq_free(r);
         return KVS_ERR_NOMEM;
     }
@@ -505,6 +523,11 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     for (uint32_t i = 0; i < nb; i++, at += 8)
         r->bias[i] = (kvs_logit_bias_t){.token = kvs_get_u32(at), .bias = get_f32(at + 4)};
     sp->bias = r->bias;
+    if (r->peer != NULL) {
+        memcpy(r->peer, b + REQ_FIXED + body + 4, peer_len);
+        r->peer[peer_len] = '\0';
+    }
+    q->peer = r->peer;
     q->prompt = r->tokens;
     r->ntokens = n;
     r->ev.room = q->room;
@@ -525,6 +548,8 @@ static kvs_status_t collect_metrics(kvs_llm_t *e)
     memset(&m, 0, sizeof(m));
     if (e->cfg.sender != NULL) kvs_sender_metrics(e->cfg.sender, &m);
     if (e->cfg.receiver != NULL) kvs_receiver_metrics(e->cfg.receiver, &m);
+    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
+        e->cfg.receivers.metrics(e->cfg.receivers.ctx, &m);
     uint64_t u[N];
     double d[N];
     memcpy(u, &m, sizeof(u));
@@ -696,7 +721,7 @@ static void local_outcome(kvs_llm_t *e, rq_t *r, double *v)
     if (!r->local_fail) {
         kvs_status_t st = e->cfg.role == KVS_LLM_PREFILL
                               ? kvs_sender_poll(e->cfg.sender, r->req.room, &info)
-                              : kvs_receiver_poll(e->cfg.receiver, r->req.room, &info);
+                              : kvs_receiver_poll(r->rx, r->req.room, &info);
         if (st != KVS_OK) {
             failed = quiet = 1;
         } else {
@@ -722,7 +747,7 @@ static void protocol_abort(kvs_llm_t *e, rq_t *r)
     if (e->cfg.role == KVS_LLM_PREFILL)
         (void) kvs_sender_abort(e->cfg.sender, r->req.room);
     else
-        (void) kvs_receiver_abort(e->cfg.receiver, r->req.room);
+        (void) kvs_receiver_abort(r->rx, r->req.room);
 }
 
 static void protocol_release(kvs_llm_t *e, rq_t *r)
@@ -732,7 +757,7 @@ static void protocol_release(kvs_llm_t *e, rq_t *r)
     if (e->cfg.role == KVS_LLM_PREFILL)
         (void) kvs_sender_release(e->cfg.sender, r->req.room);
     else
-        (void) kvs_receiver_release(e->cfg.receiver, r->req.room);
+        (void) kvs_receiver_release(r->rx, r->req.room);
 }
 
 static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
@@ -857,8 +882,10 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
         if (st == KVS_OK) st = kvs_sender_advance(e->cfg.sender, q->room, cached, cached);
         r->state = RQ_PREFILL;
     } else if (e->cfg.role == KVS_LLM_DECODE) {
-        st = kvs_receiver_add_room(e->cfg.receiver, q->room, cached, q->prompt_len,
-                                   r->pages + first);
+        r->rx = e->cfg.receiver;
+        if (r->rx == NULL) st = e->cfg.receivers.receiver(e->cfg.receivers.ctx, q->peer, &r->rx);
+        if (st == KVS_OK)
+            st = kvs_receiver_add_room(r->rx, q->room, cached, q->prompt_len, r->pages + first);
         r->state = RQ_WAIT_KV;
     } else {
         r->state = RQ_PREFILL;
@@ -1186,6 +1213,8 @@ kvs_status_t kvs_llm_step(kvs_llm_t *e, int quit, int *quit_p, uint32_t *work_p)
     if (st != KVS_OK) return st;
     if (e->cfg.sender != NULL) work += kvs_sender_progress(e->cfg.sender);
     if (e->cfg.receiver != NULL) work += kvs_receiver_progress(e->cfg.receiver);
+    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
+        work += e->cfg.receivers.progress(e->cfg.receivers.ctx);
     work += apply_stops(e);
     if ((st = agree(e, &work)) != KVS_OK) return st;
     work += grow_sequences(e);

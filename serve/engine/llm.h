@@ -53,17 +53,30 @@ typedef enum {
     KVS_LLM_DECODE = 2,
 } kvs_llm_role_t;
 
+/* DECODE with per-room bootstrap: a receiver per prefill instance, looked up by the room
+ * (pd/plumbing.h implements it over net links). */
+typedef struct {
+    void *ctx;
+    /* Every rank, when a room is added (the same step on each): the receiver of the prefill
+     * instance that `peer` (kvs_llm_request_t's, as rank 0 submitted it) describes. An error
+     * fails the room on every rank. */
+    kvs_status_t (*receiver)(void *ctx, const char *peer, kvs_receiver_t **receiver_p);
+    uint32_t (*progress)(void *ctx);                         /* every receiver; the work done */
+    void (*metrics)(void *ctx, kvs_pd_metrics_t *metrics_p); /* every receiver's, summed */
+} kvs_llm_receivers_t;
+
 typedef struct {
     kvs_llm_role_t role;
-    kvs_model_t *model;       /* this rank's shard; borrowed */
-    kvs_pool_t *pool;         /* in the model's memory (host, or its CUDA device), its KV
-                                 shape and TP layout; borrowed */
-    kvs_tpgroup_t *group;     /* the instance's TP group; NULL when the model's tp_size is 1 */
-    kvs_sender_t *sender;     /* PREFILL: this rank's sender; borrowed */
-    kvs_receiver_t *receiver; /* DECODE: this rank's receiver; borrowed */
-    uint32_t chunk_tokens;    /* prefill tokens per request per pass (use the kvstage C) */
-    uint32_t batch_tokens;    /* prompt tokens per pass, all requests (>= chunk_tokens) */
-    uint32_t max_running;     /* requests admitted at once */
+    kvs_model_t *model; /* this rank's shard; borrowed */
+    /* in the model's memory (host, or its CUDA device), its KV shape and TP layout; borrowed */
+    kvs_pool_t *pool;
+    kvs_tpgroup_t *group;          /* the instance's TP group; NULL when the model's tp_size is 1 */
+    kvs_sender_t *sender;          /* PREFILL: this rank's sender; borrowed */
+    kvs_receiver_t *receiver;      /* DECODE: this rank's receiver; borrowed; or NULL and: */
+    kvs_llm_receivers_t receivers; /* DECODE without a receiver: one per prefill instance */
+    uint32_t chunk_tokens;         /* prefill tokens per request per pass (use the kvstage C) */
+    uint32_t batch_tokens;         /* prompt tokens per pass, all requests (>= chunk_tokens) */
+    uint32_t max_running;          /* requests admitted at once */
     /* Prompt + max_new_tokens at most (the served context, vLLM's max_model_len); 0: the model's
      * max_ctx; above it: refused. A prefill request counts one new token. */
     uint32_t max_context;
@@ -88,7 +101,13 @@ typedef struct {
      * radix cache for its prompt (a cached prefix has no logits): it computes it whole, at
      * most 128 positions of such prompts per pass (their logits are kept for the pass). */
     int prompt_logprobs;
+    /* DECODE with receivers: the room's prefill instance, a description at most
+     * KVS_LLM_PEER_MAX bytes that rank 0 got from whoever chose the instance and every rank
+     * hands to receivers.receiver (copied); NULL: none. */
+    const char *peer;
 } kvs_llm_request_t;
+
+#define KVS_LLM_PEER_MAX 16384
 
 typedef enum {
     KVS_LLM_EV_TOKEN = 0, /* a token was generated (decode, colocated; prefill: the first) */

@@ -161,6 +161,9 @@ static void parse_error(io_t *io, const char *what)
 
 static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
 {
+    char peer[KVS_LLM_PEER_MAX + 1];
+    memcpy(peer, s->peer ? s->peer : "", s->peer_len); /* the decoder bounds it */
+    peer[s->peer_len] = '\0';
     kvs_llm_request_t q = {.room = s->room,
                            .prompt = s->prompt,
                            .prompt_len = s->prompt_len,
@@ -170,7 +173,8 @@ static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
                            .eos = s->eos < 0 ? UINT32_MAX : (uint32_t) s->eos,
                            .logprobs = s->logprobs,
                            .top_logprobs = s->top_logprobs,
-                           .prompt_logprobs = s->prompt_logprobs};
+                           .prompt_logprobs = s->prompt_logprobs,
+                           .peer = s->peer_len > 0 ? peer : NULL};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
     if (st != KVS_OK) out_rejected(io->cfg->out_fd, s->room, st);
 }
@@ -335,6 +339,23 @@ static void read_input(io_t *io)
     }
 }
 
+/* ---- per-room bootstrap: the engine's receivers are the plumbing's instances ---- */
+
+static kvs_status_t room_receiver(void *ctx, const char *peer, kvs_receiver_t **receiver_p)
+{
+    return kvs_plumbing_room_receiver(ctx, peer, receiver_p);
+}
+
+static uint32_t receivers_progress(void *ctx)
+{
+    return kvs_plumbing_progress(ctx);
+}
+
+static void receivers_metrics(void *ctx, kvs_pd_metrics_t *metrics_p)
+{
+    kvs_plumbing_metrics(ctx, metrics_p);
+}
+
 /* ---- setup ---- */
 
 static kvs_status_t load_model(const kvs_llm_rank_config_t *c, kvs_tp_t tp, kvs_model_t **model_p)
@@ -371,8 +392,8 @@ static kvs_status_t check_config(const kvs_llm_rank_config_t *c, uint32_t tp)
         why = "a context of one token leaves no room for a prompt and a new token";
     else if (c->batch_tokens != 0 && c->batch_tokens < c->chunk_tokens)
         why = "batch tokens below the chunk";
-    else if (pd && c->registry == NULL)
-        why = "prefill and decode ranks need the registry endpoint";
+    else if (c->role == KVS_LLM_PREFILL && c->registry == NULL)
+        why = "prefill ranks need the registry endpoint";
     else if (c->rank == 0 && c->in_fd < 0)
         why = "rank 0 needs its request pipe";
     else if (tp > 1 && c->group == NULL)
@@ -481,7 +502,9 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                      .mem = pc.mem,
                                      .device = pc.device,
                                      .liveness_timeout_ns = c.liveness_timeout_ns,
-                                     .write_mode = KVS_WRITE_AUTO};
+                                     .write_mode = KVS_WRITE_AUTO,
+                                     .max_instances = c.max_peer_instances,
+                                     .idle_ns = c.peer_idle_ns};
         if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;
     }
 
@@ -491,6 +514,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                            .group = group,
                            .sender = pl.sender,
                            .receiver = pl.receiver,
+                           .receivers = {&pl, room_receiver, receivers_progress, receivers_metrics},
                            .chunk_tokens = c.chunk_tokens,
                            .batch_tokens = c.batch_tokens,
                            .max_running = c.max_running,
@@ -555,7 +579,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     }
     /* Late acknowledgements and repeats from the other side. */
     for (uint64_t end = kvs_now_ns() + DRAIN_NS;
-         (pl.sender || pl.receiver) && kvs_now_ns() < end;) {
+         (pl.sender || pl.receiver || pl.ninsts) && kvs_now_ns() < end;) {
         if (kvs_plumbing_progress(&pl) == 0) sleep_us(200);
     }
     kvs_llm_stats(llm, &res.stats);

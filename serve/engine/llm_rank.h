@@ -42,8 +42,12 @@ typedef struct {
     /* TP group (tp > 1): a POSIX shm name unique per run and instance ("/kvs-<pid>-p"). */
     const char *group;
     uint64_t group_timeout_ms; /* 0: 120 s (ranks load the model before joining) */
-    /* Prefill and decode: the bootstrap registry of the prefill instance. */
+    /* Prefill and decode: the bootstrap registry of the prefill instance. Decode without one:
+     * per-room bootstrap (pd/plumbing.h), each room naming its prefill instance (PEER on the
+     * submit line); prefill_tp is then only the geometry's placeholder. */
     const char *registry;
+    uint32_t max_peer_instances; /* per-room decode: prefill instances wired at once (0: 16) */
+    uint64_t peer_idle_ns;       /* per-room decode: an instance idle this long closes (0: 300 s) */
     int serve_registry; /* prefill rank 0 binds `registry` and serves it from this process */
     const char *bind;   /* this rank's control endpoint (default tcp://127.0.0.1:*) */
     kvs_net_data_t data;

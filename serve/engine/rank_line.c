@@ -77,7 +77,7 @@ size_t kvs_rank_line_request_size(const kvs_rank_line_request_t *req)
     /* Each bias: a space, 10 digits, a space and a %.9g float (at most 15 characters). */
     if (req->kind == KVS_RANK_LINE_SUBMIT)
         return 256 + (size_t) req->submit.prompt_len * 11 +
-               (size_t) req->submit.sampling.n_bias * 27;
+               (size_t) req->submit.sampling.n_bias * 27 + req->submit.peer_len;
     if (req->kind == KVS_RANK_LINE_MATCH) return 32 + (size_t) req->match_len * 11;
     return 32;
 }
@@ -104,6 +104,12 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
             put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
         put(&o, " %u", s->prompt_len);
         put_ids(&o, s->prompt, s->prompt_len);
+        if (s->peer_len > 0) {
+            if (s->peer == NULL || s->peer_len > KVS_LLM_PEER_MAX) return KVS_ERR_INVALID;
+            for (size_t i = 0; i < s->peer_len; i++)
+                if (s->peer[i] <= ' ' || s->peer[i] > '~') return KVS_ERR_INVALID;
+            put(&o, " peer %.*s", (int) s->peer_len, s->peer);
+        }
         break;
     case KVS_RANK_LINE_STOP:
         put(&o, "stop %llu", (unsigned long long) req->room);
@@ -323,6 +329,15 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs
         uint64_t id;
         if (next_u64(c, &id) || id > UINT32_MAX) return bad(why_p, "prompt token ids");
         ids[i] = (uint32_t) id;
+    }
+    static const char peer[] = " peer ";
+    if (c->len - c->at >= sizeof(peer) - 1 && memcmp(c->s + c->at, peer, sizeof(peer) - 1) == 0) {
+        c->at += sizeof(peer) - 1;
+        s->peer = c->s + c->at;
+        while (c->at < c->len && c->s[c->at] > ' ' && c->s[c->at] <= '~') c->at++;
+        s->peer_len = (size_t) (c->s + c->at - s->peer);
+        if (s->peer_len == 0 || s->peer_len > KVS_LLM_PEER_MAX || !at_end(c))
+            return bad(why_p, "PEER must be 1..16384 printable characters without spaces");
     }
     if (!at_end(c)) return bad(why_p, "more token ids than N");
     s->prompt_len = (uint32_t) n;

@@ -5,7 +5,7 @@
  *
  * Rank 0 reads requests from in_fd, one line each (fields separated by single spaces):
  *   submit ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE FREQUENCY REPETITION SEED EOS
- *          LOGPROBS PROMPT_LOGPROBS B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N
+ *          LOGPROBS PROMPT_LOGPROBS B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N [peer PEER]
  *                         the sampling parameters (kvs_sample_params_t: TOP_K an integer, the
  *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
  *                         EOS: a token id, or -1 for none (ignore_eos sends -1); LOGPROBS -1
@@ -13,7 +13,10 @@
  *                         (kvs_llm_request_t's logprobs, top_logprobs, prompt_logprobs);
  *                         B <= 300 logit biases, each a token id and a float; N >= 1 prompt
  *                         token ids. The ranges are the engine's (kvs_sample_params_invalid):
- *                         a submit outside them is answered "rejected"
+ *                         a submit outside them is answered "rejected". PEER (decode with
+ *                         per-room bootstrap): the room's prefill instance, the description
+ *                         the server got from kvs_plumbing_peer_lookup (1..KVS_LLM_PEER_MAX
+ *                         printable characters, no space)
  *   stop ROOM             ends a live request at the next step
  *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
  *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
@@ -103,6 +106,8 @@ typedef struct {
     int prompt_logprobs;
     uint32_t prompt_len;    /* N */
     const uint32_t *prompt; /* encode: [prompt_len] read; decode: into the caller's ids */
+    const char *peer;       /* [peer_len] PEER, or peer_len 0; decode: into the line */
+    size_t peer_len;
 } kvs_rank_line_submit_t;
 
 typedef struct {

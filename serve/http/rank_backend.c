@@ -26,12 +26,23 @@
 
 #include "base/map.h"
 #include "engine/rank_line.h"
+#include "pd/plumbing.h"
 #include "kvstage/alloc.h"
 #include "kvstage/clock.h"
 #include "kvstage/log.h"
 #include "http/server_internal.h"
 
-#define MAX_EVENT_LINE (1u << 20) /* rank 0's lines are short; anything longer is garbage */
+#define MAX_EVENT_LINE (1u << 20)    /* rank 0's lines are short; anything longer is garbage */
+#define PEER_TTL_NS    2000000000ull /* a looked-up prefill instance is reused this long */
+#define PEER_WAIT_NS   2000000000ull /* a lookup waits this long for the registry */
+#define PEER_CACHE     32
+
+/* Per-room bootstrap: a prefill instance looked up and found compatible. */
+typedef struct {
+    char registry[KVS_MSG_ENDPOINT_MAX + 1];
+    char *desc; /* the peer description rank 0 gets with each room */
+    uint64_t at_ns;
+} peer_t;
 
 typedef struct {
     uint64_t room;
@@ -74,6 +85,7 @@ struct kvs_rank_backend {
     query_t *qhead, *qtail;
     kvs_server_backend_stats_t last;           /* the last stats answer */
     uint32_t peers_down, peers_of, first_down; /* rank 0's last peers event */
+    peer_t peers[PEER_CACHE];                  /* per-room bootstrap, under mu */
 };
 
 /* ---- helpers ---- */
@@ -483,12 +495,78 @@ static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_
     return KVS_OK;
 }
 
+static int per_room(const kvs_rank_backend_t *b)
+{
+    return b->cfg.role == KVS_SERVER_ROLE_DECODE && b->cfg.per_room;
+}
+
+/* The peer description of the prefill instance at registry, from the cache while fresh, else
+ * looked up (outside mu: it waits for the network); a copy in *desc_p. */
+static kvs_status_t peer_desc(kvs_rank_backend_t *b, const char *registry, char *why, size_t cap,
+                              char **desc_p)
+{
+    const uint64_t now = kvs_now_ns();
+    pthread_mutex_lock(&b->mu);
+    for (uint32_t i = 0; i < PEER_CACHE; i++) {
+        peer_t *p = &b->peers[i];
+        if (p->desc == NULL || strcmp(p->registry, registry) != 0 || now - p->at_ns >= PEER_TTL_NS)
+            continue;
+        *desc_p = kvs_strdup(p->desc);
+        pthread_mutex_unlock(&b->mu);
+        return *desc_p ? KVS_OK : KVS_ERR_NOMEM;
+    }
+    pthread_mutex_unlock(&b->mu);
+    char *desc = kvs_malloc(KVS_PLUMBING_PEER_MAX + 1);
+    if (desc == NULL) return KVS_ERR_NOMEM;
+    kvs_status_t st = kvs_plumbing_peer_lookup(&b->cfg.geo, registry, PEER_WAIT_NS, desc,
+                                               KVS_PLUMBING_PEER_MAX + 1, why, cap);
+    if (st != KVS_OK) {
+        kvs_free(desc);
+        return st;
+    }
+    pthread_mutex_lock(&b->mu);
+    uint32_t slot = 0; /* the same registry's entry, else the oldest */
+    for (uint32_t i = 0; i < PEER_CACHE; i++) {
+        if (b->peers[i].desc != NULL && strcmp(b->peers[i].registry, registry) == 0) {
+            slot = i;
+            break;
+        }
+        if (b->peers[i].at_ns < b->peers[slot].at_ns) slot = i;
+    }
+    peer_t *p = &b->peers[slot];
+    kvs_free(p->desc);
+    snprintf(p->registry, sizeof(p->registry), "%s", registry);
+    p->desc = kvs_strdup(desc);
+    p->at_ns = kvs_now_ns();
+    pthread_mutex_unlock(&b->mu);
+    *desc_p = desc;
+    return KVS_OK;
+}
+
+static kvs_status_t op_peer(void *ctx, const char *bootstrap, char *why, size_t cap)
+{
+    kvs_rank_backend_t *b = ctx;
+    char *desc = NULL;
+    kvs_status_t st = peer_desc(b, bootstrap, why, cap, &desc);
+    kvs_free(desc);
+    return st;
+}
+
 static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
                               const kvs_server_sink_t *sink)
 {
     kvs_rank_backend_t *b = ctx;
     kvs_status_t st = check_request(b, q);
     if (st != KVS_OK) return st;
+    char *peer = NULL;
+    if (per_room(b)) {
+        char why[256];
+        if (q->bootstrap == NULL) return KVS_ERR_INVALID;
+        if ((st = peer_desc(b, q->bootstrap, why, sizeof(why), &peer)) != KVS_OK) {
+            kvs_warn("rank backend: room %llu: %s", (unsigned long long) q->room, why);
+            return st == KVS_ERR_INCOMPATIBLE ? KVS_ERR_INVALID : st;
+        }
+    }
     room_t *r = kvs_calloc(1, sizeof(*r));
     /* Rank 0 knows one EOS: the first stop id (the tokenizer's EOS when it has one). */
     kvs_rank_line_request_t line_q = {
@@ -503,7 +581,9 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
                    .prompt_logprobs =
                        q->logprobs && q->prompt_logprobs && q->role != KVS_SERVER_ROLE_DECODE,
                    .prompt_len = q->prompt_len,
-                   .prompt = q->prompt}};
+                   .prompt = q->prompt,
+                   .peer = peer,
+                   .peer_len = peer ? strlen(peer) : 0}};
     size_t cap = kvs_rank_line_request_size(&line_q), n = 0;
     char *line = kvs_malloc(cap);
     if (r == NULL || line == NULL) goto nomem;
@@ -518,6 +598,8 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
         r->n_stop_ids = q->n_stop_ids - 1;
     }
     if (kvs_rank_line_request_encode(&line_q, line, cap, &n) != KVS_OK) goto nomem;
+    kvs_free(peer);
+    peer = NULL;
 
     pthread_mutex_lock(&b->mu);
     if (!b->ready || b->ended || b->quit_queued) {
@@ -542,6 +624,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
     wake_thread(b);
     return KVS_OK;
 nomem:
+    kvs_free(peer);
     kvs_free(line);
     room_free(r);
     kvs_error("rank backend: out of memory submitting room %llu", (unsigned long long) q->room);
@@ -751,7 +834,8 @@ kvs_server_backend_t kvs_rank_backend_ops(kvs_rank_backend_t *b)
                                 .health = op_health,
                                 .health_detail = op_health_detail,
                                 .match = op_match,
-                                .stats = op_stats};
+                                .stats = op_stats,
+                                .peer = per_room(b) ? op_peer : NULL};
     return ops;
 }
 
@@ -805,5 +889,6 @@ void kvs_rank_backend_destroy(kvs_rank_backend_t *b)
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->mu);
     kvs_free(b->bootstrap);
+    for (uint32_t i = 0; i < PEER_CACHE; i++) kvs_free(b->peers[i].desc);
     kvs_free(b);
 }

@@ -40,6 +40,12 @@ typedef struct {
     /* DECODE: the prefill instance's registry endpoint the ranks bootstrapped from; a request
      * naming another one is refused (KVS_ERR_INVALID). NULL: not checked. */
     const char *bootstrap;
+    /* DECODE, 1: per-room bootstrap (the ranks have no registry): each room's prefill instance
+     * (its "kvstage.bootstrap", required) is looked up and checked against geo by the backend's
+     * peer op (kvs_plumbing_peer_lookup; a result is reused for 2 s), and its peer description
+     * goes to rank 0 with the room. */
+    int per_room;
+    kvs_pd_geometry_t geo;       /* per_room: this instance's (prefill_tp unused) */
     uint32_t page_size;          /* the instance's KV page, tokens */
     uint64_t kv_bytes_per_token; /* the whole model's: layers x kv_heads x head_dim x 2 x 4 */
     uint32_t vocab;              /* the model's: prompt ids must be below it */

@@ -1002,6 +1002,30 @@ static enum MHD_Result handle_generate(req_t *r)
         const char *code = role_refusal(srv, &r->api, msg, sizeof(msg));
         if (code != NULL) return send_error(r, 400, msg, "kvstage", code);
     }
+    if (srv->role == KVS_SERVER_ROLE_DECODE && srv->bootstrap == NULL && srv->backend.peer &&
+        r->api.role == KVS_SERVER_ROLE_DECODE) {
+        /* Per-room bootstrap: the room's prefill instance is checked (and wired on first use)
+         * before anything is answered, so that a refusal is a status, not a cut stream. */
+        char why[320], msg[400];
+        if (r->api.bootstrap == NULL)
+            return send_error(r, 400,
+                              "this decode server takes rooms from any prefill instance: "
+                              "'kvstage.bootstrap' must name the room's (its registry endpoint)",
+                              "kvstage.bootstrap", "missing_bootstrap");
+        st = srv->backend.peer(srv->backend.ctx, r->api.bootstrap, why, sizeof(why));
+        if (st == KVS_ERR_INCOMPATIBLE || st == KVS_ERR_INVALID) {
+            snprintf(msg, sizeof(msg),
+                     "the prefill instance at %s cannot feed this decode "
+                     "server: %s",
+                     r->api.bootstrap, why);
+            return send_error(r, 400, msg, "kvstage.bootstrap", "incompatible_prefill");
+        }
+        if (st != KVS_OK) {
+            snprintf(msg, sizeof(msg), "the prefill instance at %s is unreachable: %s",
+                     r->api.bootstrap, why);
+            return send_error(r, 503, msg, "kvstage.bootstrap", "prefill_unreachable");
+        }
+    }
     if (r->api.role == KVS_SERVER_ROLE_PREFILL) {
         /* The prefill side only hands the KV and the first token over: stop strings are the
          * decode side's to apply (cutting here would abort the room under the decode side). */

@@ -57,7 +57,8 @@
  *                          transfer_seconds; from the backend's stats: kvstage_kv_bytes_total,
  *                          kvstage_kv_chunks_total, kvstage_control_{retries,rejected}_total and
  *                          gauges kvstage_ring_{used,capacity}_bytes, kvstage_rooms_{live,
- *                          quarantined,stashed} (summed over the instance's ranks),
+ *                          quarantined,stashed} and kvstage_peer_instances (summed over the
+ *                          instance's ranks),
  *                          kvstage_requests_{queued,running}, kvstage_kv_pages_{total,free,used}
  *                          (rank 0's pool); gauge kvstage_requests_live (submitted, not ended).
  *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
@@ -116,6 +117,10 @@
  *        the decode side of room N: the KV comes from the prefill instance whose bootstrap
  *        (registry) endpoint is EP ("bootstrap" is omitted when the prefill server did not
  *        declare one; "prefill" is that server's base URL, informational). Answered as usual.
+ *        A DECODE server with no bootstrap of its own (per-room bootstrap) needs EP, and asks
+ *        the backend's peer op before anything else: 400 {"param": "kvstage.bootstrap", "code":
+ *        "missing_bootstrap" or "incompatible_prefill"} (the message names the mismatch), 503
+ *        {"code": "prefill_unreachable"}.
  *   N is an integer in [0, 2^62): the router's rooms. Requests without "kvstage" are served
  *   whole by this instance under a room the server picks in [2^62, 2^63).
  *
@@ -245,6 +250,12 @@ typedef struct {
                           uint32_t *cached_p);
     /* NULL: all zero. */
     void (*stats)(void *ctx, kvs_server_backend_stats_t *stats_p);
+    /* DECODE with per-room bootstrap (no bootstrap configured): whether the prefill instance
+     * whose registry endpoint `bootstrap` is can feed this instance, before its room is
+     * submitted (the server then answers a refusal before any byte of the answer). KVS_OK;
+     * KVS_ERR_INCOMPATIBLE or KVS_ERR_INVALID (400, why names the mismatch); anything else
+     * (503, why: unreachable). NULL: rooms from any instance are submitted. */
+    kvs_status_t (*peer)(void *ctx, const char *bootstrap, char *why, size_t cap);
 } kvs_server_backend_t;
 
 /* ---------------------------------------------------------------------------------------- */

@@ -158,14 +158,14 @@ kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config
     return KVS_OK;
 }
 
-/* The CPU forward writes f32 K/V, the CUDA one bf16 (elem_bytes 4 or 2). */
-static kvs_kv_shape_t kv_shape_of(const kvs_model_config_t *c, uint32_t elem_bytes)
+/* The CPU forward writes f32 K/V, the CUDA one bf16. */
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *c, int device)
 {
     kvs_kv_shape_t s = {.layers = c->layers,
                         .kv_heads = c->kv_heads,
                         .head_dim_k = c->head_dim,
                         .head_dim_v = c->head_dim,
-                        .elem_bytes = elem_bytes,
+                        .elem_bytes = device < 0 ? sizeof(float) : 2,
                         .attn = KVS_ATTN_MHA};
     return s;
 }
@@ -211,7 +211,7 @@ kvs_status_t kvs_model_config_validate(const kvs_model_config_t *c, kvs_tp_t tp)
         kvs_error("model: norm_eps = %g must be >= 0 and finite", (double) c->norm_eps);
         return KVS_ERR_INVALID;
     }
-    kvs_kv_shape_t shape = kv_shape_of(c, sizeof(float));
+    kvs_kv_shape_t shape = kvs_model_config_kv_shape(c, -1);
     st = kvs_tp_validate(&shape, &tp);
     if (st != KVS_OK) return st;
     if (c->heads % tp.tp_size != 0) {
@@ -290,7 +290,7 @@ static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int
     m->config = *cfg;
     m->tp = tp;
     m->device = device < 0 ? -1 : device;
-    m->kv_shape = kv_shape_of(cfg, device < 0 ? sizeof(float) : 2);
+    m->kv_shape = kvs_model_config_kv_shape(cfg, device);
     m->q_heads = cfg->heads / tp.tp_size;
     m->q_first = tp.tp_rank * m->q_heads;
     m->kv_heads = kvs_tp_heads_per_rank(&m->kv_shape, tp.tp_size);

@@ -72,6 +72,9 @@ kvs_tp_t kvs_model_tp(const kvs_model_t *model);
 kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *model);
 /* -1 for a model on the CPU, else its CUDA device (its pool must be device memory there). */
 int kvs_model_device(const kvs_model_t *model);
+/* The same shape from the configuration alone, for a model on the CPU (device -1) or on a CUDA
+ * device (a server checking a peer before any rank loads). */
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *config, int device);
 
 /* Sums n doubles elementwise over the TP group, adding the ranks' buffers in rank order
  * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */

@@ -2,13 +2,26 @@
  * libkvstage, used by the in-tree rank runners): the net link, the bootstrap registry (served,
  * registered with, or queried), and the rank's sender or receiver. The synthetic rank runner
  * (sim/rank.c) and the real-model one (serve/engine/llm_rank.c) set it up and tear it down
- * through here, so both bootstrap the same way. */
+ * through here, so both bootstrap the same way.
+ *
+ * Per-room bootstrap (a decode rank configured without a registry): the rank's peers are
+ * addressed as (prefill instance, rank) through a table with one net link and one receiver per
+ * prefill instance, keyed by the instance's registry endpoint. Nothing is wired at create; the
+ * first room naming an instance wires it, from a peer description (kvs_plumbing_peer_lookup:
+ * the instance's registrations, checked against this geometry) that the instance's rank 0
+ * decided and every rank received with the room, so the ranks never query a registry on their
+ * own and never disagree on an instance's layout. A receiver per instance keeps each one's plan
+ * (prefill TP and stages) whole, and no wire format changes: to a prefill rank each link is
+ * simply a decode rank. An instance with no live room is closed once it has been idle for
+ * idle_ns or every one of its ranks is past the liveness timeout, and the table holds at most
+ * max_instances (the least recently used idle instance makes room for a new one). */
 #ifndef KVSTAGE_PD_PLUMBING_H
 #define KVSTAGE_PD_PLUMBING_H
 
 #include <stdint.h>
 
 #include "kvstage/link.h"
+#include "kvstage/msg.h"
 #include "kvstage/mem.h"
 #include "kvstage/net.h"
 #include "kvstage/pd.h"
@@ -37,14 +50,29 @@ typedef struct {
     kvs_pd_timeouts_t timeouts;   /* zero fields: defaults scaled for processes on one host */
     kvs_write_mode_t write_mode;  /* prefill */
     uint64_t ring_bytes;          /* decode: 0 = four full slots */
+    /* Decode with registry NULL (per-room bootstrap); the config's strings must then outlive
+     * the plumbing (instances are wired later), and bind must pick a free port or path. */
+    uint32_t max_instances; /* prefill instances wired at once (0: KVS_PLUMBING_MAX_INSTANCES) */
+    uint64_t idle_ns;       /* an instance this long without a room is closed (0: 300 s) */
 } kvs_plumbing_config_t;
+
+#define KVS_PLUMBING_MAX_INSTANCES 16
+/* A peer description: "REGISTRY,TP,PP,EP_0,...,EP_n-1" (n = TP x PP prefill ranks). */
+#define KVS_PLUMBING_PEER_MAX (KVS_MAX_TP * (KVS_MSG_ENDPOINT_MAX + 1) + 2 * KVS_MSG_ENDPOINT_MAX)
+
+typedef struct kvs_plumbing_peer kvs_plumbing_peer_t;
 
 typedef struct {
     kvs_registry_t *registry; /* served by this process, or NULL */
     kvs_link_t *link;
     kvs_sender_t *sender;     /* prefill, else NULL */
     kvs_receiver_t *receiver; /* decode, else NULL */
-    uint32_t peers;           /* ranks of the other side */
+    uint32_t peers;           /* ranks of the other side (per-room: of every wired instance) */
+    /* per-room bootstrap: the instance table ([cfg.max_instances], ninsts wired) */
+    kvs_plumbing_config_t cfg;
+    kvs_pool_t *pool;
+    kvs_plumbing_peer_t *insts;
+    uint32_t ninsts;
 } kvs_plumbing_t;
 
 /* Creates the link, bootstraps through the registry (prefill: registers this rank's endpoint;
@@ -60,9 +88,31 @@ void kvs_plumbing_destroy(kvs_plumbing_t *plumbing);
  * how much work that was (0 = idle). */
 uint32_t kvs_plumbing_progress(kvs_plumbing_t *plumbing);
 /* How many of the other side's ranks the link believes dead (silent past the liveness timeout),
- * and the first of them in *first_p (may be NULL). 0 for links whose peers never die. */
+ * and the first of them in *first_p (may be NULL). 0 for links whose peers never die. Per-room
+ * bootstrap: 0 while some wired instance has every rank alive (the rank still serves its
+ * rooms; a dead instance fails only its own and is closed once they are released), else the
+ * down ranks of every instance. */
 uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *plumbing, uint32_t *first_p);
-/* The sender's or receiver's counters (all zero when there is neither). */
+/* The sender's or receiver's counters (all zero when there is neither); with per-room
+ * bootstrap, every instance's receiver summed, and peer_instances. */
 void kvs_plumbing_metrics(const kvs_plumbing_t *plumbing, kvs_pd_metrics_t *metrics_p);
+
+/* Per-room bootstrap, on whoever decides for the decode instance (its rank 0, or the server in
+ * front of it): asks the prefill instance's registry for every rank (at most timeout_ns in
+ * all), checks each registration against mine (the decode geometry; the prefill TP, stages and
+ * page size are the instance's own), and writes the peer description into desc[cap].
+ * KVS_ERR_INCOMPATIBLE with why naming the mismatch, KVS_ERR_TIMEOUT when the registry or a
+ * rank did not answer (why says which), KVS_ERR_INVALID for an endpoint a description cannot
+ * carry. */
+kvs_status_t kvs_plumbing_peer_lookup(const kvs_pd_geometry_t *mine, const char *registry,
+                                      uint64_t timeout_ns, char *desc, size_t cap, char *why,
+                                      size_t why_cap);
+/* Every rank, when a room is added: the receiver of the prefill instance that desc describes
+ * (NULL with a registry configured: the one receiver), wiring the instance on first use. The
+ * receiver stays valid while it holds a room. KVS_ERR_INVALID for a malformed description,
+ * KVS_ERR_INCOMPATIBLE when the instance changed its layout while rooms of its old one live,
+ * KVS_ERR_NOSPACE when max_instances are wired and none is idle. */
+kvs_status_t kvs_plumbing_room_receiver(kvs_plumbing_t *plumbing, const char *desc,
+                                        kvs_receiver_t **receiver_p);
 
 #endif

@@ -968,8 +968,11 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
     }
     if (r->status == KVS_ROOM_SUCCESS) return events;
 
-    /* Timeouts and dead peers. */
-    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers, 0) >= 0) {
+    /* Timeouts and dead peers. A decode peer is looked at once its metadata came: before, a
+     * silent peer may be one that connects only for this room (per-room bootstrap wires a
+     * prefill instance on its first room, or again after closing it idle), and the bootstrap
+     * timeout bounds the wait. */
+    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers, ~r->meta_got) >= 0) {
         fail_room(tx, r, KVS_ERR_IO, "a decode peer stopped answering (liveness timeout)");
         return events + 1;
     }

@@ -114,6 +114,26 @@ static void test_requests_round_trip(void **state)
                    "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
                    &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
+    assert_int_equal(back.submit.peer_len, 0);
+
+    /* A per-room decode submit carries its prefill instance's description, whole. */
+    static const char peer[] = "tcp://127.0.0.1:5,1,1,tcp://127.0.0.1:6";
+    q.submit.peer = peer;
+    q.submit.peer_len = strlen(peer);
+    req_round_trip(&q,
+                   "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1 "
+                   "peer tcp://127.0.0.1:5,1,1,tcp://127.0.0.1:6\n",
+                   &back, ids, 16);
+    assert_int_equal(back.submit.peer_len, strlen(peer));
+    assert_memory_equal(back.submit.peer, peer, strlen(peer));
+    static const char spaced[] = "tcp://a b";
+    q.submit.peer = spaced; /* a description cannot hold a space */
+    q.submit.peer_len = strlen(spaced);
+    char sb[256];
+    size_t sn;
+    assert_int_equal(kvs_rank_line_request_encode(&q, sb, sizeof(sb), &sn), KVS_ERR_INVALID);
+    q.submit.peer = NULL;
+    q.submit.peer_len = 0;
 
     kvs_rank_line_request_t stop = {.kind = KVS_RANK_LINE_STOP, .room = 42};
     req_round_trip(&stop, "stop 42\n", &back, ids, 16);
@@ -206,6 +226,12 @@ static void test_bad_requests(void **state)
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match 3 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "PEER must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer a b", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "PEER must be"},
+        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 pear a", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "more token ids"},
         /* bad numbers */
         {"submit x 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
@@ -549,7 +575,7 @@ static void test_events_round_trip(void **state)
              "\"bulk_writes\":15,"
              "\"direct_writes\":16,\"bytes_moved\":17,\"control_messages\":18,\"retries\":19,"
              "\"rejected\":20,\"ring_used\":21,\"ring_capacity\":22,\"checksum_failures\":0,"
-             "\"queued\":10,\"running\":11,"
+             "\"peer_instances\":0,\"queued\":10,\"running\":11,"
              "\"load_s\":0.500,\"wall_s\":2.000,\"final\":true}\n");
     assert_int_equal(b.role, KVS_LLM_PREFILL);
     assert_int_equal(b.rank, 1);
@@ -697,8 +723,8 @@ static void test_metrics_table(void **state)
         in_line += f[i].line != NULL;
         prom += f[i].prom != NULL;
     }
-    assert_int_equal(in_line, 15);
-    assert_int_equal(prom, 10);
+    assert_int_equal(in_line, 16);
+    assert_int_equal(prom, 11);
 
     kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_STATS, .final = 1};
     for (uint32_t i = 0; i < nf; i++) kvs_pd_metrics_set(&ev.metrics, &f[i], 1000 + i);

@@ -22,7 +22,7 @@
 #include "model/gguf.h"
 #include "model/tpgroup.h"
 
-#define MAX_PROCS 8
+#define MAX_PROCS 12
 #define SEEDED    "2,64,128,4,2,16,257" /* vocab 257: the byte tokenizer's, every id a byte */
 #define START_S   60
 #define MAX_LEN   "320" /* --max-model-len of every server: prompt + max_tokens at most */
@@ -902,6 +902,312 @@ static void test_http_flags(void **state)
     }
 }
 
+/* ---- the fleet: decode servers without --bootstrap (per-room bootstrap) ---- */
+
+#define FLEET_LEN "512" /* --max-model-len of the SmolLM2 fleet: small pools */
+
+typedef struct {
+    proc_t *pre[2], *dec, *colo, *router;
+} fleet_t;
+
+static fleet_t g_f;
+
+/* A SmolLM2 server of the fleet; extra: more flags (NULL-terminated, up to 6). */
+static proc_t *start_fleet(const char *role, const char *tp, const char *const *extra)
+{
+    const char *args[24] = {"serve", "--role",          role,      "--tp", tp, "--port",
+                            "0",     "--max-model-len", FLEET_LEN, NULL};
+    int n = 9;
+    for (; extra && *extra; extra++) args[n++] = *extra;
+    args[n] = NULL;
+    proc_t *p = spawn_tool(args);
+    wait_up(p, "serving on");
+    return p;
+}
+
+static int fleet_setup(void **state)
+{
+    (void) state;
+    kvs__json_init();
+    char path[4096];
+    if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
+    memset(&g_f, 0, sizeof(g_f));
+    g_f.pre[0] = start_fleet("prefill", "1", NULL);
+    g_f.pre[1] = start_fleet("prefill", "3", NULL);
+    /* No radix cache on decode: once its rooms end, every page is free again (leak check). */
+    const char *dec_extra[] = {"--radix", "off", NULL};
+    g_f.dec = start_fleet("decode", "1", dec_extra);
+    assert_string_equal(g_f.dec->bootstrap, "none");
+    g_f.colo = start_fleet("colocated", "1", NULL);
+    char pre[300];
+    snprintf(pre, sizeof(pre), "%s,%s", g_f.pre[0]->url, g_f.pre[1]->url);
+    const char *rargs[] = {"router",     "--prefill", pre, "--decode",
+                           g_f.dec->url, "--port",    "0", "--health-interval-ms",
+                           "200",        NULL};
+    g_f.router = spawn_tool(rargs);
+    wait_up(g_f.router, "routing on");
+    return 0;
+}
+
+/* Which prefill server the router says served an answer (its kvstage report); "" when none. */
+static void served_by(json_t *answer, char *url, size_t cap)
+{
+    json_t *sv = json_object_get(json_object_get(answer, "kvstage"), "servers");
+    const char *u = json_string_value(json_object_get(sv, "prefill"));
+    snprintf(url, cap, "%s", u ? u : "");
+}
+
+static void admin(uint16_t port, const char *action, const char *url)
+{
+    char body[256];
+    snprintf(body, sizeof(body), "{\"action\":\"%s\",\"side\":\"prefill\",\"url\":\"%s\"}", action,
+             url);
+    http_resp_t r = {0};
+    http_call(port, NULL, "/admin/servers", body, &r);
+    if (r.status != 200) fail_msg("admin %s %s: %ld %s", action, url, r.status, r.body.ptr);
+    http_resp_fini(&r);
+}
+
+/* Two prefill instances (TP1, TP3) feed one decode server bound to neither: 24 answers through
+ * the router, streamed and not, each the colocated one, both instances used, both wired. */
+static void test_fleet_two_prefill(void **state)
+{
+    (void) state;
+    int used[2] = {0, 0};
+    for (int k = 0; k < 24; k++) {
+        char prompt[96], want[512], got[512], url[128];
+        snprintf(prompt, sizeof(prompt), "Fleet question %d: name a colour.", k);
+        assert_int_equal(complete(g_f.colo->port, prompt, 6, 0, want, sizeof(want), NULL), 200);
+        json_t *answer = NULL;
+        long st = complete(g_f.router->port, prompt, 6, k % 2, got, sizeof(got), &answer);
+        if (st != 200) fail_msg("request %d: %ld %s", k, st, got);
+        if (strcmp(got, want) != 0) fail_msg("request %d: '%s', colocated '%s'", k, got, want);
+        served_by(answer, url, sizeof(url));
+        json_decref(answer);
+        for (int i = 0; i < 2; i++) used[i] += strcmp(url, g_f.pre[i]->url) == 0;
+    }
+    if (used[0] == 0 || used[1] == 0) fail_msg("prefill use %d and %d", used[0], used[1]);
+    assert_int_equal(used[0] + used[1], 24);
+    assert_true(metric_of(g_f.dec->port, "kvstage_peer_instances") == 2);
+}
+
+/* A prefill instance of another page size is refused per room, naming the mismatch, while the
+ * compatible ones keep serving through the same decode server. */
+static void test_fleet_incompatible(void **state)
+{
+    (void) state;
+    const char *extra[] = {"--page-size", "8", NULL};
+    proc_t *bad = start_fleet("prefill", "1", extra);
+    /* Straight to the decode server: a 400 before any byte of the answer. */
+    char body[512];
+    snprintf(body, sizeof(body),
+             "{\"prompt\":\"hi\",\"max_tokens\":2,\"kvstage\":{\"room\":77,\"role\":\"decode\","
+             "\"bootstrap\":\"%s\"}}",
+             bad->bootstrap);
+    http_resp_t r = {0};
+    http_call(g_f.dec->port, NULL, "/v1/completions", body, &r);
+    expect_error_json(&r, 400, "invalid_request_error", "kvstage.bootstrap");
+    if (strstr(r.body.ptr, "decode page size 8 expected there vs 16 here") == NULL)
+        fail_msg("the refusal does not name the mismatch: %s", r.body.ptr);
+    http_resp_fini(&r);
+    admin(g_f.router->port, "add", bad->url);
+    int refused = 0;
+    for (int k = 0; k < 6; k++) {
+        char prompt[96], want[512], got[512];
+        snprintf(prompt, sizeof(prompt), "Mixed fleet %d: count to three.", k);
+        assert_int_equal(complete(g_f.colo->port, prompt, 4, 0, want, sizeof(want), NULL), 200);
+        long st = complete(g_f.router->port, prompt, 4, 0, got, sizeof(got), NULL);
+        if (st == 200) {
+            assert_string_equal(got, want);
+        } else {
+            if (st < 400 || st >= 500 || strstr(got, "page size") == NULL)
+                fail_msg("request %d: %ld %s", k, st, got);
+            refused++;
+        }
+    }
+    /* Round robin over three prefill servers: two of six to the incompatible one. */
+    assert_int_equal(refused, 2);
+    admin(g_f.router->port, "remove", bad->url);
+    kill_proc(bad);
+    assert_true(metric_of(g_f.dec->port, "kvstage_peer_instances") <= 2);
+}
+
+typedef struct {
+    int id;
+    volatile int *stop;
+    int n;
+    long status[64];
+    uint64_t at[64]; /* when the request started */
+    char got[64][256];
+    char url[64][128];
+} fleet_client_t;
+
+static void *fleet_client(void *arg)
+{
+    fleet_client_t *c = arg;
+    for (c->n = 0; c->n < 64 && !__atomic_load_n(c->stop, __ATOMIC_RELAXED); c->n++) {
+        char prompt[96];
+        snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", c->id, c->n % 4);
+        json_t *answer = NULL;
+        c->at[c->n] = kvs_now_ns();
+        /* Not streamed: a whole answer or an error, nothing a thread would have to fail on. */
+        c->status[c->n] =
+            complete(g_f.router->port, prompt, 4, 0, c->got[c->n], sizeof(c->got[c->n]), &answer);
+        served_by(answer, c->url[c->n], sizeof(c->url[c->n]));
+        json_decref(answer);
+    }
+    return NULL;
+}
+
+static int fleet_idle_rooms(void *arg)
+{
+    uint16_t port = *(uint16_t *) arg;
+    return metric_of(port, "kvstage_rooms_live") == 0 &&
+           metric_of(port, "kvstage_rooms_quarantined") == 0 &&
+           metric_of(port, "kvstage_requests_live") == 0;
+}
+
+static int fleet_idle(void *arg)
+{
+    uint16_t port = *(uint16_t *) arg;
+    return metric_of(port, "kvstage_rooms_live") == 0 &&
+           metric_of(port, "kvstage_rooms_quarantined") == 0 &&
+           metric_of(port, "kvstage_requests_live") == 0 &&
+           metric_of(port, "kvstage_kv_pages_free") == metric_of(port, "kvstage_kv_pages_total");
+}
+
+/* kill -9 of one prefill server under four clients: only requests on it fail, cleanly; started
+ * again on new ports and added to the router, it serves again through the same decode server,
+ * and nothing leaks there. */
+static void test_fleet_prefill_killed(void **state)
+{
+    (void) state;
+    char want[4][4][256];
+    for (int i = 0; i < 4; i++)
+        for (int q = 0; q < 4; q++) {
+            char prompt[96];
+            snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", i, q);
+            assert_int_equal(
+                complete(g_f.colo->port, prompt, 4, 0, want[i][q], sizeof(want[i][q]), NULL), 200);
+        }
+    const pid_t dec_pid = g_f.dec->pid;
+    volatile int stop = 0;
+    fleet_client_t *cs = calloc(4, sizeof(*cs));
+    assert_non_null(cs);
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        cs[i].id = i;
+        cs[i].stop = &stop;
+        assert_int_equal(pthread_create(&th[i], NULL, fleet_client, &cs[i]), 0);
+    }
+    sleep_ms(3000);
+    char dead_url[128];
+    snprintf(dead_url, sizeof(dead_url), "%s", g_f.pre[0]->url);
+    const uint64_t killed = kvs_now_ns();
+    kill_proc(g_f.pre[0]);
+    sleep_ms(6000);
+    __atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
+    for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+    int ok = 0, failed = 0;
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < cs[i].n; k++) {
+            if (cs[i].status[k] == 200) {
+                if (strcmp(cs[i].got[k], want[i][k % 4]) != 0)
+                    fail_msg("client %d request %d: '%s', colocated '%s'", i, k, cs[i].got[k],
+                             want[i][k % 4]);
+                ok++;
+                continue;
+            }
+            /* A failure is a clean error, and only while the dead server was in rotation. */
+            if (cs[i].status[k] < 400 || strstr(cs[i].got[k], "\"error\"") == NULL)
+                fail_msg("client %d request %d: %ld '%s'", i, k, cs[i].status[k], cs[i].got[k]);
+            if (cs[i].at[k] > killed + 2000000000ull)
+                fail_msg("client %d request %d failed %.1f s after the kill: %s", i, k,
+                         (double) (cs[i].at[k] - killed) / 1e9, cs[i].got[k]);
+            failed++;
+        }
+    if (ok < 8) fail_msg("%d requests served, %d failed", ok, failed);
+    free(cs);
+
+    /* Back on new ports (a new instance), added to the router; the decode server not restarted. */
+    g_f.pre[0] = start_fleet("prefill", "1", NULL);
+    admin(g_f.router->port, "remove", dead_url);
+    admin(g_f.router->port, "add", g_f.pre[0]->url);
+    int used = 0;
+    for (int k = 0; k < 6; k++) {
+        char prompt[96], got[256], url[128];
+        json_t *answer = NULL;
+        snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", k % 4, k % 4);
+        long st = complete(g_f.router->port, prompt, 4, 0, got, sizeof(got), &answer);
+        if (st != 200) fail_msg("request %d after the restart: %ld %s", k, st, got);
+        assert_string_equal(got, want[k % 4][k % 4]);
+        served_by(answer, url, sizeof(url));
+        json_decref(answer);
+        used += strcmp(url, g_f.pre[0]->url) == 0;
+    }
+    assert_true(used > 0);
+    assert_int_equal(g_f.dec->pid, dec_pid);
+    assert_int_equal(kill(dec_pid, 0), 0);
+    /* The killed instance's rooms end at the liveness timeout (10 s) on both sides. */
+    uint64_t end = kvs_now_ns() + 25ull * 1000000000ull;
+    for (uint16_t port = g_f.dec->port; !fleet_idle(&port); sleep_ms(250))
+        if (kvs_now_ns() > end) fail_msg("the decode server holds rooms or pages");
+    for (uint16_t port = g_f.pre[1]->port; !fleet_idle_rooms(&port); sleep_ms(250))
+        if (kvs_now_ns() > end) fail_msg("the surviving prefill server holds rooms");
+}
+
+/* More prefill instances than the decode server may wire (--max-peer-instances 2): each room
+ * still served, the wired count bounded, and every instance closed after --peer-idle-s. */
+static void test_fleet_peer_limit(void **state)
+{
+    (void) state;
+    proc_t *pre[3];
+    char urls[400] = "";
+    for (int i = 0; i < 3; i++) {
+        pre[i] = start_prefill("1", "1");
+        snprintf(urls + strlen(urls), sizeof(urls) - strlen(urls), "%s%s", i ? "," : "",
+                 pre[i]->url);
+    }
+    const char *dargs[] = {"serve", "--role",          "decode", "--seeded",
+                           SEEDED,  "--model-seed",    "11",     "--port",
+                           "0",     "--page-size",     "4",      "--chunk",
+                           "8",     "--max-model-len", MAX_LEN,  "--max-peer-instances",
+                           "2",     "--peer-idle-s",   "1",      NULL};
+    proc_t *dec = spawn_tool(dargs);
+    wait_up(dec, "serving on");
+    const char *cargs[] = {"serve", "--role",          "colocated", "--seeded",
+                           SEEDED,  "--model-seed",    "11",        "--port",
+                           "0",     "--page-size",     "4",         "--chunk",
+                           "8",     "--max-model-len", MAX_LEN,     NULL};
+    proc_t *colo = spawn_tool(cargs);
+    wait_up(colo, "serving on");
+    const char *rargs[] = {"router", "--prefill", urls, "--decode", dec->url, "--port", "0", NULL};
+    proc_t *rt = spawn_tool(rargs);
+    wait_up(rt, "routing on");
+    int used[3] = {0, 0, 0};
+    for (int k = 0; k < 9; k++) {
+        char prompt[64], want[512], got[512], url[128];
+        snprintf(prompt, sizeof(prompt), "instance limit %d", k);
+        assert_int_equal(complete(colo->port, prompt, 6, 0, want, sizeof(want), NULL), 200);
+        json_t *answer = NULL;
+        long st = complete(rt->port, prompt, 6, 0, got, sizeof(got), &answer);
+        if (st != 200) fail_msg("request %d: %ld %s", k, st, got);
+        assert_string_equal(got, want);
+        served_by(answer, url, sizeof(url));
+        json_decref(answer);
+        for (int i = 0; i < 3; i++) used[i] += strcmp(url, pre[i]->url) == 0;
+        double wired = metric_of(dec->port, "kvstage_peer_instances");
+        if (wired < 1 || wired > 2) fail_msg("after request %d: %g instances wired", k, wired);
+    }
+    for (int i = 0; i < 3; i++) assert_int_equal(used[i], 3);
+    uint64_t end = kvs_now_ns() + 10ull * 1000000000ull;
+    while (metric_of(dec->port, "kvstage_peer_instances") != 0) {
+        if (kvs_now_ns() > end) fail_msg("idle prefill instances were not closed");
+        sleep_ms(200);
+    }
+}
+
 /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
 static int demo_teardown(void **state)
 {
@@ -937,8 +1243,17 @@ int main(void)
         cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
         cmocka_unit_test_teardown(test_http_flags, demo_teardown),
     };
+    const struct CMUnitTest fleet[] = {
+        cmocka_unit_test(test_fleet_two_prefill), cmocka_unit_test(test_fleet_incompatible),
+        cmocka_unit_test(test_fleet_prefill_killed), /* last: it kills a server */
+    };
+    const struct CMUnitTest limits[] = {
+        cmocka_unit_test_teardown(test_fleet_peer_limit, teardown),
+    };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
+    failed += cmocka_run_group_tests_name("fleet", fleet, fleet_setup, teardown);
+    failed += cmocka_run_group_tests_name("peer limit", limits, NULL, NULL);
     kill_all();
     /* Nothing left in /dev/shm: instances killed with SIGKILL left their segments, which the
      * next one started here (as this) removes. */

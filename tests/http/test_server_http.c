@@ -1155,7 +1155,7 @@ static void test_metrics(void **state)
             exported++;
         }
     }
-    assert_int_equal(exported, 10);
+    assert_int_equal(exported, 11);
     kvs_free(text);
     stop(&f);
     kvs_assert_no_leaks();

@@ -71,6 +71,7 @@ typedef struct {
     kvs_llm_rank_config_t c;
     int role, data, checksum, device;
     uint32_t gpu;
+    uint64_t peer_idle_s;
     const char *seeded;
     char path[4096]; /* the default model's, when neither --model nor --seeded is given */
 } llm_rank_opts_t;
@@ -136,7 +137,13 @@ static void add_llm_rank_link_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
     kvs_llm_rank_config_t *c = &o->c;
     const kvs_arg_t g[] = {
         {"group", KVS_ARG_STR, &c->group, "TP group shm name (TP > 1)", NULL, NULL},
-        {"registry", KVS_ARG_STR, &c->registry, "bootstrap registry endpoint", NULL, NULL},
+        {"registry", KVS_ARG_STR, &c->registry,
+         "bootstrap registry endpoint (decode without it: per-room bootstrap)", NULL, NULL},
+        {"max-peer-instances", KVS_ARG_U32, &c->max_peer_instances,
+         "per-room decode: prefill instances wired at once (16)", "[1,1024]", NULL},
+        {"peer-idle-s", KVS_ARG_U64, &o->peer_idle_s,
+         "per-room decode: a prefill instance without a room this long is closed (300)",
+         "[1,86400]", NULL},
         {"serve-registry", KVS_ARG_FLAG, &c->serve_registry, "prefill rank 0 serves the registry",
          NULL, NULL},
         {"bind", KVS_ARG_STR, &c->bind, "control endpoint", NULL, NULL},
@@ -159,9 +166,10 @@ static int llm_rank_config_build(llm_rank_opts_t *o)
     if (c->rank >= tp)
         return kvs_args_error("--rank", "below the instance's TP size", "%u is not below TP %u",
                               c->rank, tp);
-    if (c->role != KVS_LLM_COLOCATED && c->registry == NULL)
+    if (c->role == KVS_LLM_PREFILL && c->registry == NULL)
         return kvs_args_error("--registry", "the prefill instance's registry endpoint",
-                              "a prefill or decode rank needs it");
+                              "a prefill rank needs it");
+    c->peer_idle_ns = o->peer_idle_s * 1000000000ull;
     if (tp > 1 && c->group == NULL)
         return kvs_args_error("--group", "a shared-memory name such as /kvs-group",
                               "TP %u needs it", tp);

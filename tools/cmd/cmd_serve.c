@@ -50,7 +50,8 @@ static const char usage[] =
     "kv_heads,head_dim,vocab] --tp N [--port P] [flags]\n"
     "  one instance of a real model (every rank a process) behind an OpenAI-compatible HTTP\n"
     "  server; a decode instance is bound to the prefill instance whose registry --bootstrap\n"
-    "  names; put `kvstage router` in front of prefill and decode servers";
+    "  names, or without it takes rooms from any compatible prefill instance; put\n"
+    "  `kvstage router` in front of prefill and decode servers";
 
 typedef struct {
     int role; /* 0 colocated, 1 prefill, 2 decode (the llm roles) */
@@ -60,6 +61,7 @@ typedef struct {
     uint32_t max_model_len; /* 0 until checked: the model's context */
     uint64_t kv_tokens;     /* 0: twice max_model_len */
     uint32_t startup_s;
+    uint32_t max_peer_instances, peer_idle_s; /* per-room decode; 0: the ranks' defaults */
     int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
     int device; /* 0 cpu, 1 cuda */
     uint32_t gpus;
@@ -130,11 +132,16 @@ static void model_name(const serve_flags_t *f, const char *path, char *buf, size
 static int check_flags(const serve_flags_t *f)
 {
     const int role = f->role;
-    if (role == KVS_LLM_DECODE && f->bootstrap == NULL)
-        return kvs_args_error("--bootstrap",
-                              "the prefill instance's registry endpoint, as its "
-                              "server prints it (tcp://HOST:PORT)",
-                              "a decode server needs it");
+    const char *per_room = f->max_peer_instances ? "--max-peer-instances"
+                           : f->peer_idle_s      ? "--peer-idle-s"
+                                                 : NULL;
+    if (per_room != NULL && (role != KVS_LLM_DECODE || f->bootstrap != NULL))
+        return kvs_args_error(per_room, "with --role decode and no --bootstrap",
+                              "is for decode servers that take rooms from any prefill instance");
+    if (role == KVS_LLM_DECODE && f->bootstrap == NULL && f->peer_tp_seen)
+        return kvs_args_error("--peer-tp", "--peer-tp with --bootstrap",
+                              "a decode server without --bootstrap learns each prefill "
+                              "instance's TP from its registry");
     if (role != KVS_LLM_DECODE && f->bootstrap != NULL)
         return kvs_args_error("--bootstrap", "--bootstrap with --role decode",
                               "is for --role decode");
@@ -243,8 +250,17 @@ static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
         {"host", KVS_ARG_STR, &f->host, "IPv4 address to bind (127.0.0.1)", "an IPv4 address",
          NULL},
         {"bootstrap", KVS_ARG_STR, &f->bootstrap,
-         "decode: the prefill instance's registry endpoint (its server prints it)",
+         "decode: the prefill instance's registry endpoint (its server prints it); without it, "
+         "rooms from any compatible prefill instance (each room names its own)",
          "tcp://HOST:PORT", NULL},
+        {"max-peer-instances", KVS_ARG_U32, &f->max_peer_instances,
+         "decode without --bootstrap: prefill instances wired at once; the least recently used "
+         "idle one makes room for a new one (16)",
+         "[1,1024]", NULL},
+        {"peer-idle-s", KVS_ARG_U32, &f->peer_idle_s,
+         "decode without --bootstrap: a prefill instance without a room this long is closed "
+         "(300)",
+         "[1,86400]", NULL},
         {"registry", KVS_ARG_STR, &f->registry,
          "prefill: where to serve the registry (default tcp://127.0.0.1:*, a free port)",
          "tcp://HOST:PORT or tcp://HOST:*", NULL},
@@ -357,21 +373,30 @@ static int start_instance(serve_run_t *s)
                                 .radix = f->radix,
                                 .no_checksum = !f->checksum,
                                 .registry = s->ep,
+                                .max_peer_instances = f->max_peer_instances,
+                                .peer_idle_s = f->peer_idle_s,
                                 .data = f->data,
                                 .gpu = f->device ? (int) f->gpus : -1};
     if (kvs_instance_start(&ic, &s->inst) != 0) return 1;
     s->inst_started = 1;
-    kvs_rank_backend_config_t bc = {.in_fd = s->inst.in_fd,
-                                    .out_fd = s->inst.out_fd,
-                                    .role = server_role(f->role),
-                                    .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
-                                    .page_size = f->page_size,
-                                    .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads *
-                                                          mc->head_dim * 2 *
-                                                          (f->device ? 2 : sizeof(float)),
-                                    .vocab = mc->vocab,
-                                    .text_vocab = s->tok ? 0 : 257,
-                                    .max_context = f->max_model_len};
+    kvs_rank_backend_config_t bc = {
+        .in_fd = s->inst.in_fd,
+        .out_fd = s->inst.out_fd,
+        .role = server_role(f->role),
+        .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
+        .page_size = f->page_size,
+        .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads * mc->head_dim * 2 *
+                              (f->device ? 2 : sizeof(float)),
+        .vocab = mc->vocab,
+        .text_vocab = s->tok ? 0 : 257,
+        .max_context = f->max_model_len,
+        .per_room = f->role == KVS_LLM_DECODE && s->ep == NULL,
+        .geo = {.shape = kvs_model_config_kv_shape(mc, f->device ? 0 : -1),
+                .prefill_tp = 1,
+                .decode_tp = f->tp,
+                .page_size = f->page_size,
+                .chunk_tokens = f->chunk,
+                .no_checksum = f->checksum ? 0u : 1u}};
     s->inst.in_fd = s->inst.out_fd = -1; /* the backend's now */
     if (kvs_rank_backend_create(&bc, &s->backend) != KVS_OK) {
         fprintf(stderr, "error: cannot start the backend over rank 0\n");
@@ -507,7 +532,8 @@ int kvs_cmd_serve(int argc, char **argv)
     if ((rc = open_model(&f, path, sizeof(path), &mc, &s.tok)) != 0) return rc;
     /* The model's limits first: a bad --tp is a usage error even before a prefill answers. */
     if ((rc = check_model(&f, &mc)) != 0) return serve_teardown(&s, rc);
-    if (f.role == KVS_LLM_DECODE && (rc = learn_from_prefill(&f, s.deadline)) == 0)
+    if (f.role == KVS_LLM_DECODE && f.bootstrap != NULL &&
+        (rc = learn_from_prefill(&f, s.deadline)) == 0)
         rc = check_model(&f, &mc); /* --peer-tp may be the prefill instance's now */
     if (rc == 0) rc = serve_instance(&s);
     return serve_teardown(&s, rc);

@@ -1,6 +1,8 @@
 /* `kvstage serve-demo`: what `make demo` runs. A real deployment on this host: a prefill server
  * (`kvstage serve`, SmolLM2 on TP3: three rank processes), a decode server (TP1) bound to it,
- * and a prefix-aware router in front, each server in a process group of its own. It sends two
+ * and a prefix-aware router in front, each server in a process group of its own. With
+ * `--prefill N` (N >= 2), N prefill servers and a decode server bound to none of them (per-room
+ * bootstrap: it takes each room from the instance the router chose): the xPyD shape. It sends two
  * chat requests that share a system prompt through the router, streams both answers, prints
  * the time to first token, the cache hits on each side and the KV bytes each request moved,
  * then stops the router and the servers with SIGTERM and waits for every process. */
@@ -19,7 +21,8 @@
 #include "common/serve_client.h"
 #include "common/serve_signal.h"
 
-#define NPROC 3
+#define MAX_PREFILL 4
+#define NPROC       (MAX_PREFILL + 2)
 
 static const char k_system[] =
     "You are a concise geography tutor. Answer every question in one short sentence that "
@@ -59,7 +62,7 @@ static const char usage[] =
     "  SmolLM2 on the CPU, every rank a process; two chat requests sharing a system prompt";
 
 typedef struct {
-    uint32_t prefill_tp, decode_tp, timeout_s;
+    uint32_t prefill_tp, decode_tp, timeout_s, prefill;
     const char *model;
 } demo_flags_t;
 
@@ -68,7 +71,8 @@ typedef struct {
     const demo_flags_t *f;
     char *path; /* the GGUF */
     uint64_t t0;
-    kvs_child_t ps[NPROC]; /* prefill server, decode server, router: started in that order */
+    kvs_child_t ps[NPROC]; /* prefill servers, decode server, router: started in that order */
+    uint32_t n;            /* processes: f->prefill + 2 */
     kvs_stream_t res[2];
     double cached_p[2], handoff_ms[2]; /* from the prefill server's metrics */
     int answers;
@@ -85,10 +89,12 @@ static int start_child(demo_t *d, kvs_child_t *c, char **argv, const char *ready
     return 0;
 }
 
-/* The prefill server, the decode server bound to it and the router in front; 0, or -1. */
+/* The prefill servers, the decode server (bound to the one prefill instance, or to none) and the
+ * router in front; 0, or -1. */
 static int start_deployment(demo_t *d)
 {
-    kvs_child_t *pre = &d->ps[0], *dec = &d->ps[1], *rt = &d->ps[2];
+    const uint32_t np = d->f->prefill;
+    kvs_child_t *pre = &d->ps[0], *dec = &d->ps[np], *rt = &d->ps[np + 1];
     char *path = d->path;
     char ptp[16], dtp[16];
     snprintf(ptp, sizeof(ptp), "%u", d->f->prefill_tp);
@@ -97,12 +103,19 @@ static int start_deployment(demo_t *d)
     char *pargs[] = {"kvstage",         "serve", "--role",  "prefill", "--tp",   ptp,
                      "--peer-tp",       dtp,     "--model", path,      "--port", "0",
                      "--max-model-len", "2048",  NULL};
-    if (start_child(d, pre, pargs, "serving on") != 0) return -1;
-    char *dargs[] = {"kvstage",         "serve", "--role", "decode", "--tp",        dtp,
-                     "--model",         path,    "--port", "0",      "--bootstrap", pre->bootstrap,
-                     "--max-model-len", "2048",  NULL};
+    char urls[MAX_PREFILL * 64] = "";
+    for (uint32_t i = 0; i < np; i++) {
+        if (start_child(d, &pre[i], pargs, "serving on") != 0) return -1;
+        snprintf(urls + strlen(urls), sizeof(urls) - strlen(urls), "%s%s", i ? "," : "",
+                 pre[i].url);
+    }
+    char *dargs[] = {
+        "kvstage", "serve",  "--role", "decode",          "--tp", dtp,           "--model",
+        path,      "--port", "0",      "--max-model-len", "2048", "--bootstrap", pre->bootstrap,
+        NULL};
+    if (np > 1) dargs[12] = NULL; /* bound to none: rooms from any of them */
     if (start_child(d, dec, dargs, "serving on") != 0) return -1;
-    char *rargs[] = {"kvstage", "router", "--prefill", pre->url, "--decode", dec->url,
+    char *rargs[] = {"kvstage", "router", "--prefill", urls,     "--decode", dec->url,
                      "--port",  "0",      "--policy",  "prefix", NULL};
     if (start_child(d, rt, rargs, "routing on") != 0) return -1;
     printf("up in %.1f s\n\n", (double) (kvs_now_ns() - d->t0) / 1e9);
@@ -111,19 +124,30 @@ static int start_deployment(demo_t *d)
 
 /* Question i through the router, with what the prefill server's metrics say it cost; 0 when
  * the answer came back. */
+/* A metric summed over the prefill servers (-1 when one does not answer). */
+static double prefill_metric(const demo_t *d, const char *name)
+{
+    double sum = 0;
+    for (uint32_t i = 0; i < d->f->prefill; i++) {
+        double v = kvs_metric_get(d->ps[i].url, name);
+        if (v < 0) return -1;
+        sum += v;
+    }
+    return sum;
+}
+
 static int ask_and_report(demo_t *d, int i)
 {
-    const char *pre = d->ps[0].url;
-    double c0 = kvs_metric_get(pre, "kvstage_cached_prompt_tokens_total");
-    double h0 = kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum");
+    double c0 = prefill_metric(d, "kvstage_cached_prompt_tokens_total");
+    double h0 = prefill_metric(d, "kvstage_kv_transfer_seconds_sum");
     printf("[%d] user: %s\n    assistant: ", i + 1, k_questions[i]);
     fflush(stdout);
-    if (ask(d->ps[2].url, k_questions[i], &d->res[i]) != 0) return -1;
+    if (ask(d->ps[d->n - 1].url, k_questions[i], &d->res[i]) != 0) return -1;
     /* The prefill answer ends at the handoff, which the decode answer may precede. */
-    for (int k = 0; k < 50 && kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum") == h0; k++)
+    for (int k = 0; k < 50 && prefill_metric(d, "kvstage_kv_transfer_seconds_sum") == h0; k++)
         kvs_serve_signal_wait(20);
-    double c1 = kvs_metric_get(pre, "kvstage_cached_prompt_tokens_total");
-    double h1 = kvs_metric_get(pre, "kvstage_kv_transfer_seconds_sum");
+    double c1 = prefill_metric(d, "kvstage_cached_prompt_tokens_total");
+    double h1 = prefill_metric(d, "kvstage_kv_transfer_seconds_sum");
     d->cached_p[i] = c0 >= 0 && c1 >= c0 ? c1 - c0 : 0;
     d->handoff_ms[i] = h0 >= 0 && h1 >= h0 ? (h1 - h0) * 1e3 : 0;
     const kvs_stream_t *s = &d->res[i];
@@ -143,10 +167,12 @@ static int run_demo(demo_t *d)
 {
     d->t0 = kvs_now_ns();
     printf("kvstage serve-demo: an OpenAI-compatible deployment on this host, every process its "
-           "own:\n  router (prefix-aware) -> prefill server, TP%u (%u rank processes) -> decode "
-           "server, TP%u;\n  the KV of each request moves from prefill to decode through kvstage "
-           "(ZeroMQ control, UCX data)\n  model %s, CPU\n\n",
-           d->f->prefill_tp, d->f->prefill_tp, d->f->decode_tp, d->path);
+           "own:\n  router (prefix-aware) -> %u prefill server%s, TP%u (%u rank processes each) "
+           "-> decode server, TP%u%s;\n  the KV of each request moves from prefill to decode "
+           "through kvstage (ZeroMQ control, UCX data)\n  model %s, CPU\n\n",
+           d->f->prefill, d->f->prefill > 1 ? "s" : "", d->f->prefill_tp, d->f->prefill_tp,
+           d->f->decode_tp, d->f->prefill > 1 ? " (bound to none: rooms from either)" : "",
+           d->path);
     int ok = 0;
     if (start_deployment(d) == 0) {
         printf("system: %s\n\n", k_system);
@@ -157,10 +183,11 @@ static int run_demo(demo_t *d)
             printf("note: the second request found no cached prefix on the %s side\n",
                    d->cached_p[1] <= 0 ? "prefill" : "decode");
     }
-    printf("stopping the router, the decode server and the prefill server (SIGTERM)\n");
+    printf("stopping the router, the decode server and the prefill server%s (SIGTERM)\n",
+           d->f->prefill > 1 ? "s" : "");
     fflush(stdout);
     int clean = 1;
-    for (int i = NPROC - 1; i >= 0; i--) clean &= kvs_child_stop(&d->ps[i], 30);
+    for (int i = (int) d->n - 1; i >= 0; i--) clean &= kvs_child_stop(&d->ps[i], 30);
     printf("%s\n", clean ? "every process exited cleanly" : "not every process exited cleanly");
     if (d->answers < 2) fprintf(stderr, "FAILED: %d of 2 answers came back\n", d->answers);
     printf("%s in %.1f s\n", ok && clean ? "done" : "FAILED",
@@ -170,8 +197,11 @@ static int run_demo(demo_t *d)
 
 int kvs_cmd_serve_demo(int argc, char **argv)
 {
-    demo_flags_t f = {.prefill_tp = 3, .decode_tp = 1, .timeout_s = 300, .model = NULL};
+    demo_flags_t f = {.prefill_tp = 3, .decode_tp = 1, .timeout_s = 300, .prefill = 1};
     const kvs_arg_t args[] = {
+        {"prefill", KVS_ARG_U32, &f.prefill,
+         "prefill servers (1); with 2 or more the decode server is bound to none of them", "[1,4]",
+         NULL},
         {"prefill-tp", KVS_ARG_U32, &f.prefill_tp, "prefill server ranks (3)", KVS_ARGS_TP, NULL},
         {"decode-tp", KVS_ARG_U32, &f.decode_tp, "decode server ranks (1)", KVS_ARGS_TP, NULL},
         {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
@@ -210,8 +240,12 @@ int kvs_cmd_serve_demo(int argc, char **argv)
     static demo_t d; /* two 8 KiB answers: off the stack */
     d.f = &f;
     d.path = path;
-    const char *names[NPROC] = {"prefill server", "decode server", "router"};
-    for (int i = 0; i < NPROC; i++) d.ps[i] = (kvs_child_t){.name = names[i], .out_fd = -1};
+    d.n = f.prefill + 2;
+    for (uint32_t i = 0; i < d.n; i++)
+        d.ps[i] = (kvs_child_t){.name = i < f.prefill    ? "prefill server"
+                                        : i == f.prefill ? "decode server"
+                                                         : "router",
+                                .out_fd = -1};
     rc = run_demo(&d);
     curl_global_cleanup();
     return rc;

@@ -104,7 +104,7 @@ static const char *role_name(kvs_llm_role_t r)
 
 static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint32_t rank)
 {
-    char num[11][24];
+    char num[13][24];
     char *args[64];
     int n = 0;
     const int pd = c->role != KVS_LLM_COLOCATED;
@@ -153,9 +153,22 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     args[n++] = c->no_checksum ? "off" : "on";
     args[n++] = "--group";
     args[n++] = inst->group;
-    if (pd) {
+    if (pd && c->registry != NULL) {
         args[n++] = "--registry";
         args[n++] = (char *) c->registry;
+    }
+    if (c->role == KVS_LLM_DECODE && c->registry == NULL) {
+        const struct {
+            const char *flag;
+            uint32_t v;
+        } per_room[] = {{"--max-peer-instances", c->max_peer_instances},
+                        {"--peer-idle-s", c->peer_idle_s}};
+        for (int i = 0; i < 2; i++) {
+            if (per_room[i].v == 0) continue;
+            args[n++] = (char *) per_room[i].flag;
+            snprintf(num[10 + i], sizeof(num[10 + i]), "%u", per_room[i].v);
+            args[n++] = num[10 + i];
+        }
     }
     args[n++] = "--data";
     args[n++] = c->data == 1 ? "shm" : c->data == 2 ? "tcp" : "auto";
@@ -163,8 +176,8 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
         args[n++] = "--device";
         args[n++] = "cuda";
         args[n++] = "--gpu";
-        snprintf(num[10], sizeof(num[10]), "%d", c->gpu);
-        args[n++] = num[10];
+        snprintf(num[12], sizeof(num[12]), "%d", c->gpu);
+        args[n++] = num[12];
     }
     args[n] = NULL;
 
@@ -184,8 +197,8 @@ int kvs_instance_start(const kvs_instance_config_t *c, kvs_instance_t *inst)
 {
     memset(inst, 0, sizeof(*inst));
     inst->in_fd = inst->out_fd = -1;
-    if (c->tp == 0 || c->tp > KVS_MAX_TP || (c->role != KVS_LLM_COLOCATED && c->registry == NULL)) {
-        fprintf(stderr, "error: an instance needs 1..%d ranks (and a registry unless colocated)\n",
+    if (c->tp == 0 || c->tp > KVS_MAX_TP || (c->role == KVS_LLM_PREFILL && c->registry == NULL)) {
+        fprintf(stderr, "error: an instance needs 1..%d ranks (and a registry when prefill)\n",
                 KVS_MAX_TP);
         return -1;
     }

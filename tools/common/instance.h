@@ -38,10 +38,15 @@ typedef struct {
     uint32_t max_context; /* --max-model-len: prompt + new tokens at most */
     uint64_t kv_tokens;   /* the KV pool in tokens; 0: twice max_context */
     int radix;
-    int no_checksum;      /* prefill and decode: chunk checksums off */
-    const char *registry; /* prefill and decode: the prefill instance's registry endpoint */
-    int data;             /* UCX data: 0 auto, 1 shm, 2 tcp */
-    int gpu;              /* -1: the model on the CPU; else every rank's CUDA device */
+    int no_checksum; /* prefill and decode: chunk checksums off */
+    /* prefill and decode: the prefill instance's registry endpoint; decode NULL: per-room
+     * bootstrap, with at most max_peer_instances wired, each closed after peer_idle_s idle
+     * (0: the ranks' defaults) */
+    const char *registry;
+    uint32_t max_peer_instances;
+    uint32_t peer_idle_s;
+    int data; /* UCX data: 0 auto, 1 shm, 2 tcp */
+    int gpu;  /* -1: the model on the CPU; else every rank's CUDA device */
 } kvs_instance_config_t;
 
 typedef struct {

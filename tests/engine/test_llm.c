@@ -688,11 +688,11 @@ static void test_submit_refusals(void **state)
     q = request(0);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID); /* room already live */
-    assert_int_equal(kvs_llm_stop(s.llm, 99), KVS_ERR_NOT_FOUND);
+    assert_int_equal(kvs_llm_stop(s.llm, 99, KVS_LLM_CHOICE_ALL), KVS_ERR_NOT_FOUND);
     kvs_log_set_sink(NULL, NULL);
     assert_int_equal(cap.calls, 7);
     /* A stop ends the request at the next step, with what it generated so far. */
-    assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
+    assert_int_equal(kvs_llm_stop(s.llm, 1, KVS_LLM_CHOICE_ALL), KVS_OK);
     int quit;
     uint32_t work;
     assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);

@@ -403,19 +403,6 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
                   e->max_ctx);
         return KVS_ERR_INVALID;
     }
-    /* Admission is FIFO and waits for pages: a prompt the whole pool cannot hold would wait
-     * forever and block every later request. Its new tokens take pages as they come. */
-    /* Every further choice takes a page of its own at least (the prompt's last one). */
-    const uint32_t choices = q->n_choices > 1 ? q->n_choices : 1;
-    uint64_t need = (uint64_t) pages_for(q->prompt_len, e->page) + (choices - 1);
-    uint32_t have = kvs_pool_total_pages(e->cfg.pool);
-    if (need > have) {
-        kvs_error("llm: room %llu: a prompt of %u tokens with %u choices needs %llu pages of %u "
-                  "tokens, more than the whole pool of %u: it can never be admitted",
-                  (unsigned long long) q->room, q->prompt_len, choices, (unsigned long long) need,
-                  e->page, have);
-        return KVS_ERR_NOSPACE;
-    }
     const char *why = kvs_sample_params_invalid(&q->sampling, e->mc.vocab);
     if (why == NULL && q->top_logprobs > KVS_LOGPROBS_TOP_MAX) why = "top_logprobs must be 0..20";
     if (why == NULL && q->prompt_logprobs && !q->logprobs) why = "prompt logprobs need logprobs";
@@ -425,6 +412,19 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     if (why != NULL) {
         kvs_error("llm: room %llu: %s", (unsigned long long) q->room, why);
         return KVS_ERR_INVALID;
+    }
+    /* Admission is FIFO and waits for pages: a prompt the whole pool cannot hold would wait
+     * forever and block every later request. Its new tokens take pages as they come; every
+     * further choice takes a page of its own at admission (the prompt's last one). */
+    const uint32_t choices = q->n_choices > 1 ? q->n_choices : 1;
+    uint64_t need = (uint64_t) pages_for(q->prompt_len, e->page) + (choices - 1);
+    uint32_t have = kvs_pool_total_pages(e->cfg.pool);
+    if (need > have) {
+        kvs_error("llm: room %llu: a prompt of %u tokens with %u choice%s needs %llu pages of %u "
+                  "tokens, more than the whole pool of %u: it can never be admitted",
+                  (unsigned long long) q->room, q->prompt_len, choices, choices == 1 ? "" : "s",
+                  (unsigned long long) need, e->page, have);
+        return KVS_ERR_NOSPACE;
     }
     for (uint32_t i = 0; i < q->prompt_len; i++) {
         if (q->prompt[i] >= e->mc.vocab) {
@@ -736,7 +736,7 @@ static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish
 {
     rq_t *r = e->rqs[i];
     const uint64_t room = r->req.room;
-    const int others = r->req.n_choices > 1;
+    const int others = r->req.n_choices > 1, first = r->choice == 0;
     release_pages(e, r, status == KVS_OK);
     if (status == KVS_OK)
         e->st.requests_ok++;
@@ -753,8 +753,8 @@ static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish
     e->nrqs--;
     for (uint32_t j = 0; others && j < e->nrqs;) {
         rq_t *s = e->rqs[j];
-        if (s->req.room == room && s->state == RQ_SIBLING && j >= i) {
-            finish(e, j, status, why); /* ends the waiting ones behind it too */
+        if (first && s->req.room == room && s->state == RQ_SIBLING) {
+            finish(e, j, status, why); /* behind choice 0: j >= i */
             continue;
         }
         if (s->req.room == room && status != KVS_OK) s->stop = 1;

@@ -96,10 +96,9 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
             return KVS_ERR_INVALID;
         put(&o, "submit %llu %u %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %d %d %u",
             (unsigned long long) s->room, s->choices ? s->choices : 1, s->max_new,
-            (double) sp->temperature, (double) sp->top_p,
-            sp->top_k, (double) sp->min_p, (double) sp->presence_penalty,
-            (double) sp->frequency_penalty, (double) sp->repetition_penalty,
-            (unsigned long long) s->seed, (long long) s->eos,
+            (double) sp->temperature, (double) sp->top_p, sp->top_k, (double) sp->min_p,
+            (double) sp->presence_penalty, (double) sp->frequency_penalty,
+            (double) sp->repetition_penalty, (unsigned long long) s->seed, (long long) s->eos,
             s->logprobs ? (int) s->top_logprobs : -1, s->prompt_logprobs ? 1 : 0, sp->n_bias);
         for (uint32_t i = 0; i < sp->n_bias && !o.over; i++)
             put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
@@ -279,16 +278,14 @@ static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs
     uint64_t choices, max_new, top_k, nb, n;
     kvs_sample_params_t *sp = &s->sampling;
     if (next_u64(c, &s->room) || next_u64(c, &choices) || next_u64(c, &max_new) ||
-        next_f32(c, &sp->temperature) ||
-        next_f32(c, &sp->top_p) || next_u64(c, &top_k) || next_f32(c, &sp->min_p) ||
-        next_f32(c, &sp->presence_penalty) || next_f32(c, &sp->frequency_penalty) ||
-        next_f32(c, &sp->repetition_penalty) || next_u64(c, &s->seed) || max_new > UINT32_MAX ||
-        top_k > UINT32_MAX)
+        next_f32(c, &sp->temperature) || next_f32(c, &sp->top_p) || next_u64(c, &top_k) ||
+        next_f32(c, &sp->min_p) || next_f32(c, &sp->presence_penalty) ||
+        next_f32(c, &sp->frequency_penalty) || next_f32(c, &sp->repetition_penalty) ||
+        next_u64(c, &s->seed) || max_new > UINT32_MAX || top_k > UINT32_MAX)
         return bad(why_p, "submit needs ROOM CHOICES MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P "
                           "PRESENCE FREQUENCY REPETITION SEED EOS LOGPROBS PROMPT_LOGPROBS B "
                           "BIASES N IDS");
-    if (choices == 0 || choices > KVS_LLM_CHOICES_MAX)
-        return bad(why_p, "CHOICES must be 1..16");
+    if (choices == 0 || choices > KVS_LLM_CHOICES_MAX) return bad(why_p, "CHOICES must be 1..16");
     s->choices = (uint32_t) choices;
     s->max_new = (uint32_t) max_new;
     sp->top_k = (uint32_t) top_k;

@@ -51,9 +51,9 @@ typedef struct {
     uint32_t n; /* choices */
     choice_t ch[KVS_SERVER_CHOICES_MAX];
     uint32_t n_done;
-    int all_stop_sent;    /* `stop ROOM` (every choice) queued */
+    int all_stop_sent;     /* `stop ROOM` (every choice) queued */
     kvs_server_done_t acc; /* the done lines so far, gathered */
-    uint32_t *stop_ids;   /* [n_stop_ids] the request's stop ids after the first (rank 0's EOS) */
+    uint32_t *stop_ids;    /* [n_stop_ids] the request's stop ids after the first (rank 0's EOS) */
     uint32_t n_stop_ids;
 } room_t;
 

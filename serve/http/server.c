@@ -527,13 +527,13 @@ static json_t *choice_json(const req_t *r, uint32_t index, json_t *content, cons
     json_t *fin = finish ? json_string(finish) : json_null();
     if (lp == NULL) lp = json_null();
     if (r->api.chat && r->api.stream)
-        return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "delta", content,
-                         "logprobs", lp, "finish_reason", fin);
+        return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "delta", content, "logprobs",
+                         lp, "finish_reason", fin);
     if (r->api.chat)
         return json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", (int) index, "message", "role",
                          "assistant", "content", content, "logprobs", lp, "finish_reason", fin);
-    return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "text", content, "logprobs",
-                     lp, "finish_reason", fin);
+    return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "text", content, "logprobs", lp,
+                     "finish_reason", fin);
 }
 
 /* text[0, len) as a JSON string of valid UTF-8. */
@@ -1672,7 +1672,8 @@ void kvs_server_destroy(kvs_server_t *srv)
         rooms[k++] = r->room;
     }
     pthread_mutex_unlock(&srv->mu);
-    for (uint32_t i = 0; i < k; i++) srv->backend.cancel(srv->backend.ctx, rooms[i], KVS_SERVER_CHOICE_ALL);
+    for (uint32_t i = 0; i < k; i++)
+        srv->backend.cancel(srv->backend.ctx, rooms[i], KVS_SERVER_CHOICE_ALL);
     kvs_free(rooms);
 
     struct timespec deadline;

@@ -16,6 +16,13 @@
  *        >= 1), min_p [0, 1], repetition_penalty (0, 2] (over prompt and generated tokens),
  *        ignore_eos (the EOS does not end generation), stop_token_ids [ids]; greedy honours
  *        the bias and the penalties too (model/sample.c: the order they act in).
+ *        "n" [1, 16] choices (completions "best_of" only equal to n): choices[i] with "index" i,
+ *        its own text, finish_reason and logprobs, sampled with seed + i from the one prompt
+ *        (computed, or handed over, once); streamed, each chunk carries one choice's "index"
+ *        (a role chunk and a last chunk per choice); stop strings end only the choice they match
+ *        in; usage.completion_tokens sums the choices, prompt_tokens counts the prompt once; a
+ *        failing choice fails the request (500, or the stream's error event). A prefill side
+ *        computes one choice whatever n says.
  *        Logprobs, in OpenAI's shapes: chat "logprobs": true with "top_logprobs" [0, 20] gives
  *        choices[0].logprobs {"content": [{"token", "logprob", "bytes", "top_logprobs":
  *        [{"token", "logprob", "bytes"}]}]}; completions "logprobs" [0, 5] gives {"tokens",
@@ -187,7 +194,7 @@ typedef enum {
 typedef struct {
     kvs_server_finish_t finish; /* the request's: ERROR when any choice failed, else choice 0's */
     kvs_server_finish_t choice_finish[KVS_SERVER_CHOICES_MAX]; /* [n]: each choice's */
-    kvs_status_t status;    /* FINISH_ERROR: why */
+    kvs_status_t status;                                       /* FINISH_ERROR: why */
     uint32_t prompt_tokens; /* prompt length as the backend saw it */
     uint32_t cached_tokens; /* of which found in this instance's prefix cache */
     uint32_t generated;     /* tokens reported through on_token, all choices */
@@ -200,8 +207,9 @@ typedef struct {
  * loop thread), also before submit() returns; calls for one request never overlap; on_token
  * comes once per generated token of each choice, in order within the choice (a stop token
  * included: the server does not render the stop ids as text); on_done comes exactly once, last,
- * once every choice ended, for every request submit() accepted, cancelled ones included. The server never calls the backend from inside a sink
- * call, and the sink never blocks on the network (it only queues and wakes). */
+ * once every choice ended, for every request submit() accepted, cancelled ones included. The server
+ * never calls the backend from inside a sink call, and the sink never blocks on the network (it
+ * only queues and wakes). */
 typedef struct {
     /* piece: the token's text when the backend has it (copied before return); NULL: the
      * server decodes the id with its tokenizer. lp: the token's logprobs when the request

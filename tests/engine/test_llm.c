@@ -748,8 +748,9 @@ static void test_whole_context_max_new(void **state)
     single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, m, make_pool(m, 5));
     kvs_llm_request_t q = request(2); /* 93 tokens: 6 pages */
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_NOSPACE);
-    assert_non_null(strstr(cap.msg, "room 3: a prompt of 93 tokens with 1 choice needs 6 pages of 16 tokens, "
-                                    "more than the whole pool of 5: it can never be admitted"));
+    assert_non_null(
+        strstr(cap.msg, "room 3: a prompt of 93 tokens with 1 choice needs 6 pages of 16 tokens, "
+                        "more than the whole pool of 5: it can never be admitted"));
     q = request(0);
     q.max_new_tokens = CFG.max_ctx - g_len[0];
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);

@@ -112,9 +112,9 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = 4294967294ll;
     q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q,
-                   "submit 18446744073709551615 1 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
-                   &back, ids, 16);
+    req_round_trip(
+        &q, "submit 18446744073709551615 1 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
+        &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
 
     kvs_rank_line_request_t stop = {

@@ -1,6 +1,6 @@
 /* The fake backend: a thread that "generates" for every live request in steps (token k of
- * choice c echoes prompt[(k + c) % prompt_len]), with delays, failure injection, a prefix cache of finished prompts
- * and a record of every room it saw, for tests and smoke runs without a model. */
+ * choice c echoes prompt[(k + c) % prompt_len]), with delays, failure injection, a prefix cache of
+ * finished prompts and a record of every room it saw, for tests and smoke runs without a model. */
 #include "http/fake_backend.h"
 
 #include <pthread.h>

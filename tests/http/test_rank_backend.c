@@ -236,7 +236,8 @@ static void test_lines_and_events(void **state)
             "{\"event\":\"token\",\"room\":5,\"token\":12,\"index\":2}\n");
     next_line(&f, line, sizeof(line));
     assert_string_equal(line, "stop 5");
-    assert_int_equal(f.ops.cancel(f.ops.ctx, 5, KVS_SERVER_CHOICE_ALL), KVS_OK); /* no second stop line follows */
+    assert_int_equal(f.ops.cancel(f.ops.ctx, 5, KVS_SERVER_CHOICE_ALL),
+                     KVS_OK); /* no second stop line follows */
     char done[512];
     uint64_t now = kvs_now_ns();
     snprintf(done, sizeof(done),

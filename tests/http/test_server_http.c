@@ -824,8 +824,7 @@ static void test_choices(void **state)
     /* A failing choice fails the request: 500, and a stream ends with an error event. */
     kvs_server_fake_config_t failing = {.fail_at = 3};
     start(&f, &failing);
-    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":8,\"n\":2}",
-              &r);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":8,\"n\":2}", &r);
     expect_error_json(&r, 500, "server_error", NULL);
     http_resp_fini(&r);
     http_call(f.port, NULL, "/v1/completions",

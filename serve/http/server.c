@@ -71,7 +71,6 @@ typedef struct {
     uint32_t generated;
     int stop_matched, cancel_sent;
     kvs_server_finish_t finish; /* once the request finished */
-    int stream_ended;           /* its last chunk went out */
     /* logprobs: a record per rendered token, in text order; lps_sent of them streamed */
     lp_rec_t *lps;
     size_t n_lps, cap_lps, lps_sent;
@@ -609,7 +608,6 @@ static void sse_finish(req_t *r)
         json_t *content = r->api.chat ? json_object() : json_string("");
         json_t *lp = c->lps_sent < c->n_lps ? logprobs_json(r, c, c->lps_sent, c->n_lps) : NULL;
         c->lps_sent = c->n_lps;
-        c->stream_ended = 1;
         sse_chunk(r, i, content, kvs__finish_name(c->finish), lp);
     }
     if (r->api.include_usage) {

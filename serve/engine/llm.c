@@ -34,6 +34,7 @@ typedef enum {
     RQ_HANDOFF,    /* prefill: computed, the transfer concludes */
     RQ_WAIT_KV,    /* decode: the receiver waits for the KV */
     RQ_DECODE,     /* generating (decode, colocated) */
+    RQ_SIBLING,    /* choice > 0: waits for choice 0's prompt KV (then queued) */
 } rq_state_t;
 
 typedef struct {
@@ -53,6 +54,8 @@ typedef struct {
     kvs_radix_node_t *inserted;
     uint32_t keep_from, keep_to;
     int cached_early;
+    uint32_t choice;         /* of the room's req.n_choices; 0 computes or receives the prompt */
+    kvs_radix_node_t *hold;  /* choice > 0, queued: choice 0's prompt in the cache, locked */
     uint32_t preempted;      /* times sent back to the queue for want of pages */
     uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
     int has_first_lp;        /* decode: the first token's logprobs came with it */
@@ -73,6 +76,13 @@ typedef struct {
     size_t len;
 } pending_t;
 
+typedef struct {
+    uint64_t room;
+    uint32_t choice; /* or KVS_LLM_CHOICE_ALL */
+} stop_t;
+
+#define STOP_BYTES 12 /* a stop as broadcast: room, choice */
+
 struct kvs_llm {
     kvs_llm_config_t cfg;
     kvs_model_config_t mc;
@@ -84,7 +94,7 @@ struct kvs_llm {
     /* rank 0: submitted, not yet broadcast */
     pending_t *pending;
     uint32_t npending, cap_pending;
-    uint64_t *stops;
+    stop_t *stops;
     uint32_t nstops, cap_stops;
     /* rank 0: events not yet taken */
     kvs_llm_event_t *events;
@@ -100,6 +110,10 @@ struct kvs_llm {
     double *agree; /* [3 * max_running] */
     uint8_t *wire; /* broadcast assembly */
     size_t wire_cap;
+    uint32_t *wire_ids; /* [cap_wire_ids] a broadcast request's prompt, decoded */
+    kvs_logit_bias_t *wire_bias;
+    char *wire_peer; /* its prefill instance's description */
+    uint32_t cap_wire_ids, cap_wire_bias, cap_wire_peer;
     int want_metrics;          /* rank 0: collect at the next step */
     kvs_pd_metrics_t instance; /* summed over the ranks at the last collection */
     uint64_t collections;
@@ -144,8 +158,11 @@ static void emit(kvs_llm_t *e, const kvs_llm_event_t *ev)
 /* lp: the token's logprobs, or NULL when the request did not ask. */
 static void emit_token(kvs_llm_t *e, rq_t *r, uint32_t token, const kvs_logprobs_t *lp)
 {
-    kvs_llm_event_t ev = {
-        .kind = KVS_LLM_EV_TOKEN, .room = r->req.room, .token = token, .index = r->generated - 1};
+    kvs_llm_event_t ev = {.kind = KVS_LLM_EV_TOKEN,
+                          .room = r->req.room,
+                          .choice = r->choice,
+                          .token = token,
+                          .index = r->generated - 1};
     if (lp != NULL) {
         ev.has_logprobs = 1;
         ev.lp = *lp;
@@ -341,8 +358,11 @@ void kvs_llm_destroy(kvs_llm_t *e)
     for (uint32_t i = 0; i < e->nrqs; i++) {
         rq_t *r = e->rqs[i];
         if (r->npages > 0) {
-            uint32_t first = r->cached / e->page;
-            give_pages(e, r->pages + first, r->npages - first);
+            /* What it put in the radix cache early goes back with the cache. */
+            uint32_t first = r->cached / e->page, from = r->cached_early ? r->keep_from : r->npages;
+            uint32_t to = r->cached_early ? r->keep_to : r->npages;
+            give_pages(e, r->pages + first, from - first);
+            give_pages(e, r->pages + to, r->npages - to);
         }
         rq_free(r);
     }
@@ -360,6 +380,9 @@ void kvs_llm_destroy(kvs_llm_t *e)
     kvs_free(e->raw);
     kvs_free(e->all_logits);
     kvs_free(e->wire);
+    kvs_free(e->wire_ids);
+    kvs_free(e->wire_bias);
+    kvs_free(e->wire_peer);
     kvs_free(e);
 }
 
@@ -389,21 +412,28 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
                   e->max_ctx);
         return KVS_ERR_INVALID;
     }
-    /* Admission is FIFO and waits for pages: a prompt the whole pool cannot hold would wait
-     * forever and block every later request. Its new tokens take pages as they come. */
-    uint32_t need = pages_for(q->prompt_len, e->page), have = kvs_pool_total_pages(e->cfg.pool);
-    if (need > have) {
-        kvs_error("llm: room %llu: a prompt of %u tokens needs %u pages of %u tokens, more than "
-                  "the whole pool of %u: it can never be admitted",
-                  (unsigned long long) q->room, q->prompt_len, need, e->page, have);
-        return KVS_ERR_NOSPACE;
-    }
     const char *why = kvs_sample_params_invalid(&q->sampling, e->mc.vocab);
     if (why == NULL && q->top_logprobs > KVS_LOGPROBS_TOP_MAX) why = "top_logprobs must be 0..20";
     if (why == NULL && q->prompt_logprobs && !q->logprobs) why = "prompt logprobs need logprobs";
+    if (why == NULL && q->n_choices > KVS_LLM_CHOICES_MAX) why = "n_choices must be 1..16";
+    if (why == NULL && q->n_choices > 1 && !generates)
+        why = "a prefill engine computes one choice (the decode side samples the others)";
     if (why != NULL) {
         kvs_error("llm: room %llu: %s", (unsigned long long) q->room, why);
         return KVS_ERR_INVALID;
+    }
+    /* Admission is FIFO and waits for pages: a prompt the whole pool cannot hold would wait
+     * forever and block every later request. Its new tokens take pages as they come; every
+     * further choice takes a page of its own at admission (the prompt's last one). */
+    const uint32_t choices = q->n_choices > 1 ? q->n_choices : 1;
+    uint64_t need = (uint64_t) pages_for(q->prompt_len, e->page) + (choices - 1);
+    uint32_t have = kvs_pool_total_pages(e->cfg.pool);
+    if (need > have) {
+        kvs_error("llm: room %llu: a prompt of %u tokens with %u choice%s needs %llu pages of %u "
+                  "tokens, more than the whole pool of %u: it can never be admitted",
+                  (unsigned long long) q->room, q->prompt_len, choices, choices == 1 ? "" : "s",
+                  (unsigned long long) need, e->page, have);
+        return KVS_ERR_NOSPACE;
     }
     for (uint32_t i = 0; i < q->prompt_len; i++) {
         if (q->prompt[i] >= e->mc.vocab) {
@@ -443,9 +473,9 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     put_f32(b + 48, sp->presence_penalty);
     put_f32(b + 52, sp->frequency_penalty);
     put_f32(b + 56, sp->repetition_penalty);
-    /* bits 0-7: top_logprobs; bit 8: logprobs; bit 9: prompt logprobs */
-    kvs_put_u32(b + 60,
-                q->top_logprobs | (q->logprobs ? 0x100u : 0) | (q->prompt_logprobs ? 0x200u : 0));
+    /* bits 0-7: top_logprobs; bit 8: logprobs; bit 9: prompt logprobs; bits 16-23: choices */
+    kvs_put_u32(b + 60, q->top_logprobs | (q->logprobs ? 0x100u : 0) |
+                            (q->prompt_logprobs ? 0x200u : 0) | (choices << 16));
     uint8_t *at = b + REQ_FIXED;
     for (uint32_t i = 0; i < q->prompt_len; i++, at += 4) kvs_put_u32(at, q->prompt[i]);
     for (uint32_t i = 0; i < sp->n_bias; i++, at += 8) {
@@ -458,7 +488,7 @@ kvs_status_t kvs_llm_submit(kvs_llm_t *e, const kvs_llm_request_t *q)
     return KVS_OK;
 }
 
-kvs_status_t kvs_llm_stop(kvs_llm_t *e, uint64_t room)
+kvs_status_t kvs_llm_stop(kvs_llm_t *e, uint64_t room, uint32_t choice)
 {
     if (e->rank != 0) {
         kvs_error("llm: stops go to rank 0 (this is rank %u)", e->rank);
@@ -467,29 +497,66 @@ kvs_status_t kvs_llm_stop(kvs_llm_t *e, uint64_t room)
     int live = find(e, room) != NULL;
     for (uint32_t i = 0; i < e->npending && !live; i++) live = e->pending[i].room == room;
     if (!live) return KVS_ERR_NOT_FOUND;
-    if (!grow((void **) &e->stops, &e->cap_stops, e->nstops + 1, sizeof(uint64_t)))
+    if (!grow((void **) &e->stops, &e->cap_stops, e->nstops + 1, sizeof(stop_t)))
         return KVS_ERR_NOMEM;
-    e->stops[e->nstops++] = room;
+    e->stops[e->nstops++] = (stop_t){room, choice};
     return KVS_OK;
 }
 
-/* Builds a request from its broadcast bytes and queues it (every rank). */
+/* A request's arrays for its description q (prompt and biases copied from q's), its events'
+ * fields filled; NULL when out of memory. */
+static rq_t *rq_new(kvs_llm_t *e, const kvs_llm_request_t *q)
+{
+    rq_t *r = kvs_calloc(1, sizeof(*r));
+    if (r == NULL) return NULL;
+    r->req = *q;
+    uint32_t n = q->prompt_len, nb = q->sampling.n_bias;
+    uint32_t cap = n + (e->cfg.role == KVS_LLM_PREFILL ? 1 : q->max_new_tokens);
+    r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
+    r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
+    r->bias = nb > 0 ? kvs_malloc((size_t) nb * sizeof(kvs_logit_bias_t)) : NULL;
+    const size_t peer_len = q->peer != NULL ? strlen(q->peer) : 0;
+    r->peer = q->peer != NULL ? kvs_malloc(peer_len + 1) : NULL;
+    if (r->tokens == NULL || r->pages == NULL || (nb > 0 && r->bias == NULL) ||
+        (q->peer != NULL && r->peer == NULL)) {
+        rq_free(r);
+        return NULL;
+    }
+    memcpy(r->tokens, q->prompt, (size_t) n * sizeof(uint32_t));
+    if (nb > 0) memcpy(r->bias, q->sampling.bias, (size_t) nb * sizeof(kvs_logit_bias_t));
+    if (r->peer != NULL) memcpy(r->peer, q->peer, peer_len + 1);
+    r->req.sampling.bias = r->bias;
+    r->req.peer = r->peer;
+    r->req.prompt = r->tokens;
+    r->ntokens = n;
+    r->ev.room = q->room;
+    r->ev.prompt_len = n;
+    r->ev.submitted_ns = kvs_now_ns();
+    return r;
+}
+
+/* Builds a request from its broadcast bytes and queues it (every rank), its further choices
+ * (RQ_SIBLING) right behind it. */
 static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *used_p)
 {
     if (len < REQ_FIXED) return KVS_ERR_PROTOCOL;
     uint32_t n = kvs_get_u32(b + 8), nb = kvs_get_u32(b + 36);
+    uint32_t lpf = kvs_get_u32(b + 60), choices = (lpf >> 16) & 0xff;
     const size_t body = (size_t) n * 4 + (size_t) nb * 8;
-    if (n == 0 || nb > KVS_SAMPLE_BIAS_LIMIT || len - REQ_FIXED < body + 4) return KVS_ERR_PROTOCOL;
+    if (n == 0 || nb > KVS_SAMPLE_BIAS_LIMIT || choices == 0 || choices > KVS_LLM_CHOICES_MAX ||
+        len - REQ_FIXED < body + 4)
+        return KVS_ERR_PROTOCOL;
     const uint32_t peer_len = kvs_get_u32(b + REQ_FIXED + body);
     if (peer_len > KVS_LLM_PEER_MAX || len - REQ_FIXED - body - 4 < peer_len)
         return KVS_ERR_PROTOCOL;
     *used_p = REQ_FIXED + body + 4 + peer_len;
-    rq_t *r = kvs_calloc(1, sizeof(*r));
-    if (r == NULL || !grow((void **) &e->rqs, &e->cap_rqs, e->nrqs + 1, sizeof(rq_t *))) {
-        kvs_free(r);
+    if (!grow((void **) &e->rqs, &e->cap_rqs, e->nrqs + choices, sizeof(rq_t *)) ||
+        !grow((void **) &e->wire_ids, &e->cap_wire_ids, n, sizeof(uint32_t)) ||
+        !grow((void **) &e->wire_bias, &e->cap_wire_bias, nb, sizeof(kvs_logit_bias_t)) ||
+        !grow((void **) &e->wire_peer, &e->cap_wire_peer, peer_len + 1, 1))
         return KVS_ERR_NOMEM;
-    }
-    kvs_llm_request_t *q = &r->req;
+    kvs_llm_request_t req, *q = &req;
+    memset(q, 0, sizeof(*q));
     q->room = kvs_get_u64(b);
     q->prompt_len = n;
     q->max_new_tokens = kvs_get_u32(b + 12);
@@ -504,36 +571,36 @@ static kvs_status_t enqueue(kvs_llm_t *e, const uint8_t *b, size_t len, size_t *
     sp->presence_penalty = get_f32(b + 48);
     sp->frequency_penalty = get_f32(b + 52);
     sp->repetition_penalty = get_f32(b + 56);
-    uint32_t lpf = kvs_get_u32(b + 60);
     q->top_logprobs = lpf & 0xff;
     q->logprobs = (lpf >> 8) & 1;
     q->prompt_logprobs = (lpf >> 9) & 1;
-    uint32_t cap = n + (e->cfg.role == KVS_LLM_PREFILL ? 1 : q->max_new_tokens);
-    r->tokens = kvs_malloc((size_t) cap * sizeof(uint32_t));
-    r->pages = kvs_malloc((size_t) capacity_pages(e, q) * sizeof(uint32_t));
-    r->bias = nb > 0 ? kvs_malloc((size_t) nb * sizeof(kvs_logit_bias_t)) : NULL;
-    r->peer = peer_len > 0 ? kvs_malloc((size_t) peer_len + 1) : NULL;
-    if (r->tokens == NULL || r->pages == NULL || (nb > 0 && r->bias == NULL) ||
-        (peer_len > 0 && r->peer == NULL)) {
-        rq_free(r);
-        return KVS_ERR_NOMEM;
-    }
+    q->n_choices = choices;
     const uint8_t *at = b + REQ_FIXED;
-    for (uint32_t i = 0; i < n; i++, at += 4) r->tokens[i] = kvs_get_u32(at);
+    for (uint32_t i = 0; i < n; i++, at += 4) e->wire_ids[i] = kvs_get_u32(at);
     for (uint32_t i = 0; i < nb; i++, at += 8)
-        r->bias[i] = (kvs_logit_bias_t){.token = kvs_get_u32(at), .bias = get_f32(at + 4)};
-    sp->bias = r->bias;
-    if (r->peer != NULL) {
-        memcpy(r->peer, b + REQ_FIXED + body + 4, peer_len);
-        r->peer[peer_len] = '\0';
+        e->wire_bias[i] = (kvs_logit_bias_t){.token = kvs_get_u32(at), .bias = get_f32(at + 4)};
+    sp->bias = e->wire_bias;
+    q->prompt = e->wire_ids;
+    if (peer_len > 0) {
+        memcpy(e->wire_peer, b + REQ_FIXED + body + 4, peer_len);
+        e->wire_peer[peer_len] = '\0';
+        q->peer = e->wire_peer;
     }
-    q->peer = r->peer;
-    q->prompt = r->tokens;
-    r->ntokens = n;
-    r->ev.room = q->room;
-    r->ev.prompt_len = n;
-    r->ev.submitted_ns = kvs_now_ns();
-    e->rqs[e->nrqs++] = r;
+    rq_t *rs[KVS_LLM_CHOICES_MAX];
+    const uint64_t seed = q->seed;
+    for (uint32_t c = 0; c < choices; c++) {
+        if (c > 0) {
+            q->seed = seed + c;     /* choice c samples with the request's seed + c */
+            q->prompt_logprobs = 0; /* reported once, by choice 0 */
+        }
+        if ((rs[c] = rq_new(e, q)) == NULL) {
+            while (c-- > 0) rq_free(rs[c]);
+            return KVS_ERR_NOMEM;
+        }
+        rs[c]->choice = rs[c]->ev.choice = c;
+        rs[c]->state = c > 0 ? RQ_SIBLING : RQ_QUEUED;
+    }
+    for (uint32_t c = 0; c < choices; c++) e->rqs[e->nrqs++] = rs[c];
     return KVS_OK;
 }
 
@@ -572,7 +639,7 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
     size_t payload = 0;
     if (e->rank == 0) {
         for (uint32_t i = 0; i < e->npending; i++) payload += e->pending[i].len;
-        payload += (size_t) e->nstops * 8;
+        payload += (size_t) e->nstops * STOP_BYTES;
         kvs_put_u32(head, (uint32_t) (quit != 0));
         kvs_put_u32(head + 4, e->npending);
         kvs_put_u32(head + 8, e->nstops);
@@ -602,7 +669,10 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
             at += e->pending[i].len;
             kvs_free(e->pending[i].bytes);
         }
-        for (uint32_t i = 0; i < e->nstops; i++, at += 8) kvs_put_u64(e->wire + at, e->stops[i]);
+        for (uint32_t i = 0; i < e->nstops; i++, at += STOP_BYTES) {
+            kvs_put_u64(e->wire + at, e->stops[i].room);
+            kvs_put_u32(e->wire + at + 8, e->stops[i].choice);
+        }
         e->npending = e->nstops = 0;
     }
     for (size_t at = 0; e->cfg.group != NULL && at < payload; at += PIECE_BYTES) {
@@ -619,9 +689,14 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
         }
         at += used;
     }
-    for (uint32_t i = 0; i < nstop && at + 8 <= payload; i++, at += 8) {
-        rq_t *r = find(e, kvs_get_u64(e->wire + at));
-        if (r != NULL) r->stop = 1;
+    for (uint32_t i = 0; i < nstop && at + STOP_BYTES <= payload; i++, at += STOP_BYTES) {
+        uint64_t room = kvs_get_u64(e->wire + at);
+        uint32_t choice = kvs_get_u32(e->wire + at + 8);
+        for (uint32_t j = 0; j < e->nrqs; j++) {
+            rq_t *r = e->rqs[j];
+            if (r->req.room == room && (choice == KVS_LLM_CHOICE_ALL || r->choice == choice))
+                r->stop = 1;
+        }
     }
     return KVS_OK;
 }
@@ -682,15 +757,20 @@ static void release_pages(kvs_llm_t *e, rq_t *r, int keep)
         give_pages(e, r->pages + r->keep_to, r->npages - r->keep_to);
     }
     if (r->node != NULL) (void) kvs_radix_unlock(e->radix, r->node);
-    r->node = r->inserted = NULL;
+    if (r->hold != NULL) (void) kvs_radix_unlock(e->radix, r->hold);
+    r->node = r->inserted = r->hold = NULL;
     r->npages = r->cached = r->keep_from = r->keep_to = 0;
     r->cached_early = 0;
 }
 
-/* Removes request i: pages to the radix cache (what it computed) or the pool, then EV_DONE. */
+/* Removes request i: pages to the radix cache (what it computed) or the pool, then EV_DONE.
+ * The room's other choices: those still waiting for choice 0's prompt (behind it) end with it,
+ * as it did; when it failed, the others stop at the next step. */
 static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish_t why)
 {
     rq_t *r = e->rqs[i];
+    const uint64_t room = r->req.room;
+    const int others = r->req.n_choices > 1, first = r->choice == 0;
     release_pages(e, r, status == KVS_OK);
     if (status == KVS_OK)
         e->st.requests_ok++;
@@ -705,6 +785,15 @@ static void finish(kvs_llm_t *e, uint32_t i, kvs_status_t status, kvs_llm_finish
     rq_free(r);
     memmove(e->rqs + i, e->rqs + i + 1, (size_t) (e->nrqs - i - 1) * sizeof(rq_t *));
     e->nrqs--;
+    for (uint32_t j = 0; others && j < e->nrqs;) {
+        rq_t *s = e->rqs[j];
+        if (first && s->req.room == room && s->state == RQ_SIBLING) {
+            finish(e, j, status, why); /* behind choice 0: j >= i */
+            continue;
+        }
+        if (s->req.room == room && status != KVS_OK) s->stop = 1;
+        j++;
+    }
 }
 
 /* ---- transfer outcomes, agreed over the ranks ---- */
@@ -760,6 +849,28 @@ static void protocol_release(kvs_llm_t *e, rq_t *r)
         (void) kvs_receiver_release(r->rx, r->req.room);
 }
 
+/* Choice 0's prompt KV is at rest on every rank (and its first token known): the prompt goes
+ * into the radix cache (kept there while the sequence lives), and the room's other choices are
+ * queued, each holding the cached prompt until its admission matches it. */
+static void release_siblings(kvs_llm_t *e, rq_t *r)
+{
+    if (r->choice != 0 || r->req.n_choices <= 1) return;
+    if (!r->cached_early) {
+        cache_insert(e, r, r->req.prompt_len, &r->inserted);
+        if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
+        r->cached_early = 1;
+    }
+    for (uint32_t i = 0; i < e->nrqs; i++) {
+        rq_t *s = e->rqs[i];
+        if (s->req.room != r->req.room || s->state != RQ_SIBLING) continue;
+        s->state = RQ_QUEUED;
+        if (r->inserted != NULL) {
+            kvs_radix_lock(e->radix, r->inserted);
+            s->hold = r->inserted;
+        }
+    }
+}
+
 static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
 {
     if (e->cfg.role == KVS_LLM_COLOCATED) return KVS_OK;
@@ -813,6 +924,7 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
         r->computed = r->req.prompt_len;
         r->ev.kv_ready_ns = r->ev.first_token_ns = kvs_now_ns();
         emit_token(e, r, first, r->req.logprobs && r->has_first_lp ? &r->first_lp : NULL);
+        release_siblings(e, r);
         if (first == r->req.eos || r->req.max_new_tokens == 1) {
             finish(e, i, KVS_OK, first == r->req.eos ? KVS_LLM_FINISH_EOS : KVS_LLM_FINISH_LENGTH);
             continue;
@@ -828,7 +940,8 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
 static uint32_t running(const kvs_llm_t *e)
 {
     uint32_t n = 0;
-    for (uint32_t i = 0; i < e->nrqs; i++) n += e->rqs[i]->state != RQ_QUEUED;
+    for (uint32_t i = 0; i < e->nrqs; i++)
+        n += e->rqs[i]->state != RQ_QUEUED && e->rqs[i]->state != RQ_SIBLING;
     return n;
 }
 
@@ -865,13 +978,17 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
     r->node = node;
     r->npages = total;
     r->cached = r->computed = cached;
+    if (r->hold != NULL) { /* its own match holds what it shares now */
+        (void) kvs_radix_unlock(e->radix, r->hold);
+        r->hold = NULL;
+    }
     if (!r->preempted) {
         r->ev.admitted_ns = kvs_now_ns();
         r->ev.cached_tokens = cached;
         e->st.cached_tokens += cached;
     }
-    if (r->generated > 0) {
-        /* Back after a preemption: recompute locally, whatever the role. */
+    if (r->generated > 0 || r->choice > 0) {
+        /* Back after a preemption, or a further choice: computed locally, whatever the role. */
         r->state = RQ_PREFILL;
         return 1;
     }
@@ -1054,6 +1171,7 @@ static void prompt_done(kvs_llm_t *e, rq_t *r, float *logits)
         return;
     }
     r->state = RQ_DECODE;
+    release_siblings(e, r);
 }
 
 /* A prompt chunk of a request reporting prompt logprobs (and not yet past them). */

@@ -23,6 +23,22 @@
  * room's final metadata.
  * Requests fail alone: a room that fails on any rank fails on all of them, and the others go on.
  *
+ * Choices (n_choices > 1, decode and colocated): the prompt is computed (or received) once, as
+ * choice 0, which samples with the request's seed. Once its prompt KV is at rest (colocated:
+ * after its last prompt chunk; decode: once every rank received the KV), that prompt goes into
+ * the radix cache and choices 1..n-1 are admitted as local requests of the same room sampling
+ * with seed + i: each matches the prompt's whole pages in the radix cache (shared, locked from
+ * then until its own admission) and computes only the positions past them (the last partial
+ * page; at least the last prompt token, whose logits it samples its first token from), so choice
+ * i generates exactly what a request with n_choices 1 and seed + i would. Without a radix cache
+ * (or a prompt shorter than a page) each choice computes the prompt itself. Every choice reports
+ * its own EV_TOKENs and EV_DONE (event.choice); a choice that fails stops the room's others at
+ * the next step (they end FINISH_STOP), and choices not yet admitted when choice 0 ends before
+ * its prompt was ready end with it, as it did. The siblings are allocated with choice 0 (when
+ * every rank queues the request) and take pages as any request does (admission, growth,
+ * preemption and recompute alike). A choice-0 sequence that shared its prompt keeps only the
+ * prompt in the radix cache when it ends (not its generated tokens).
+ *
  * Pages as the sequence grows (decode, colocated): admission takes pages for the prompt only;
  * a running sequence takes its next page when the token it feeds needs one, so max_new_tokens
  * costs nothing until generated. Admission (FIFO) waits until the pool (free pages plus what the
@@ -83,6 +99,9 @@ typedef struct {
     int radix; /* this instance's radix prefix cache */
 } kvs_llm_config_t;
 
+#define KVS_LLM_CHOICES_MAX 16         /* n_choices at most */
+#define KVS_LLM_CHOICE_ALL  UINT32_MAX /* kvs_llm_stop: every choice of the room */
+
 typedef struct {
     uint64_t room;           /* chosen by the router: the same on the prefill and decode side */
     const uint32_t *prompt;  /* [prompt_len] token ids; copied */
@@ -105,6 +124,10 @@ typedef struct {
      * KVS_LLM_PEER_MAX bytes that rank 0 got from whoever chose the instance and every rank
      * hands to receivers.receiver (copied); NULL: none. */
     const char *peer;
+    /* Sequences sampled from the prompt (choices, OpenAI's n): 0 or 1 for one, at most
+     * KVS_LLM_CHOICES_MAX; a prefill engine takes only one (the decode side samples the others).
+     * Choice i samples with seed + i; prompt logprobs are reported once (choice 0). */
+    uint32_t n_choices;
 } kvs_llm_request_t;
 
 #define KVS_LLM_PEER_MAX 16384
@@ -128,6 +151,7 @@ typedef enum {
 typedef struct {
     kvs_llm_event_kind_t kind;
     uint64_t room;
+    uint32_t choice;         /* EV_TOKEN, EV_DONE: which of the request's choices; EV_PROMPT: 0 */
     uint32_t token;          /* EV_TOKEN, EV_PROMPT */
     uint32_t index;          /* EV_TOKEN: 0 for the first generated token; EV_PROMPT: position */
     int has_logprobs;        /* EV_TOKEN: the request asked (logprobs); EV_PROMPT: 1 */
@@ -176,13 +200,15 @@ void kvs_llm_destroy(kvs_llm_t *llm);
 /* Rank 0 only: queues a request, validated now (KVS_ERR_INVALID: empty prompt, prompt +
  * max_new_tokens above max_context, token id outside the vocabulary, max_new_tokens 0 where
  * tokens are generated, sampling parameters kvs_sample_params_invalid refuses, top_logprobs above
- * KVS_LOGPROBS_TOP_MAX or prompt_logprobs without logprobs, a room id already live;
- * KVS_ERR_NOSPACE: its prompt needs more pages than the whole pool holds, so it could never be
- * admitted). Every rank admits it at the same later step. */
+ * KVS_LOGPROBS_TOP_MAX or prompt_logprobs without logprobs, n_choices above KVS_LLM_CHOICES_MAX
+ * (or above 1 on a prefill engine), a room id already live; KVS_ERR_NOSPACE: its prompt, plus a
+ * page for each further choice, needs more pages than the whole pool holds, so it could never
+ * be admitted). Every rank admits it at the same later step. One EV_DONE per choice follows. */
 kvs_status_t kvs_llm_submit(kvs_llm_t *llm, const kvs_llm_request_t *request);
-/* Rank 0 only: ends a live request at the next step (FINISH_STOP), e.g. a stop string seen by
- * the caller. KVS_ERR_NOT_FOUND for a room that is not live. */
-kvs_status_t kvs_llm_stop(kvs_llm_t *llm, uint64_t room);
+/* Rank 0 only: ends choice `choice` of a live request (KVS_LLM_CHOICE_ALL: all of them) at the
+ * next step (FINISH_STOP), e.g. a stop string seen by the caller. KVS_ERR_NOT_FOUND for a room
+ * that is not live. */
+kvs_status_t kvs_llm_stop(kvs_llm_t *llm, uint64_t room, uint32_t choice);
 
 /* Read-only, between steps: how many tokens of prompt[0, prompt_len) admission would find in
  * this rank's radix cache now (0 without a cache), e.g. for a router's prefix-aware choice.
@@ -201,8 +227,8 @@ kvs_status_t kvs_llm_step(kvs_llm_t *llm, int quit, int *quit_p, uint32_t *work_
 
 /* Rank 0: takes the next event; KVS_INPROGRESS when none is waiting. Other ranks record none. */
 kvs_status_t kvs_llm_next_event(kvs_llm_t *llm, kvs_llm_event_t *event_p);
-/* Requests queued or running on this rank (as of the last step; rank 0 also counts those
- * submitted since). */
+/* Sequences (each choice of a request counts) queued or running on this rank (as of the last
+ * step; rank 0 also counts the requests submitted since). */
 uint32_t kvs_llm_live(const kvs_llm_t *llm);
 void kvs_llm_stats(const kvs_llm_t *llm, kvs_llm_stats_t *stats_p);
 

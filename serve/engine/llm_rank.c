@@ -174,7 +174,8 @@ static void handle_submit(io_t *io, const kvs_rank_line_submit_t *s)
                            .logprobs = s->logprobs,
                            .top_logprobs = s->top_logprobs,
                            .prompt_logprobs = s->prompt_logprobs,
-                           .peer = s->peer_len > 0 ? peer : NULL};
+                           .peer = s->peer_len > 0 ? peer : NULL,
+                           .n_choices = s->choices};
     kvs_status_t st = kvs_llm_submit(io->llm, &q);
     if (st != KVS_OK) out_rejected(io->cfg->out_fd, s->room, st);
 }
@@ -287,7 +288,7 @@ static void handle_line(io_t *io, char *line)
         break;
     case KVS_RANK_LINE_STOP:
         /* A room that already ended is no error: the stop raced its last token. */
-        (void) kvs_llm_stop(io->llm, q.room);
+        (void) kvs_llm_stop(io->llm, q.room, q.choice);
         break;
     case KVS_RANK_LINE_STATS:
         handle_stats(io);

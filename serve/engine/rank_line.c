@@ -92,13 +92,13 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
     case KVS_RANK_LINE_SUBMIT:
         if ((s->prompt == NULL && s->prompt_len > 0) || s->eos < -1 || s->eos > UINT32_MAX ||
             (sp->bias == NULL && sp->n_bias > 0) || s->top_logprobs > KVS_LOGPROBS_TOP_MAX ||
-            (s->prompt_logprobs && !s->logprobs))
+            (s->prompt_logprobs && !s->logprobs) || s->choices > KVS_LLM_CHOICES_MAX)
             return KVS_ERR_INVALID;
-        put(&o, "submit %llu %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %d %d %u",
-            (unsigned long long) s->room, s->max_new, (double) sp->temperature, (double) sp->top_p,
-            sp->top_k, (double) sp->min_p, (double) sp->presence_penalty,
-            (double) sp->frequency_penalty, (double) sp->repetition_penalty,
-            (unsigned long long) s->seed, (long long) s->eos,
+        put(&o, "submit %llu %u %u %.9g %.9g %u %.9g %.9g %.9g %.9g %llu %lld %d %d %u",
+            (unsigned long long) s->room, s->choices ? s->choices : 1, s->max_new,
+            (double) sp->temperature, (double) sp->top_p, sp->top_k, (double) sp->min_p,
+            (double) sp->presence_penalty, (double) sp->frequency_penalty,
+            (double) sp->repetition_penalty, (unsigned long long) s->seed, (long long) s->eos,
             s->logprobs ? (int) s->top_logprobs : -1, s->prompt_logprobs ? 1 : 0, sp->n_bias);
         for (uint32_t i = 0; i < sp->n_bias && !o.over; i++)
             put(&o, " %u %.9g", sp->bias[i].token, (double) sp->bias[i].bias);
@@ -113,6 +113,7 @@ kvs_status_t kvs_rank_line_request_encode(const kvs_rank_line_request_t *req, ch
         break;
     case KVS_RANK_LINE_STOP:
         put(&o, "stop %llu", (unsigned long long) req->room);
+        if (req->choice != KVS_LLM_CHOICE_ALL) put(&o, " %u", req->choice);
         break;
     case KVS_RANK_LINE_MATCH:
         if (req->match == NULL && req->match_len > 0) return KVS_ERR_INVALID;
@@ -148,6 +149,7 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
         put(&o, "{\"event\":\"%s\",\"room\":%llu,\"token\":%u,\"index\":%u",
             ev->kind == KVS_RANK_LINE_EV_TOKEN ? "token" : "prompt", (unsigned long long) e->room,
             e->token, e->index);
+        if (e->choice != 0) put(&o, ",\"choice\":%u", e->choice);
         if (e->has_logprobs) {
             put(&o, ",\"logprob\":%.9g,\"top\":\"", (double) e->lp.logprob);
             for (uint32_t i = 0; i < e->lp.n_top && i < KVS_LOGPROBS_TOP_MAX; i++)
@@ -162,12 +164,14 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
             "{\"event\":\"done\",\"room\":%llu,\"status\":\"%s\",\"finish\":\"%s\","
             "\"prompt_len\":%u,\"cached\":%u,\"generated\":%u,\"submitted_ns\":%llu,"
             "\"admitted_ns\":%llu,\"prefilled_ns\":%llu,\"kv_ready_ns\":%llu,"
-            "\"first_token_ns\":%llu,\"done_ns\":%llu}",
+            "\"first_token_ns\":%llu,\"done_ns\":%llu",
             (unsigned long long) e->room, kvs_status_str(e->status),
             kvs_rank_line_finish_str(e->finish), e->prompt_len, e->cached_tokens, e->generated,
             (unsigned long long) e->submitted_ns, (unsigned long long) e->admitted_ns,
             (unsigned long long) e->prefilled_ns, (unsigned long long) e->kv_ready_ns,
             (unsigned long long) e->first_token_ns, (unsigned long long) e->done_ns);
+        if (e->choice != 0) put(&o, ",\"choice\":%u", e->choice);
+        put(&o, "}");
         break;
     case KVS_RANK_LINE_EV_REJECTED:
         put(&o, "{\"event\":\"rejected\",\"room\":%llu,\"status\":\"%s\"}",
@@ -277,16 +281,18 @@ static kvs_status_t bad(const char **why_p, const char *why)
 static kvs_status_t decode_submit(cur_t *c, uint32_t *ids, uint32_t ids_cap, kvs_logit_bias_t *bias,
                                   kvs_rank_line_submit_t *s, const char **why_p)
 {
-    uint64_t max_new, top_k, nb, n;
+    uint64_t choices, max_new, top_k, nb, n;
     kvs_sample_params_t *sp = &s->sampling;
-    if (next_u64(c, &s->room) || next_u64(c, &max_new) || next_f32(c, &sp->temperature) ||
-        next_f32(c, &sp->top_p) || next_u64(c, &top_k) || next_f32(c, &sp->min_p) ||
-        next_f32(c, &sp->presence_penalty) || next_f32(c, &sp->frequency_penalty) ||
-        next_f32(c, &sp->repetition_penalty) || next_u64(c, &s->seed) || max_new > UINT32_MAX ||
-        top_k > UINT32_MAX)
-        return bad(why_p, "submit needs ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE "
-                          "FREQUENCY REPETITION SEED EOS LOGPROBS PROMPT_LOGPROBS B BIASES N "
-                          "IDS");
+    if (next_u64(c, &s->room) || next_u64(c, &choices) || next_u64(c, &max_new) ||
+        next_f32(c, &sp->temperature) || next_f32(c, &sp->top_p) || next_u64(c, &top_k) ||
+        next_f32(c, &sp->min_p) || next_f32(c, &sp->presence_penalty) ||
+        next_f32(c, &sp->frequency_penalty) || next_f32(c, &sp->repetition_penalty) ||
+        next_u64(c, &s->seed) || max_new > UINT32_MAX || top_k > UINT32_MAX)
+        return bad(why_p, "submit needs ROOM CHOICES MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P "
+                          "PRESENCE FREQUENCY REPETITION SEED EOS LOGPROBS PROMPT_LOGPROBS B "
+                          "BIASES N IDS");
+    if (choices == 0 || choices > KVS_LLM_CHOICES_MAX) return bad(why_p, "CHOICES must be 1..16");
+    s->choices = (uint32_t) choices;
     s->max_new = (uint32_t) max_new;
     sp->top_k = (uint32_t) top_k;
     if (c->len - c->at >= 3 && memcmp(c->s + c->at, " -1", 3) == 0 &&
@@ -392,7 +398,12 @@ kvs_status_t kvs_rank_line_request_decode(const char *line, size_t len, uint32_t
     if (verb(line, len, "stop")) {
         req_p->kind = KVS_RANK_LINE_STOP;
         cur_t c = {line, len, 4};
-        if (next_u64(&c, &req_p->room) || !at_end(&c)) return bad(why_p, "stop needs ROOM");
+        uint64_t choice = KVS_LLM_CHOICE_ALL; /* no CHOICE: every one */
+        if (next_u64(&c, &req_p->room)) return bad(why_p, "stop needs ROOM [CHOICE]");
+        if (!at_end(&c) && (next_u64(&c, &choice) || choice >= KVS_LLM_CHOICES_MAX))
+            return bad(why_p, "stop needs ROOM [CHOICE], CHOICE 0..15");
+        if (!at_end(&c)) return bad(why_p, "stop needs ROOM [CHOICE]");
+        req_p->choice = (uint32_t) choice;
         return KVS_OK;
     }
     if (verb(line, len, "match")) {
@@ -819,7 +830,7 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
         ev->kind = kind[0] == 't' ? KVS_RANK_LINE_EV_TOKEN : KVS_RANK_LINE_EV_PROMPT;
         e->kind = kind[0] == 't' ? KVS_LLM_EV_TOKEN : KVS_LLM_EV_PROMPT;
         wrong = U64("room", e->room) || U32("token", e->token) || U32("index", e->index) ||
-                get_logprobs(&o, e) < 0;
+                U32("choice", e->choice) || get_logprobs(&o, e) < 0;
     } else if (strcmp(kind, "done") == 0 || strcmp(kind, "rejected") == 0) {
         ev->kind = kind[0] == 'd' ? KVS_RANK_LINE_EV_DONE : KVS_RANK_LINE_EV_REJECTED;
         e->kind = KVS_LLM_EV_DONE;
@@ -828,7 +839,8 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
                 U32("cached", e->cached_tokens) || U32("generated", e->generated) ||
                 U64("submitted_ns", e->submitted_ns) || U64("admitted_ns", e->admitted_ns) ||
                 U64("prefilled_ns", e->prefilled_ns) || U64("kv_ready_ns", e->kv_ready_ns) ||
-                U64("first_token_ns", e->first_token_ns) || U64("done_ns", e->done_ns);
+                U64("first_token_ns", e->first_token_ns) || U64("done_ns", e->done_ns) ||
+                U32("choice", e->choice);
     } else if (strcmp(kind, "error") == 0) {
         ev->kind = KVS_RANK_LINE_EV_ERROR;
         wrong = get_str(&o, "message", ev->text, sizeof(ev->text)) < 0;

@@ -4,8 +4,11 @@
  * text below is the only definition of the format.
  *
  * Rank 0 reads requests from in_fd, one line each (fields separated by single spaces):
- *   submit ROOM MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE FREQUENCY REPETITION SEED EOS
- *          LOGPROBS PROMPT_LOGPROBS B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N [peer PEER]
+ *   submit ROOM CHOICES MAX_NEW TEMPERATURE TOP_P TOP_K MIN_P PRESENCE FREQUENCY REPETITION
+ *          SEED EOS LOGPROBS PROMPT_LOGPROBS B ID_1 BIAS_1 ... ID_B BIAS_B N ID_1 ... ID_N
+ *          [peer PEER]
+ *                         CHOICES 1..16: the sequences sampled from the prompt (choice i with
+ *                         SEED + i; kvs_llm_request_t's n_choices; a prefill rank takes 1);
  *                         the sampling parameters (kvs_sample_params_t: TOP_K an integer, the
  *                         other five floats; PRESENCE, FREQUENCY and REPETITION the penalties);
  *                         EOS: a token id, or -1 for none (ignore_eos sends -1); LOGPROBS -1
@@ -17,7 +20,8 @@
  *                         per-room bootstrap): the room's prefill instance, the description
  *                         the server got from kvs_plumbing_peer_lookup (1..KVS_LLM_PEER_MAX
  *                         printable characters, no space)
- *   stop ROOM             ends a live request at the next step
+ *   stop ROOM [CHOICE]    ends choice CHOICE (0..15) of a live request at the next step;
+ *                         without CHOICE, every choice
  *   match N ID_1 ... ID_N how many of these prompt tokens admission would find in the radix
  *                         cache now (kvs_llm_cached: read-only, so the ranks' caches stay equal)
  *   stats                 the stats line below (with "final":false), after the next step: its
@@ -38,7 +42,9 @@
  *                                                          (>= 1), before the first token
  *   {"event":"done","room":N,"status":S,"finish":F,"prompt_len":..,"cached":..,
  *    "generated":..,"submitted_ns":..,"admitted_ns":..,"prefilled_ns":..,"kv_ready_ns":..,
- *    "first_token_ns":..,"done_ns":..}                     status "ok" or an error string
+ *    "first_token_ns":..,"done_ns":..}                     status "ok" or an error string;
+ *                                                          one per choice of the request
+ *   Token and done lines of choice C > 0 also carry "choice":C (absent: choice 0).
  *   {"event":"rejected","room":N,"status":S}               the submit was refused
  *   {"event":"error","message":S}                          a line it could not parse
  *   {"event":"match","cached":C,"prompt_len":N}            the answer to match ("cached":0 and
@@ -94,6 +100,7 @@ typedef enum {
 
 typedef struct {
     uint64_t room;
+    uint32_t choices; /* CHOICES; encode: 0 writes 1 */
     uint32_t max_new;
     /* Floats written with %.9g (a float prints exactly) and read back as floats. Decode:
      * sampling.bias points into the caller's bias buffer. */
@@ -113,6 +120,7 @@ typedef struct {
 typedef struct {
     kvs_rank_line_kind_t kind;
     uint64_t room;                 /* STOP */
+    uint32_t choice;               /* STOP: the choice, or KVS_LLM_CHOICE_ALL (no CHOICE) */
     kvs_rank_line_submit_t submit; /* SUBMIT */
     uint32_t match_len;            /* MATCH: N */
     const uint32_t *match;         /* MATCH: as submit.prompt */

@@ -107,22 +107,34 @@ static kvs_status_t get_bool(json_t *root, const char *name, int *out, kvs__api_
     return KVS_OK;
 }
 
-/* Fields accepted for compatibility whose only supported value is their neutral one. */
-static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
+/* "n": the choices, 1..KVS_SERVER_CHOICES_MAX (absent: 1); completions "best_of" only as n
+ * (every sample returned, none ranked). */
+static kvs_status_t parse_choices(json_t *root, kvs__api_req_t *req, kvs__api_err_t *err)
 {
     json_t *v;
+    req->n = 1;
     if ((v = field(root, "n")) != NULL) {
-        if (!json_is_integer(v)) return fail(err, 400, "n", NULL, "'n' must be an integer");
-        if (json_integer_value(v) != 1)
-            return fail(err, 400, "n", NULL, "only n=1 is supported, not %lld",
-                        (long long) json_integer_value(v));
+        json_int_t n = json_is_integer(v) ? json_integer_value(v) : 0;
+        if (n < 1 || n > KVS_SERVER_CHOICES_MAX)
+            return fail(err, 400, "n", NULL, "'n' must be an integer in [1, %d]",
+                        KVS_SERVER_CHOICES_MAX);
+        req->n = (uint32_t) n;
     }
     if ((v = field(root, "best_of")) != NULL) {
         if (!json_is_integer(v))
             return fail(err, 400, "best_of", NULL, "'best_of' must be an integer");
-        if (json_integer_value(v) != 1)
-            return fail(err, 400, "best_of", NULL, "only best_of=1 is supported");
+        if (json_integer_value(v) != (json_int_t) req->n)
+            return fail(err, 400, "best_of", NULL,
+                        "only best_of equal to n (%u) is supported, not %lld", req->n,
+                        (long long) json_integer_value(v));
     }
+    return KVS_OK;
+}
+
+/* Fields accepted for compatibility whose only supported value is their neutral one. */
+static kvs_status_t check_neutral(json_t *root, int chat, kvs__api_err_t *err)
+{
+    json_t *v;
     if ((v = field(root, "suffix")) != NULL) {
         if (!json_is_string(v)) return fail(err, 400, "suffix", NULL, "'suffix' must be a string");
         if (json_string_length(v) != 0)
@@ -691,6 +703,7 @@ static kvs_status_t parse_fields(json_t *root, const kvs__api_limits_t *lim,
                         json_string_value(v));
     }
     if ((st = check_neutral(root, chat, err)) != KVS_OK) return st;
+    if ((st = parse_choices(root, req, err)) != KVS_OK) return st;
     if ((st = parse_logprobs(root, chat, req, err)) != KVS_OK) return st;
     if ((st = parse_sampling(root, tok, req, err)) != KVS_OK) return st;
     int ignore_eos = 0;

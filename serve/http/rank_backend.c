@@ -44,16 +44,27 @@ typedef struct {
     uint64_t at_ns;
 } peer_t;
 
+typedef char choices_agree[KVS_SERVER_CHOICES_MAX == KVS_LLM_CHOICES_MAX ? 1 : -1];
+
+typedef struct {
+    uint32_t generated; /* tokens reported to the sink */
+    int closed;         /* a stop id was reported: later tokens are dropped */
+    int stop_sent;
+    int done; /* rank 0's done line came */
+} choice_t;
+
 typedef struct {
     uint64_t room;
     kvs_server_sink_t sink;
     kvs_server_role_t role;
     uint64_t submit_ns;
     uint32_t prompt_len;
-    uint32_t generated; /* tokens reported to the sink */
-    int closed;         /* a stop id was reported: later tokens are dropped */
-    int stop_sent;
-    uint32_t *stop_ids; /* [n_stop_ids] the request's stop ids after the first (rank 0's EOS) */
+    uint32_t n; /* choices */
+    choice_t ch[KVS_SERVER_CHOICES_MAX];
+    uint32_t n_done;
+    int all_stop_sent;     /* `stop ROOM` (every choice) queued */
+    kvs_server_done_t acc; /* the done lines so far, gathered */
+    uint32_t *stop_ids;    /* [n_stop_ids] the request's stop ids after the first (rank 0's EOS) */
     uint32_t n_stop_ids;
 } room_t;
 
@@ -129,9 +140,10 @@ static kvs_status_t queue_request_locked(kvs_rank_backend_t *b, const kvs_rank_l
     return st == KVS_OK ? queue_line_locked(b, line, n) : st;
 }
 
-static kvs_status_t queue_stop_locked(kvs_rank_backend_t *b, uint64_t room)
+/* choice: KVS_LLM_CHOICE_ALL for every one. */
+static kvs_status_t queue_stop_locked(kvs_rank_backend_t *b, uint64_t room, uint32_t choice)
 {
-    kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_STOP, .room = room};
+    kvs_rank_line_request_t q = {.kind = KVS_RANK_LINE_STOP, .room = room, .choice = choice};
     char line[64];
     return queue_request_locked(b, &q, line, sizeof(line));
 }
@@ -147,7 +159,8 @@ static void room_free(room_t *r)
 static void room_end(room_t *r, const kvs_server_done_t *done)
 {
     kvs_server_done_t d = *done;
-    d.generated = r->generated;
+    d.generated = 0;
+    for (uint32_t c = 0; c < r->n; c++) d.generated += r->ch[c].generated;
     if (d.prompt_tokens == 0) d.prompt_tokens = r->prompt_len;
     r->sink.on_done(r->sink.arg, &d);
     room_free(r);
@@ -158,6 +171,7 @@ static void room_fail(room_t *r, kvs_status_t why)
     kvs_server_done_t d;
     memset(&d, 0, sizeof(d));
     d.finish = KVS_SERVER_FINISH_ERROR;
+    for (uint32_t c = 0; c < KVS_SERVER_CHOICES_MAX; c++) d.choice_finish[c] = d.finish;
     d.status = why;
     room_end(r, &d);
 }
@@ -200,32 +214,38 @@ static void fail_everything(kvs_rank_backend_t *b, kvs_status_t why)
 static void on_token(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
 {
     uint64_t room = ev->room;
-    uint32_t token = ev->token;
-    int send_stop = 0;
+    uint32_t token = ev->token, c = ev->choice;
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_get(&b->rooms, room);
-    if (r == NULL || r->closed) {
+    if (r == NULL || c >= r->n || r->ch[c].closed) {
         pthread_mutex_unlock(&b->mu);
+        if (r != NULL && c >= r->n)
+            kvs_warn("rank backend: room %llu: a token of choice %u of %u",
+                     (unsigned long long) room, c, r->n);
         return;
     }
-    r->generated++;
+    choice_t *ch = &r->ch[c];
+    ch->generated++;
     for (uint32_t i = 0; i < r->n_stop_ids; i++)
-        if (r->stop_ids[i] == token) r->closed = 1;
-    if (r->closed && !r->stop_sent) {
-        send_stop = queue_stop_locked(b, room) == KVS_OK;
-        r->stop_sent = send_stop;
+        if (r->stop_ids[i] == token) ch->closed = 1;
+    if (ch->closed && !ch->stop_sent && !r->all_stop_sent) {
+        if (r->n == 1) /* the whole room: a later cancel() has nothing left to say */
+            r->all_stop_sent = queue_stop_locked(b, room, KVS_LLM_CHOICE_ALL) == KVS_OK;
+        else
+            ch->stop_sent = queue_stop_locked(b, room, c) == KVS_OK;
     }
     pthread_mutex_unlock(&b->mu);
     /* Only this thread ends rooms, so r stays valid outside mu. */
     int empty = b->cfg.text_vocab != 0 && token >= b->cfg.text_vocab;
-    r->sink.on_token(r->sink.arg, token, empty ? "" : NULL, 0, ev->has_logprobs ? &ev->lp : NULL);
+    r->sink.on_token(r->sink.arg, c, token, empty ? "" : NULL, 0,
+                     ev->has_logprobs ? &ev->lp : NULL);
 }
 
 static void on_prompt(kvs_rank_backend_t *b, const kvs_llm_event_t *ev)
 {
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_get(&b->rooms, ev->room);
-    int live = r != NULL && !r->closed && r->generated == 0;
+    int live = r != NULL && !r->ch[0].closed && r->ch[0].generated == 0;
     pthread_mutex_unlock(&b->mu);
     /* Only this thread ends rooms, so r stays valid outside mu. */
     if (live && ev->has_logprobs && r->sink.on_prompt != NULL)
@@ -248,37 +268,60 @@ static kvs_server_finish_t finish_of(kvs_llm_finish_t finish, kvs_status_t statu
     }
 }
 
+/* A done line (one per choice) or a refusal (the whole room). The room ends with its last
+ * choice: its finish the first failure, else choice 0's; the prompt's figures are choice 0's
+ * (the one that computed or received it). */
 static void on_done(kvs_rank_backend_t *b, const kvs_llm_event_t *ev, int refused)
 {
     uint64_t room = ev->room;
+    uint32_t c = refused ? 0 : ev->choice;
     pthread_mutex_lock(&b->mu);
-    room_t *r = kvs_map_remove(&b->rooms, room);
-    pthread_mutex_unlock(&b->mu);
-    if (r == NULL) return;
-    kvs_server_done_t d;
-    memset(&d, 0, sizeof(d));
-    if (refused) {
-        d.finish = KVS_SERVER_FINISH_ERROR;
-        d.status = failure_of(ev->status);
-        kvs_warn("rank backend: rank 0 refused room %llu: %s", (unsigned long long) room,
-                 kvs_status_str(ev->status));
-        room_end(r, &d);
+    room_t *r = kvs_map_get(&b->rooms, room);
+    int last = 0;
+    if (r != NULL && !refused && (c >= r->n || r->ch[c].done)) {
+        pthread_mutex_unlock(&b->mu);
+        kvs_warn("rank backend: room %llu: an unexpected done line for choice %u of %u",
+                 (unsigned long long) room, c, r->n);
         return;
     }
-    d.finish = finish_of(ev->finish, ev->status);
-    d.status = d.finish == KVS_SERVER_FINISH_ERROR ? failure_of(ev->status) : KVS_OK;
-    d.prompt_tokens = ev->prompt_len;
-    d.cached_tokens = ev->cached_tokens;
-    uint64_t first = ev->first_token_ns, prefilled = ev->prefilled_ns, done_ns = ev->done_ns;
-    if (first > r->submit_ns) d.ttft_ns = first - r->submit_ns;
-    if (r->role == KVS_SERVER_ROLE_PREFILL && prefilled != 0 && done_ns > prefilled)
-        d.transfer_ns = done_ns - prefilled;
-    if (r->role == KVS_SERVER_ROLE_DECODE && d.finish != KVS_SERVER_FINISH_ERROR) {
-        uint64_t P = b->cfg.page_size, pages = (d.prompt_tokens + P - 1) / P;
-        uint64_t hit = d.cached_tokens / P;
-        if (pages > hit) d.kv_bytes = (pages - hit) * P * b->cfg.kv_bytes_per_token;
+    if (r != NULL && !refused) {
+        r->ch[c].done = 1;
+        last = ++r->n_done == r->n;
     }
-    room_end(r, &d);
+    if (r != NULL && (refused || last)) kvs_map_remove(&b->rooms, room);
+    pthread_mutex_unlock(&b->mu);
+    if (r == NULL) return;
+    kvs_server_done_t *d = &r->acc;
+    if (refused) {
+        d->finish = KVS_SERVER_FINISH_ERROR;
+        d->status = failure_of(ev->status);
+        kvs_warn("rank backend: rank 0 refused room %llu: %s", (unsigned long long) room,
+                 kvs_status_str(ev->status));
+        for (uint32_t k = 0; k < KVS_SERVER_CHOICES_MAX; k++) d->choice_finish[k] = d->finish;
+        room_end(r, d);
+        return;
+    }
+    /* Only this thread touches a room's figures. */
+    kvs_server_finish_t f = finish_of(ev->finish, ev->status);
+    d->choice_finish[c] = f;
+    if (f == KVS_SERVER_FINISH_ERROR && d->status == KVS_OK) d->status = failure_of(ev->status);
+    if (c == 0) {
+        d->prompt_tokens = ev->prompt_len;
+        d->cached_tokens = ev->cached_tokens;
+        uint64_t first = ev->first_token_ns, prefilled = ev->prefilled_ns, done_ns = ev->done_ns;
+        if (first > r->submit_ns) d->ttft_ns = first - r->submit_ns;
+        if (r->role == KVS_SERVER_ROLE_PREFILL && prefilled != 0 && done_ns > prefilled)
+            d->transfer_ns = done_ns - prefilled;
+        if (r->role == KVS_SERVER_ROLE_DECODE && f != KVS_SERVER_FINISH_ERROR) {
+            uint64_t P = b->cfg.page_size, pages = (d->prompt_tokens + P - 1) / P;
+            uint64_t hit = d->cached_tokens / P;
+            if (pages > hit) d->kv_bytes = (pages - hit) * P * b->cfg.kv_bytes_per_token;
+        }
+    }
+    if (!last) return;
+    d->finish = d->status != KVS_OK ? KVS_SERVER_FINISH_ERROR : d->choice_finish[0];
+    if (d->finish == KVS_SERVER_FINISH_ERROR) d->kv_bytes = 0;
+    room_end(r, d);
 }
 
 /* Pops the oldest question; rank 0 answers in order, so it is the one answered. */
@@ -487,6 +530,11 @@ static kvs_status_t check_request(const kvs_rank_backend_t *b, const kvs_server_
     }
     for (uint32_t i = 0; i < q->prompt_len; i++)
         if (q->prompt[i] >= c->vocab) return KVS_ERR_INVALID;
+    if (q->n == 0 || q->n > KVS_SERVER_CHOICES_MAX) {
+        kvs_debug("rank backend: room %llu: n must be 1..%u, not %u", (unsigned long long) q->room,
+                  KVS_SERVER_CHOICES_MAX, q->n);
+        return KVS_ERR_INVALID;
+    }
     const char *why = kvs_sample_params_invalid(&q->sampling, c->vocab);
     if (why != NULL) {
         kvs_debug("rank backend: room %llu: %s", (unsigned long long) q->room, why);
@@ -583,7 +631,8 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
                    .prompt_len = q->prompt_len,
                    .prompt = q->prompt,
                    .peer = peer,
-                   .peer_len = peer ? strlen(peer) : 0}};
+                   .peer_len = peer ? strlen(peer) : 0,
+                   .choices = q->role == KVS_SERVER_ROLE_PREFILL ? 1 : q->n}};
     size_t cap = kvs_rank_line_request_size(&line_q), n = 0;
     char *line = kvs_malloc(cap);
     if (r == NULL || line == NULL) goto nomem;
@@ -591,6 +640,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
     r->sink = *sink;
     r->role = q->role;
     r->prompt_len = q->prompt_len;
+    r->n = line_q.submit.choices;
     if (q->n_stop_ids > 1) {
         r->stop_ids = kvs_malloc((size_t) (q->n_stop_ids - 1) * sizeof(uint32_t));
         if (r->stop_ids == NULL) goto nomem;
@@ -631,15 +681,21 @@ nomem:
     return KVS_ERR_NOMEM;
 }
 
-static kvs_status_t op_cancel(void *ctx, uint64_t room)
+static kvs_status_t op_cancel(void *ctx, uint64_t room, uint32_t choice)
 {
     kvs_rank_backend_t *b = ctx;
     pthread_mutex_lock(&b->mu);
     room_t *r = kvs_map_get(&b->rooms, room);
     kvs_status_t st = KVS_ERR_NOT_FOUND;
-    if (r != NULL) {
+    if (r != NULL && choice == KVS_SERVER_CHOICE_ALL) {
         st = KVS_OK;
-        if (!r->stop_sent && queue_stop_locked(b, room) == KVS_OK) r->stop_sent = 1;
+        if (!r->all_stop_sent && queue_stop_locked(b, room, KVS_LLM_CHOICE_ALL) == KVS_OK)
+            r->all_stop_sent = 1;
+    } else if (r != NULL && choice < r->n) {
+        st = KVS_OK;
+        choice_t *ch = &r->ch[choice];
+        if (!ch->stop_sent && !r->all_stop_sent && queue_stop_locked(b, room, choice) == KVS_OK)
+            ch->stop_sent = 1;
     }
     pthread_mutex_unlock(&b->mu);
     if (st == KVS_OK) wake_thread(b);

@@ -6,8 +6,12 @@
  *
  * What it adds to rank 0's protocol:
  *   - stop ids beyond the first: rank 0 knows one EOS (the request's first stop id); when
- *     another stop id is generated the backend reports it, drops later tokens and sends
- *     `stop ROOM` (finish "stop");
+ *     another stop id is generated the backend reports it, drops that choice's later tokens and
+ *     sends `stop ROOM` (n = 1) or `stop ROOM CHOICE` (finish "stop");
+ *   - choices: n on the submit line (PREFILL: 1); rank 0's token lines name their choice, its
+ *     done lines come one per choice, and the room ends (on_done) with the last of them: its
+ *     finish ERROR when any choice failed, else choice 0's; the prompt's figures (cached
+ *     tokens, ttft, KV bytes) are choice 0's;
  *   - finish mapping: eos and stop -> STOP, length -> LENGTH, handoff -> HANDOFF, a status other
  *     than "ok" or a refused submit -> ERROR with that status;
  *   - per room: ttft_ns from submit() to rank 0's first token (one host: CLOCK_MONOTONIC is

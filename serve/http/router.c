@@ -752,24 +752,29 @@ static void merge_report(kvs_router_t *rt, const job_t *j, json_t *obj, json_t *
 }
 
 /* Echo with logprobs: the decode server has no logits of the prompt, so its prompt entries
- * (the first ones of its answer, or of its first stream event) have null logprobs; the prefill
- * server's answer has the same entries (same tokens and offsets) with the logprobs computed in
- * its prefill pass. Each null entry i takes the prefill answer's entry i. Generated entries are
- * never null, so later events are left as they are. */
+ * (the first ones of each choice's answer, or of each choice's first stream event) have null
+ * logprobs; the prefill server's answer (one choice: the prompt is computed once) has the same
+ * entries (same tokens and offsets) with the logprobs computed in its prefill pass. Each null
+ * entry i of every choice takes the prefill answer's entry i. Generated entries are never null,
+ * so later events are left as they are. */
 static void merge_prompt_logprobs(json_t *obj, json_t *pre_root)
 {
-    json_t *dl = json_object_get(json_array_get(json_object_get(obj, "choices"), 0), "logprobs");
     json_t *pl =
         json_object_get(json_array_get(json_object_get(pre_root, "choices"), 0), "logprobs");
-    json_t *dv = json_object_get(dl, "token_logprobs"), *dt = json_object_get(dl, "top_logprobs");
     json_t *pv = json_object_get(pl, "token_logprobs"), *pt = json_object_get(pl, "top_logprobs");
-    if (!json_is_array(dv) || !json_is_array(dt) || !json_is_array(pv) || !json_is_array(pt))
-        return;
-    for (size_t i = 0; i < json_array_size(dv) && i < json_array_size(pv); i++) {
-        if (!json_is_null(json_array_get(dv, i))) continue;
-        json_array_set(dv, i, json_array_get(pv, i));
-        if (i < json_array_size(dt) && i < json_array_size(pt))
-            json_array_set(dt, i, json_array_get(pt, i));
+    if (!json_is_array(pv) || !json_is_array(pt)) return;
+    json_t *choices = json_object_get(obj, "choices");
+    for (size_t c = 0; c < json_array_size(choices); c++) {
+        json_t *dl = json_object_get(json_array_get(choices, c), "logprobs");
+        json_t *dv = json_object_get(dl, "token_logprobs");
+        json_t *dt = json_object_get(dl, "top_logprobs");
+        if (!json_is_array(dv) || !json_is_array(dt)) continue;
+        for (size_t i = 0; i < json_array_size(dv) && i < json_array_size(pv); i++) {
+            if (!json_is_null(json_array_get(dv, i))) continue;
+            json_array_set(dv, i, json_array_get(pv, i));
+            if (i < json_array_size(dt) && i < json_array_size(pt))
+                json_array_set(dt, i, json_array_get(pt, i));
+        }
     }
 }
 

@@ -38,6 +38,7 @@ typedef enum {
 } endpoint_t;
 
 typedef struct {
+    uint32_t choice;
     uint32_t token;
     size_t piece_off; /* into the pieces buffer */
     size_t piece_len; /* SIZE_MAX: decode with the tokenizer */
@@ -62,6 +63,21 @@ typedef struct {
     size_t n, cap;
     kvs__sb_t pieces;
 } tok_queue_t;
+
+/* One choice of an answer (the connection's thread only). */
+typedef struct {
+    kvs__sb_t text; /* the decoded text so far; cut at a stop string */
+    size_t emitted; /* bytes of text already streamed */
+    uint32_t generated;
+    int stop_matched, cancel_sent;
+    kvs_server_finish_t finish; /* once the request finished */
+    /* logprobs: a record per rendered token, in text order; lps_sent of them streamed */
+    lp_rec_t *lps;
+    size_t n_lps, cap_lps, lps_sent;
+    kvs__sb_t lp_pieces;
+    size_t text_chars; /* code points in text */
+    int lp_oom;
+} choice_t;
 
 typedef struct req req_t;
 
@@ -153,23 +169,16 @@ struct req {
 
     /* The connection's thread only. */
     tok_queue_t work;
-    kvs__sb_t text; /* the decoded text so far; cut at a stop string */
-    size_t emitted; /* bytes of text already streamed */
-    uint32_t generated;
-    int stop_matched, cancel_sent, done_taken;
+    choice_t *ch; /* [n_ch]: api.n, or 1 */
+    uint32_t n_ch;
+    int cancel_sent, done_taken; /* cancel_sent: of every choice */
     int finished;
-    kvs_server_finish_t finish;
+    kvs_server_finish_t finish; /* the request's: ERROR when it failed, else choice 0's */
     kvs_status_t finish_status;
     kvs_server_done_t final_done;
     kvs__sb_t out; /* SSE bytes not yet handed to MHD */
     int stream_started, stream_ended;
-    /* logprobs: a record per rendered token, in text order; lps_sent of them streamed */
-    lp_rec_t *lps;
-    size_t n_lps, cap_lps, lps_sent;
-    kvs__sb_t lp_pieces;
-    size_t text_chars; /* code points in text */
-    size_t echo_len;   /* bytes of text that echo the prompt */
-    int lp_oom;
+    size_t echo_len; /* bytes of each choice's text that echo the prompt */
 };
 
 static const double k_ttft_bounds[] = {0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
@@ -201,10 +210,13 @@ static void req_unref(req_t *r)
     kvs__api_req_fini(&r->api);
     queue_fini(&r->pend);
     queue_fini(&r->work);
-    kvs__sb_fini(&r->text);
+    for (uint32_t i = 0; i < r->n_ch; i++) {
+        kvs__sb_fini(&r->ch[i].text);
+        kvs_free(r->ch[i].lps);
+        kvs__sb_fini(&r->ch[i].lp_pieces);
+    }
+    kvs_free(r->ch);
     kvs__sb_fini(&r->out);
-    kvs_free(r->lps);
-    kvs__sb_fini(&r->lp_pieces);
     kvs_free(r->prompt_lp);
     kvs_free(r->prompt_has);
     pthread_mutex_destroy(&r->mu);
@@ -335,12 +347,22 @@ static enum MHD_Result send_error(req_t *r, unsigned status, const char *message
     return kvs__http_send_error(r->conn, status, message, type, param, code, headers);
 }
 
+/* Tokens generated, every choice's. */
+static uint32_t generated_of(const req_t *r)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < r->n_ch; i++) n += r->ch[i].generated;
+    return n;
+}
+
+/* The prompt counts once, the completion tokens of every choice. */
 static json_t *usage_json(const req_t *r)
 {
     json_t *details = json_pack("{s:i}", "cached_tokens", (int) r->final_done.cached_tokens);
+    uint32_t gen = generated_of(r);
     return json_pack("{s:i, s:i, s:i, s:o}", "prompt_tokens", (int) r->api.prompt_len,
-                     "completion_tokens", (int) r->generated, "total_tokens",
-                     (int) (r->api.prompt_len + r->generated), "prompt_tokens_details", details);
+                     "completion_tokens", (int) gen, "total_tokens",
+                     (int) (r->api.prompt_len + gen), "prompt_tokens_details", details);
 }
 
 static json_t *kvstage_json(const req_t *r)
@@ -367,21 +389,21 @@ static size_t utf8_chars(const char *s, size_t len)
     return n;
 }
 
-/* Records the token whose piece was just appended to r->text (logprobs asked). */
-static void lp_push(req_t *r, uint32_t token, const char *piece, size_t len, int is_prompt,
+/* Records the token whose piece was just appended to c->text (logprobs asked). */
+static void lp_push(choice_t *c, uint32_t token, const char *piece, size_t len, int is_prompt,
                     uint32_t prompt_at, const kvs_logprobs_t *lp)
 {
-    if (r->n_lps == r->cap_lps) {
-        size_t cap = r->cap_lps ? 2 * r->cap_lps : 64;
-        lp_rec_t *p = kvs_realloc(r->lps, cap * sizeof(*p));
+    if (c->n_lps == c->cap_lps) {
+        size_t cap = c->cap_lps ? 2 * c->cap_lps : 64;
+        lp_rec_t *p = kvs_realloc(c->lps, cap * sizeof(*p));
         if (p == NULL) {
-            r->lp_oom = 1;
+            c->lp_oom = 1;
             return;
         }
-        r->lps = p;
-        r->cap_lps = cap;
+        c->lps = p;
+        c->cap_lps = cap;
     }
-    lp_rec_t *e = &r->lps[r->n_lps++];
+    lp_rec_t *e = &c->lps[c->n_lps++];
     memset(e, 0, sizeof(*e));
     e->token = token;
     e->is_prompt = is_prompt;
@@ -390,13 +412,13 @@ static void lp_push(req_t *r, uint32_t token, const char *piece, size_t len, int
         e->has_lp = 1;
         e->lp = *lp;
     }
-    e->piece_off = r->lp_pieces.len;
+    e->piece_off = c->lp_pieces.len;
     e->piece_len = len;
-    kvs__sb_append(&r->lp_pieces, piece, len);
-    if (r->lp_pieces.oom) r->lp_oom = 1;
-    e->end = r->text.len;
-    e->offset = r->text_chars;
-    r->text_chars += utf8_chars(piece, len);
+    kvs__sb_append(&c->lp_pieces, piece, len);
+    if (c->lp_pieces.oom) c->lp_oom = 1;
+    e->end = c->text.len;
+    e->offset = c->text_chars;
+    c->text_chars += utf8_chars(piece, len);
 }
 
 /* The logprobs of record e, or NULL (a prompt's first token, or none reported). */
@@ -433,17 +455,17 @@ static json_t *chat_entry(const char *s, size_t len, float logprob)
                      "bytes", bytes_json(s, len));
 }
 
-/* Records [from, to) as choices[i].logprobs: chat {"content": [...]}, completions {"tokens",
- * "token_logprobs", "top_logprobs" (each a dict of at most N + 1 texts: the top N and the
- * chosen token), "text_offset"}. NULL without logprobs. */
-static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
+/* Records [from, to) of choice c as choices[i].logprobs: chat {"content": [...]}, completions
+ * {"tokens", "token_logprobs", "top_logprobs" (each a dict of at most N + 1 texts: the top N and
+ * the chosen token), "text_offset"}. NULL without logprobs. */
+static json_t *logprobs_json(const req_t *r, const choice_t *c, size_t from, size_t to)
 {
     if (!r->api.logprobs) return NULL;
-    const char *pieces = r->lp_pieces.ptr ? r->lp_pieces.ptr : "";
+    const char *pieces = c->lp_pieces.ptr ? c->lp_pieces.ptr : "";
     if (r->api.chat) {
         json_t *content = json_array();
         for (size_t i = from; content && i < to; i++) {
-            const lp_rec_t *e = &r->lps[i];
+            const lp_rec_t *e = &c->lps[i];
             const kvs_logprobs_t *lp = lp_of(r, e);
             json_t *ent = chat_entry(pieces + e->piece_off, e->piece_len,
                                      lp ? lp->logprob : KVS_LOGPROB_FLOOR);
@@ -461,7 +483,7 @@ static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
     }
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
     for (size_t i = from; i < to && tokens && lps && tops && offs; i++) {
-        const lp_rec_t *e = &r->lps[i];
+        const lp_rec_t *e = &c->lps[i];
         const kvs_logprobs_t *lp = lp_of(r, e);
         json_array_append_new(tokens, text_json(pieces + e->piece_off, e->piece_len));
         json_array_append_new(lps, lp ? json_real(lp->logprob) : json_null());
@@ -497,18 +519,19 @@ static json_t *logprobs_json(const req_t *r, size_t from, size_t to)
                      "top_logprobs", tops, "text_offset", offs);
 }
 
-/* lp: the choice's logprobs (stolen), NULL for null. */
-static json_t *choice_json(const req_t *r, json_t *content, const char *finish, json_t *lp)
+/* Choice number index; lp: its logprobs (stolen), NULL for null. */
+static json_t *choice_json(const req_t *r, uint32_t index, json_t *content, const char *finish,
+                           json_t *lp)
 {
     json_t *fin = finish ? json_string(finish) : json_null();
     if (lp == NULL) lp = json_null();
     if (r->api.chat && r->api.stream)
-        return json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "delta", content, "logprobs", lp,
-                         "finish_reason", fin);
+        return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "delta", content, "logprobs",
+                         lp, "finish_reason", fin);
     if (r->api.chat)
-        return json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", 0, "message", "role",
+        return json_pack("{s:i, s:{s:s, s:o}, s:o, s:o}", "index", (int) index, "message", "role",
                          "assistant", "content", content, "logprobs", lp, "finish_reason", fin);
-    return json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "text", content, "logprobs", lp,
+    return json_pack("{s:i, s:o, s:o, s:o}", "index", (int) index, "text", content, "logprobs", lp,
                      "finish_reason", fin);
 }
 
@@ -536,11 +559,12 @@ static void sse_event_steal(req_t *r, json_t *obj)
     kvs_free(text);
 }
 
-static void sse_chunk(req_t *r, json_t *content, const char *finish, json_t *lp)
+/* A chunk of choice index (one choice per chunk, as OpenAI streams n > 1). */
+static void sse_chunk(req_t *r, uint32_t index, json_t *content, const char *finish, json_t *lp)
 {
     json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
     json_t *choices = json_array();
-    json_t *choice = content ? choice_json(r, content, finish, lp) : NULL;
+    json_t *choice = content ? choice_json(r, index, content, finish, lp) : NULL;
     if (choice == NULL) json_decref(lp);
     if (obj == NULL || choices == NULL || choice == NULL) {
         json_decref(obj);
@@ -561,9 +585,9 @@ static const char *failure_message(const req_t *r, char *buf, size_t cap)
     return buf;
 }
 
-/* The end of a stream. Finished: the last chunk (its finish_reason one OpenAI defines), the
- * usage chunk, [DONE]. Failed: an error event and nothing after it (no finish_reason chunk, no
- * [DONE]: clients read [DONE] as success). */
+/* The end of a stream. Finished: each choice's last chunk (its finish_reason one OpenAI defines),
+ * the usage chunk, [DONE]. Failed (any choice): an error event and nothing after it (no
+ * finish_reason chunk, no [DONE]: clients read [DONE] as success). */
 static void sse_finish(req_t *r)
 {
     r->stream_ended = 1;
@@ -579,10 +603,13 @@ static void sse_finish(req_t *r)
         }
         return;
     }
-    json_t *content = r->api.chat ? json_object() : json_string("");
-    json_t *lp = r->lps_sent < r->n_lps ? logprobs_json(r, r->lps_sent, r->n_lps) : NULL;
-    r->lps_sent = r->n_lps;
-    sse_chunk(r, content, kvs__finish_name(r->finish), lp);
+    for (uint32_t i = 0; i < r->n_ch; i++) {
+        choice_t *c = &r->ch[i];
+        json_t *content = r->api.chat ? json_object() : json_string("");
+        json_t *lp = c->lps_sent < c->n_lps ? logprobs_json(r, c, c->lps_sent, c->n_lps) : NULL;
+        c->lps_sent = c->n_lps;
+        sse_chunk(r, i, content, kvs__finish_name(c->finish), lp);
+    }
     if (r->api.include_usage) {
         json_t *obj = head_json(r, r->api.chat ? "chat.completion.chunk" : "text_completion");
         if (obj == NULL) {
@@ -606,17 +633,21 @@ static enum MHD_Result send_final(req_t *r)
     }
     json_t *obj = head_json(r, r->api.chat ? "chat.completion" : "text_completion");
     json_t *choices = json_array();
-    json_t *content = text_json(r->text.ptr ? r->text.ptr : "", r->text.len);
-    json_t *lp = logprobs_json(r, 0, r->n_lps);
-    json_t *choice = content ? choice_json(r, content, kvs__finish_name(r->finish), lp) : NULL;
-    if (content == NULL) json_decref(lp);
-    if (obj == NULL || choices == NULL || choice == NULL) {
+    int oom = obj == NULL || choices == NULL;
+    for (uint32_t i = 0; i < r->n_ch && !oom; i++) {
+        const choice_t *c = &r->ch[i];
+        json_t *content = text_json(c->text.ptr ? c->text.ptr : "", c->text.len);
+        json_t *lp = logprobs_json(r, c, 0, c->n_lps);
+        json_t *choice =
+            content ? choice_json(r, i, content, kvs__finish_name(c->finish), lp) : NULL;
+        if (content == NULL) json_decref(lp);
+        oom = choice == NULL || json_array_append_new(choices, choice) != 0;
+    }
+    if (oom) {
         json_decref(obj);
         json_decref(choices);
-        json_decref(choice);
         return send_error(r, 500, "out of memory", NULL, NULL);
     }
-    json_array_append_new(choices, choice);
     json_object_set_new(obj, "choices", choices);
     json_object_set_new(obj, "usage", usage_json(r));
     json_object_set_new(obj, "kvstage", kvstage_json(r));
@@ -625,8 +656,8 @@ static enum MHD_Result send_final(req_t *r)
 
 /* ---- the sink (backend threads) ---- */
 
-static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t len,
-                       const kvs_logprobs_t *lp, int *oom)
+static void queue_push(tok_queue_t *q, uint32_t choice, uint32_t token, const char *piece,
+                       size_t len, const kvs_logprobs_t *lp, int *oom)
 {
     if (q->n == q->cap) {
         size_t cap = q->cap ? 2 * q->cap : 64;
@@ -639,6 +670,7 @@ static void queue_push(tok_queue_t *q, uint32_t token, const char *piece, size_t
         q->cap = cap;
     }
     tok_rec_t *rec = &q->toks[q->n++];
+    rec->choice = choice;
     rec->token = token;
     rec->piece_off = q->pieces.len;
     rec->piece_len = SIZE_MAX;
@@ -666,8 +698,8 @@ static void sink_prompt(void *arg, uint32_t index, uint32_t token, const kvs_log
     pthread_mutex_unlock(&r->mu);
 }
 
-static void sink_token(void *arg, uint32_t token, const char *piece, size_t piece_len,
-                       const kvs_logprobs_t *lp)
+static void sink_token(void *arg, uint32_t choice, uint32_t token, const char *piece,
+                       size_t piece_len, const kvs_logprobs_t *lp)
 {
     req_t *r = arg;
     kvs_server_t *srv = r->srv;
@@ -677,7 +709,13 @@ static void sink_token(void *arg, uint32_t token, const char *piece, size_t piec
         pthread_mutex_unlock(&r->mu);
         return;
     }
-    queue_push(&r->pend, token, piece, piece_len, lp, &r->sink_oom);
+    if (choice >= r->n_ch) { /* a backend bug */
+        pthread_mutex_unlock(&r->mu);
+        kvs_error("server: room %llu: a token of choice %u of %u", (unsigned long long) r->room,
+                  choice, r->n_ch);
+        return;
+    }
+    queue_push(&r->pend, choice, token, piece, piece_len, lp, &r->sink_oom);
     if (r->first_ns == 0) {
         r->first_ns = now;
         kvs__hist_observe(&srv->ttft, now - r->submit_ns);
@@ -744,13 +782,28 @@ static int is_stop_id(const req_t *r, uint32_t token)
     return 0;
 }
 
+/* Ends every choice at the backend. */
 static void send_cancel(req_t *r)
 {
     if (r->cancel_sent) return;
     r->cancel_sent = 1;
     COUNT(r->srv->cancels);
     kvs_server_backend_t *b = &r->srv->backend;
-    b->cancel(b->ctx, r->room);
+    b->cancel(b->ctx, r->room, KVS_SERVER_CHOICE_ALL);
+}
+
+/* Ends choice i at the backend (a stop string matched in it); with one choice, the request. */
+static void send_cancel_choice(req_t *r, uint32_t i)
+{
+    if (r->n_ch == 1) {
+        send_cancel(r);
+        return;
+    }
+    choice_t *c = &r->ch[i];
+    if (c->cancel_sent || r->cancel_sent) return;
+    c->cancel_sent = 1;
+    kvs_server_backend_t *b = &r->srv->backend;
+    b->cancel(b->ctx, r->room, i);
 }
 
 static void account_finish(req_t *r)
@@ -758,18 +811,77 @@ static void account_finish(req_t *r)
     kvs_server_t *srv = r->srv;
     COUNT(srv->finishes[r->finish]);
     ADD(srv->prompt_tokens, r->api.prompt_len);
-    ADD(srv->generation_tokens, r->generated);
+    ADD(srv->generation_tokens, generated_of(r));
     ADD(srv->cached_tokens, r->final_done.cached_tokens);
     ADD(srv->kv_bytes, r->final_done.kv_bytes);
     kvs__hist_observe(&srv->e2e, kvs_now_ns() - r->submit_ns);
     if (r->final_done.transfer_ns) kvs__hist_observe(&srv->transfer, r->final_done.transfer_ns);
 }
 
-/* Takes what the sink queued: decodes tokens, cuts at stop strings, concludes the request when
- * the backend is done, and (streaming) turns the new text into SSE chunks. */
-static void pump(req_t *r)
+/* Appends token t to choice c (decoded, its logprobs recorded) and cuts c at a stop string. */
+static void take_token(req_t *r, choice_t *c, const tok_rec_t *t, size_t max_stop)
 {
     kvs_server_t *srv = r->srv;
+    c->generated++;
+    if (is_stop_id(r, t->token)) return;
+    const char *piece;
+    size_t len;
+    if (t->piece_len != SIZE_MAX) {
+        piece = r->work.pieces.ptr + t->piece_off;
+        len = t->piece_len;
+    } else if (srv->tok.piece(srv->tok.ctx, t->token, &piece, &len) != KVS_OK) {
+        piece = ""; /* logged by the tokenizer; the token renders as nothing */
+        len = 0;
+    }
+    size_t old = c->text.len;
+    kvs__sb_append(&c->text, piece, len);
+    if (r->api.logprobs) lp_push(c, t->token, piece, len, 0, 0, t->has_lp ? &t->lp : NULL);
+    if (r->api.n_stops == 0) return;
+    size_t from = old + 1 > max_stop ? old + 1 - max_stop : 0;
+    if (from < c->emitted) from = c->emitted;
+    if (from < r->echo_len) from = r->echo_len; /* stops apply to the completion only */
+    size_t at = kvs__stop_find(c->text.ptr, c->text.len, from, r->api.stops, r->api.stop_lens,
+                               r->api.n_stops);
+    if (at != SIZE_MAX) {
+        c->text.len = at;
+        c->text.ptr[at] = '\0';
+        c->stop_matched = 1;
+    }
+}
+
+/* Streaming: choice i's new text as chunks, up to what may still be cut by a stop string or
+ * completes a character. */
+static void stream_choice(req_t *r, uint32_t i)
+{
+    choice_t *c = &r->ch[i];
+    size_t end = c->text.len;
+    /* The echoed prompt goes out with its logprobs, which come before the first token. */
+    if (r->api.echo && r->api.logprobs && c->generated == 0 && !r->finished) end = c->emitted;
+    if (!r->finished && !c->stop_matched && end > c->emitted) {
+        end -= kvs__stop_hold(c->text.ptr, end, c->emitted, r->api.stops, r->api.stop_lens,
+                              r->api.n_stops);
+        end -= kvs__utf8_incomplete_tail(c->text.ptr + c->emitted, end - c->emitted);
+    }
+    while (end > c->emitted) {
+        /* The echoed prompt is a chunk of its own. */
+        size_t upto = c->emitted < r->echo_len && end > r->echo_len ? r->echo_len : end;
+        json_t *s = text_json(c->text.ptr + c->emitted, upto - c->emitted);
+        json_t *content = s && r->api.chat ? json_pack("{s:o}", "content", s) : s;
+        if (content == NULL) r->out.oom = 1;
+        size_t k = c->lps_sent;
+        while (k < c->n_lps && c->lps[k].end <= upto) k++;
+        json_t *lp = k > c->lps_sent ? logprobs_json(r, c, c->lps_sent, k) : NULL;
+        c->lps_sent = k;
+        if (content) sse_chunk(r, i, content, NULL, lp);
+        if (content == NULL) json_decref(lp);
+        c->emitted = upto;
+    }
+}
+
+/* Takes what the sink queued: decodes tokens, cuts each choice at stop strings, concludes the
+ * request when the backend is done, and (streaming) turns the new text into SSE chunks. */
+static void pump(req_t *r)
+{
     tok_queue_t tmp;
     pthread_mutex_lock(&r->mu);
     tmp = r->pend;
@@ -786,51 +898,42 @@ static void pump(req_t *r)
     size_t max_stop = 0;
     for (uint32_t k = 0; k < r->api.n_stops; k++)
         if (r->api.stop_lens[k] > max_stop) max_stop = r->api.stop_lens[k];
-    for (size_t i = 0; i < r->work.n && !r->stop_matched && !r->finished; i++) {
+    for (size_t i = 0; i < r->work.n && !r->finished; i++) {
         const tok_rec_t *t = &r->work.toks[i];
-        r->generated++;
-        if (is_stop_id(r, t->token)) continue;
-        const char *piece;
-        size_t len;
-        if (t->piece_len != SIZE_MAX) {
-            piece = r->work.pieces.ptr + t->piece_off;
-            len = t->piece_len;
-        } else if (srv->tok.piece(srv->tok.ctx, t->token, &piece, &len) != KVS_OK) {
-            piece = ""; /* logged by the tokenizer; the token renders as nothing */
-            len = 0;
-        }
-        size_t old = r->text.len;
-        kvs__sb_append(&r->text, piece, len);
-        if (r->api.logprobs) lp_push(r, t->token, piece, len, 0, 0, t->has_lp ? &t->lp : NULL);
-        if (r->api.n_stops == 0) continue;
-        size_t from = old + 1 > max_stop ? old + 1 - max_stop : 0;
-        if (from < r->emitted) from = r->emitted;
-        if (from < r->echo_len) from = r->echo_len; /* stops apply to the completion only */
-        size_t at = kvs__stop_find(r->text.ptr, r->text.len, from, r->api.stops, r->api.stop_lens,
-                                   r->api.n_stops);
-        if (at != SIZE_MAX) {
-            r->text.len = at;
-            r->text.ptr[at] = '\0';
-            r->stop_matched = 1;
-        }
+        choice_t *c = &r->ch[t->choice];
+        if (c->stop_matched) continue;
+        take_token(r, c, t, max_stop);
+        if (c->stop_matched && !r->done_taken) send_cancel_choice(r, t->choice);
     }
     r->work.n = 0;
     r->work.pieces.len = 0;
-    if (r->text.oom || r->lp_oom) oom = 1;
-    if (r->stop_matched && !r->done_taken) send_cancel(r);
+    for (uint32_t i = 0; i < r->n_ch; i++)
+        if (r->ch[i].text.oom || r->ch[i].lp_oom) oom = 1;
 
     if (took_done && !r->finished) {
         r->finished = 1;
-        r->finish = r->final_done.finish;
-        r->finish_status = r->final_done.status;
-        if (r->stop_matched) {
-            r->finish = KVS_SERVER_FINISH_STOP;
-        } else if (oom) {
+        const kvs_server_done_t *d = &r->final_done;
+        /* A choice cut at a stop string stopped, whatever ended it at the backend; one that
+         * failed fails the request. */
+        int failed = 0;
+        for (uint32_t i = 0; i < r->n_ch; i++) {
+            choice_t *c = &r->ch[i];
+            c->finish = c->stop_matched ? KVS_SERVER_FINISH_STOP : d->choice_finish[i];
+            failed |= c->finish == KVS_SERVER_FINISH_ERROR;
+        }
+        r->finish = failed ? KVS_SERVER_FINISH_ERROR : r->ch[0].finish;
+        r->finish_status = d->status;
+        if (oom) {
             r->finish = KVS_SERVER_FINISH_ERROR;
             r->finish_status = KVS_ERR_NOMEM;
-        } else if (LOAD(r->shutdown) && r->finish == KVS_SERVER_FINISH_STOP) {
-            r->finish = KVS_SERVER_FINISH_ERROR;
-            r->finish_status = KVS_ERR_ABORTED;
+        } else if (LOAD(r->shutdown) && r->finish != KVS_SERVER_FINISH_ERROR) {
+            /* Ended by the server's own cancel: any choice it stopped was cut short. */
+            for (uint32_t i = 0; i < r->n_ch; i++) {
+                if (r->ch[i].finish == KVS_SERVER_FINISH_STOP && !r->ch[i].stop_matched) {
+                    r->finish = KVS_SERVER_FINISH_ERROR;
+                    r->finish_status = KVS_ERR_ABORTED;
+                }
+            }
         }
         if (r->finish == KVS_SERVER_FINISH_ERROR && r->finish_status == KVS_OK)
             r->finish_status = KVS_ERR_IO;
@@ -840,33 +943,12 @@ static void pump(req_t *r)
 
     if (!r->stream_started) {
         r->stream_started = 1;
-        if (r->api.chat) {
+        for (uint32_t i = 0; r->api.chat && i < r->n_ch; i++) {
             json_t *delta = json_pack("{s:s, s:s}", "role", "assistant", "content", "");
-            if (delta) sse_chunk(r, delta, NULL, NULL);
+            if (delta) sse_chunk(r, i, delta, NULL, NULL);
         }
     }
-    size_t end = r->text.len;
-    /* The echoed prompt goes out with its logprobs, which come before the first token. */
-    if (r->api.echo && r->api.logprobs && r->generated == 0 && !r->finished) end = r->emitted;
-    if (!r->finished && !r->stop_matched && end > r->emitted) {
-        end -= kvs__stop_hold(r->text.ptr, end, r->emitted, r->api.stops, r->api.stop_lens,
-                              r->api.n_stops);
-        end -= kvs__utf8_incomplete_tail(r->text.ptr + r->emitted, end - r->emitted);
-    }
-    while (end > r->emitted) {
-        /* The echoed prompt is a chunk of its own. */
-        size_t upto = r->emitted < r->echo_len && end > r->echo_len ? r->echo_len : end;
-        json_t *s = text_json(r->text.ptr + r->emitted, upto - r->emitted);
-        json_t *content = s && r->api.chat ? json_pack("{s:o}", "content", s) : s;
-        if (content == NULL) r->out.oom = 1;
-        size_t k = r->lps_sent;
-        while (k < r->n_lps && r->lps[k].end <= upto) k++;
-        json_t *lp = k > r->lps_sent ? logprobs_json(r, r->lps_sent, k) : NULL;
-        r->lps_sent = k;
-        if (content) sse_chunk(r, content, NULL, lp);
-        if (content == NULL) json_decref(lp);
-        r->emitted = upto;
-    }
+    for (uint32_t i = 0; i < r->n_ch; i++) stream_choice(r, i);
     if (r->finished && !r->stream_ended) sse_finish(r);
 }
 
@@ -967,8 +1049,8 @@ static const char *role_refusal(const kvs_server_t *srv, const kvs__api_req_t *a
     return NULL;
 }
 
-/* echo: the prompt's text starts the answer; with logprobs its tokens are the first records
- * and their logprobs come from the sink. */
+/* echo: the prompt's text starts every choice's answer; with logprobs its tokens are the first
+ * records (their logprobs, one set for all choices, come from the sink). */
 static kvs_status_t echo_prompt(req_t *r)
 {
     if (r->api.logprobs) {
@@ -976,15 +1058,19 @@ static kvs_status_t echo_prompt(req_t *r)
         r->prompt_has = kvs_calloc(r->api.prompt_len, 1);
         if (r->prompt_lp == NULL || r->prompt_has == NULL) return KVS_ERR_NOMEM;
     }
-    for (uint32_t i = 0; i < r->api.prompt_len; i++) {
-        const char *piece;
-        size_t len;
-        token_text(r, r->api.prompt[i], &piece, &len);
-        kvs__sb_append(&r->text, piece, len);
-        if (r->api.logprobs) lp_push(r, r->api.prompt[i], piece, len, 1, i, NULL);
+    for (uint32_t c = 0; c < r->n_ch; c++) {
+        choice_t *ch = &r->ch[c];
+        for (uint32_t i = 0; i < r->api.prompt_len; i++) {
+            const char *piece;
+            size_t len;
+            token_text(r, r->api.prompt[i], &piece, &len);
+            kvs__sb_append(&ch->text, piece, len);
+            if (r->api.logprobs) lp_push(ch, r->api.prompt[i], piece, len, 1, i, NULL);
+        }
+        r->echo_len = ch->text.len;
+        if (ch->text.oom || ch->lp_oom) return KVS_ERR_NOMEM;
     }
-    r->echo_len = r->text.len;
-    return r->text.oom || r->lp_oom ? KVS_ERR_NOMEM : KVS_OK;
+    return KVS_OK;
 }
 
 static enum MHD_Result handle_generate(req_t *r)
@@ -1033,6 +1119,13 @@ static enum MHD_Result handle_generate(req_t *r)
         r->api.include_usage = 0;
         for (uint32_t i = 0; i < r->api.n_stops; i++) kvs_free(r->api.stops[i]);
         r->api.n_stops = 0;
+        r->api.n = 1; /* the decode side samples the choices from the one prompt */
+    }
+    r->n_ch = r->api.n;
+    r->ch = kvs_calloc(r->n_ch, sizeof(*r->ch));
+    if (r->ch == NULL) {
+        r->n_ch = 0;
+        return send_error(r, 500, "out of memory", NULL, NULL);
     }
     r->room =
         r->api.has_room ? r->api.room : __atomic_fetch_add(&srv->next_room, 1, __ATOMIC_RELAXED);
@@ -1055,6 +1148,7 @@ static enum MHD_Result handle_generate(req_t *r)
     q.stream = r->api.stream;
     q.logprobs = r->api.logprobs;
     q.top_logprobs = r->api.top_logprobs;
+    q.n = r->n_ch;
     /* A decode side has no logits of the prompt: the router takes them from the prefill side. */
     q.prompt_logprobs = r->api.echo && r->api.logprobs && r->api.role != KVS_SERVER_ROLE_DECODE;
     if (r->api.echo && echo_prompt(r) != KVS_OK)
@@ -1095,7 +1189,7 @@ static enum MHD_Result handle_generate(req_t *r)
     pthread_mutex_lock(&srv->mu);
     int cancelled = r->remote_cancel;
     pthread_mutex_unlock(&srv->mu);
-    if (cancelled) srv->backend.cancel(srv->backend.ctx, r->room);
+    if (cancelled) srv->backend.cancel(srv->backend.ctx, r->room, KVS_SERVER_CHOICE_ALL);
     if (!r->api.stream) return wait_final(r);
 
     struct MHD_Response *resp =
@@ -1165,7 +1259,7 @@ static enum MHD_Result handle_cancel(req_t *r)
     pthread_mutex_unlock(&srv->mu);
     for (uint32_t i = 0; i < n; i++) {
         COUNT(srv->cancels);
-        srv->backend.cancel(srv->backend.ctx, rooms[i]);
+        srv->backend.cancel(srv->backend.ctx, rooms[i], KVS_SERVER_CHOICE_ALL);
     }
     kvs_debug("server: room %lld cancelled by the router (%u live)", (long long) room, found);
     return send_json_steal(r, 200, json_pack("{s:I, s:i}", "room", room, "cancelled", (int) found));
@@ -1401,7 +1495,7 @@ static void *poke_main(void *arg)
             kvs_debug("server: room %llu: its client hung up while waiting; cancelling",
                       (unsigned long long) rooms[i]);
             COUNT(srv->cancels);
-            srv->backend.cancel(srv->backend.ctx, rooms[i]);
+            srv->backend.cancel(srv->backend.ctx, rooms[i], KVS_SERVER_CHOICE_ALL);
         }
         pthread_mutex_lock(&srv->mu);
     }
@@ -1615,7 +1709,8 @@ void kvs_server_destroy(kvs_server_t *srv)
         rooms[k++] = r->room;
     }
     pthread_mutex_unlock(&srv->mu);
-    for (uint32_t i = 0; i < k; i++) srv->backend.cancel(srv->backend.ctx, rooms[i]);
+    for (uint32_t i = 0; i < k; i++)
+        srv->backend.cancel(srv->backend.ctx, rooms[i], KVS_SERVER_CHOICE_ALL);
     kvs_free(rooms);
 
     struct timespec deadline;

@@ -16,6 +16,13 @@
  *        >= 1), min_p [0, 1], repetition_penalty (0, 2] (over prompt and generated tokens),
  *        ignore_eos (the EOS does not end generation), stop_token_ids [ids]; greedy honours
  *        the bias and the penalties too (model/sample.c: the order they act in).
+ *        "n" [1, 16] choices (completions "best_of" only equal to n): choices[i] with "index" i,
+ *        its own text, finish_reason and logprobs, sampled with seed + i from the one prompt
+ *        (computed, or handed over, once); streamed, each chunk carries one choice's "index"
+ *        (a role chunk and a last chunk per choice); stop strings end only the choice they match
+ *        in; usage.completion_tokens sums the choices, prompt_tokens counts the prompt once; a
+ *        failing choice fails the request (500, or the stream's error event). A prefill side
+ *        computes one choice whatever n says.
  *        Logprobs, in OpenAI's shapes: chat "logprobs": true with "top_logprobs" [0, 20] gives
  *        choices[0].logprobs {"content": [{"token", "logprob", "bytes", "top_logprobs":
  *        [{"token", "logprob", "bytes"}]}]}; completions "logprobs" [0, 5] gives {"tokens",
@@ -143,6 +150,9 @@
 /* The response header that names a request's ignored unknown fields. */
 #define KVS_SERVER_IGNORED_HEADER "X-Kvstage-Ignored-Fields"
 
+#define KVS_SERVER_CHOICES_MAX 16         /* "n" at most */
+#define KVS_SERVER_CHOICE_ALL  UINT32_MAX /* cancel(): every choice of the room */
+
 /* ---------------------------------------------------------------------------------------- */
 /* Backend interface                                                                         */
 
@@ -177,6 +187,9 @@ typedef struct {
     /* With logprobs, not DECODE: on_prompt for prompt tokens 1..prompt_len-1 (computed in the
      * prefill pass; such a request computes its whole prompt, past any cached prefix) */
     int prompt_logprobs;
+    /* Choices ("n"), 1..KVS_SERVER_CHOICES_MAX (PREFILL: 1): sequences sampled from the one
+     * prompt, choice i with seed + i, each reported through on_token with its index */
+    uint32_t n;
 } kvs_server_request_t;
 
 typedef enum {
@@ -187,11 +200,12 @@ typedef enum {
 } kvs_server_finish_t;
 
 typedef struct {
-    kvs_server_finish_t finish;
-    kvs_status_t status;    /* FINISH_ERROR: why */
+    kvs_server_finish_t finish; /* the request's: ERROR when any choice failed, else choice 0's */
+    kvs_server_finish_t choice_finish[KVS_SERVER_CHOICES_MAX]; /* [n]: each choice's */
+    kvs_status_t status;                                       /* FINISH_ERROR: why */
     uint32_t prompt_tokens; /* prompt length as the backend saw it */
     uint32_t cached_tokens; /* of which found in this instance's prefix cache */
-    uint32_t generated;     /* tokens reported through on_token */
+    uint32_t generated;     /* tokens reported through on_token, all choices */
     uint64_t ttft_ns;       /* submit -> first token known on this side; 0: unknown */
     uint64_t transfer_ns;   /* KV transfer time of the room; 0: none or unknown */
     uint64_t kv_bytes;      /* KV bytes moved for the room */
@@ -199,16 +213,17 @@ typedef struct {
 
 /* Where a backend reports one request. The backend may call these from any thread (an engine
  * loop thread), also before submit() returns; calls for one request never overlap; on_token
- * comes once per generated token in order (a stop token included: the server does not render
- * the stop ids as text); on_done comes exactly once, last, for every request submit()
- * accepted, cancelled ones included. The server never calls the backend from inside a sink
- * call, and the sink never blocks on the network (it only queues and wakes). */
+ * comes once per generated token of each choice, in order within the choice (a stop token
+ * included: the server does not render the stop ids as text); on_done comes exactly once, last,
+ * once every choice ended, for every request submit() accepted, cancelled ones included. The server
+ * never calls the backend from inside a sink call, and the sink never blocks on the network (it
+ * only queues and wakes). */
 typedef struct {
     /* piece: the token's text when the backend has it (copied before return); NULL: the
      * server decodes the id with its tokenizer. lp: the token's logprobs when the request
      * asked (copied), else NULL. */
-    void (*on_token)(void *arg, uint32_t token, const char *piece, size_t piece_len,
-                     const kvs_logprobs_t *lp);
+    void (*on_token)(void *arg, uint32_t choice, uint32_t token, const char *piece,
+                     size_t piece_len, const kvs_logprobs_t *lp);
     void (*on_done)(void *arg, const kvs_server_done_t *done);
     void *arg;
     /* prompt_logprobs: prompt token number index (1..prompt_len-1, in order, before the first
@@ -237,10 +252,11 @@ typedef struct {
      * KVS_ERR_NOSPACE (503, overloaded), anything else (500). */
     kvs_status_t (*submit)(void *ctx, const kvs_server_request_t *request,
                            const kvs_server_sink_t *sink);
-    /* Ends a live request soon (client gone, stop string matched, server stopping); on_done
-     * still follows. Called from server threads, concurrently with the backend's own sink calls
-     * for the same room. KVS_ERR_NOT_FOUND for a room that already ended (expected, ignored). */
-    kvs_status_t (*cancel)(void *ctx, uint64_t room);
+    /* Ends choice `choice` of a live request soon (a stop string matched in it), or every choice
+     * (KVS_SERVER_CHOICE_ALL: client gone, server stopping); on_done still follows. Called from
+     * server threads, concurrently with the backend's own sink calls for the same room.
+     * KVS_ERR_NOT_FOUND for a room that already ended (expected, ignored). */
+    kvs_status_t (*cancel)(void *ctx, uint64_t room, uint32_t choice);
     /* KVS_OK while the backend can serve. NULL: always healthy. */
     kvs_status_t (*health)(void *ctx);
     /* Why health() fails, into buf[cap] ("" when it does not); shown by /health. NULL: none. */

@@ -88,6 +88,7 @@ typedef struct {
     uint32_t *prompt; /* [prompt_len] */
     uint32_t prompt_len;
     uint32_t max_tokens;
+    uint32_t n;                   /* choices ("n"), 1..KVS_SERVER_CHOICES_MAX */
     kvs_sample_params_t sampling; /* sampling.bias: owned (kvs_malloc) */
     uint64_t seed;                /* the client's, or kvs__random_seed() */
     int stream, include_usage;

@@ -321,14 +321,17 @@ static void test_rank_pipe(void **state)
     FILE *p = popen(cmd, "w");
     assert_non_null(p);
     fputs("hello\n"
-          "submit 1 4 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
-          "submit 2 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 1 99999\n"
-          "submit 3 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 5 6 7\n"
-          "submit 5 96 0 1 0 0 0 0 0 0 -1 -1 0 0 9 1 2 3 4 5 6 7 8 9\n"
-          "submit 4 100 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
+          "submit 1 1 4 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
+          "submit 2 1 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 1 99999\n"
+          "submit 3 1 4 0 1 0 0 0 0 0 0 -1 -1 0 0 2 5 6 7\n"
+          "submit 5 1 96 0 1 0 0 0 0 0 0 -1 -1 0 0 9 1 2 3 4 5 6 7 8 9\n"
+          "submit 4 1 100 0 1 0 0 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
           /* sampling parameters the engine refuses: min_p 2, a bias outside the vocabulary */
-          "submit 6 4 0 1 0 2 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
-          "submit 7 4 0 1 0 0 0 0 0 0 -1 -1 0 1 512 1 3 1 2 3\n"
+          "submit 6 1 4 0 1 0 2 0 0 0 0 -1 -1 0 0 3 1 2 3\n"
+          "submit 7 1 4 0 1 0 0 0 0 0 0 -1 -1 0 1 512 1 3 1 2 3\n"
+          /* three choices, sampled; choice 1 stopped alone */
+          "submit 8 3 4 1 1 0 0 0 0 0 5 -1 -1 0 0 3 1 2 3\n"
+          "stop 8 1\n"
           "stop 4\n"
           "match 3 1 2 3\n"
           "match 3 1 2\n"
@@ -358,8 +361,11 @@ static void test_rank_pipe(void **state)
         "{\"event\":\"done\",\"room\":1,\"status\":\"ok\",\"finish\":\"length\","
         "\"prompt_len\":3,\"cached\":0,\"generated\":4,",
         "{\"event\":\"done\",\"room\":4,\"status\":\"ok\",\"finish\":\"stop\",",
+        "\"index\":3,\"choice\":2}",
+        "\"done_ns\":",
+        "\"choice\":1}",
         "{\"event\":\"stats\",\"role\":\"colocated\",\"rank\":0,",
-        "\"requests_ok\":2,\"requests_failed\":0,",
+        "\"requests_ok\":5,\"requests_failed\":0,",
         /* match and stats: one answer each, in order (prompts shorter than a page hit nothing) */
         "{\"event\":\"match\",\"cached\":0,\"prompt_len\":3}",
         "{\"event\":\"match\",\"cached\":0,\"error\":",

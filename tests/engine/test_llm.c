@@ -688,11 +688,11 @@ static void test_submit_refusals(void **state)
     q = request(0);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID); /* room already live */
-    assert_int_equal(kvs_llm_stop(s.llm, 99), KVS_ERR_NOT_FOUND);
+    assert_int_equal(kvs_llm_stop(s.llm, 99, KVS_LLM_CHOICE_ALL), KVS_ERR_NOT_FOUND);
     kvs_log_set_sink(NULL, NULL);
     assert_int_equal(cap.calls, 7);
     /* A stop ends the request at the next step, with what it generated so far. */
-    assert_int_equal(kvs_llm_stop(s.llm, 1), KVS_OK);
+    assert_int_equal(kvs_llm_stop(s.llm, 1, KVS_LLM_CHOICE_ALL), KVS_OK);
     int quit;
     uint32_t work;
     assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
@@ -748,8 +748,9 @@ static void test_whole_context_max_new(void **state)
     single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, m, make_pool(m, 5));
     kvs_llm_request_t q = request(2); /* 93 tokens: 6 pages */
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_NOSPACE);
-    assert_non_null(strstr(cap.msg, "room 3: a prompt of 93 tokens needs 6 pages of 16 tokens, "
-                                    "more than the whole pool of 5: it can never be admitted"));
+    assert_non_null(
+        strstr(cap.msg, "room 3: a prompt of 93 tokens with 1 choice needs 6 pages of 16 tokens, "
+                        "more than the whole pool of 5: it can never be admitted"));
     q = request(0);
     q.max_new_tokens = CFG.max_ctx - g_len[0];
     assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
@@ -930,6 +931,114 @@ static void test_logprobs(void **state)
     kvs_assert_no_leaks();
 }
 
+/* ---- choices ---- */
+
+typedef struct {
+    uint32_t tokens[KVS_LLM_CHOICES_MAX][MAX_NEW];
+    uint32_t ntokens[KVS_LLM_CHOICES_MAX];
+    int done[KVS_LLM_CHOICES_MAX];
+    kvs_llm_event_t last[KVS_LLM_CHOICES_MAX];
+} choices_t;
+
+/* Prompt p with n choices and this seed through a colocated engine (radix on) of pool pages;
+ * stats_p receives its counters. */
+static void run_choices(int p, uint32_t n, uint64_t seed, uint32_t pages, choices_t *o,
+                        kvs_llm_stats_t *stats_p)
+{
+    g_pool_pages = pages;
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, NULL, NULL);
+    g_pool_pages = ROOMY_POOL;
+    memset(o, 0, sizeof(*o));
+    kvs_llm_request_t q = request(p);
+    q.n_choices = n;
+    q.seed = seed;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    for (int steps = 0; steps < 20000 && kvs_llm_live(s.llm) > 0; steps++) {
+        int quit = 0;
+        uint32_t work = 0;
+        assert_int_equal(kvs_llm_step(s.llm, 0, &quit, &work), KVS_OK);
+        kvs_llm_event_t ev;
+        while (kvs_llm_next_event(s.llm, &ev) == KVS_OK) {
+            assert_int_equal(ev.room, (uint64_t) p + 1);
+            assert_true(ev.choice < n);
+            assert_false(o->done[ev.choice]);
+            if (ev.kind == KVS_LLM_EV_TOKEN) {
+                assert_int_equal(ev.index, o->ntokens[ev.choice]);
+                o->tokens[ev.choice][o->ntokens[ev.choice]++] = ev.token;
+            } else if (ev.kind == KVS_LLM_EV_DONE) {
+                o->done[ev.choice] = 1;
+                o->last[ev.choice] = ev;
+            }
+        }
+    }
+    assert_int_equal(kvs_llm_live(s.llm), 0);
+    kvs_llm_stats(s.llm, stats_p);
+    expect_pages_back(s.llm, s.pool);
+    single_close(&s, 1);
+    for (uint32_t c = 0; c < n; c++) {
+        if (!o->done[c] || o->last[c].status != KVS_OK)
+            fail_msg("choice %u did not finish ok (%s)", c, kvs_status_str(o->last[c].status));
+        assert_int_equal(o->ntokens[c], MAX_NEW);
+        assert_int_equal(o->last[c].finish, KVS_LLM_FINISH_LENGTH);
+    }
+}
+
+/* n choices of one prompt: choice c generates exactly what the request alone with seed + c
+ * does, sampled choices differ, greedy ones are all the reference. The prompt is computed once:
+ * the further choices find its whole pages in the radix cache and compute only the last,
+ * partial one. With a small pool the choices preempt each other and still generate the same,
+ * and every page comes back. */
+static void test_choices(void **state)
+{
+    (void) state;
+    const int p = 2; /* 93 tokens: five whole pages and 13 more */
+    choices_t many, one;
+    kvs_llm_stats_t st, st1;
+    g_sampling = (kvs_sample_params_t){.temperature = 1.0f, .top_p = 0.95f};
+    for (int small = 0; small < 2; small++) {
+        run_choices(p, 3, 500, small ? SMALL_POOL : ROOMY_POOL, &many, &st);
+        for (uint32_t c = 0; c < 3; c++) {
+            run_choices(p, 1, 500 + c, small ? SMALL_POOL : ROOMY_POOL, &one, &st1);
+            for (int t = 0; t < MAX_NEW; t++)
+                if (many.tokens[c][t] != one.tokens[0][t])
+                    fail_msg("%s pool, choice %u token %d: %u, alone with seed %u: %u",
+                             small ? "small" : "roomy", c, t, many.tokens[c][t], 500 + c,
+                             one.tokens[0][t]);
+        }
+        assert_memory_not_equal(many.tokens[0], many.tokens[1], sizeof(many.tokens[0]));
+        assert_memory_not_equal(many.tokens[1], many.tokens[2], sizeof(many.tokens[0]));
+        if (small) {
+            assert_true(st.preemptions > 0);
+        } else {
+            assert_int_equal(st.preemptions, 0);
+            assert_int_equal(st.prompt_tokens, g_len[p] + 2 * (g_len[p] - 5 * PAGE));
+            assert_int_equal(st.cached_tokens, 2 * 5 * PAGE);
+            assert_int_equal(many.last[0].cached_tokens, 0);
+            assert_int_equal(many.last[1].cached_tokens, 5 * PAGE);
+        }
+    }
+    g_sampling = GREEDY;
+    run_choices(p, 3, 1, ROOMY_POOL, &many, &st);
+    for (uint32_t c = 0; c < 3; c++)
+        assert_memory_equal(many.tokens[c], g_ref[p], sizeof(g_ref[p]));
+    /* Refused: too many choices; more than the pool could ever hold (the prompt's 6 pages and
+     * one for each further choice, of 10). */
+    g_pool_pages = SMALL_POOL;
+    single_t s;
+    single_open(&s, KVS_LLM_COLOCATED, 1, NULL, NULL, NULL, NULL);
+    g_pool_pages = ROOMY_POOL;
+    kvs_llm_request_t q = request(p);
+    q.n_choices = KVS_LLM_CHOICES_MAX + 1;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_INVALID);
+    q.n_choices = 6;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_ERR_NOSPACE);
+    q.n_choices = 5;
+    assert_int_equal(kvs_llm_submit(s.llm, &q), KVS_OK);
+    single_close(&s, 1);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -944,6 +1053,7 @@ int main(void)
         cmocka_unit_test(test_preemption_decode),
         cmocka_unit_test(test_cached_query),
         cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_choices),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -65,6 +65,8 @@ static void req_round_trip(const kvs_rank_line_request_t *q, const char *want,
 static void test_requests_round_trip(void **state)
 {
     (void) state;
+    char line_buf[256];
+    size_t line_len;
     uint32_t ids[16], prompt[5] = {1, 22, 333, 4294967295u, 0};
     kvs_rank_line_request_t back;
     const kvs_logit_bias_t bias[2] = {{4294967295u, -100.0f}, {0, 0.1f}};
@@ -86,7 +88,7 @@ static void test_requests_round_trip(void **state)
                                             .prompt_len = 5,
                                             .prompt = prompt}};
     req_round_trip(&q,
-                   "submit 18446744073709551615 4294967295 0.5 0.899999976 4294967295 "
+                   "submit 18446744073709551615 1 4294967295 0.5 0.899999976 4294967295 "
                    "0.0500000007 -2 1.5 1.25 7 -1 -1 0 2 4294967295 -100 0 0.100000001 5 1 22 333 "
                    "4294967295 0\n",
                    &back, ids, 16);
@@ -110,9 +112,9 @@ static void test_requests_round_trip(void **state)
     q.submit.eos = 4294967294ll;
     q.submit.sampling = (kvs_sample_params_t){.temperature = 0, .top_p = 1};
     q.submit.prompt_len = 1;
-    req_round_trip(&q,
-                   "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
-                   &back, ids, 16);
+    req_round_trip(
+        &q, "submit 18446744073709551615 1 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1\n",
+        &back, ids, 16);
     assert_int_equal(back.submit.eos, 4294967294ll);
     assert_int_equal(back.submit.peer_len, 0);
 
@@ -135,10 +137,30 @@ static void test_requests_round_trip(void **state)
     q.submit.peer = NULL;
     q.submit.peer_len = 0;
 
-    kvs_rank_line_request_t stop = {.kind = KVS_RANK_LINE_STOP, .room = 42};
+    kvs_rank_line_request_t stop = {
+        .kind = KVS_RANK_LINE_STOP, .room = 42, .choice = KVS_LLM_CHOICE_ALL};
     req_round_trip(&stop, "stop 42\n", &back, ids, 16);
     assert_int_equal(back.kind, KVS_RANK_LINE_STOP);
     assert_int_equal(back.room, 42);
+    assert_true(back.choice == KVS_LLM_CHOICE_ALL);
+    stop.choice = 15; /* one choice of the room */
+    req_round_trip(&stop, "stop 42 15\n", &back, ids, 16);
+    assert_int_equal(back.choice, 15);
+    stop.choice = 0;
+    req_round_trip(&stop, "stop 42 0\n", &back, ids, 16);
+    assert_int_equal(back.choice, 0);
+
+    /* Choices: 0 is written as 1; 16 at most. */
+    q.submit.choices = 16;
+    req_round_trip(&q,
+                   "submit 18446744073709551615 16 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 "
+                   "1\n",
+                   &back, ids, 16);
+    assert_int_equal(back.submit.choices, 16);
+    q.submit.choices = 17;
+    assert_int_equal(kvs_rank_line_request_encode(&q, line_buf, sizeof(line_buf), &line_len),
+                     KVS_ERR_INVALID);
+    q.submit.choices = 0;
 
     kvs_rank_line_request_t match = {.kind = KVS_RANK_LINE_MATCH, .match_len = 3, .match = prompt};
     req_round_trip(&match, "match 3 1 22 333\n", &back, ids, 16);
@@ -178,7 +200,7 @@ static void test_request_literals(void **state)
     const char *why;
     assert_int_equal(
         req_decode(
-            "submit 5 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 -1 0 1 3 2.5 10 1 2 3 4 5 6 7 "
+            "submit 5 1 5 0.5 0.899999976 40 0.1 0.5 -0.25 1.1 7 99 -1 0 1 3 2.5 10 1 2 3 4 5 6 7 "
             "8 9 10",
             ids, 16, &q, &why),
         KVS_OK);
@@ -219,9 +241,9 @@ static void test_bad_requests(void **state)
         {"stats ", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"quit now", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         /* truncated */
-        {"submit 1 2 0.5 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "EOS must be"},
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 3 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
@@ -233,59 +255,65 @@ static void test_bad_requests(void **state)
         {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 pear a", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids"},
         /* bad numbers */
-        {"submit x 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit x 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 zero 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 zero 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5x 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5x 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 1e99 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 1e99 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 4294967296 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 4294967296 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "submit"},
-        {"submit 18446744073709551616 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+        {"submit 18446744073709551616 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -2 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -2 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "EOS must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 4294967295 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 4294967295 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "EOS"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 4294967296", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 4294967296", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "prompt token ids"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 -4", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "prompt token ids"},
-        {"submit 1 2 0.5 1 -1 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 -1 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 4294967296 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 2 0.5 1 4294967296 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 x 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 x 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 301 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "at most 300"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "B must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 7 x 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 1 -7 1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "logit biases"},
         {"submit  1 2 0.5 1 3 -1 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID, "submit needs"},
         {"stop 1x", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
-        {"stop 1 2", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
+        {"stop 1 2 3", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM [CHOICE]"},
+        {"stop 1 16", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "CHOICE 0..15"},
+        {"stop 1 x", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "CHOICE 0..15"},
+        {"submit 1 0 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "CHOICES must be 1..16"},
+        {"submit 1 17 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+         "CHOICES must be 1..16"},
         {"match x 1", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         {"match 0", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match needs N"},
         /* N mismatching the ids */
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 2", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids than N"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "more token ids"},
         {"match 1 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: more token ids than N"},
         /* N the rank refuses: submit's ids are not read, match's are checked */
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 0", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
          "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 x 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_NOSPACE,
          "prompt length"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1 2 3 4 5", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_NOSPACE, "prompt"},
         {"match 5 1 2 3 4 5", KVS_RANK_LINE_MATCH, KVS_ERR_NOSPACE, "match: more token ids"},
         {"match 5 1 2 3 4 x", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
@@ -303,7 +331,7 @@ static void test_bad_requests(void **state)
     kvs_rank_line_request_t q;
     const char *why;
     /* A refused submit still names its room (rank 0 answers with a rejected line). */
-    assert_int_equal(req_decode("submit 9 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1", ids, 4, &q, &why),
+    assert_int_equal(req_decode("submit 9 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 5 1", ids, 4, &q, &why),
                      KVS_ERR_NOSPACE);
     assert_int_equal(q.submit.room, 9);
     assert_int_equal(req_decode("match 5 1 2 3 4 5", ids, 4, &q, &why), KVS_ERR_NOSPACE);
@@ -316,7 +344,7 @@ static void test_bad_requests(void **state)
                                                   g_bias, &q, &why),
                      KVS_ERR_INVALID);
     /* Every truncation of a good submit that loses an id or more is refused. */
-    const char *good = "submit 12 3 0.25 0.75 0 0 0 0 0 99 7 -1 0 0 3 10 20 30";
+    const char *good = "submit 12 1 3 0.25 0.75 0 0 0 0 0 99 7 -1 0 0 3 10 20 30";
     for (size_t cut = 0; cut + 2 <= strlen(good); cut++) {
         char buf[64];
         memcpy(buf, good, cut);
@@ -358,13 +386,13 @@ static void test_logprobs_lines(void **state)
                                             .prompt_logprobs = 1,
                                             .prompt_len = 2,
                                             .prompt = prompt}};
-    req_round_trip(&q, "submit 3 2 0 1 0 0 0 0 0 0 9 20 1 0 2 5 6\n", &back, ids, 4);
+    req_round_trip(&q, "submit 3 1 2 0 1 0 0 0 0 0 0 9 20 1 0 2 5 6\n", &back, ids, 4);
     assert_int_equal(back.submit.logprobs, 1);
     assert_int_equal(back.submit.top_logprobs, 20);
     assert_int_equal(back.submit.prompt_logprobs, 1);
     q.submit.top_logprobs = 0;
     q.submit.prompt_logprobs = 0;
-    req_round_trip(&q, "submit 3 2 0 1 0 0 0 0 0 0 9 0 0 0 2 5 6\n", &back, ids, 4);
+    req_round_trip(&q, "submit 3 1 2 0 1 0 0 0 0 0 0 9 0 0 0 2 5 6\n", &back, ids, 4);
     assert_int_equal(back.submit.logprobs, 1);
     assert_int_equal(back.submit.top_logprobs, 0);
     /* Out of range: refused by the encoder and the decoder. */
@@ -377,13 +405,13 @@ static void test_logprobs_lines(void **state)
     q.submit.prompt_logprobs = 1;
     assert_int_equal(kvs_rank_line_request_encode(&q, buf, sizeof(buf), &n), KVS_ERR_INVALID);
     const char *why = NULL;
-    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 21 0 0 1 5", ids, 4, &back, &why),
+    assert_int_equal(req_decode("submit 3 1 2 0 1 0 0 0 0 0 0 9 21 0 0 1 5", ids, 4, &back, &why),
                      KVS_ERR_INVALID);
     assert_non_null(strstr(why, "LOGPROBS must be"));
-    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 -1 1 0 1 5", ids, 4, &back, &why),
+    assert_int_equal(req_decode("submit 3 1 2 0 1 0 0 0 0 0 0 9 -1 1 0 1 5", ids, 4, &back, &why),
                      KVS_ERR_INVALID);
     assert_non_null(strstr(why, "PROMPT_LOGPROBS"));
-    assert_int_equal(req_decode("submit 3 2 0 1 0 0 0 0 0 0 9 x 0 0 1 5", ids, 4, &back, &why),
+    assert_int_equal(req_decode("submit 3 1 2 0 1 0 0 0 0 0 0 9 x 0 0 1 5", ids, 4, &back, &why),
                      KVS_ERR_INVALID);
 
     kvs_rank_line_event_t ev;
@@ -451,6 +479,11 @@ static void test_events_round_trip(void **state)
     assert_int_equal(b.llm.room, 7);
     assert_int_equal(b.llm.token, 4294967295u);
     assert_int_equal(b.llm.index, 3);
+    assert_int_equal(b.llm.choice, 0);
+    ev.llm.choice = 15; /* a further choice says which */
+    b = event_round_trip(
+        &ev, "{\"event\":\"token\",\"room\":7,\"token\":4294967295,\"index\":3,\"choice\":15}\n");
+    assert_int_equal(b.llm.choice, 15);
 
     memset(&ev, 0, sizeof(ev));
     ev.kind = KVS_RANK_LINE_EV_DONE;
@@ -483,6 +516,11 @@ static void test_events_round_trip(void **state)
         assert_int_equal(b.llm.finish, finishes[i]);
         assert_int_equal(b.llm.status, e->status);
     }
+    e->choice = 2;
+    e->finish = KVS_LLM_FINISH_STOP;
+    e->status = KVS_OK;
+    b = event_round_trip(&ev, NULL);
+    assert_memory_equal(&b.llm, e, sizeof(*e));
 
     memset(&ev, 0, sizeof(ev));
     ev.kind = KVS_RANK_LINE_EV_REJECTED;

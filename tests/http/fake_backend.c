@@ -1,6 +1,6 @@
-/* The fake backend: a thread that "generates" for every live request in steps (token k echoes
- * prompt[k % prompt_len]), with delays, failure injection, a prefix cache of finished prompts
- * and a record of every room it saw, for tests and smoke runs without a model. */
+/* The fake backend: a thread that "generates" for every live request in steps (token k of
+ * choice c echoes prompt[(k + c) % prompt_len]), with delays, failure injection, a prefix cache of
+ * finished prompts and a record of every room it saw, for tests and smoke runs without a model. */
 #include "http/fake_backend.h"
 
 #include <pthread.h>
@@ -23,7 +23,12 @@ typedef struct {
     uint32_t *stop_ids; /* [n_stop_ids] */
     uint32_t n_stop_ids;
     kvs_server_sink_t sink;
-    uint32_t generated, cached;
+    uint32_t generated, cached; /* generated: all choices */
+    uint32_t n;                 /* choices */
+    uint32_t gen[KVS_SERVER_CHOICES_MAX];
+    int ended[KVS_SERVER_CHOICES_MAX], stop[KVS_SERVER_CHOICES_MAX];
+    kvs_server_finish_t fin[KVS_SERVER_CHOICES_MAX];
+    uint32_t n_ended;
     int cancelled;
     int logprobs, prompt_logprobs, prompt_sent;
     uint32_t top_logprobs;
@@ -35,7 +40,7 @@ typedef struct {
 typedef struct {
     fake_req_t *req;
     int has_token;
-    uint32_t token, index;
+    uint32_t choice, token, index;
     int has_done;
     kvs_server_done_t done;
 } fake_event_t;
@@ -110,6 +115,8 @@ static void finish(kvs_server_fake_t *f, fake_req_t *r, kvs_server_finish_t how,
     kvs_server_done_t *d = &ev->done;
     memset(d, 0, sizeof(*d));
     d->finish = how;
+    for (uint32_t c = 0; c < KVS_SERVER_CHOICES_MAX; c++)
+        d->choice_finish[c] = c < r->n && r->ended[c] ? r->fin[c] : how;
     d->status = status;
     d->prompt_tokens = r->prompt_len;
     d->cached_tokens = r->cached;
@@ -141,22 +148,29 @@ static int is_stop(const fake_req_t *r, uint32_t token)
     return 0;
 }
 
-/* One step over every live request, under the lock. Returns the events (n_p of them) in an
- * array the caller frees, and the earliest time a waiting request becomes ready. */
+static void end_choice(fake_req_t *r, uint32_t c, kvs_server_finish_t how)
+{
+    r->ended[c] = 1;
+    r->fin[c] = how;
+    r->n_ended++;
+}
+
+/* One step over every live request, under the lock: each choice still going gives a token (or
+ * ends: stopped, failed). Returns the events (n_p of them) in an array the caller frees, and
+ * the earliest time a waiting request becomes ready. */
 static fake_event_t *step(kvs_server_fake_t *f, uint64_t now, uint32_t *n_p, uint64_t *wake_p)
 {
     *n_p = 0;
     *wake_p = UINT64_MAX;
-    fake_event_t *evs = kvs_calloc(f->n_live ? f->n_live : 1, sizeof(*evs));
+    size_t per = KVS_SERVER_CHOICES_MAX + 1;
+    fake_event_t *evs = kvs_calloc(f->n_live ? f->n_live * per : 1, sizeof(*evs));
     if (evs == NULL) return NULL; /* retried at the next step */
     uint32_t n = 0, keep = 0;
     for (uint32_t i = 0; i < f->n_live; i++) {
         fake_req_t *r = f->live[i];
-        fake_event_t *ev = &evs[n];
-        ev->req = r;
         if (r->cancelled) {
-            finish(f, r, KVS_SERVER_FINISH_STOP, KVS_OK, ev);
-            n++;
+            evs[n].req = r;
+            finish(f, r, KVS_SERVER_FINISH_STOP, KVS_OK, &evs[n++]);
             continue;
         }
         if (now < r->ready_ns) {
@@ -164,26 +178,43 @@ static fake_event_t *step(kvs_server_fake_t *f, uint64_t now, uint32_t *n_p, uin
             f->live[keep++] = r;
             continue;
         }
-        if (f->fail_at != 0 && r->generated + 1 == f->fail_at) {
-            finish(f, r, KVS_SERVER_FINISH_ERROR, KVS_ERR_IO, ev);
-            n++;
-            continue;
+        int failed = 0;
+        for (uint32_t c = 0; c < r->n && !failed; c++) {
+            if (r->ended[c]) continue;
+            if (r->stop[c]) {
+                end_choice(r, c, KVS_SERVER_FINISH_STOP);
+                continue;
+            }
+            if (f->fail_at != 0 && r->gen[c] + 1 == f->fail_at) {
+                failed = 1;
+                continue;
+            }
+            uint32_t tok = r->prompt[(r->gen[c] + c) % r->prompt_len];
+            r->gen[c]++;
+            r->generated++;
+            if (r->first_ns == 0) r->first_ns = now;
+            fake_event_t *ev = &evs[n++];
+            ev->req = r;
+            ev->has_token = 1;
+            ev->choice = c;
+            ev->token = tok;
+            ev->index = r->gen[c] - 1;
+            if (r->role == KVS_SERVER_ROLE_PREFILL)
+                end_choice(r, c, KVS_SERVER_FINISH_HANDOFF);
+            else if (is_stop(r, tok))
+                end_choice(r, c, KVS_SERVER_FINISH_STOP);
+            else if (r->gen[c] >= r->max_tokens)
+                end_choice(r, c, KVS_SERVER_FINISH_LENGTH);
         }
-        uint32_t tok = r->prompt[r->generated % r->prompt_len];
-        r->generated++;
-        if (r->first_ns == 0) r->first_ns = now;
-        ev->has_token = 1;
-        ev->token = tok;
-        ev->index = r->generated - 1;
-        if (r->role == KVS_SERVER_ROLE_PREFILL)
-            finish(f, r, KVS_SERVER_FINISH_HANDOFF, KVS_OK, ev);
-        else if (is_stop(r, tok))
-            finish(f, r, KVS_SERVER_FINISH_STOP, KVS_OK, ev);
-        else if (r->generated >= r->max_tokens)
-            finish(f, r, KVS_SERVER_FINISH_LENGTH, KVS_OK, ev);
-        else
+        if (failed || r->n_ended == r->n) {
+            evs[n].req = r;
+            if (failed)
+                finish(f, r, KVS_SERVER_FINISH_ERROR, KVS_ERR_IO, &evs[n++]);
+            else
+                finish(f, r, r->fin[0], KVS_OK, &evs[n++]);
+        } else {
             f->live[keep++] = r;
-        n++;
+        }
     }
     f->n_live = keep;
     *n_p = n;
@@ -216,7 +247,8 @@ static void deliver(fake_event_t *evs, uint32_t n)
         if (evs[i].has_token && r->logprobs)
             kvs_server_fake_logprobs(evs[i].token, evs[i].index, 0, r->top_logprobs, &lp);
         if (evs[i].has_token)
-            r->sink.on_token(r->sink.arg, evs[i].token, NULL, 0, r->logprobs ? &lp : NULL);
+            r->sink.on_token(r->sink.arg, evs[i].choice, evs[i].token, NULL, 0,
+                             r->logprobs ? &lp : NULL);
         if (evs[i].has_done) {
             r->sink.on_done(r->sink.arg, &evs[i].done);
             req_free(r);
@@ -270,9 +302,10 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
                                 const kvs_server_sink_t *sink)
 {
     kvs_server_fake_t *f = ctx;
-    if (q->prompt_len == 0 || q->max_tokens == 0 || sink == NULL) {
-        kvs_error("fake backend: room %llu: empty prompt or max_tokens 0",
-                  (unsigned long long) q->room);
+    if (q->prompt_len == 0 || q->max_tokens == 0 || sink == NULL || q->n == 0 ||
+        q->n > KVS_SERVER_CHOICES_MAX) {
+        kvs_error("fake backend: room %llu: empty prompt, max_tokens 0 or n outside 1..%u",
+                  (unsigned long long) q->room, KVS_SERVER_CHOICES_MAX);
         return KVS_ERR_INVALID;
     }
     fake_req_t *r = kvs_calloc(1, sizeof(*r));
@@ -293,6 +326,7 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
     r->role = q->role;
     r->prompt_len = q->prompt_len;
     r->max_tokens = q->max_tokens;
+    r->n = q->n;
     r->sink = *sink;
     r->submit_ns = kvs_now_ns();
     r->ready_ns = r->submit_ns + f->config.first_delay_ns;
@@ -340,6 +374,7 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
     rec->top_logprobs = q->top_logprobs;
     rec->prompt_logprobs = q->prompt_logprobs;
     rec->n_stop_ids = q->n_stop_ids;
+    rec->n = q->n;
     if (q->bootstrap) snprintf(rec->bootstrap, sizeof(rec->bootstrap), "%s", q->bootstrap);
     f->live[f->n_live++] = r;
     f->counts.submitted++;
@@ -348,7 +383,7 @@ static kvs_status_t fake_submit(void *ctx, const kvs_server_request_t *q,
     return KVS_OK;
 }
 
-static kvs_status_t fake_cancel(void *ctx, uint64_t room)
+static kvs_status_t fake_cancel(void *ctx, uint64_t room, uint32_t choice)
 {
     kvs_server_fake_t *f = ctx;
     kvs_status_t st = KVS_ERR_NOT_FOUND;
@@ -356,6 +391,11 @@ static kvs_status_t fake_cancel(void *ctx, uint64_t room)
     for (uint32_t i = 0; i < f->n_live; i++) {
         fake_req_t *r = f->live[i];
         if (r->room != room || r->cancelled) continue;
+        if (choice != KVS_SERVER_CHOICE_ALL && r->n > 1) { /* one choice: the others go on */
+            if (choice < r->n) r->stop[choice] = 1;
+            st = choice < r->n ? KVS_OK : st;
+            continue;
+        }
         r->cancelled = 1;
         f->counts.cancelled++;
         kvs_server_fake_record_t *rec = record_of(f, r);

@@ -15,9 +15,11 @@ void kvs_server_fake_logprobs(uint32_t token, uint32_t index, int prompt, uint32
                               kvs_logprobs_t *lp_p);
 
 /* Generates for every live request in steps: each step (every token_delay_ns) gives each
- * request its next token. Token k of a request is prompt[k % prompt_len] (an echo of the
- * prompt, cycling), so outputs are deterministic and easy to predict; a stop id ends it
- * (FINISH_STOP), max_tokens ends it (FINISH_LENGTH). PREFILL requests end after one token
+ * choice of each request its next token. Token k of choice c is prompt[(k + c) % prompt_len]
+ * (an echo of the prompt, cycling), so outputs are deterministic and easy to predict; a stop id
+ * ends the choice (FINISH_STOP), max_tokens ends it (FINISH_LENGTH), the request ends with its
+ * last choice; cancel() of one choice (of n > 1) ends that one, of every choice (or of the only
+ * one) the request. PREFILL requests end after one token
  * with FINISH_HANDOFF, prompt_len * kv_bytes_per_token KV bytes and a fake transfer time.
  * A prefix cache of the prompts of requests that completed answers match() and cached_tokens.
  * Sinks are called from the fake's own thread, never under its lock. */
@@ -65,6 +67,7 @@ typedef struct {
     uint32_t n_stop_ids;
     int logprobs, prompt_logprobs;
     uint32_t top_logprobs;
+    uint32_t n; /* choices */
 } kvs_server_fake_record_t;
 /* KVS_ERR_NOT_FOUND (not logged) for a room it does not know. */
 kvs_status_t kvs_server_fake_record(kvs_server_fake_t *fake, uint64_t room,

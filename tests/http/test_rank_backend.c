@@ -19,7 +19,7 @@
 
 typedef struct {
     pthread_mutex_t mu;
-    uint32_t tokens[64];
+    uint32_t tokens[64], choice[64];
     uint32_t ntokens;
     int done;
     kvs_server_done_t d;
@@ -29,13 +29,14 @@ typedef struct {
     kvs_logprobs_t plp[8];
 } rec_t;
 
-static void on_token(void *arg, uint32_t token, const char *piece, size_t len,
+static void on_token(void *arg, uint32_t choice, uint32_t token, const char *piece, size_t len,
                      const kvs_logprobs_t *lp)
 {
     (void) piece, (void) len;
     rec_t *r = arg;
     pthread_mutex_lock(&r->mu);
     if (r->ntokens < 64) {
+        r->choice[r->ntokens] = choice;
         r->has_lp[r->ntokens] = lp != NULL;
         if (lp) r->lp[r->ntokens] = *lp;
         r->tokens[r->ntokens++] = token;
@@ -171,7 +172,8 @@ static kvs_server_request_t request(uint64_t room, kvs_server_role_t role, const
                                                .n_bias = 2},
                                   .seed = 7,
                                   .stop_ids = stops,
-                                  .n_stop_ids = nstops};
+                                  .n_stop_ids = nstops,
+                                  .n = 1};
 }
 
 static void test_lines_and_events(void **state)
@@ -225,7 +227,7 @@ static void test_lines_and_events(void **state)
     char line[512];
     next_line(&f, line, sizeof(line));
     assert_string_equal(
-        line, "submit 5 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 -1 0 2 3 -1.5 99 100 10 "
+        line, "submit 5 1 5 0.5 0.899999976 20 0.125 0.5 -1 1.5 7 99 -1 0 2 3 -1.5 99 100 10 "
               "1 2 3 4 5 6 7 8 9 10");
 
     /* Tokens, then the second stop id: reported, a stop sent, later tokens dropped. */
@@ -234,7 +236,8 @@ static void test_lines_and_events(void **state)
             "{\"event\":\"token\",\"room\":5,\"token\":12,\"index\":2}\n");
     next_line(&f, line, sizeof(line));
     assert_string_equal(line, "stop 5");
-    assert_int_equal(f.ops.cancel(f.ops.ctx, 5), KVS_OK); /* no second stop line follows */
+    assert_int_equal(f.ops.cancel(f.ops.ctx, 5, KVS_SERVER_CHOICE_ALL),
+                     KVS_OK); /* no second stop line follows */
     char done[512];
     uint64_t now = kvs_now_ns();
     snprintf(done, sizeof(done),
@@ -254,7 +257,7 @@ static void test_lines_and_events(void **state)
     assert_int_equal(r.d.cached_tokens, 4);
     assert_int_equal(r.d.kv_bytes, (3 - 1) * 4 * BPT); /* pages 3, the cached one not moved */
     assert_true(r.d.ttft_ns > 0);
-    assert_int_equal(f.ops.cancel(f.ops.ctx, 5), KVS_ERR_NOT_FOUND);
+    assert_int_equal(f.ops.cancel(f.ops.ctx, 5, KVS_SERVER_CHOICE_ALL), KVS_ERR_NOT_FOUND);
 
     /* A refusal by rank 0, and the finish names. */
     static const struct {
@@ -442,7 +445,7 @@ static void test_logprobs(void **state)
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
     char line[512];
     next_line(&f, line, sizeof(line));
-    assert_string_equal(line, "submit 8 5 0 1 0 0 0 0 0 7 99 2 1 0 3 1 2 3");
+    assert_string_equal(line, "submit 8 1 5 0 1 0 0 0 0 0 7 99 2 1 0 3 1 2 3");
     say(&f, "{\"event\":\"prompt\",\"room\":8,\"token\":2,\"index\":1,\"logprob\":-2.5,"
             "\"top\":\"7 -0.25 2 -2.5\"}\n"
             "{\"event\":\"prompt\",\"room\":8,\"token\":3,\"index\":2,\"logprob\":-1,"
@@ -469,7 +472,7 @@ static void test_logprobs(void **state)
     q.top_logprobs = 0;
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
     next_line(&f, line, sizeof(line));
-    assert_string_equal(line, "submit 8 5 0 1 0 0 0 0 0 7 99 0 0 0 3 1 2 3");
+    assert_string_equal(line, "submit 8 1 5 0 1 0 0 0 0 0 7 99 0 0 0 3 1 2 3");
     fix_close(&f);
     pthread_mutex_destroy(&r.mu);
     kvs_assert_no_leaks();

@@ -619,6 +619,119 @@ static void test_unseeded_sampling(void **state)
     kvs_assert_no_leaks();
 }
 
+#define NCH 3
+
+/* A completion of n choices (seed; temperature 0: greedy) through port, streamed or not: each
+ * choice's text by its index (every index present once, finish "length"); answer_p (optional)
+ * receives the answer, or the streamed usage chunk. */
+static void choices_call(uint16_t port, const char *prompt, int n, long long seed,
+                         double temperature, int stream, char text[][1024], json_t **answer_p)
+{
+    char body[1024];
+    snprintf(body, sizeof(body),
+             "{\"prompt\":\"%s\",\"max_tokens\":20,\"temperature\":%g,\"top_p\":0.95,"
+             "\"seed\":%lld,\"ignore_eos\":true,\"n\":%d,\"stream\":%s%s}",
+             prompt, temperature, seed, n, stream ? "true" : "false",
+             stream ? ",\"stream_options\":{\"include_usage\":true}" : "");
+    http_resp_t r = {0};
+    http_call(port, NULL, "/v1/completions", body, &r);
+    if (r.status != 200) fail_msg("port %u answered %ld: %s", port, r.status, r.body.ptr);
+    size_t at[NCH] = {0};
+    int finished[NCH] = {0};
+    for (int i = 0; i < n; i++) text[i][0] = '\0';
+    if (answer_p) *answer_p = NULL;
+    char *events[512];
+    size_t nev = stream ? sse_split(&r.body, events, 512) - 1 : 1; /* the last: [DONE] */
+    for (size_t e = 0; e < nev; e++) {
+        json_t *j =
+            stream ? parse_nul(events[e], strlen(events[e])) : parse_nul(r.body.ptr, r.body.len);
+        json_t *cs = json_object_get(j, "choices");
+        if (!stream) assert_int_equal(json_array_size(cs), (size_t) n);
+        for (size_t k = 0; k < json_array_size(cs); k++) {
+            json_t *c = json_array_get(cs, k);
+            json_int_t i = json_integer_value(json_object_get(c, "index"));
+            assert_true(i >= 0 && i < n);
+            if (!stream) assert_int_equal(i, (json_int_t) k);
+            at[i] = append_text(text[i], at[i], 1024, json_object_get(c, "text"));
+            const char *fin = json_string_value(json_object_get(c, "finish_reason"));
+            if (fin != NULL) {
+                assert_string_equal(fin, "length");
+                finished[i]++;
+            }
+        }
+        if (answer_p && json_object_get(j, "usage")) *answer_p = json_incref(j);
+        json_decref(j);
+    }
+    for (int i = 0; i < n; i++) assert_int_equal(finished[i], 1);
+    http_resp_fini(&r);
+}
+
+/* n = 3: the prompt computed and handed over once, the choices sampled as separate sequences.
+ * On the colocated server seeded choices differ and choice i is the n = 1 answer with seed + i;
+ * greedy choices are all alike; through the router (prefill + decode servers), streamed or not,
+ * the choices equal the colocated ones; usage counts the prompt once and every choice's tokens;
+ * the KV bytes moved are those of one n = 1 request of a prompt of the same length. */
+static void test_choices(void **state)
+{
+    (void) state;
+    char many[NCH][1024], one[1][1024], routed[NCH][1024], streamed[NCH][1024];
+    const char *prompt = "Three choices share this prompt";
+    json_t *a = NULL, *s = NULL;
+    choices_call(g_d.colo->port, prompt, NCH, 77, 1.0, 0, many, &a);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(a, "usage"), "completion_tokens")),
+        NCH * 20);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(a, "usage"), "prompt_tokens")),
+        (json_int_t) strlen(prompt));
+    json_decref(a);
+    for (int i = 0; i < NCH; i++) {
+        for (int k = 0; k < i; k++)
+            if (strcmp(many[i], many[k]) == 0)
+                fail_msg("choices %d and %d alike: '%s'", k, i, many[i]);
+        choices_call(g_d.colo->port, prompt, 1, 77 + i, 1.0, 0, one, NULL);
+        if (strcmp(one[0], many[i]) != 0)
+            fail_msg("choice %d: '%s'; alone with seed %d: '%s'", i, many[i], 77 + i, one[0]);
+    }
+    choices_call(g_d.colo->port, prompt, NCH, 5, 0, 0, routed, NULL);
+    for (int i = 1; i < NCH; i++) assert_string_equal(routed[i], routed[0]);
+
+    /* Through the router, twice (round robin spreads equal cache hits over the pairs): the
+     * prompts start differently, so that no cache hit makes the bytes moved differ. */
+    static const char *p3s[] = {"Router: three choices, one prompt",
+                                "Second pair: three choices here"};
+    static const char *p1s[] = {"router: one choice of that length",
+                                "second pair: one choice, same n"};
+    for (int round = 0; round < 2; round++) {
+        const char *p3 = p3s[round], *p1 = p1s[round];
+        assert_int_equal(strlen(p3), strlen(p1));
+        choices_call(g_d.colo->port, p3, NCH, 91, 1.0, 0, many, NULL);
+        choices_call(g_d.router->port, p3, NCH, 91, 1.0, 0, routed, &a);
+        choices_call(g_d.router->port, p3, NCH, 91, 1.0, 1, streamed, &s);
+        for (int i = 0; i < NCH; i++)
+            if (strcmp(many[i], routed[i]) != 0 || strcmp(many[i], streamed[i]) != 0)
+                fail_msg("choice %d: colocated '%s', router '%s', streamed '%s'", i, many[i],
+                         routed[i], streamed[i]);
+        assert_non_null(s);
+        assert_int_equal(
+            json_integer_value(json_object_get(json_object_get(s, "usage"), "completion_tokens")),
+            NCH * 20);
+        json_t *b = NULL;
+        choices_call(g_d.router->port, p1, 1, 91, 1.0, 0, one, &b);
+        uint64_t bytes3 = kvstage_field(a, "kv_bytes"), bytes1 = kvstage_field(b, "kv_bytes");
+        assert_true(bytes1 > 0);
+        assert_int_equal(cached_of(a), 0);
+        assert_int_equal(cached_of(b), 0);
+        if (bytes3 != bytes1)
+            fail_msg("n = 3 moved %llu KV bytes, n = 1 %llu", (unsigned long long) bytes3,
+                     (unsigned long long) bytes1);
+        json_decref(a);
+        json_decref(b);
+        json_decref(s);
+    }
+    kvs_assert_no_leaks();
+}
+
 typedef struct {
     char body[1024];
     http_resp_t r;
@@ -1235,6 +1348,7 @@ int main(void)
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_unseeded_sampling),
+        cmocka_unit_test(test_choices),
         cmocka_unit_test(test_killed_decode_server), /* last: it takes a server down */
     };
     const struct CMUnitTest demo[] = {

@@ -712,6 +712,130 @@ typedef struct {
 
 /* Every refusal, against a strict server (unknown fields refused); test_unknown_fields has the
  * lenient counterparts. */
+/* n > 1: the choices in order, each its own text (the fake's choice c starts c tokens into the
+ * prompt), finish_reason and logprobs; stop strings cut each choice alone; streamed, every chunk
+ * names its choice; usage counts the prompt once and every choice's tokens; one failing choice
+ * fails the request. */
+static void test_choices(void **state)
+{
+    (void) state;
+    kvs_server_fake_config_t fc = {.token_delay_ns = 200000};
+    fixture_t f;
+    start(&f, &fc);
+    http_resp_t r = {0};
+    json_t *j = call_ok(f.port, "/v1/completions",
+                        "{\"prompt\":\"abc\",\"max_tokens\":4,\"n\":3,\"best_of\":3}", &r);
+    assert_int_equal(json_array_size(json_object_get(j, "choices")), 3);
+    static const char *want[] = {"abca", "bcab", "cabc"};
+    for (int i = 0; i < 3; i++) {
+        char path[64];
+        snprintf(path, sizeof(path), "choices.%d.index", i);
+        assert_int_equal(int_at(j, path), i);
+        snprintf(path, sizeof(path), "choices.%d.text", i);
+        assert_string_equal(str_at(j, path), want[i]);
+        snprintf(path, sizeof(path), "choices.%d.finish_reason", i);
+        assert_string_equal(str_at(j, path), "length");
+    }
+    assert_int_equal(int_at(j, "usage.prompt_tokens"), 3);
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 12);
+    assert_int_equal(int_at(j, "usage.total_tokens"), 15);
+    kvs_server_fake_record_t rec;
+    assert_int_equal(kvs_server_fake_record(f.fake, room_of(j), &rec), KVS_OK);
+    assert_int_equal(rec.n, 3);
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* A stop string cuts each choice where it matches in it; the others go on. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"abcd\",\"max_tokens\":200,\"n\":3,\"stop\":\"c\"}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "ab");
+    assert_string_equal(str_at(j, "choices.1.text"), "b");
+    assert_string_equal(str_at(j, "choices.2.text"), "");
+    for (int i = 0; i < 3; i++) {
+        char path[64];
+        snprintf(path, sizeof(path), "choices.%d.finish_reason", i);
+        assert_string_equal(str_at(j, path), "stop");
+    }
+    assert_int_equal(int_at(j, "usage.completion_tokens"), 3 + 2 + 1);
+    assert_true(wait_until(fake_idle, f.fake, 2000));
+    json_decref(j);
+    http_resp_fini(&r);
+    /* One choice stops, the other runs to its length. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"abcd\",\"max_tokens\":3,\"n\":2,\"stop\":\"d\"}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "abc");
+    assert_string_equal(str_at(j, "choices.0.finish_reason"), "length");
+    assert_string_equal(str_at(j, "choices.1.text"), "bc");
+    assert_string_equal(str_at(j, "choices.1.finish_reason"), "stop");
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Logprobs with echo: each choice starts with the prompt's entries. */
+    j = call_ok(f.port, "/v1/completions",
+                "{\"prompt\":\"ab\",\"max_tokens\":2,\"n\":2,\"echo\":true,\"logprobs\":1}", &r);
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof(path), "choices.%d.logprobs.tokens", i);
+        json_t *toks = json_at(j, path);
+        assert_int_equal(json_array_size(toks), 4);
+        assert_string_equal(json_string_value(json_array_get(toks, 0)), "a");
+        assert_string_equal(json_string_value(json_array_get(toks, 2)), i == 0 ? "a" : "b");
+        snprintf(path, sizeof(path), "choices.%d.text", i);
+        assert_string_equal(str_at(j, path), i == 0 ? "abab" : "abba");
+    }
+    json_decref(j);
+    http_resp_fini(&r);
+
+    /* Streamed chat: a role chunk per choice, every chunk one choice with its index, a last
+     * chunk per choice, the usage of all. */
+    http_call(f.port, NULL, "/v1/chat/completions",
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"yo\"}],\"max_tokens\":6,\"n\":2,"
+              "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+              &r);
+    assert_int_equal(r.status, 200);
+    char *ev[128];
+    size_t n = sse_split(&r.body, ev, 128);
+    char text[2][64] = {"", ""};
+    int roles[2] = {0, 0}, finals[2] = {0, 0};
+    for (size_t i = 0; i + 2 < n; i++) {
+        json_t *c = json_loads(ev[i], 0, NULL);
+        assert_non_null(c);
+        assert_int_equal(json_array_size(json_object_get(c, "choices")), 1);
+        json_int_t k = int_at(c, "choices.0.index");
+        assert_true(k == 0 || k == 1);
+        if (str_at(c, "choices.0.delta.role") != NULL) roles[k]++;
+        const char *t = str_at(c, "choices.0.delta.content");
+        if (t != NULL) strcat(text[k], t);
+        if (str_at(c, "choices.0.finish_reason") != NULL) {
+            assert_string_equal(str_at(c, "choices.0.finish_reason"), "length");
+            finals[k]++;
+        }
+        json_decref(c);
+    }
+    assert_string_equal(text[0], "user: ");
+    assert_string_equal(text[1], "ser: y");
+    assert_true(roles[0] == 1 && roles[1] == 1 && finals[0] == 1 && finals[1] == 1);
+    json_t *usage = json_loads(ev[n - 2], 0, NULL);
+    assert_int_equal(int_at(usage, "usage.completion_tokens"), 12);
+    json_decref(usage);
+    http_resp_fini(&r);
+    stop(&f);
+
+    /* A failing choice fails the request: 500, and a stream ends with an error event. */
+    kvs_server_fake_config_t failing = {.fail_at = 3};
+    start(&f, &failing);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"abc\",\"max_tokens\":8,\"n\":2}", &r);
+    expect_error_json(&r, 500, "server_error", NULL);
+    http_resp_fini(&r);
+    http_call(f.port, NULL, "/v1/completions",
+              "{\"prompt\":\"abc\",\"max_tokens\":8,\"n\":2,\"stream\":true}", &r);
+    assert_int_equal(r.status, 200);
+    n = sse_expect_failed(&r.body, ev, 128, "generation failed");
+    http_resp_fini(&r);
+    stop(&f);
+    kvs_assert_no_leaks();
+}
+
 static void test_bad_inputs(void **state)
 {
     (void) state;
@@ -751,7 +875,14 @@ static void test_bad_inputs(void **state)
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"max_tokens\":1.5}", 400, "max_tokens"},
         {NULL, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":254}", 400, "max_tokens"},
         {NULL, "/v1/completions", too_long, 400, "prompt"},
-        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":2}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":17}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":0}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":-1}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":\"2\"}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":2.5}", 400, "n"},
+        {NULL, "/v1/completions", "{\"prompt\":\"x\",\"n\":2,\"best_of\":3}", 400, "best_of"},
+        {NULL, "/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":99}", 400, "n"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":6}", 400, "logprobs"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":-1}", 400, "logprobs"},
         {NULL, "/v1/completions", "{\"prompt\":\"x\",\"logprobs\":true}", 400, "logprobs"},
@@ -1419,7 +1550,7 @@ static void test_unknown_fields(void **state)
     static const struct {
         const char *path, *body, *param;
     } still_refused[] = {
-        {"/v1/completions", "{\"prompt\":\"x\",\"n\":2,\"foo\":1}", "n"},
+        {"/v1/completions", "{\"prompt\":\"x\",\"n\":17,\"foo\":1}", "n"},
         {"/v1/completions", "{\"prompt\":\"x\",\"echo\":1}", "echo"},
         {"/v1/completions", "{\"prompt\":\"x\",\"logprobs\":6}", "logprobs"},
         {"/v1/completions", "{\"prompt\":\"x\",\"messages\":[]}", "messages"},
@@ -1961,6 +2092,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_clients),
         cmocka_unit_test(test_backend_failure),
         cmocka_unit_test(test_client_disconnect),
+        cmocka_unit_test(test_choices),
         cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_bad_sampling),
         cmocka_unit_test(test_sampling_fields),

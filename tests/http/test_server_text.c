@@ -405,9 +405,10 @@ typedef struct {
     kvs_server_done_t d;
 } sink_state_t;
 
-static void on_token(void *arg, uint32_t token, const char *piece, size_t len,
+static void on_token(void *arg, uint32_t choice, uint32_t token, const char *piece, size_t len,
                      const kvs_logprobs_t *lp)
 {
+    (void) choice;
     (void) piece;
     (void) len;
     (void) lp;
@@ -443,7 +444,8 @@ static void test_fake_backend(void **state)
                               .prompt_len = 3,
                               .max_tokens = 7,
                               .stop_ids = stops,
-                              .n_stop_ids = 1};
+                              .n_stop_ids = 1,
+                              .n = 1};
     sink_state_t s1 = {0};
     kvs_server_sink_t sink = {on_token, on_done, &s1, NULL};
     assert_int_equal(b.submit(b.ctx, &q, &sink), KVS_OK);
@@ -513,8 +515,8 @@ static void test_fake_backend(void **state)
     sink_state_t s5 = {0};
     sink.arg = &s5;
     assert_int_equal(b2.submit(b2.ctx, &q, &sink), KVS_OK);
-    assert_int_equal(b2.cancel(b2.ctx, 4), KVS_OK);
-    assert_int_equal(b2.cancel(b2.ctx, 12345), KVS_ERR_NOT_FOUND);
+    assert_int_equal(b2.cancel(b2.ctx, 4, KVS_SERVER_CHOICE_ALL), KVS_OK);
+    assert_int_equal(b2.cancel(b2.ctx, 12345, KVS_SERVER_CHOICE_ALL), KVS_ERR_NOT_FOUND);
     assert_true(wait_until(sink_done, &s5, 2000));
     assert_int_equal(s5.d.finish, KVS_SERVER_FINISH_STOP);
     assert_true(s5.n < 60);

@@ -102,3 +102,45 @@ def test_context_from_the_model(deployment, model):
         assert e.value.body.get("param") == "max_tokens"
         msg = e.value.body.get("message", "")
         assert "8192" in msg and "9000" in msg, msg
+
+
+def test_n_choices(deployment, model):
+    # n = 3: three choices from one prompt (computed and handed over once), choice i sampled
+    # with seed + i; disaggregated equals colocated, streamed or not.
+    kw = dict(prompt="Once upon a time", max_tokens=10, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client(deployment.router).completions.create(model=model, seed=21, n=3, **kw)
+    b = client(deployment.colocated).completions.create(model=model, seed=21, n=3, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices]
+    assert len(set(texts)) == 3, texts
+    alone = [client(deployment.colocated).completions.create(model=model, seed=21 + i, **kw)
+             for i in range(3)]
+    assert [x.choices[0].text for x in alone] == texts
+    # The prompt counts once, the completion tokens of every choice.
+    assert a.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert a.usage.completion_tokens == 30
+    streamed = ["", "", ""]
+    for chunk in client(deployment.router).completions.create(model=model, seed=21, n=3,
+                                                              stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+
+    # Chat: the choices, and streamed deltas that carry their choice's index.
+    ckw = dict(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
+               temperature=1.0, seed=5, n=3)
+    c = client(deployment.router).chat.completions.create(model=model, **ckw)
+    d = client(deployment.colocated).chat.completions.create(model=model, **ckw)
+    assert [x.message.content for x in c.choices] == [x.message.content for x in d.choices]
+    got = ["", "", ""]
+    for chunk in client(deployment.router).chat.completions.create(model=model, stream=True,
+                                                                    **ckw):
+        for ch in chunk.choices:
+            got[ch.index] += ch.delta.content or ""
+    assert got == [x.message.content for x in c.choices]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(deployment.router, model, prompt="Hi", max_tokens=2, n=17)
+    assert e.value.body.get("param") == "n"

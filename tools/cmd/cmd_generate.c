@@ -322,10 +322,10 @@ static void send_line(child_t *c, const char *line)
     if (c != NULL) write_all(c->in_fd, line, strlen(line));
 }
 
-/* A request without ids (stop, stats, quit). */
+/* A request without ids (stop: every choice, stats, quit). */
 static void send_request(child_t *c, kvs_rank_line_kind_t kind, uint64_t room)
 {
-    kvs_rank_line_request_t q = {.kind = kind, .room = room};
+    kvs_rank_line_request_t q = {.kind = kind, .room = room, .choice = KVS_LLM_CHOICE_ALL};
     char line[64];
     size_t n;
     if (kvs_rank_line_request_encode(&q, line, sizeof(line), &n) == KVS_OK) send_line(c, line);

@@ -123,7 +123,7 @@ static void test_requests_round_trip(void **state)
     q.submit.peer = peer;
     q.submit.peer_len = strlen(peer);
     req_round_trip(&q,
-                   "submit 18446744073709551615 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1 "
+                   "submit 18446744073709551615 1 4294967295 0 1 0 0 0 0 0 7 4294967294 -1 0 0 1 1 "
                    "peer tcp://127.0.0.1:5,1,1,tcp://127.0.0.1:6\n",
                    &back, ids, 16);
     assert_int_equal(back.submit.peer_len, strlen(peer));
@@ -248,12 +248,12 @@ static void test_bad_requests(void **state)
         {"stop", KVS_RANK_LINE_NONE, KVS_ERR_INVALID, "expected"},
         {"stop ", KVS_RANK_LINE_STOP, KVS_ERR_INVALID, "stop needs ROOM"},
         {"match 3 1 2", KVS_RANK_LINE_MATCH, KVS_ERR_INVALID, "match: prompt token ids"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer ", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "PEER must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer a b", KVS_RANK_LINE_SUBMIT,
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer ", KVS_RANK_LINE_SUBMIT,
          KVS_ERR_INVALID, "PEER must be"},
-        {"submit 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 pear a", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
-         "more token ids"},
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 peer a b", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "PEER must be"},
+        {"submit 1 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1 pear a", KVS_RANK_LINE_SUBMIT,
+         KVS_ERR_INVALID, "more token ids"},
         /* bad numbers */
         {"submit x 1 2 0.5 1 0 0 0 0 0 3 -1 -1 0 0 1 1", KVS_RANK_LINE_SUBMIT, KVS_ERR_INVALID,
          "submit needs"},

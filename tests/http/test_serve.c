@@ -1055,9 +1055,10 @@ static int fleet_setup(void **state)
     g_f.colo = start_fleet("colocated", "1", NULL);
     char pre[300];
     snprintf(pre, sizeof(pre), "%s,%s", g_f.pre[0]->url, g_f.pre[1]->url);
-    const char *rargs[] = {"router",     "--prefill", pre, "--decode",
-                           g_f.dec->url, "--port",    "0", "--health-interval-ms",
-                           "200",        NULL};
+    /* round robin: the tests count how the rooms spread over the prefill instances */
+    const char *rargs[] = {"router",     "--prefill", pre,           "--decode",
+                           g_f.dec->url, "--port",    "0",           "--health-interval-ms",
+                           "200",        "--policy",  "round-robin", NULL};
     g_f.router = spawn_tool(rargs);
     wait_up(g_f.router, "routing on");
     return 0;
@@ -1295,7 +1296,8 @@ static void test_fleet_peer_limit(void **state)
                            "8",     "--max-model-len", MAX_LEN,     NULL};
     proc_t *colo = spawn_tool(cargs);
     wait_up(colo, "serving on");
-    const char *rargs[] = {"router", "--prefill", urls, "--decode", dec->url, "--port", "0", NULL};
+    const char *rargs[] = {"router", "--prefill", urls,       "--decode",    dec->url,
+                           "--port", "0",         "--policy", "round-robin", NULL};
     proc_t *rt = spawn_tool(rargs);
     wait_up(rt, "routing on");
     int used[3] = {0, 0, 0};

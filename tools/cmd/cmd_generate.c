@@ -420,9 +420,11 @@ typedef struct {
     unsigned long long cached_p, cached_d, kv_bytes;
 } derived_t;
 
+/* f32 K/V on the CPU, bf16 on a GPU (kvs_model_kv_shape). */
 static uint64_t kv_bytes_per_token(const gen_t *g)
 {
-    return (uint64_t) g->mc.layers * g->mc.kv_heads * g->mc.head_dim * 2 * sizeof(float);
+    return (uint64_t) g->mc.layers * g->mc.kv_heads * g->mc.head_dim * 2 *
+           (g->device ? 2 : sizeof(float));
 }
 
 static derived_t derive(const gen_t *g, const req_t *r)

@@ -626,6 +626,15 @@ static void sse_finish(req_t *r)
 
 static enum MHD_Result send_final(req_t *r)
 {
+    /* The engine's "could never fit": its prompt (and the pages of its further choices, or the
+     * sequence it grew to) needs more KV pages than this server's whole pool holds. */
+    if (r->finish == KVS_SERVER_FINISH_ERROR && r->finish_status == KVS_ERR_NOSPACE &&
+        !LOAD(r->shutdown))
+        return send_error(r, 400,
+                          "the request needs more KV cache than this server's whole pool holds: "
+                          "lower n, max_tokens or the prompt (or start the server with a larger "
+                          "--kv-tokens)",
+                          NULL, NULL);
     if (r->finish == KVS_SERVER_FINISH_ERROR) {
         char buf[160];
         return send_error(r, LOAD(r->shutdown) ? 503 : 500, failure_message(r, buf, sizeof(buf)),

@@ -40,7 +40,9 @@
  *        Responses carry usage.prompt_tokens_details.cached_tokens and "kvstage": {"room",
  *        "seed", "ttft_ns", "transfer_ns", "kv_bytes"} (non-streaming responses and the usage
  *        chunk); "seed" replays the request's draws.
- *        A generation that fails answers 500 (non-streaming), or, streaming, ends the stream
+ *        A generation that fails answers 500 (non-streaming; 400 when the backend found it
+ *        needs more KV pages than its whole pool, KVS_ERR_NOSPACE: n, max_tokens or the
+ *        prompt too large for this server), or, streaming, ends the stream
  *        with "data: {"error": {...}}" and no [DONE] (clients read [DONE] as success);
  *        finish_reason only ever holds OpenAI's values ("stop", "length"; "handoff" on the
  *        prefill side of a room, which only the router sees).

@@ -209,7 +209,9 @@ static fake_event_t *step(kvs_server_fake_t *f, uint64_t now, uint32_t *n_p, uin
         if (failed || r->n_ended == r->n) {
             evs[n].req = r;
             if (failed)
-                finish(f, r, KVS_SERVER_FINISH_ERROR, KVS_ERR_IO, &evs[n++]);
+                finish(f, r, KVS_SERVER_FINISH_ERROR,
+                       f->config.fail_status != KVS_OK ? f->config.fail_status : KVS_ERR_IO,
+                       &evs[n++]);
             else
                 finish(f, r, r->fin[0], KVS_OK, &evs[n++]);
         } else {

@@ -28,6 +28,7 @@ typedef struct {
     uint64_t first_delay_ns;     /* extra wait before a request's first token */
     uint32_t fail_at;            /* fail each request (FINISH_ERROR, KVS_ERR_IO) instead of
                                     generating its token number fail_at (1-based); 0: never */
+    kvs_status_t fail_status;    /* the status of those failures; 0: KVS_ERR_IO */
     uint64_t kv_bytes_per_token; /* 0: 1024 */
     uint64_t ring_capacity;      /* reported as a gauge; 0: 1 MiB */
     uint32_t max_live;           /* submit fails with KVS_ERR_NOSPACE beyond this; 0: 1024 */

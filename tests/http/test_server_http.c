@@ -628,13 +628,30 @@ static void test_backend_failure(void **state)
 
     /* The server keeps serving. */
     kvs_server_fake_set_fail_at(f.fake, 0);
-    json_t *j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
-    assert_string_equal(str_at(j, "choices.0.text"), "xyzx");
-    json_decref(j);
+    json_t *j0 = call_ok(f.port, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
+    assert_string_equal(str_at(j0, "choices.0.text"), "xyzx");
+    json_decref(j0);
     http_resp_fini(&r);
     kvs_server_fake_counts_t c;
     kvs_server_fake_counts(f.fake, &c);
     assert_int_equal(c.failed, 3);
+    stop(&f);
+
+    /* A request the engine finds too large for its whole pool is the client's to shrink: 400,
+     * not a server error. */
+    fc = (kvs_server_fake_config_t){.fail_at = 1, .fail_status = KVS_ERR_NOSPACE};
+    start(&f, &fc);
+    http_call(f.port, NULL, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4,\"n\":3}", &r);
+    expect_error_json(&r, 400, "invalid_request_error", NULL);
+    if (strstr(r.body.ptr, "whole pool") == NULL) fail_msg("no reason given: %s", r.body.ptr);
+    http_resp_fini(&r);
+    kvs_server_fake_set_fail_at(f.fake, 0);
+    json_t *j = call_ok(f.port, "/v1/completions", "{\"prompt\":\"xyz\",\"max_tokens\":4}", &r);
+    assert_string_equal(str_at(j, "choices.0.text"), "xyzx");
+    json_decref(j);
+    http_resp_fini(&r);
+    kvs_server_fake_counts(f.fake, &c);
+    assert_int_equal(c.failed, 1);
     stop(&f);
     kvs_assert_no_leaks();
 }

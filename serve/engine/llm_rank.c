@@ -443,6 +443,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     io.cfg = &c;
 
     if ((st = load_model(&c, (kvs_tp_t){tp, c.rank}, &model)) != KVS_OK) goto out;
+    if (c.kv_bf16 && (st = kvs_model_set_kv_bytes(model, 2)) != KVS_OK) goto out;
     const kvs_model_config_t *mc = kvs_model_config(model);
     const kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(model),
                                    .prefill_tp = c.prefill_tp,

@@ -30,6 +30,7 @@ typedef struct {
     /* -1: the model, its KV pool and the transfers on the CPU (f32 KV); else the CUDA device
      * they are on (bf16 KV, model/cuda). */
     int device;
+    int kv_bf16; /* on the CPU: bf16 K/V (kvs_model_set_kv_bytes), to pair with a GPU instance */
     /* Engine. */
     uint32_t page_size;
     uint32_t chunk_tokens; /* prefill chunk, also the kvstage chunk C */

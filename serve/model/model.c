@@ -17,7 +17,7 @@
 #define MAX_DIM      (1u << 20)
 #define MAX_FFN      (1u << 22)
 #define MAX_HEADS    4096u
-#define MAX_HEAD_DIM 4096u
+#define MAX_HEAD_DIM KVS_MODEL_MAX_HEAD_DIM
 #define MAX_VOCAB    (1u << 24)
 #define MAX_CTX      (1u << 24)
 
@@ -158,14 +158,13 @@ kvs_status_t kvs_model_config_from_gguf(const kvs_gguf_t *gguf, kvs_model_config
     return KVS_OK;
 }
 
-/* The CPU forward writes f32 K/V, the CUDA one bf16. */
-kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *c, int device)
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *c, uint32_t kv_bytes)
 {
     kvs_kv_shape_t s = {.layers = c->layers,
                         .kv_heads = c->kv_heads,
                         .head_dim_k = c->head_dim,
                         .head_dim_v = c->head_dim,
-                        .elem_bytes = device < 0 ? sizeof(float) : 2,
+                        .elem_bytes = kv_bytes,
                         .attn = KVS_ATTN_MHA};
     return s;
 }
@@ -211,7 +210,7 @@ kvs_status_t kvs_model_config_validate(const kvs_model_config_t *c, kvs_tp_t tp)
         kvs_error("model: norm_eps = %g must be >= 0 and finite", (double) c->norm_eps);
         return KVS_ERR_INVALID;
     }
-    kvs_kv_shape_t shape = kvs_model_config_kv_shape(c, -1);
+    kvs_kv_shape_t shape = kvs_model_config_kv_shape(c, sizeof(float));
     st = kvs_tp_validate(&shape, &tp);
     if (st != KVS_OK) return st;
     if (c->heads % tp.tp_size != 0) {
@@ -290,7 +289,7 @@ static kvs_status_t model_create(const kvs_model_config_t *cfg, kvs_tp_t tp, int
     m->config = *cfg;
     m->tp = tp;
     m->device = device < 0 ? -1 : device;
-    m->kv_shape = kvs_model_config_kv_shape(cfg, device);
+    m->kv_shape = kvs_model_config_kv_shape(cfg, device < 0 ? sizeof(float) : 2);
     m->q_heads = cfg->heads / tp.tp_size;
     m->q_first = tp.tp_rank * m->q_heads;
     m->kv_heads = kvs_tp_heads_per_rank(&m->kv_shape, tp.tp_size);
@@ -379,6 +378,20 @@ kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *m)
 int kvs_model_device(const kvs_model_t *m)
 {
     return m->device;
+}
+
+kvs_status_t kvs_model_set_kv_bytes(kvs_model_t *m, uint32_t kv_bytes)
+{
+    if (kv_bytes != 2 && kv_bytes != sizeof(float)) {
+        kvs_error("model: KV elements of %u bytes (2 for bf16, 4 for f32)", kv_bytes);
+        return KVS_ERR_INVALID;
+    }
+    if (m->device >= 0 && kv_bytes != 2) {
+        kvs_error("model: the CUDA backend keeps its KV in bf16");
+        return KVS_ERR_UNSUPPORTED;
+    }
+    m->kv_shape.elem_bytes = kv_bytes;
+    return KVS_OK;
 }
 
 /* ---- shards: which slice of which full tensor each weight buffer holds ---- */

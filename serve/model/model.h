@@ -68,13 +68,19 @@ void kvs_model_destroy(kvs_model_t *model);
 const kvs_model_config_t *kvs_model_config(const kvs_model_t *model);
 kvs_tp_t kvs_model_tp(const kvs_model_t *model);
 /* The pool shape this model writes: layers, kv_heads, head_dim for K and V, MHA; f32 (E = 4)
- * on the CPU, bf16 (E = 2) on a CUDA device. */
+ * on the CPU unless set to bf16 (kvs_model_set_kv_bytes), bf16 (E = 2) on a CUDA device. */
 kvs_kv_shape_t kvs_model_kv_shape(const kvs_model_t *model);
 /* -1 for a model on the CPU, else its CUDA device (its pool must be device memory there). */
 int kvs_model_device(const kvs_model_t *model);
-/* The same shape from the configuration alone, for a model on the CPU (device -1) or on a CUDA
- * device (a server checking a peer before any rank loads). */
-kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *config, int device);
+/* The KV element size the model writes: 4 (f32, the CPU's default) or 2 (bf16, the only one on
+ * a CUDA device). A CPU model set to bf16 stores its K/V rounded to bf16 and attends over those
+ * values (still bitwise independent of batching, chunking and TP), so its pool pairs with a GPU
+ * instance's. Before the first forward pass. KVS_ERR_INVALID for another size,
+ * KVS_ERR_UNSUPPORTED for f32 on a device. */
+kvs_status_t kvs_model_set_kv_bytes(kvs_model_t *model, uint32_t kv_bytes);
+/* The same shape from the configuration alone, with K/V elements of kv_bytes (a server checking
+ * a peer before any rank loads). */
+kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *config, uint32_t kv_bytes);
 
 /* Sums n doubles elementwise over the TP group, adding the ranks' buffers in rank order
  * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */

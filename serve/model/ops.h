@@ -21,13 +21,18 @@
  * every output below 2^17 in magnitude; beyond that the result is still correct to double
  * precision, only no longer bitwise TP-independent. */
 #define KVS_MODEL_FIX_SHIFT 36
+/* Largest head dim a model may have (model.c checks it; the CPU attention's scratch). */
+#define KVS_MODEL_MAX_HEAD_DIM 4096u
+
 /* Largest block of inputs quantised as one; the forward pass picks a divisor of it that no
  * rank boundary splits (see forward.c). */
 #define KVS_MODEL_FIX_BLOCK 32
 
 /* The K/V of one layer and where each token of a call sits in it. */
 typedef struct {
-    const kvs_region_t *k, *v; /* this layer's K and V regions of the pool, f32 */
+    /* this layer's K and V regions of the pool: f32, or bf16 (elem_bytes 2: stored rounded to
+     * nearest even, read back exactly) */
+    const kvs_region_t *k, *v;
     uint32_t page_size;
     uint32_t n;                   /* tokens in the call */
     const uint32_t *pos;          /* [n] absolute position of each token in its sequence */

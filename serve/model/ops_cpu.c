@@ -260,23 +260,65 @@ static void cpu_rope(void *ctx, float *x, const uint32_t *pos, uint32_t n, uint3
 }
 
 /* Address of (position, local head) of a region through the token's page table. */
-static inline float *kv_at(const kvs_region_t *r, const uint32_t *pages, uint32_t page_size,
-                           uint32_t pos, uint32_t head)
+static inline uint8_t *kv_at(const kvs_region_t *r, const uint32_t *pages, uint32_t page_size,
+                             uint32_t pos, uint32_t head)
 {
-    return (float *) kvs_region_addr(r, pages[pos / page_size], pos % page_size, head);
+    return kvs_region_addr(r, pages[pos / page_size], pos % page_size, head);
+}
+
+/* bf16 K/V (elem_bytes 2, the CUDA backend's dtype, so that a CPU instance pairs with a GPU
+ * one): stored rounded to nearest even from the f32 values (NaN kept a NaN), read back exactly. */
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t) ((u >> 16) | 0x40u);
+    return (uint16_t) ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h)
+{
+    const uint32_t u = (uint32_t) h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static void store_head(uint8_t *dst, const float *src, uint32_t n, uint32_t elem_bytes)
+{
+    if (elem_bytes == sizeof(float)) {
+        memcpy(dst, src, (size_t) n * sizeof(float));
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        const uint16_t h = to_bf16(src[i]);
+        memcpy(dst + 2 * (size_t) i, &h, 2);
+    }
+}
+
+/* The head at src as floats: src itself for f32, else widened into tmp[n]. */
+static inline const float *load_head(const uint8_t *src, uint32_t n, uint32_t elem_bytes,
+                                     float *tmp)
+{
+    if (elem_bytes == sizeof(float)) return (const float *) src;
+    for (uint32_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * (size_t) i, 2);
+        tmp[i] = from_bf16(h);
+    }
+    return tmp;
 }
 
 static void cpu_kv_write(void *ctx, const kvs_model_kv_desc_t *d)
 {
     (void) ctx;
-    const size_t head_bytes = (size_t) d->head_dim * sizeof(float);
     for (uint32_t t = 0; t < d->n; t++) {
         for (uint32_t h = 0; h < d->kv_heads; h++) {
             const size_t off = ((size_t) t * d->kv_heads + h) * d->head_dim;
-            memcpy(kv_at(d->k, d->pages[t], d->page_size, d->pos[t], h), d->k_new + off,
-                   head_bytes);
-            memcpy(kv_at(d->v, d->pages[t], d->page_size, d->pos[t], h), d->v_new + off,
-                   head_bytes);
+            store_head(kv_at(d->k, d->pages[t], d->page_size, d->pos[t], h), d->k_new + off,
+                       d->head_dim, d->k->elem_bytes);
+            store_head(kv_at(d->v, d->pages[t], d->page_size, d->pos[t], h), d->v_new + off,
+                       d->head_dim, d->v->elem_bytes);
         }
     }
 }
@@ -298,7 +340,8 @@ static void cpu_attention(void *ctx, const kvs_model_kv_desc_t *d)
 {
     (void) ctx;
     const uint32_t D = d->head_dim, P = d->page_size;
-    float *s = d->scores; /* [pos + 1] */
+    float *s = d->scores;              /* [pos + 1] */
+    float tmp[KVS_MODEL_MAX_HEAD_DIM]; /* a bf16 head widened */
     for (uint32_t t = 0; t < d->n; t++) {
         const uint32_t *pages = d->pages[t];
         const uint32_t len = d->pos[t] + 1;
@@ -310,7 +353,8 @@ static void cpu_attention(void *ctx, const kvs_model_kv_desc_t *d)
 
             float max = -INFINITY;
             for (uint32_t i = 0; i < len; i++) {
-                s[i] = dot1(q, kv_at(d->k, pages, P, i, kvh), D) * d->scale;
+                const float *k = load_head(kv_at(d->k, pages, P, i, kvh), D, d->k->elem_bytes, tmp);
+                s[i] = dot1(q, k, D) * d->scale;
                 if (s[i] > max) max = s[i];
             }
             double sum = 0;
@@ -319,7 +363,9 @@ static void cpu_attention(void *ctx, const kvs_model_kv_desc_t *d)
                 sum += s[i];
             }
             memset(out, 0, D * sizeof(float));
-            for (uint32_t i = 0; i < len; i++) axpy(out, s[i], kv_at(d->v, pages, P, i, kvh), D);
+            for (uint32_t i = 0; i < len; i++)
+                axpy(out, s[i], load_head(kv_at(d->v, pages, P, i, kvh), D, d->v->elem_bytes, tmp),
+                     D);
             for (uint32_t k = 0; k < D; k++) out[k] = (float) (out[k] / sum);
         }
     }

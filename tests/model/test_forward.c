@@ -84,7 +84,7 @@ static void assert_same_kv(const kvs_pool_t *a, const uint32_t *pages_a, const k
                         kvs_region_addr(ra, pages_a[t / ca->page_size], t % ca->page_size, h);
                     const uint8_t *pb = kvs_region_addr(rb, pages_b[t / cb->page_size],
                                                         t % cb->page_size, head_b + h);
-                    if (memcmp(pa, pb, ra->dim * sizeof(float)) != 0)
+                    if (memcmp(pa, pb, (size_t) ra->dim * ra->elem_bytes) != 0)
                         fail_msg("K/V differ: layer %u %s position %u head %u", l, comp ? "V" : "K",
                                  t, h);
                 }
@@ -201,15 +201,19 @@ static void test_forward_invalid(void **state)
 
 #define PROMPT 23
 
-static void test_chunked_prefill(void **state)
+/* One-shot prefill against chunks of 1, 5 and all, in pools of other layouts and page sizes:
+ * the same logits and K/V bit for bit, with K/V elements of kv_bytes (4 f32, 2 bf16); a bf16
+ * run's logits are returned in bf16_logits when given. */
+static void chunked_prefill(uint32_t kv_bytes, float *bf16_logits)
 {
-    (void) state;
     const uint64_t seed = kvs_test_seed(21);
     kvs_rng_t rng;
     kvs_rng_seed(&rng, seed);
     kvs_model_config_t c = tiny_config(8, 2);
     kvs_model_t *m = NULL;
     assert_int_equal(kvs_model_seeded(&c, seed, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    assert_int_equal(kvs_model_set_kv_bytes(m, kv_bytes), KVS_OK);
+    assert_int_equal(kvs_model_kv_shape(m).elem_bytes, kv_bytes);
     uint32_t tokens[PROMPT];
     random_tokens(&rng, tokens, PROMPT, c.vocab);
 
@@ -245,10 +249,44 @@ static void test_chunked_prefill(void **state)
             kvs_pool_destroy(pool);
         }
     }
+    if (bf16_logits != NULL) memcpy(bf16_logits, want, c.vocab * sizeof(float));
     kvs_pool_destroy(ref);
     kvs_free(want);
     kvs_free(got);
     kvs_model_destroy(m);
+}
+
+static void test_chunked_prefill(void **state)
+{
+    (void) state;
+    chunked_prefill(sizeof(float), NULL);
+    kvs_assert_no_leaks();
+}
+
+/* bf16 K/V (the GPU's dtype, so a CPU instance can pair with a GPU one): still bitwise
+ * independent of chunking, page size and layout, and close to the f32 K/V logits; odd sizes
+ * are refused. */
+static void test_chunked_prefill_bf16_kv(void **state)
+{
+    (void) state;
+    kvs_model_config_t c = tiny_config(8, 2);
+    float *lb = falloc(c.vocab), *lf = falloc(c.vocab);
+    chunked_prefill(2, lb);
+    chunked_prefill(sizeof(float), lf);
+    double worst = 0, big = 0;
+    for (uint32_t i = 0; i < c.vocab; i++) {
+        worst = fmax(worst, fabs((double) lb[i] - lf[i]));
+        big = fmax(big, fabs((double) lf[i]));
+    }
+    /* bf16 keeps 8 significant bits: a few parts in a thousand of the logits' scale */
+    if (!(worst <= 0.02 * big + 1e-3) || worst == 0)
+        fail_msg("bf16 K/V logits differ from f32 K/V's by %g (largest logit %g)", worst, big);
+    kvs_model_t *m = NULL;
+    assert_int_equal(kvs_model_seeded(&c, 1, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    assert_int_equal(kvs_model_set_kv_bytes(m, 3), KVS_ERR_INVALID);
+    kvs_model_destroy(m);
+    kvs_free(lb);
+    kvs_free(lf);
     kvs_assert_no_leaks();
 }
 
@@ -907,11 +945,12 @@ static void test_all_positions(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_config_validate),    cmocka_unit_test(test_forward_invalid),
-        cmocka_unit_test(test_chunked_prefill),    cmocka_unit_test(test_all_positions),
-        cmocka_unit_test(test_batch_equals_alone), cmocka_unit_test(test_tp_mha),
-        cmocka_unit_test(test_tp_gqa_replicated),  cmocka_unit_test(test_alloc_failures),
-        cmocka_unit_test(test_load_gguf),          cmocka_unit_test(test_smollm2),
+        cmocka_unit_test(test_config_validate), cmocka_unit_test(test_forward_invalid),
+        cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_chunked_prefill_bf16_kv),
+        cmocka_unit_test(test_all_positions),   cmocka_unit_test(test_batch_equals_alone),
+        cmocka_unit_test(test_tp_mha),          cmocka_unit_test(test_tp_gqa_replicated),
+        cmocka_unit_test(test_alloc_failures),  cmocka_unit_test(test_load_gguf),
+        cmocka_unit_test(test_smollm2),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -69,7 +69,7 @@ static int parse_ids(const char *s, uint32_t **ids_p, uint32_t *n_p)
 /* Flag values that are not kvs_llm_rank_config_t fields as they stand. */
 typedef struct {
     kvs_llm_rank_config_t c;
-    int role, data, checksum, device;
+    int role, data, checksum, device, kv_dtype;
     uint32_t gpu;
     uint64_t peer_idle_s;
     const char *seeded;
@@ -106,6 +106,8 @@ static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"device", KVS_ARG_CHOICE, &o->device, "where the model and its KV pool live", "cpu|cuda",
          NULL},
         {"gpu", KVS_ARG_U32, &o->gpu, "with --device cuda: this rank's GPU (0)", "[0,1024]", NULL},
+        {"kv-dtype", KVS_ARG_CHOICE, &o->kv_dtype, "K/V elements on the CPU (a GPU keeps bf16)",
+         "f32|bf16", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -162,6 +164,7 @@ static int llm_rank_config_build(llm_rank_opts_t *o)
     c->data = (kvs_net_data_t) o->data;
     c->no_checksum = !o->checksum;
     c->device = o->device ? (int) o->gpu : -1;
+    c->kv_bf16 = o->kv_dtype == 1;
     const uint32_t tp = c->role == KVS_LLM_DECODE ? c->decode_tp : c->prefill_tp;
     if (c->rank >= tp)
         return kvs_args_error("--rank", "below the instance's TP size", "%u is not below TP %u",
@@ -259,7 +262,9 @@ typedef struct {
     uint32_t top_k;
     int ignore_eos;
     int chat, colocated, prefill_radix, decode_radix, json, sequential, data, tp_seen, checksum;
-    int device;       /* 0 cpu, 1 cuda */
+    int device;   /* 0 cpu, 1 cuda */
+    int kv_dtype; /* 0 f32, 1 bf16 (on the CPU) */
+    int kv_dtype_seen;
     const char *gpus; /* --gpus "P,D" or "P" */
     int gpu[2];       /* with cuda: the prefill (colocated) ranks' GPU, the decode ranks' */
     const char *system, *model, *seeded;
@@ -424,7 +429,7 @@ typedef struct {
 static uint64_t kv_bytes_per_token(const gen_t *g)
 {
     return (uint64_t) g->mc.layers * g->mc.kv_heads * g->mc.head_dim * 2 *
-           (g->device ? 2 : sizeof(float));
+           (g->device || g->kv_dtype == 1 ? 2 : sizeof(float));
 }
 
 static derived_t derive(const gen_t *g, const req_t *r)
@@ -596,6 +601,7 @@ static void rank_argv(const gen_t *g, const child_t *c, const char *registry, ra
     add_arg(a, "--radix",
             (c->role == KVS_LLM_DECODE ? g->decode_radix : g->prefill_radix) ? "on" : "off");
     add_arg(a, "--checksum", g->checksum ? "on" : "off");
+    if (g->kv_dtype == 1 && !g->device) add_arg(a, "--kv-dtype", "bf16");
     if (g->device) {
         add_arg(a, "--device", "cuda");
         add_num(a, "--gpu", (unsigned) g->gpu[c->role == KVS_LLM_DECODE]);
@@ -1089,6 +1095,9 @@ static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
         {"gpus", KVS_ARG_STR, &g->gpus,
          "with --device cuda: the prefill (or colocated) and decode instances' GPUs (0 or 0,0)",
          KVS_ARGS_GPUS_ACCEPTED, NULL},
+        {"kv-dtype", KVS_ARG_CHOICE, &g->kv_dtype,
+         "K/V elements: f32 (the CPU's default) or bf16 (what a GPU keeps)", "f32|bf16",
+         &g->kv_dtype_seen},
     };
     KVS_ARG_TABLE_ADD(t, a);
 }
@@ -1168,6 +1177,9 @@ static int check_flags(gen_t *g)
     if (!g->tp_seen) g->tp = g->prefill_tp;
     if (g->gpus != NULL && !g->device)
         return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (g->device && g->kv_dtype_seen && g->kv_dtype == 0)
+        return kvs_args_error("--kv-dtype", "bf16 with --device cuda",
+                              "a GPU keeps its KV in bf16");
     if (g->gpus != NULL && kvs_args_parse_gpus(g->gpus, &g->gpu[0], &g->gpu[1]) != 0)
         return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", g->gpus);
     return 0;

@@ -66,6 +66,7 @@ typedef struct {
     int device; /* 0 cpu, 1 cuda */
     uint32_t gpus;
     int gpus_seen;
+    int kv_dtype, kv_dtype_seen; /* 0 f32, 1 bf16 */
     kvs_http_flags_t http;
 } serve_flags_t;
 
@@ -128,6 +129,12 @@ static void model_name(const serve_flags_t *f, const char *path, char *buf, size
     snprintf(buf, cap, "%.*s", (int) n, base);
 }
 
+/* Bytes of one K/V element: bf16 on a GPU or with --kv-dtype bf16, else f32. */
+static uint32_t kv_bytes(const serve_flags_t *f)
+{
+    return f->device || f->kv_dtype == 1 ? 2 : sizeof(float);
+}
+
 /* The checks that need no model, before anything starts; 0, or 2 after the error line. */
 static int check_flags(const serve_flags_t *f)
 {
@@ -158,6 +165,9 @@ static int check_flags(const serve_flags_t *f)
         return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
     if (f->gpus_seen && !f->device)
         return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (f->device && f->kv_dtype_seen && f->kv_dtype == 0)
+        return kvs_args_error("--kv-dtype", "bf16 with --device cuda",
+                              "a GPU keeps its KV in bf16");
     return 0;
 }
 
@@ -302,6 +312,10 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "cpu|cuda", NULL},
         {"gpus", KVS_ARG_U32, &f->gpus, "with --device cuda: the GPU of this instance's ranks (0)",
          "[0,1024]", &f->gpus_seen},
+        {"kv-dtype", KVS_ARG_CHOICE, &f->kv_dtype,
+         "K/V elements: f32 (the CPU's default) or bf16 (a GPU's only one; a CPU server pairs "
+         "with a GPU server in bf16)",
+         "f32|bf16", &f->kv_dtype_seen},
         {"startup-timeout-s", KVS_ARG_U32, &f->startup_s,
          "give up when the instance is not ready this long after the start, a decode "
          "server's wait for its prefill instance included (300)",
@@ -376,27 +390,27 @@ static int start_instance(serve_run_t *s)
                                 .max_peer_instances = f->max_peer_instances,
                                 .peer_idle_s = f->peer_idle_s,
                                 .data = f->data,
-                                .gpu = f->device ? (int) f->gpus : -1};
+                                .gpu = f->device ? (int) f->gpus : -1,
+                                .kv_bf16 = f->kv_dtype == 1};
     if (kvs_instance_start(&ic, &s->inst) != 0) return 1;
     s->inst_started = 1;
-    kvs_rank_backend_config_t bc = {
-        .in_fd = s->inst.in_fd,
-        .out_fd = s->inst.out_fd,
-        .role = server_role(f->role),
-        .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
-        .page_size = f->page_size,
-        .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads * mc->head_dim * 2 *
-                              (f->device ? 2 : sizeof(float)),
-        .vocab = mc->vocab,
-        .text_vocab = s->tok ? 0 : 257,
-        .max_context = f->max_model_len,
-        .per_room = f->role == KVS_LLM_DECODE && s->ep == NULL,
-        .geo = {.shape = kvs_model_config_kv_shape(mc, f->device ? 0 : -1),
-                .prefill_tp = 1,
-                .decode_tp = f->tp,
-                .page_size = f->page_size,
-                .chunk_tokens = f->chunk,
-                .no_checksum = f->checksum ? 0u : 1u}};
+    kvs_rank_backend_config_t bc = {.in_fd = s->inst.in_fd,
+                                    .out_fd = s->inst.out_fd,
+                                    .role = server_role(f->role),
+                                    .bootstrap = f->role == KVS_LLM_DECODE ? s->ep : NULL,
+                                    .page_size = f->page_size,
+                                    .kv_bytes_per_token = (uint64_t) mc->layers * mc->kv_heads *
+                                                          mc->head_dim * 2 * kv_bytes(f),
+                                    .vocab = mc->vocab,
+                                    .text_vocab = s->tok ? 0 : 257,
+                                    .max_context = f->max_model_len,
+                                    .per_room = f->role == KVS_LLM_DECODE && s->ep == NULL,
+                                    .geo = {.shape = kvs_model_config_kv_shape(mc, kv_bytes(f)),
+                                            .prefill_tp = 1,
+                                            .decode_tp = f->tp,
+                                            .page_size = f->page_size,
+                                            .chunk_tokens = f->chunk,
+                                            .no_checksum = f->checksum ? 0u : 1u}};
     s->inst.in_fd = s->inst.out_fd = -1; /* the backend's now */
     if (kvs_rank_backend_create(&bc, &s->backend) != KVS_OK) {
         fprintf(stderr, "error: cannot start the backend over rank 0\n");

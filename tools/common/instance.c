@@ -172,6 +172,10 @@ static int spawn_rank(const kvs_instance_config_t *c, kvs_instance_t *inst, uint
     }
     args[n++] = "--data";
     args[n++] = c->data == 1 ? "shm" : c->data == 2 ? "tcp" : "auto";
+    if (c->kv_bf16 && c->gpu < 0) {
+        args[n++] = "--kv-dtype";
+        args[n++] = "bf16";
+    }
     if (c->gpu >= 0) {
         args[n++] = "--device";
         args[n++] = "cuda";

@@ -45,8 +45,9 @@ typedef struct {
     const char *registry;
     uint32_t max_peer_instances;
     uint32_t peer_idle_s;
-    int data; /* UCX data: 0 auto, 1 shm, 2 tcp */
-    int gpu;  /* -1: the model on the CPU; else every rank's CUDA device */
+    int data;    /* UCX data: 0 auto, 1 shm, 2 tcp */
+    int gpu;     /* -1: the model on the CPU; else every rank's CUDA device */
+    int kv_bf16; /* on the CPU: bf16 K/V, to pair with a GPU instance */
 } kvs_instance_config_t;
 
 typedef struct {

@@ -64,7 +64,24 @@ static const char usage[] =
 typedef struct {
     uint32_t prefill_tp, decode_tp, timeout_s, prefill;
     const char *model;
+    int device;       /* 0 cpu, 1 cuda */
+    const char *gpus; /* "P,D" or "P" */
+    int gpu[2];       /* with cuda: the prefill servers' GPU, the decode server's */
 } demo_flags_t;
+
+/* Appends `--device cuda --gpus N` to a server's argv (NULL-terminated, room for four more). */
+static void add_device(const demo_flags_t *f, char **argv, int side, char *num, size_t cap)
+{
+    if (!f->device) return;
+    int n = 0;
+    while (argv[n] != NULL) n++;
+    snprintf(num, cap, "%d", f->gpu[side]);
+    argv[n++] = "--device";
+    argv[n++] = "cuda";
+    argv[n++] = "--gpus";
+    argv[n++] = num;
+    argv[n] = NULL;
+}
 
 /* One run's processes and what its two answers measured. */
 typedef struct {
@@ -100,20 +117,23 @@ static int start_deployment(demo_t *d)
     snprintf(ptp, sizeof(ptp), "%u", d->f->prefill_tp);
     snprintf(dtp, sizeof(dtp), "%u", d->f->decode_tp);
     /* A short context keeps the demo's KV pools small (twice the context, every rank). */
-    char *pargs[] = {"kvstage",         "serve", "--role",  "prefill", "--tp",   ptp,
-                     "--peer-tp",       dtp,     "--model", path,      "--port", "0",
-                     "--max-model-len", "2048",  NULL};
+    char *pargs[18] = {"kvstage",         "serve", "--role",  "prefill", "--tp",   ptp,
+                       "--peer-tp",       dtp,     "--model", path,      "--port", "0",
+                       "--max-model-len", "2048",  NULL};
+    char pgpu[16], dgpu[16];
+    add_device(d->f, pargs, 0, pgpu, sizeof(pgpu));
     char urls[MAX_PREFILL * 64] = "";
     for (uint32_t i = 0; i < np; i++) {
         if (start_child(d, &pre[i], pargs, "serving on") != 0) return -1;
         snprintf(urls + strlen(urls), sizeof(urls) - strlen(urls), "%s%s", i ? "," : "",
                  pre[i].url);
     }
-    char *dargs[] = {
+    char *dargs[20] = {
         "kvstage", "serve",  "--role", "decode",          "--tp", dtp,           "--model",
         path,      "--port", "0",      "--max-model-len", "2048", "--bootstrap", pre->bootstrap,
         NULL};
     if (np > 1) dargs[12] = NULL; /* bound to none: rooms from any of them */
+    add_device(d->f, dargs, 1, dgpu, sizeof(dgpu));
     if (start_child(d, dec, dargs, "serving on") != 0) return -1;
     char *rargs[] = {"kvstage", "router", "--prefill", urls,     "--decode", dec->url,
                      "--port",  "0",      "--policy",  "prefix", NULL};
@@ -207,10 +227,18 @@ int kvs_cmd_serve_demo(int argc, char **argv)
         {"model", KVS_ARG_STR, &f.model, "GGUF file (default: the embedded SmolLM2)", NULL, NULL},
         {"timeout-s", KVS_ARG_U32, &f.timeout_s, "give up on a server after this long (300)",
          "[1,86400]", NULL},
+        {"device", KVS_ARG_CHOICE, &f.device, "where the servers run the model", "cpu|cuda", NULL},
+        {"gpus", KVS_ARG_STR, &f.gpus,
+         "with --device cuda: the prefill servers' and the decode server's GPUs (0)",
+         KVS_ARGS_GPUS_ACCEPTED, NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);
     int rc = kvs_args_parse(usage, args, nargs, argc, argv, 1);
     if (rc != KVS_ARGS_OK) return rc == KVS_ARGS_HELP ? 0 : 2;
+    if (f.gpus != NULL && !f.device)
+        return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    if (f.gpus != NULL && kvs_args_parse_gpus(f.gpus, &f.gpu[0], &f.gpu[1]) != 0)
+        return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", f.gpus);
     char path[4096];
     if (f.model != NULL)
         snprintf(path, sizeof(path), "%s", f.model);

@@ -39,7 +39,8 @@ typedef struct {
     uint64_t info_live;
     uint32_t pages_free;
     uint32_t inflight;
-    uint32_t lost; /* atomic: health checks that found it unreachable; legs on it then fail */
+    uint32_t lost;   /* atomic: health checks that found it unreachable; legs on it then fail */
+    uint32_t silent; /* under check_mu: health checks in a row that timed out */
     int from_config, from_file; /* under router->mu: given at creation; listed by servers_file */
 } rserver_t;
 
@@ -1542,9 +1543,13 @@ typedef struct {
     uint32_t mine;
 } check_t;
 
-/* One health pass over list[n], every server at once: GET /health (200: in rotation; refused,
- * dropped or silent for 2 x connect_timeout_ms: out, and the requests on it fail), then GET
- * /internal/info of those in rotation (bootstrap, load). */
+/* Health checks in a row that must time out before a server counts as hung: one slow answer
+ * is a busy server (a CPU instance under load), not a dead one. */
+#define SILENT_STRIKES 3
+
+/* One health pass over list[n], every server at once: GET /health (200: in rotation; refused or
+ * dropped: out, and the requests on it fail; silent for 2 x connect_timeout_ms in SILENT_STRIKES
+ * passes in a row: the same), then GET /internal/info of those in rotation (bootstrap, load). */
 static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
 {
     const uint32_t timeout = rt->connect_timeout_ms * 2;
@@ -1593,6 +1598,14 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
         rserver_t *s = ck[i].s;
         int ok = ck[i].ok;
         CURLcode c = ck[i].c;
+        const int timed_out = !ok && c == CURLE_OPERATION_TIMEDOUT;
+        s->silent = timed_out ? s->silent + 1 : 0;
+        if (timed_out && s->silent < SILENT_STRIKES) {
+            kvs_warn("router: %s server %s did not answer its health check in %u ms (%u of %u "
+                     "before it counts as hung)",
+                     side_name(s->side), s->url, timeout, s->silent, SILENT_STRIKES);
+            continue; /* busy, as far as anyone can tell: it stays as it was */
+        }
         /* Unreachable (not merely unhealthy: a draining server finishes its requests). */
         if (!ok && c != CURLE_OK && connection_failure(c))
             __atomic_add_fetch(&s->lost, 1, __ATOMIC_RELAXED);

@@ -39,15 +39,16 @@
  * A client body that already has "kvstage" is refused (400).
  *
  * Failures: every health_interval_ms (500 by default) one pass checks every server at once
- * (GET /health, then GET /internal/info): a server that refuses the connection, drops it, does
- * not answer within 2 x connect_timeout_ms or answers other than 200 is out of rotation until a
- * pass finds it well; so is one that refuses, drops or times out a forwarded request. A server
- * killed outright is thus out within health_interval_ms (its refused port), and the requests
- * on it fail at once (their connections close with it). When a pass finds a server
+ * (GET /health, then GET /internal/info): a server that refuses the connection, drops it,
+ * answers other than 200, or does not answer within 2 x connect_timeout_ms in three passes in a
+ * row (one slow answer is a busy server, which keeps its place and its requests) is out of
+ * rotation until a pass finds it well; so is one that refuses, drops or times out a forwarded
+ * request. A server killed outright is thus out within health_interval_ms (its refused port), and
+ * the requests on it fail at once (their connections close with it). When a pass finds a server
  * unreachable (not merely unhealthy: a draining server's /health 503 leaves its requests be),
  * every request still waiting on it fails too, so a hung server or host costs at most
- * health_interval_ms + 2 x connect_timeout_ms, not the request timeout. A request whose chosen
- * server failed that way answers 503 {"error": {"message" naming the server, "type":
+ * 3 x (health_interval_ms + 2 x connect_timeout_ms), not the request timeout. A request whose
+ * chosen server failed that way answers 503 {"error": {"message" naming the server, "type":
  * "server_error", "code": "server_unavailable"}} (504 "gateway_timeout" when the request itself
  * timed out, 502 "bad_gateway" for another transfer error), or, when the
  * decode stream had already started, ends the stream after its last whole event with

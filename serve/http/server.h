@@ -241,6 +241,7 @@ typedef struct {
     uint32_t running;     /* gauge: requests admitted */
     uint32_t pages_total; /* gauge: KV pool pages (of one rank: the ranks' pools are alike) */
     uint32_t pages_free;  /* gauge: of which free now */
+    uint32_t restarts;    /* counter: the instance's ranks restarted (serve --restart-ranks) */
 } kvs_server_backend_stats_t;
 
 /* The serving engine behind the server. Every function may be called from several server
@@ -249,7 +250,8 @@ typedef struct {
     void *ctx;
     /* Takes a request (copying what it keeps). KVS_OK: the sink will get on_done.
      * Errors (no sink call follows): KVS_ERR_INVALID or KVS_ERR_UNSUPPORTED (answered 400),
-     * KVS_ERR_NOSPACE (503, overloaded), anything else (500). */
+     * KVS_ERR_NOSPACE (503, overloaded), KVS_ERR_STATE (503, not ready: starting or
+     * restarting), anything else (500). */
     kvs_status_t (*submit)(void *ctx, const kvs_server_request_t *request,
                            const kvs_server_sink_t *sink);
     /* Ends choice `choice` of a live request soon (a stop string matched in it), or every choice

@@ -94,10 +94,10 @@ struct kvs_rank_backend {
     int stopping;      /* destroy: the thread ends */
     int ready, ended;  /* rank 0 said ready; its events ended */
     query_t *qhead, *qtail;
-    kvs_server_backend_stats_t last;           /* the last stats answer */
-    kvs_pd_metrics_t base; /* the counters of the instances before this one (restart) */
+    kvs_server_backend_stats_t last; /* the last stats answer */
+    kvs_pd_metrics_t base;           /* the counters of the instances before this one (restart) */
     uint32_t restarts;
-    char restart_why[128]; /* why the last instance ended (restart) */
+    char restart_why[128];                     /* why the last instance ended (restart) */
     uint32_t peers_down, peers_of, first_down; /* rank 0's last peers event */
     peer_t peers[PEER_CACHE];                  /* per-room bootstrap, under mu */
 };
@@ -804,7 +804,8 @@ static void counters_add(kvs_pd_metrics_t *m, const kvs_pd_metrics_t *c)
     const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&n);
     for (uint32_t i = 0; i < n; i++)
         if (f[i].kind == KVS_PD_COUNTER)
-            kvs_pd_metrics_set(m, &f[i], kvs_pd_metrics_get(m, &f[i]) + kvs_pd_metrics_get(c, &f[i]));
+            kvs_pd_metrics_set(m, &f[i],
+                               kvs_pd_metrics_get(m, &f[i]) + kvs_pd_metrics_get(c, &f[i]));
 }
 
 static void op_stats(void *ctx, kvs_server_backend_stats_t *stats_p)
@@ -947,8 +948,7 @@ static void stop_thread(kvs_rank_backend_t *b)
     b->thread_started = 0;
 }
 
-kvs_status_t kvs_rank_backend_restart(kvs_rank_backend_t *b, int in_fd, int out_fd,
-                                      const char *why)
+kvs_status_t kvs_rank_backend_restart(kvs_rank_backend_t *b, int in_fd, int out_fd, const char *why)
 {
     stop_thread(b);
     pthread_mutex_lock(&b->mu);

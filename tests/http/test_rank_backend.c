@@ -492,7 +492,8 @@ static void test_restart(void **state)
     assert_int_not_equal(f.ops.health(f.ops.ctx), KVS_OK);
     char why[256];
     f.ops.health_detail(f.ops.ctx, why, sizeof(why));
-    assert_string_equal(why, "the instance is restarting (restart 1; rank 1 was killed by signal 9)");
+    assert_string_equal(why,
+                        "the instance is restarting (restart 1; rank 1 was killed by signal 9)");
     q.room = 2;
     assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_STATE);
     f.ops.stats(f.ops.ctx, &st); /* no rank 0 to ask: the counters so far, no gauges */
@@ -516,8 +517,9 @@ static void test_restart(void **state)
     assert_int_equal(wait_done(&r, 2), 2);
     assert_int_equal(r.d.finish, KVS_SERVER_FINISH_LENGTH);
     assert_int_equal(r.d.generated, 1);
-    st = answered_stats(&f, "{\"event\":\"stats\",\"chunks\":1,\"bytes_moved\":100,\"live_rooms\":1,"
-                            "\"queued\":0,\"running\":1,\"final\":false}\n");
+    st =
+        answered_stats(&f, "{\"event\":\"stats\",\"chunks\":1,\"bytes_moved\":100,\"live_rooms\":1,"
+                           "\"queued\":0,\"running\":1,\"final\":false}\n");
     assert_int_equal(st.metrics.bytes, 4196);
     assert_int_equal(st.metrics.chunks, 4);
     assert_int_equal(st.metrics.live_rooms, 1);

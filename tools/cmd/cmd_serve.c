@@ -496,20 +496,20 @@ static int restart_instance(serve_run_t *s, const char *failure)
     const uint32_t max = f->max_restarts;
     char why[160];
     snprintf(why, sizeof(why), "%s", failure);
-    for (uint32_t restarts = s->generation;; restarts = s->generation) {
+    for (;;) {
         const uint64_t now = kvs_now_ns();
-        kvs_instance_wait(&s->inst, 0); /* the ranks left are killed and reaped */
+        const uint32_t done = s->generation; /* restarts so far */
+        kvs_instance_wait(&s->inst, 0);      /* the ranks left are killed and reaped */
         /* The ring holds the last max restarts: the oldest of them within the window means one
          * more would be past the limit. */
-        if (restarts >= max &&
-            now - s->restart_ns[restarts % max] < RESTART_WINDOW_S * 1000000000ull) {
+        if (done >= max && now - s->restart_ns[done % max] < RESTART_WINDOW_S * 1000000000ull) {
             fprintf(stderr,
                     "error: kvstage serve (%s): the instance failed (%s); giving up after %u "
                     "restart%s within %d s (--max-restarts)\n",
                     s->role, why, max, max == 1 ? "" : "s", RESTART_WINDOW_S);
             return 1;
         }
-        s->restart_ns[restarts % max] = now;
+        s->restart_ns[done % max] = now;
         s->generation++;
         fprintf(stderr,
                 "kvstage serve (%s): the instance failed (%s); restarting its ranks "

@@ -94,7 +94,10 @@ struct kvs_rank_backend {
     int stopping;      /* destroy: the thread ends */
     int ready, ended;  /* rank 0 said ready; its events ended */
     query_t *qhead, *qtail;
-    kvs_server_backend_stats_t last;           /* the last stats answer */
+    kvs_server_backend_stats_t last; /* the last stats answer */
+    kvs_pd_metrics_t base;           /* the counters of the instances before this one (restart) */
+    uint32_t restarts;
+    char restart_why[128];                     /* why the last instance ended (restart) */
     uint32_t peers_down, peers_of, first_down; /* rank 0's last peers event */
     peer_t peers[PEER_CACHE];                  /* per-room bootstrap, under mu */
 };
@@ -716,7 +719,10 @@ static void op_health_detail(void *ctx, char *buf, size_t cap)
     kvs_rank_backend_t *b = ctx;
     pthread_mutex_lock(&b->mu);
     const char *other = b->cfg.role == KVS_SERVER_ROLE_DECODE ? "prefill" : "decode";
-    if (!b->ready)
+    if (!b->ready && b->restarts > 0)
+        snprintf(buf, cap, "the instance is restarting (restart %u; %s)", b->restarts,
+                 b->restart_why);
+    else if (!b->ready)
         snprintf(buf, cap, "the instance is not ready");
     else if (b->ended || b->quit_queued)
         snprintf(buf, cap, "the instance has ended");
@@ -791,19 +797,31 @@ static kvs_status_t op_match(void *ctx, const uint32_t *prompt, uint32_t prompt_
     return KVS_OK;
 }
 
+/* The counters of c added to those of m; gauges untouched. */
+static void counters_add(kvs_pd_metrics_t *m, const kvs_pd_metrics_t *c)
+{
+    uint32_t n;
+    const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&n);
+    for (uint32_t i = 0; i < n; i++)
+        if (f[i].kind == KVS_PD_COUNTER)
+            kvs_pd_metrics_set(m, &f[i],
+                               kvs_pd_metrics_get(m, &f[i]) + kvs_pd_metrics_get(c, &f[i]));
+}
+
 static void op_stats(void *ctx, kvs_server_backend_stats_t *stats_p)
 {
     kvs_rank_backend_t *b = ctx;
     query_t a;
     kvs_rank_line_request_t req = {.kind = KVS_RANK_LINE_STATS};
     char line[32];
-    if (ask(b, &req, line, sizeof(line), &a) == KVS_OK) {
-        *stats_p = a.stats;
-        return;
-    }
-    pthread_mutex_lock(&b->mu); /* the last answer, when rank 0 is slow or gone */
-    *stats_p = b->last;
+    kvs_status_t st = ask(b, &req, line, sizeof(line), &a);
+    pthread_mutex_lock(&b->mu);
+    /* Else the last answer, when rank 0 is slow or gone (zero gauges while it restarts). */
+    kvs_server_backend_stats_t s = st == KVS_OK ? a.stats : b->last;
+    counters_add(&s.metrics, &b->base);
+    s.restarts = b->restarts;
     pthread_mutex_unlock(&b->mu);
+    *stats_p = s;
 }
 
 /* ---- lifetime ---- */
@@ -917,16 +935,56 @@ int kvs_rank_backend_ended(kvs_rank_backend_t *b)
     return ended;
 }
 
+/* Ends the I/O thread: rooms still live end with FINISH_ERROR (KVS_ERR_IO once rank 0's events
+ * ended, else KVS_ERR_ABORTED), waiting questions fail. */
+static void stop_thread(kvs_rank_backend_t *b)
+{
+    if (!b->thread_started) return;
+    pthread_mutex_lock(&b->mu);
+    b->stopping = 1;
+    pthread_mutex_unlock(&b->mu);
+    wake_thread(b);
+    pthread_join(b->thread, NULL);
+    b->thread_started = 0;
+}
+
+kvs_status_t kvs_rank_backend_restart(kvs_rank_backend_t *b, int in_fd, int out_fd, const char *why)
+{
+    stop_thread(b);
+    pthread_mutex_lock(&b->mu);
+    if (b->in_fd >= 0) close(b->in_fd);
+    if (b->out_fd >= 0) close(b->out_fd);
+    b->in_fd = in_fd;
+    b->out_fd = out_fd;
+    b->stopping = b->ready = b->ended = b->quit_queued = 0;
+    b->out.len = 0;
+    b->peers_down = b->peers_of = b->first_down = 0;
+    /* The old instance's counters carry on; its gauges are gone with it. */
+    counters_add(&b->base, &b->last.metrics);
+    memset(&b->last, 0, sizeof(b->last));
+    b->restarts++;
+    snprintf(b->restart_why, sizeof(b->restart_why), "%s", why ? why : "the instance ended");
+    kvs_status_t st = KVS_OK;
+    if (set_flags(in_fd, O_NONBLOCK, FD_CLOEXEC) != 0 || set_flags(out_fd, 0, FD_CLOEXEC) != 0) {
+        kvs_error("rank backend: cannot set up the new rank 0's pipes: %s", strerror(errno));
+        st = KVS_ERR_IO;
+    } else if (pthread_create(&b->thread, NULL, io_thread, b) != 0) {
+        kvs_error("rank backend: cannot start its I/O thread again");
+        st = KVS_ERR_IO;
+    }
+    if (st != KVS_OK) {
+        b->ended = 1; /* every op fails, as after rank 0's end */
+    } else {
+        b->thread_started = 1;
+    }
+    pthread_mutex_unlock(&b->mu);
+    return st;
+}
+
 void kvs_rank_backend_destroy(kvs_rank_backend_t *b)
 {
     if (b == NULL) return;
-    if (b->thread_started) {
-        pthread_mutex_lock(&b->mu);
-        b->stopping = 1;
-        pthread_mutex_unlock(&b->mu);
-        wake_thread(b);
-        pthread_join(b->thread, NULL);
-    }
+    stop_thread(b);
     for (query_t *q = b->qhead; q != NULL;) {
         query_t *next = q->next;
         kvs_free(q); /* only abandoned ones can be left: no asker waits once the thread ended */

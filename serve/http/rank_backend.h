@@ -26,7 +26,8 @@
  *     (metrics.bytes is the bytes rank 0 sent or scattered) and the instance's queued and running
  *     requests (every rank has the same).
  * A room whose rank 0 went away (end of file on its events) ends with FINISH_ERROR
- * (KVS_ERR_IO), and every later submit fails. All sink calls come from the I/O thread. */
+ * (KVS_ERR_IO), and every later submit fails, until kvs_rank_backend_restart hands the backend
+ * a new instance's rank 0. All sink calls come from the I/O thread. */
 #ifndef KVSTAGE_RANK_BACKEND_H
 #define KVSTAGE_RANK_BACKEND_H
 
@@ -75,6 +76,17 @@ kvs_server_backend_t kvs_rank_backend_ops(kvs_rank_backend_t *backend);
 void kvs_rank_backend_quit(kvs_rank_backend_t *backend);
 /* 1 once rank 0's event pipe reached its end (it exited, or closed it). */
 int kvs_rank_backend_ended(kvs_rank_backend_t *backend);
+/* `kvstage serve --restart-ranks`: the backend moves to a fresh instance's rank 0, whose two
+ * pipe ends it takes (closed by destroy, also on failure). The I/O thread ends first: rooms still
+ * live end with FINISH_ERROR (KVS_ERR_IO when rank 0's events had ended, else KVS_ERR_ABORTED),
+ * waiting questions fail; the old pipes close. Then, as after create, submits fail with
+ * KVS_ERR_STATE until the new rank 0 is ready (kvs_rank_backend_wait_ready), and health fails
+ * with "the instance is restarting (restart K; why)". Stats: the counters carry on from the old
+ * instance's last stats answer (what it did after that answer is lost with it), the gauges start
+ * at the new one's, and stats.restarts counts the calls. KVS_ERR_IO when the thread cannot start
+ * again (every op then fails, as after rank 0's end). Not concurrent with quit or destroy. */
+kvs_status_t kvs_rank_backend_restart(kvs_rank_backend_t *backend, int in_fd, int out_fd,
+                                      const char *why);
 /* Stops the I/O thread (rooms still live end with FINISH_ERROR, KVS_ERR_ABORTED), closes both
  * fds and frees. Call after the server that uses it is destroyed. */
 void kvs_rank_backend_destroy(kvs_rank_backend_t *backend);

@@ -1010,6 +1010,13 @@ static enum MHD_Result answer_submit_error(req_t *r, kvs_status_t st)
     if (st == KVS_ERR_INVALID || st == KVS_ERR_UNSUPPORTED)
         return send_error(r, 400, msg, NULL, NULL);
     if (st == KVS_ERR_NOSPACE) return send_error(r, 503, "the server is overloaded", NULL, NULL);
+    if (st == KVS_ERR_STATE) {
+        char why[160] = "";
+        if (r->srv->backend.health_detail != NULL)
+            r->srv->backend.health_detail(r->srv->backend.ctx, why, sizeof(why));
+        snprintf(msg, sizeof(msg), "the server is not ready%s%s", why[0] ? ": " : "", why);
+        return send_error(r, 503, msg, NULL, NULL);
+    }
     return send_error(r, 500, msg, NULL, NULL);
 }
 
@@ -1595,6 +1602,9 @@ kvs_status_t kvs_server_metrics(kvs_server_t *srv, char **text_p)
     gauge(&sb, "kvstage_kv_pages_used", "KV pool pages held by requests or the prefix cache.",
           bs.pages_total - (bs.pages_free < bs.pages_total ? bs.pages_free : bs.pages_total));
     gauge(&sb, "kvstage_requests_live", "Requests submitted and not finished.", live);
+    counter(&sb, "kvstage_instance_restarts_total",
+            "The instance's ranks restarted after a rank died (serve --restart-ranks).",
+            bs.restarts);
     char *text = kvs__sb_take(&sb);
     if (text == NULL) {
         kvs_error("server: no memory for the metrics text");

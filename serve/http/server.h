@@ -57,7 +57,8 @@
  *                          U+FFFD)}.
  *   GET  /health           200 {"status":"ok"}; 503 {"status":"unavailable", "reason": S} when
  *                          the backend's health() fails (a decode server whose prefill ranks are
- *                          unreachable says which) or the server is stopping.
+ *                          unreachable says which; a server whose instance is restarting says
+ *                          why) or the server is stopping.
  *   GET  /metrics          Prometheus text format: counters kvstage_http_requests_total{code},
  *                          kvstage_requests_finished_total{reason}, kvstage_requests_cancelled_
  *                          total, kvstage_{prompt,generation,cached_prompt}_tokens_total;
@@ -69,7 +70,8 @@
  *                          quarantined,stashed} and kvstage_peer_instances (summed over the
  *                          instance's ranks),
  *                          kvstage_requests_{queued,running}, kvstage_kv_pages_{total,free,used}
- *                          (rank 0's pool); gauge kvstage_requests_live (submitted, not ended).
+ *                          (rank 0's pool); gauge kvstage_requests_live (submitted, not ended);
+ *                          counter kvstage_instance_restarts_total (`serve --restart-ranks`).
  *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
  *                          "prompt_tokens": M} from the backend's match() (the router's
  *                          prefix-aware choice).
@@ -86,7 +88,8 @@
  * Errors are {"error": {"message", "type", "param", "code"}}: type "invalid_request_error" for
  * 4xx (400 bad input, 401 API key missing or wrong (code "invalid_api_key", with
  * "WWW-Authenticate: Bearer"), 404 unknown path or model, 405 wrong method, 413 body too large),
- * "server_error" for 5xx (500 generation failed, 503 unavailable or overloaded). A prompt +
+ * "server_error" for 5xx (500 generation failed, 503 unavailable, overloaded or not ready: the
+ * backend's instance is starting or restarting). A prompt +
  * max_tokens beyond max_context is a 400 with code "context_length_exceeded", param the
  * client's field ("max_tokens", "max_completion_tokens", or "prompt"/"messages" when the prompt
  * alone leaves no room) and both numbers in vLLM's words ("This model's maximum context length
@@ -243,6 +246,7 @@ typedef struct {
     uint32_t running;     /* gauge: requests admitted */
     uint32_t pages_total; /* gauge: KV pool pages (of one rank: the ranks' pools are alike) */
     uint32_t pages_free;  /* gauge: of which free now */
+    uint32_t restarts;    /* counter: the instance's ranks restarted (serve --restart-ranks) */
 } kvs_server_backend_stats_t;
 
 /* The serving engine behind the server. Every function may be called from several server
@@ -251,7 +255,8 @@ typedef struct {
     void *ctx;
     /* Takes a request (copying what it keeps). KVS_OK: the sink will get on_done.
      * Errors (no sink call follows): KVS_ERR_INVALID or KVS_ERR_UNSUPPORTED (answered 400),
-     * KVS_ERR_NOSPACE (503, overloaded), anything else (500). */
+     * KVS_ERR_NOSPACE (503, overloaded), KVS_ERR_STATE (503, not ready: starting or
+     * restarting), anything else (500). */
     kvs_status_t (*submit)(void *ctx, const kvs_server_request_t *request,
                            const kvs_server_sink_t *sink);
     /* Ends choice `choice` of a live request soon (a stop string matched in it), or every choice

@@ -1,7 +1,7 @@
 /* The rank backend (kvstage/rank_backend.h) against a scripted rank 0 on two pipes: the lines it
  * writes (submit with the first stop id as EOS, stop, match, stats, quit), and what it makes of
  * rank 0's events (tokens, finish mapping, a stop id beyond the first, refusals, KV bytes, match
- * and stats answers in order, the end of rank 0). */
+ * and stats answers in order, the end of rank 0), and the move to a restarted instance's rank 0. */
 #include "kvs_test.h"
 
 #include <errno.h>
@@ -422,6 +422,126 @@ static void test_question_timeout(void **state)
     kvs_assert_no_leaks();
 }
 
+static void *stats_main(void *arg)
+{
+    asker_t *a = arg;
+    a->f->ops.stats(a->f->ops.ctx, &a->stats);
+    return NULL;
+}
+
+/* The stats as an answer to `stats` from the fixture's rank 0, with the line it answers. */
+static kvs_server_backend_stats_t answered_stats(fix_t *f, const char *answer)
+{
+    asker_t a = {.f = f};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, stats_main, &a), 0);
+    char line[64];
+    next_line(f, line, sizeof(line));
+    assert_string_equal(line, "stats");
+    say(f, answer);
+    pthread_join(th, NULL);
+    return a.stats;
+}
+
+/* New pipes for the fixture's rank 0 (a restarted instance), handed to the backend. */
+static void fix_restart(fix_t *f, const char *why)
+{
+    int req[2], ev[2];
+    assert_int_equal(pipe(req), 0);
+    assert_int_equal(pipe(ev), 0);
+    assert_int_equal(kvs_rank_backend_restart(f->b, req[1], ev[0], why), KVS_OK);
+    close(f->req[0]);
+    if (f->ev[1] >= 0) close(f->ev[1]);
+    f->req[0] = req[0];
+    f->ev[1] = ev[1];
+    f->len = 0;
+}
+
+/* --restart-ranks: the backend moves to a new rank 0; rooms of the old one fail (IO when it
+ * ended, ABORTED when it was still there), health says it restarts until the new one is ready,
+ * counters carry on, gauges start again, and the restarts are counted. */
+static void test_restart(void **state)
+{
+    (void) state;
+    fix_t f;
+    fix_open(&f, KVS_SERVER_ROLE_NONE, NULL);
+    say(&f, "{\"event\":\"ready\",\"role\":\"colocated\",\"tp\":2,\"load_s\":0.1}\n");
+    assert_int_equal(kvs_rank_backend_wait_ready(f.b, 2000), KVS_OK);
+    kvs_server_backend_stats_t st = answered_stats(
+        &f, "{\"event\":\"stats\",\"chunks\":3,\"bytes_moved\":4096,\"live_rooms\":2,"
+            "\"queued\":7,\"running\":2,\"final\":false}\n");
+    assert_int_equal(st.metrics.bytes, 4096);
+    assert_int_equal(st.restarts, 0);
+    rec_t r;
+    memset(&r, 0, sizeof(r));
+    pthread_mutex_init(&r.mu, NULL);
+    kvs_server_sink_t sink = {on_token, on_done, &r, NULL};
+    static const uint32_t prompt[3] = {1, 2, 3};
+    kvs_server_request_t q = request(1, KVS_SERVER_ROLE_NONE, prompt, 3, NULL, 0);
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    char line[512];
+    next_line(&f, line, sizeof(line));
+
+    /* Rank 0 is killed: its room fails; the backend moves to the next instance. */
+    close(f.ev[1]);
+    f.ev[1] = -1;
+    assert_int_equal(wait_done(&r, 1), 1);
+    assert_int_equal(r.d.status, KVS_ERR_IO);
+    fix_restart(&f, "rank 1 was killed by signal 9");
+    assert_false(kvs_rank_backend_ended(f.b));
+    assert_int_not_equal(f.ops.health(f.ops.ctx), KVS_OK);
+    char why[256];
+    f.ops.health_detail(f.ops.ctx, why, sizeof(why));
+    assert_string_equal(why,
+                        "the instance is restarting (restart 1; rank 1 was killed by signal 9)");
+    q.room = 2;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_STATE);
+    f.ops.stats(f.ops.ctx, &st); /* no rank 0 to ask: the counters so far, no gauges */
+    assert_int_equal(st.metrics.bytes, 4096);
+    assert_int_equal(st.metrics.chunks, 3);
+    assert_int_equal(st.metrics.live_rooms, 0);
+    assert_int_equal(st.queued, 0);
+    assert_int_equal(st.running, 0);
+    assert_int_equal(st.restarts, 1);
+
+    /* The new rank 0 serves. */
+    say(&f, "{\"event\":\"ready\",\"role\":\"colocated\",\"tp\":2,\"load_s\":0.1}\n");
+    assert_int_equal(kvs_rank_backend_wait_ready(f.b, 2000), KVS_OK);
+    assert_int_equal(f.ops.health(f.ops.ctx), KVS_OK);
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    next_line(&f, line, sizeof(line));
+    assert_true(strncmp(line, "submit 2 ", 9) == 0);
+    say(&f, "{\"event\":\"token\",\"room\":2,\"token\":11,\"index\":0}\n"
+            "{\"event\":\"done\",\"room\":2,\"status\":\"ok\",\"finish\":\"length\","
+            "\"prompt_len\":3,\"cached\":0}\n");
+    assert_int_equal(wait_done(&r, 2), 2);
+    assert_int_equal(r.d.finish, KVS_SERVER_FINISH_LENGTH);
+    assert_int_equal(r.d.generated, 1);
+    st =
+        answered_stats(&f, "{\"event\":\"stats\",\"chunks\":1,\"bytes_moved\":100,\"live_rooms\":1,"
+                           "\"queued\":0,\"running\":1,\"final\":false}\n");
+    assert_int_equal(st.metrics.bytes, 4196);
+    assert_int_equal(st.metrics.chunks, 4);
+    assert_int_equal(st.metrics.live_rooms, 1);
+    assert_int_equal(st.running, 1);
+    assert_int_equal(st.restarts, 1);
+
+    /* Restarted while rank 0 is still there (another rank died): its room is aborted. */
+    q.room = 3;
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    next_line(&f, line, sizeof(line));
+    fix_restart(&f, "rank 1 exited with status 1");
+    assert_int_equal(wait_done(&r, 3), 3);
+    assert_int_equal(r.d.finish, KVS_SERVER_FINISH_ERROR);
+    assert_int_equal(r.d.status, KVS_ERR_ABORTED);
+    f.ops.stats(f.ops.ctx, &st);
+    assert_int_equal(st.metrics.bytes, 4196);
+    assert_int_equal(st.restarts, 2);
+    fix_close(&f);
+    pthread_mutex_destroy(&r.mu);
+    kvs_assert_no_leaks();
+}
+
 /* Logprobs asked: LOGPROBS and PROMPT_LOGPROBS on the submit line (never prompt logprobs for a
  * decode side: it has no prompt logits), and rank 0's prompt and token events reach the sink
  * with theirs. */
@@ -485,6 +605,7 @@ int main(void)
         cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_questions_and_quit),
         cmocka_unit_test(test_question_timeout),
+        cmocka_unit_test(test_restart),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

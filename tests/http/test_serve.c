@@ -7,10 +7,13 @@
  * prefix; /metrics parses and its counters move; the servers refuse requests that are not for
  * them; a killed decode server fails its requests with a 5xx JSON error while the other pair
  * keeps serving; the HTTP flags (--strict, --api-key or KVS_API_KEY, --server-api-key, limits)
- * act and their bad values are usage errors. Every process a test starts leads its own process
- * group, and the teardown kills every group, whatever happened. */
+ * act and their bad values are usage errors; a rank of a TP2 server killed under load takes the
+ * server down at once (or, with --restart-ranks, the server restarts its ranks and serves again)
+ * while the other side keeps serving. Every process a test starts leads its own process group,
+ * and the teardown kills every group, whatever happened. */
 #include "http/server_test.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -48,8 +51,9 @@ static const char *tool(void)
     return t;
 }
 
-/* Starts `kvstage ARGS...` (NULL-terminated) in a process group of its own, stdout on a pipe. */
-static proc_t *spawn_tool(const char *const *args)
+/* Starts `kvstage ARGS...` (NULL-terminated) in a process group of its own, stdout on a pipe;
+ * stderr into the file err (NULL: the test's). */
+static proc_t *spawn_tool_err(const char *const *args, const char *err)
 {
     assert_true(g_nprocs < MAX_PROCS);
     int fds[2];
@@ -70,6 +74,8 @@ static proc_t *spawn_tool(const char *const *args)
         int null = open("/dev/null", O_RDONLY);
         dup2(null, STDIN_FILENO);
         dup2(fds[1], STDOUT_FILENO);
+        int efd = err ? open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644) : -1;
+        if (efd >= 0) dup2(efd, STDERR_FILENO);
         close(fds[0]);
         close(fds[1]);
         execv(argv[0], (char *const *) argv);
@@ -84,6 +90,11 @@ static proc_t *spawn_tool(const char *const *args)
     p->pid = pid;
     p->out_fd = fds[0];
     return p;
+}
+
+static proc_t *spawn_tool(const char *const *args)
+{
+    return spawn_tool_err(args, NULL);
 }
 
 /* Waits for the process's "serving on" / "routing on" line and takes its URL and bootstrap. */
@@ -116,17 +127,27 @@ static void wait_up(proc_t *p, const char *prefix)
     fail_msg("no '%s' line within %d s", prefix, START_S);
 }
 
-/* Whether the TP group segment a server of pid named for itself (tools/common/instance.c) is in
- * /dev/shm. */
+/* How many TP group segments a server of pid named for itself (tools/common/instance.c:
+ * "kvs-PID-" and its role, then the instance's generation once it restarted) are in /dev/shm;
+ * the first one's name in first[cap] (when not NULL). */
+static int groups_left(pid_t pid, char *first, size_t cap)
+{
+    char prefix[32];
+    int n = snprintf(prefix, sizeof(prefix), "kvs-%ld-", (long) pid), left = 0;
+    DIR *d = opendir("/dev/shm");
+    if (d == NULL) return 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (strncmp(e->d_name, prefix, (size_t) n) != 0 || strchr("pdc", e->d_name[n]) == NULL)
+            continue;
+        if (left++ == 0 && first != NULL) snprintf(first, cap, "%.*s", (int) cap - 1, e->d_name);
+    }
+    closedir(d);
+    return left;
+}
+
 static int group_left(pid_t pid)
 {
-    char path[64];
-    int left = 0;
-    for (const char *r = "pdc"; *r; r++) {
-        snprintf(path, sizeof(path), "/dev/shm/kvs-%ld-%c", (long) pid, *r);
-        left |= access(path, F_OK) == 0;
-    }
-    return left;
+    return groups_left(pid, NULL, 0) > 0;
 }
 
 static void kill_proc(proc_t *p)
@@ -1072,15 +1093,22 @@ static void served_by(json_t *answer, char *url, size_t cap)
     snprintf(url, cap, "%s", u ? u : "");
 }
 
-static void admin(uint16_t port, const char *action, const char *url)
+/* POST /admin/servers: action ("add", "remove") the server at url on side ("prefill",
+ * "decode"). */
+static void admin_side(uint16_t port, const char *action, const char *side, const char *url)
 {
     char body[256];
-    snprintf(body, sizeof(body), "{\"action\":\"%s\",\"side\":\"prefill\",\"url\":\"%s\"}", action,
+    snprintf(body, sizeof(body), "{\"action\":\"%s\",\"side\":\"%s\",\"url\":\"%s\"}", action, side,
              url);
     http_resp_t r = {0};
     http_call(port, NULL, "/admin/servers", body, &r);
     if (r.status != 200) fail_msg("admin %s %s: %ld %s", action, url, r.status, r.body.ptr);
     http_resp_fini(&r);
+}
+
+static void admin(uint16_t port, const char *action, const char *url)
+{
+    admin_side(port, action, "prefill", url);
 }
 
 /* Two prefill instances (TP1, TP3) feed one decode server bound to neither: 24 answers through
@@ -1149,6 +1177,8 @@ static void test_fleet_incompatible(void **state)
 
 typedef struct {
     int id;
+    uint16_t port;     /* the router's */
+    uint32_t pause_ms; /* between requests */
     volatile int *stop;
     int n;
     int served; /* atomic: answers 200 so far */
@@ -1168,10 +1198,11 @@ static void *fleet_client(void *arg)
         c->at[c->n] = kvs_now_ns();
         /* Not streamed: a whole answer or an error, nothing a thread would have to fail on. */
         c->status[c->n] =
-            complete(g_f.router->port, prompt, 4, 0, c->got[c->n], sizeof(c->got[c->n]), &answer);
+            complete(c->port, prompt, 4, 0, c->got[c->n], sizeof(c->got[c->n]), &answer);
         served_by(answer, c->url[c->n], sizeof(c->url[c->n]));
         json_decref(answer);
         if (c->status[c->n] == 200) __atomic_add_fetch(&c->served, 1, __ATOMIC_RELAXED);
+        if (c->pause_ms) sleep_ms(c->pause_ms);
     }
     return NULL;
 }
@@ -1221,6 +1252,7 @@ static void test_fleet_prefill_killed(void **state)
     pthread_t th[4];
     for (int i = 0; i < 4; i++) {
         cs[i].id = i;
+        cs[i].port = g_f.router->port;
         cs[i].stop = &stop;
         assert_int_equal(pthread_create(&th[i], NULL, fleet_client, &cs[i]), 0);
     }
@@ -1336,6 +1368,332 @@ static void test_fleet_peer_limit(void **state)
     }
 }
 
+/* ---- rank death: a rank of a TP2 server killed under load ---- */
+
+#define ERR_FILE "rank_death.err" /* the killed server's stderr, in the test's directory */
+
+typedef struct {
+    proc_t *pre, *dec, *colo, *router;
+    char want[4][4][256]; /* the colocated answers to fleet_client's prompts */
+    fleet_client_t *cs;   /* [4] */
+    pthread_t th[4];
+    volatile int stop;
+} rd_t;
+
+/* A seeded prefill server and a decode server (bound to it through --bootstrap, or taking rooms
+ * from any instance), a colocated one for the expected answers, and a round-robin router with
+ * health checks every 200 ms. The server whose rank is to die (err_pre: the prefill one) writes
+ * its stderr to ERR_FILE. */
+static void rd_start(rd_t *d, const char *pre_tp, const char *dec_tp, int bound, int err_pre,
+                     const char *const *pre_extra)
+{
+    memset(d, 0, sizeof(*d));
+    const char *pargs[24] = {
+        "serve", "--role",    "prefill", "--seeded", SEEDED, "--model-seed",    "11",   "--tp",
+        pre_tp,  "--peer-tp", dec_tp,    "--port",   "0",    "--max-model-len", MAX_LEN};
+    int n = 15;
+    for (; pre_extra && *pre_extra; pre_extra++) pargs[n++] = *pre_extra;
+    pargs[n] = NULL;
+    d->pre = spawn_tool_err(pargs, err_pre ? ERR_FILE : NULL);
+    wait_up(d->pre, "serving on");
+    /* No radix cache on decode: once its rooms end, every page is free again (leak check). */
+    const char *dargs[] = {"serve",
+                           "--role",
+                           "decode",
+                           "--seeded",
+                           SEEDED,
+                           "--tp",
+                           dec_tp,
+                           "--model-seed",
+                           "11",
+                           "--port",
+                           "0",
+                           "--radix",
+                           "off",
+                           "--max-model-len",
+                           MAX_LEN,
+                           bound ? "--bootstrap" : NULL,
+                           d->pre->bootstrap,
+                           NULL};
+    d->dec = spawn_tool_err(dargs, err_pre ? NULL : ERR_FILE);
+    wait_up(d->dec, "serving on");
+    const char *cargs[] = {"serve", "--role",          "colocated", "--seeded",
+                           SEEDED,  "--model-seed",    "11",        "--port",
+                           "0",     "--max-model-len", MAX_LEN,     NULL};
+    d->colo = spawn_tool(cargs);
+    wait_up(d->colo, "serving on");
+    const char *rargs[] = {
+        "router", "--prefill", d->pre->url, "--decode",    d->dec->url,
+        "--port", "0",         "--policy",  "round-robin", "--health-interval-ms",
+        "200",    NULL};
+    d->router = spawn_tool(rargs);
+    wait_up(d->router, "routing on");
+    for (int i = 0; i < 4; i++)
+        for (int q = 0; q < 4; q++) {
+            char prompt[96];
+            snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", i, q);
+            assert_int_equal(
+                complete(d->colo->port, prompt, 4, 0, d->want[i][q], sizeof(d->want[i][q]), NULL),
+                200);
+        }
+}
+
+/* Four clients through the router, a request every 150 ms each. */
+static void rd_load(rd_t *d)
+{
+    d->cs = calloc(4, sizeof(*d->cs));
+    assert_non_null(d->cs);
+    for (int i = 0; i < 4; i++) {
+        d->cs[i] =
+            (fleet_client_t){.id = i, .port = d->router->port, .pause_ms = 150, .stop = &d->stop};
+        assert_int_equal(pthread_create(&d->th[i], NULL, fleet_client, &d->cs[i]), 0);
+    }
+}
+
+/* Stops the clients: every request answered the colocated text or failed cleanly (an error
+ * status with a JSON error; a hang would be curl's timeout, status 0), and every one that started
+ * after ok_after (0: none) succeeded. *late_p: the successes after ok_after. Returns the
+ * successes. */
+static int rd_check(rd_t *d, uint64_t ok_after, int *late_p)
+{
+    __atomic_store_n(&d->stop, 1, __ATOMIC_RELAXED);
+    for (int i = 0; i < 4; i++) pthread_join(d->th[i], NULL);
+    int ok = 0, late = 0;
+    for (int i = 0; i < 4; i++) {
+        fleet_client_t *c = &d->cs[i];
+        for (int k = 0; k < c->n; k++) {
+            const int after = ok_after != 0 && c->at[k] > ok_after;
+            if (c->status[k] == 200) {
+                if (strcmp(c->got[k], d->want[i][k % 4]) != 0)
+                    fail_msg("client %d request %d: '%s', colocated '%s'", i, k, c->got[k],
+                             d->want[i][k % 4]);
+                ok++;
+                late += after;
+                continue;
+            }
+            if (c->status[k] < 400 || strstr(c->got[k], "\"error\"") == NULL)
+                fail_msg("client %d request %d: %ld '%s'", i, k, c->status[k], c->got[k]);
+            if (after)
+                fail_msg("client %d request %d failed %.1f s after the restart: %s", i, k,
+                         (double) (c->at[k] - ok_after) / 1e9, c->got[k]);
+        }
+    }
+    free(d->cs);
+    d->cs = NULL;
+    if (late_p) *late_p = late;
+    return ok;
+}
+
+/* The pid of rank `rank` of the instance that server launched: its child running
+ * `kvstage llm-rank ... --rank R`. */
+static pid_t rank_pid(pid_t server, unsigned rank)
+{
+    char want[16];
+    int wn = snprintf(want, sizeof(want), "--rank%c%u", '\0', rank) + 1; /* with its NUL */
+    DIR *d = opendir("/proc");
+    assert_non_null(d);
+    pid_t found = 0;
+    for (struct dirent *e; found == 0 && (e = readdir(d)) != NULL;) {
+        char path[300], buf[4096];
+        if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+        snprintf(path, sizeof(path), "/proc/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (f == NULL) continue;
+        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        const char *rp = strrchr(buf, ')');
+        long ppid = 0;
+        if (rp == NULL || sscanf(rp + 1, " %*c %ld", &ppid) != 1 || ppid != (long) server) continue;
+        snprintf(path, sizeof(path), "/proc/%s/cmdline", e->d_name);
+        if ((f = fopen(path, "r")) == NULL) continue;
+        n = fread(buf, 1, sizeof(buf), f);
+        fclose(f);
+        int is_rank = 0, is_llm = 0;
+        for (size_t i = 0; i < n; i += strlen(buf + i) + 1) {
+            is_llm |= strcmp(buf + i, "llm-rank") == 0;
+            is_rank |= n - i >= (size_t) wn && memcmp(buf + i, want, (size_t) wn) == 0;
+        }
+        if (is_llm && is_rank) found = (pid_t) atol(e->d_name);
+    }
+    closedir(d);
+    if (found == 0) fail_msg("no rank %u under server %ld", rank, (long) server);
+    return found;
+}
+
+/* The file's text (NUL-terminated, cut at cap - 1). */
+static void read_text(const char *path, char *buf, size_t cap)
+{
+    buf[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return;
+    size_t n = fread(buf, 1, cap - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+}
+
+/* Kills rank 1 of p's instance; p must exit 1 within a second, saying so (and `also`, when not
+ * NULL) on its stderr (ERR_FILE), leaving no TP group segment. */
+static void kill_rank_expect_exit(proc_t *p, const char *also)
+{
+    const pid_t server = p->pid;
+    assert_int_equal(kill(rank_pid(server, 1), SIGKILL), 0);
+    const uint64_t t0 = kvs_now_ns();
+    int status = 0;
+    pid_t got = 0;
+    while ((got = waitpid(server, &status, WNOHANG)) == 0 && kvs_now_ns() - t0 < 3000000000ull)
+        sleep_ms(5);
+    const double s = (double) (kvs_now_ns() - t0) / 1e9;
+    static char err[1 << 16];
+    read_text(ERR_FILE, err, sizeof(err));
+    if (got != server) fail_msg("the server did not exit within 3 s of its rank's death:\n%s", err);
+    p->pid = 0;
+    close(p->out_fd);
+    p->out_fd = -1;
+    kill(-server, SIGKILL); /* should a rank have outlived it */
+    if (s > 1.0) fail_msg("the server took %.2f s to exit", s);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 1)
+        fail_msg("the server ended with status %d:\n%s", status, err);
+    if (strstr(err, "the instance failed (rank 1 was killed by signal 9)") == NULL ||
+        (also != NULL && strstr(err, also) == NULL))
+        fail_msg("the server's stderr does not say what happened:\n%s", err);
+    char left[64];
+    if (groups_left(server, left, sizeof(left)) != 0) fail_msg("%s is left in /dev/shm", left);
+}
+
+/* Without --restart-ranks: rank 1 of a TP2 server (prefill, or decode) killed under four clients;
+ * the server exits 1 within a second naming the rank and the signal, the requests on it fail
+ * cleanly, and a new server added to the router serves with the surviving side, never
+ * restarted, which leaks nothing. */
+static void rank_death(int kill_decode)
+{
+    rd_t d;
+    /* Decode without --bootstrap: the new prefill server is a new instance on a new registry. */
+    rd_start(&d, kill_decode ? "1" : "2", kill_decode ? "2" : "1", 0, !kill_decode, NULL);
+    proc_t *victim = kill_decode ? d.dec : d.pre, *survivor = kill_decode ? d.pre : d.dec;
+    const pid_t survivor_pid = survivor->pid;
+    char dead_url[128];
+    snprintf(dead_url, sizeof(dead_url), "%s", victim->url);
+    rd_load(&d);
+    sleep_ms(1500);
+    kill_rank_expect_exit(victim, NULL);
+    sleep_ms(1500);
+    if (rd_check(&d, 0, NULL) < 4) fail_msg("fewer than 4 requests served before the kill");
+
+    const char *side = kill_decode ? "decode" : "prefill";
+    proc_t *fresh;
+    if (kill_decode) {
+        const char *dargs[] = {"serve", "--role",          "decode", "--seeded", SEEDED, "--tp",
+                               "2",     "--model-seed",    "11",     "--port",   "0",    "--radix",
+                               "off",   "--max-model-len", MAX_LEN,  NULL};
+        fresh = spawn_tool(dargs);
+    } else {
+        const char *pargs[] = {"serve", "--role", "prefill", "--seeded", SEEDED, "--model-seed",
+                               "11",    "--tp",   "2",       "--port",   "0",    "--max-model-len",
+                               MAX_LEN, NULL};
+        fresh = spawn_tool(pargs);
+    }
+    wait_up(fresh, "serving on");
+    admin_side(d.router->port, "remove", side, dead_url);
+    admin_side(d.router->port, "add", side, fresh->url);
+    for (int k = 0; k < 4; k++) {
+        char prompt[96], got[256];
+        snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", k, (k + 1) % 4);
+        long st = complete(d.router->port, prompt, 4, k % 2, got, sizeof(got), NULL);
+        if (st != 200) fail_msg("request %d with the new %s server: %ld %s", k, side, st, got);
+        assert_string_equal(got, d.want[k][(k + 1) % 4]);
+    }
+    assert_int_equal(survivor->pid, survivor_pid);
+    assert_int_equal(kill(survivor_pid, 0), 0);
+    /* The dead instance's rooms end on the survivor (cancelled by the router or at the liveness
+     * timeout, 10 s). */
+    uint64_t end = kvs_now_ns() + 25ull * 1000000000ull;
+    uint16_t port = survivor->port;
+    while (!(kill_decode ? fleet_idle_rooms(&port) : fleet_idle(&port))) {
+        if (kvs_now_ns() > end)
+            fail_msg("the surviving %s server holds rooms or pages",
+                     kill_decode ? "prefill" : "decode");
+        sleep_ms(250);
+    }
+}
+
+static void test_rank_death_prefill(void **state)
+{
+    (void) state;
+    rank_death(0);
+}
+
+static void test_rank_death_decode(void **state)
+{
+    (void) state;
+    rank_death(1);
+}
+
+/* --restart-ranks (--max-restarts 1): rank 1 of a TP2 prefill server killed under four clients.
+ * Its requests fail cleanly, /health is 503 while it restarts, then it serves again on the same
+ * port and registry, where the decode ranks find the new instance: later requests all succeed,
+ * equal to the colocated answers, through the same decode server; the restart is counted and
+ * nothing leaks. A second death within the window is past the limit: the server exits 1. */
+static void test_restart_ranks(void **state)
+{
+    (void) state;
+    rd_t d;
+    const char *extra[] = {"--restart-ranks", "--max-restarts", "1", NULL};
+    rd_start(&d, "2", "1", 1, 1, extra);
+    const pid_t pre_pid = d.pre->pid, dec_pid = d.dec->pid;
+    rd_load(&d);
+    sleep_ms(1500);
+    assert_int_equal(kill(rank_pid(pre_pid, 1), SIGKILL), 0);
+    const uint64_t killed = kvs_now_ns();
+    int restarting = 0;
+    for (;;) {
+        if (kvs_now_ns() - killed > 30ull * 1000000000ull)
+            fail_msg("the prefill server was not healthy again within 30 s");
+        http_resp_t h = {0};
+        http_call(d.pre->port, "GET", "/health", NULL, &h);
+        /* Ended (rank 0 may notice before the server does), then restarting. */
+        if (h.status == 503 &&
+            strstr(h.body.ptr, "restarting (restart 1; rank 1 was killed by signal 9)") != NULL)
+            restarting = 1;
+        else if (h.status == 503 && (restarting || strstr(h.body.ptr, "has ended") == NULL))
+            fail_msg("/health while restarting: %s", h.body.ptr);
+        long st = h.status;
+        http_resp_fini(&h);
+        if (st == 200 && restarting) break;
+        sleep_ms(5);
+    }
+    const uint64_t healthy = kvs_now_ns();
+    /* The decode ranks find the new prefill ranks within a second of their silence. */
+    sleep_ms(5000);
+    int late = 0;
+    rd_check(&d, healthy + 3000000000ull, &late);
+    if (late < 4) fail_msg("%d requests served after the restart", late);
+    for (int k = 0; k < 4; k++) {
+        char prompt[96], got[256];
+        snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", k, (k + 2) % 4);
+        long st = complete(d.router->port, prompt, 4, k % 2, got, sizeof(got), NULL);
+        if (st != 200) fail_msg("request %d after the restart: %ld %s", k, st, got);
+        assert_string_equal(got, d.want[k][(k + 2) % 4]);
+    }
+    assert_int_equal(d.pre->pid, pre_pid);
+    assert_int_equal(d.dec->pid, dec_pid);
+    assert_int_equal(kill(dec_pid, 0), 0);
+    assert_true(metric_of(d.pre->port, "kvstage_instance_restarts_total") == 1);
+    /* One TP group: the new instance's. */
+    char left[64];
+    assert_int_equal(groups_left(pre_pid, left, sizeof(left)), 1);
+    char want_name[64];
+    snprintf(want_name, sizeof(want_name), "kvs-%ld-p1", (long) pre_pid);
+    assert_string_equal(left, want_name);
+    uint64_t end = kvs_now_ns() + 25ull * 1000000000ull;
+    for (uint16_t port = d.dec->port; !fleet_idle(&port); sleep_ms(250))
+        if (kvs_now_ns() > end) fail_msg("the decode server holds rooms or pages");
+    for (uint16_t port = d.pre->port; !fleet_idle_rooms(&port); sleep_ms(250))
+        if (kvs_now_ns() > end) fail_msg("the prefill server holds rooms");
+
+    kill_rank_expect_exit(d.pre, "giving up after 1 restart within 600 s (--max-restarts)");
+}
+
 /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
 static int demo_teardown(void **state)
 {
@@ -1379,10 +1737,17 @@ int main(void)
     const struct CMUnitTest limits[] = {
         cmocka_unit_test_teardown(test_fleet_peer_limit, teardown),
     };
+    const struct CMUnitTest rank_death[] = {
+        cmocka_unit_test_teardown(test_rank_death_prefill, teardown),
+        cmocka_unit_test_teardown(test_rank_death_decode, teardown),
+        cmocka_unit_test_teardown(test_restart_ranks, teardown),
+    };
     int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
     failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
     failed += cmocka_run_group_tests_name("fleet", fleet, fleet_setup, teardown);
     failed += cmocka_run_group_tests_name("peer limit", limits, NULL, NULL);
+    failed += cmocka_run_group_tests_name("rank death", rank_death, NULL, NULL);
+    unlink(ERR_FILE);
     kill_all();
     /* Nothing left in /dev/shm: instances killed with SIGKILL left their segments, which the
      * next one started here (as this) removes. */

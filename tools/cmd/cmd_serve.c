@@ -4,6 +4,14 @@
  * (kvstage/rank_backend.h) over rank 0, and serves HTTP until SIGINT or SIGTERM; then it stops
  * the server (live requests end), quits rank 0 and waits for every rank.
  *
+ * A rank that dies takes its instance down (TP ranks run in lockstep). Without --restart-ranks
+ * the server then exits 1, naming the rank and how it ended. With it, the server kills the rest
+ * of the instance (its requests in flight fail: the rank backend ends them), removes its TP group
+ * segment and launches a fresh instance under a new group name, behind the same HTTP server and
+ * port and (prefill) the same registry, where the new ranks register again so that decode ranks
+ * find them; /health is 503 until it is ready. At most --max-restarts restarts in any
+ * RESTART_WINDOW_S: the next death within them exits 1.
+ *
  * A seeded model has no tokenizer: the server then uses the byte tokenizer (ids 0-255 are
  * bytes, 256 its EOS), so the seeded vocabulary must hold at least 257 ids; generated ids above
  * 256 render as nothing. Token-id prompts work either way. */
@@ -31,7 +39,9 @@
 #include "model/tokenizer.h"
 #include "common/serve_signal.h"
 
-#define EXIT_WAIT_MS 15000 /* ranks get this long to exit after quit */
+#define EXIT_WAIT_MS      15000 /* ranks get this long to exit after quit */
+#define RESTART_WINDOW_S  600   /* --max-restarts counts the restarts of this long */
+#define MAX_RESTARTS_FLAG 1000  /* --max-restarts at most */
 
 typedef struct {
     kvs_registry_t *registry;
@@ -62,6 +72,9 @@ typedef struct {
     uint64_t kv_tokens;     /* 0: twice max_model_len */
     uint32_t startup_s;
     uint32_t max_peer_instances, peer_idle_s; /* per-room decode; 0: the ranks' defaults */
+    int restart_ranks;
+    uint32_t max_restarts;
+    int max_restarts_seen;
     int radix, data, peer_tp_seen, page_seen, chunk_seen, checksum;
     int device; /* 0 cpu, 1 cuda */
     uint32_t gpus;
@@ -163,6 +176,9 @@ static int check_flags(const serve_flags_t *f)
                               "is for prefill and decode servers");
     if (f->model != NULL && f->seeded != NULL)
         return kvs_args_error("--seeded", "--model or --seeded", "excludes --model");
+    if (f->max_restarts_seen && !f->restart_ranks)
+        return kvs_args_error("--max-restarts", "--max-restarts with --restart-ranks",
+                              "limits the restarts of --restart-ranks");
     if (f->gpus_seen && !f->device)
         return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
     if (f->device && f->kv_dtype_seen && f->kv_dtype == 0)
@@ -207,25 +223,6 @@ static const char *role_str(int role)
     return role == KVS_LLM_PREFILL ? "prefill" : role == KVS_LLM_DECODE ? "decode" : "colocated";
 }
 
-/* Runs until a signal or a rank failure; 0 when stopped by a signal. */
-static int serve_loop(kvs_instance_t *inst, kvs_rank_backend_t *backend, const char *role)
-{
-    for (;;) {
-        if (kvs_serve_signal_wait(200)) {
-            fprintf(stderr, "kvstage serve (%s): shutting down\n", role);
-            return 0;
-        }
-        if (kvs_instance_poll(inst) < inst->n || kvs_rank_backend_ended(backend)) {
-            char why[128];
-            kvs_instance_poll(inst);
-            kvs_instance_describe_exit(inst, why, sizeof(why));
-            fprintf(stderr, "error: kvstage serve (%s): the instance failed (%s); shutting down\n",
-                    role, why);
-            return 1;
-        }
-    }
-}
-
 static void serve_flags_default(serve_flags_t *f)
 {
     memset(f, 0, sizeof(*f));
@@ -238,6 +235,7 @@ static void serve_flags_default(serve_flags_t *f)
     f->checksum = 1;
     f->threads = 4;
     f->startup_s = 300;
+    f->max_restarts = 3;
 }
 
 /* The instance's role, model and endpoints. */
@@ -276,6 +274,14 @@ static void add_instance_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "tcp://HOST:PORT or tcp://HOST:*", NULL},
         {"name", KVS_ARG_STR, &f->name, "model name served (default: the GGUF's file name)", NULL,
          NULL},
+        {"restart-ranks", KVS_ARG_FLAG, &f->restart_ranks,
+         "when a rank dies, fail the requests in flight and start the instance's ranks again "
+         "behind the same port (and registry); without it the server exits 1",
+         NULL, NULL},
+        {"max-restarts", KVS_ARG_U32, &f->max_restarts,
+         "with --restart-ranks: restarts allowed in any 10 minutes; a rank death past them exits "
+         "1 (3)",
+         "[1,1000]", &f->max_restarts_seen},
     };
     KVS_ARG_TABLE_ADD(t, g);
 }
@@ -338,6 +344,8 @@ typedef struct {
     int reg_started;
     kvs_instance_t inst;
     int inst_started;
+    uint32_t generation; /* instances started before the current one (restarts) */
+    uint64_t restart_ns[MAX_RESTARTS_FLAG]; /* ring of the last max_restarts restarts' times */
     kvs_rank_backend_t *backend;
     kvs_server_t *srv;
     uint64_t deadline; /* --startup-timeout-s from the start: ready by then */
@@ -368,11 +376,10 @@ static kvs_server_role_t server_role(int role)
                                     : KVS_SERVER_ROLE_NONE;
 }
 
-/* The rank processes and the backend over rank 0. 0, or 1 after saying why. */
-static int start_instance(serve_run_t *s)
+/* The rank processes (s->inst, generation s->generation). 0, or 1 after saying why. */
+static int start_ranks(serve_run_t *s)
 {
     const serve_flags_t *f = s->f;
-    const kvs_model_config_t *mc = s->mc;
     kvs_instance_config_t ic = {.role = (kvs_llm_role_t) f->role,
                                 .tp = f->tp,
                                 .peer_tp = f->peer_tp,
@@ -391,9 +398,19 @@ static int start_instance(serve_run_t *s)
                                 .peer_idle_s = f->peer_idle_s,
                                 .data = f->data,
                                 .gpu = f->device ? (int) f->gpus : -1,
-                                .kv_bf16 = f->kv_dtype == 1};
+                                .kv_bf16 = f->kv_dtype == 1,
+                                .generation = s->generation};
     if (kvs_instance_start(&ic, &s->inst) != 0) return 1;
     s->inst_started = 1;
+    return 0;
+}
+
+/* The rank processes and the backend over rank 0. 0, or 1 after saying why. */
+static int start_instance(serve_run_t *s)
+{
+    const serve_flags_t *f = s->f;
+    const kvs_model_config_t *mc = s->mc;
+    if (start_ranks(s) != 0) return 1;
     kvs_rank_backend_config_t bc = {.in_fd = s->inst.in_fd,
                                     .out_fd = s->inst.out_fd,
                                     .role = server_role(f->role),
@@ -483,6 +500,83 @@ static int start_server(serve_run_t *s)
     return 0;
 }
 
+/* --restart-ranks, after the instance failed (why): ends what is left of it (its rooms fail
+ * through the backend; its segment is removed), launches a fresh one and moves the backend to
+ * its rank 0. A fresh instance that does not start counts as another failure. 0 once one is
+ * ready; 1 when past --max-restarts (said why) or the backend cannot move; -1 on a signal. */
+static int restart_instance(serve_run_t *s, const char *failure)
+{
+    const serve_flags_t *f = s->f;
+    const uint32_t max = f->max_restarts;
+    char why[160];
+    snprintf(why, sizeof(why), "%s", failure);
+    for (;;) {
+        const uint64_t now = kvs_now_ns();
+        const uint32_t done = s->generation; /* restarts so far */
+        kvs_instance_wait(&s->inst, 0);      /* the ranks left are killed and reaped */
+        /* The ring holds the last max restarts: the oldest of them within the window means one
+         * more would be past the limit. */
+        if (done >= max && now - s->restart_ns[done % max] < RESTART_WINDOW_S * 1000000000ull) {
+            fprintf(stderr,
+                    "error: kvstage serve (%s): the instance failed (%s); giving up after %u "
+                    "restart%s within %d s (--max-restarts)\n",
+                    s->role, why, max, max == 1 ? "" : "s", RESTART_WINDOW_S);
+            return 1;
+        }
+        s->restart_ns[done % max] = now;
+        s->generation++;
+        fprintf(stderr,
+                "kvstage serve (%s): the instance failed (%s); restarting its ranks "
+                "(restart %u)\n",
+                s->role, why, s->generation);
+        if (start_ranks(s) == 0) {
+            kvs_status_t st =
+                kvs_rank_backend_restart(s->backend, s->inst.in_fd, s->inst.out_fd, why);
+            s->inst.in_fd = s->inst.out_fd = -1; /* the backend's now */
+            if (st != KVS_OK) {
+                fprintf(stderr, "error: cannot move the backend to the new rank 0\n");
+                return 1;
+            }
+            s->deadline = kvs_now_ns() + (uint64_t) f->startup_s * 1000000000ull;
+            int rc = wait_ready(s);
+            if (rc < 0) return -1;
+            if (rc == 0) {
+                fprintf(stderr, "kvstage serve (%s): serving again (restart %u)\n", s->role,
+                        s->generation);
+                return 0;
+            }
+        }
+        if (kvs_serve_signal_wait(0)) return -1;
+        snprintf(why, sizeof(why), "restart %u did not start", s->generation);
+    }
+}
+
+/* Runs until a signal or a rank failure that is not restarted; 0 when stopped by a signal. */
+static int serve_loop(serve_run_t *s)
+{
+    kvs_instance_t *inst = &s->inst;
+    for (;;) {
+        if (kvs_serve_signal_wait(200)) {
+            fprintf(stderr, "kvstage serve (%s): shutting down\n", s->role);
+            return 0;
+        }
+        if (kvs_instance_poll(inst) < inst->n || kvs_rank_backend_ended(s->backend)) {
+            char why[128];
+            kvs_instance_poll(inst);
+            kvs_instance_describe_exit(inst, why, sizeof(why));
+            if (s->f->restart_ranks) {
+                int rc = restart_instance(s, why);
+                if (rc == 0) continue;
+                if (rc < 0) fprintf(stderr, "kvstage serve (%s): shutting down\n", s->role);
+                return rc < 0 ? 0 : 1;
+            }
+            fprintf(stderr, "error: kvstage serve (%s): the instance failed (%s); shutting down\n",
+                    s->role, why);
+            return 1;
+        }
+    }
+}
+
 /* Starts everything and serves until a signal or a failure; the exit code. */
 static int serve_instance(serve_run_t *s)
 {
@@ -493,7 +587,7 @@ static int serve_instance(serve_run_t *s)
     int rc = wait_ready(s);
     if (rc != 0) return rc < 0 ? 0 : 1;
     if (start_server(s) != 0) return 1;
-    return serve_loop(&s->inst, s->backend, s->role);
+    return serve_loop(s);
 }
 
 /* Ends what s started, in order: the server (live requests end first, through the backend),

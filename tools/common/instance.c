@@ -208,8 +208,12 @@ int kvs_instance_start(const kvs_instance_config_t *c, kvs_instance_t *inst)
     }
     /* Named for this process (tpgroup.h): the next instance on the host removes it should a
      * SIGKILL of the whole instance leave it; this one removes those of instances before. */
-    snprintf(inst->group, sizeof(inst->group), "/kvs-%ld-%c", (long) getpid(),
-             role_name(c->role)[0]);
+    if (c->generation == 0)
+        snprintf(inst->group, sizeof(inst->group), "/kvs-%ld-%c", (long) getpid(),
+                 role_name(c->role)[0]);
+    else
+        snprintf(inst->group, sizeof(inst->group), "/kvs-%ld-%c%u", (long) getpid(),
+                 role_name(c->role)[0], c->generation);
     kvs_tpgroup_reclaim();
     /* Ignored signals stay ignored across exec; handled ones do not. */
     struct sigaction ign, old;

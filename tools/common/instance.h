@@ -48,6 +48,10 @@ typedef struct {
     int data;    /* UCX data: 0 auto, 1 shm, 2 tcp */
     int gpu;     /* -1: the model on the CPU; else every rank's CUDA device */
     int kv_bf16; /* on the CPU: bf16 K/V, to pair with a GPU instance */
+    /* 0 for the launcher's first instance; restarts (serve --restart-ranks) count up, so each
+     * instance's TP group has a name of its own: "/kvs-PID-R" then "/kvs-PID-RG" (R the role's
+     * initial, G the generation). */
+    uint32_t generation;
 } kvs_instance_config_t;
 
 typedef struct {
@@ -56,7 +60,7 @@ typedef struct {
     int status[KVS_MAX_TP]; /* waitpid status once exited */
     uint32_t n;             /* ranks started */
     int in_fd, out_fd;      /* rank 0's stdin and stdout; -1 once handed over */
-    char group[64];         /* the TP group's shm name */
+    char group[64];         /* the TP group's shm name (config.generation) */
 } kvs_instance_t;
 
 /* Starts every rank. The ranks ignore SIGINT (a terminal's Ctrl-C reaches the launcher, which

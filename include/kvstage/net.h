@@ -93,10 +93,10 @@ typedef struct {
     uint64_t peer_restarts; /* a peer came back as a new incarnation */
     uint64_t wireups_sent, wireups_received;
     uint64_t writes, write_bytes, writes_failed;
-    uint64_t writes_in_flight; /* now */
-    uint64_t corrupted;        /* writes the corrupt_nth test hook flipped a bit of */
-    uint64_t peer_instances;   /* now: instances of the other side connected (1 unless
-                                  max_instances > 1) */
+    uint64_t writes_in_flight;  /* now */
+    uint64_t corrupted;         /* writes the corrupt_nth test hook flipped a bit of */
+    uint64_t peer_instances;    /* now: instances of the other side connected (1 unless
+                                   max_instances > 1) */
     uint64_t instances_refused; /* frames of a new decode instance while max_instances were
                                    connected */
 } kvs_net_stats_t;

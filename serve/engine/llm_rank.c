@@ -507,8 +507,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     uint64_t instance = 0;
     if (decode) {
         instance = draw_instance();
-        if (group != NULL && (st = kvs_tpgroup_broadcast(group, &instance, sizeof(instance))) !=
-                                 KVS_OK)
+        if (group != NULL &&
+            (st = kvs_tpgroup_broadcast(group, &instance, sizeof(instance))) != KVS_OK)
             goto out;
     }
 

@@ -1,5 +1,7 @@
 /* The ZeroMQ control channel of a net link: PULL in, one PUSH per peer out, a validated frame
- * header, heartbeats that also announce where this rank listens, and liveness per peer.
+ * header, heartbeats that also announce where this rank listens, liveness per peer, and (with
+ * max_groups > 1) peer groups, one per instance of the other side, keyed by the instance every
+ * frame names.
  *
  * Socket choices follow the failure behaviour measured on this platform: a send never blocks
  * (ZMQ_DONTWAIT, EAGAIN is a failed send), ZMQ_IMMEDIATE keeps frames from queueing towards a
@@ -60,12 +62,12 @@ struct kvs_zch {
     void *pull;
     char endpoint[KVS_ZCH_ENDPOINT_MAX + 1];
     uint64_t incarnation;
-    zpeer_t *peers;    /* [max_groups][peer_tp] */
-    zgroup_t *groups;  /* [max_groups] */
-    uint32_t npeers;   /* max_groups * peer_tp */
-    uint32_t ngroups;  /* open */
+    zpeer_t *peers;     /* [max_groups][peer_tp] */
+    zgroup_t *groups;   /* [max_groups] */
+    uint32_t npeers;    /* max_groups * peer_tp */
+    uint32_t ngroups;   /* open */
     uint64_t full_warn; /* when "every slot is in use" may be logged again */
-    zmq_msg_t msg;  /* the frame last returned by recv */
+    zmq_msg_t msg;      /* the frame last returned by recv */
     int msg_live;
     kvs_zch_stats_t st;
 };
@@ -135,9 +137,9 @@ static int ms_of(uint64_t ns)
 kvs_status_t kvs_zch_create(const kvs_zch_config_t *config, kvs_zch_t **ch_p)
 {
     if (config->peer_tp == 0 || config->peer_tp > KVS_MAX_TP || config->bind == NULL ||
-        config->max_groups > KVS_PEER_MAX_GROUP ||
-        strlen(config->bind) > KVS_ZCH_ENDPOINT_MAX || config->heartbeat_ns == 0 ||
-        config->liveness_timeout_ns == 0 || config->connect_timeout_ns == 0) {
+        config->max_groups > KVS_PEER_MAX_GROUP || strlen(config->bind) > KVS_ZCH_ENDPOINT_MAX ||
+        config->heartbeat_ns == 0 || config->liveness_timeout_ns == 0 ||
+        config->connect_timeout_ns == 0) {
         kvs_error("zmq channel: needs 1..%u peers, at most %u peer groups, a bind endpoint of "
                   "at most %u bytes and non-zero timeouts",
                   KVS_MAX_TP, KVS_PEER_MAX_GROUP, KVS_ZCH_ENDPOINT_MAX);

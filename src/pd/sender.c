@@ -100,10 +100,10 @@ struct kvs_sender {
     uint8_t **buffers;     /* [staging_buffers][buffer_bytes], in the pool's memory kind; NULL
                               entries in direct mode */
     int *buffer_busy;
-    kvs_map_t direct_ok;           /* link peer id -> (void *) 1 once the copy backend's device
-                                      was found to reach its mapped ring */
-    kvs_map_t rooms;               /* id -> sroom_t* */
-    kvs_map_t stash;               /* id -> sstash_t* */
+    kvs_map_t direct_ok; /* link peer id -> (void *) 1 once the copy backend's device
+                            was found to reach its mapped ring */
+    kvs_map_t rooms;     /* id -> sroom_t* */
+    kvs_map_t stash;     /* id -> sstash_t* */
     kvs_pd_metrics_t m;
     uint64_t srtt_ns; /* smoothed round trip to the decode ranks (kvs_pd_rto) */
 };
@@ -373,8 +373,7 @@ static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t group, uint32_t d
 }
 
 /* Confirms a grant, so decode stops resending it. */
-static void send_grant_ack(kvs_sender_t *tx, const sroom_t *r, uint32_t chunk,
-                           uint32_t decode_rank)
+static void send_grant_ack(kvs_sender_t *tx, const sroom_t *r, uint32_t chunk, uint32_t decode_rank)
 {
     kvs_msg_t msg = {.type = KVS_MSG_ACK};
     msg.u.ack = (kvs_msg_ack_t){
@@ -1010,8 +1009,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
         if (r->writing > 0) return events;
         if (!r->drained_acked) {
             for (uint32_t i = 0; i < r->ndpeers; i++)
-                if (r->aborted_by & KVS_BIT(i))
-                    send_abort_ack(tx, r->id, r->group, r->dpeers[i]);
+                if (r->aborted_by & KVS_BIT(i)) send_abort_ack(tx, r->id, r->group, r->dpeers[i]);
             r->drained_acked = 1;
         }
         if (r->status_acked == all || (r->status_sent && now < r->retry_at)) return events;

@@ -39,8 +39,8 @@ typedef struct {
     kvs_cuda_ipc_config_t cfg;
     int told_control;       /* the "no control messages" error was logged */
     kvs_mem_queue_t *queue; /* prefill: peer copies */
-    ipc_remote_t *remotes; /* [peer_tp] */
-    uint8_t *ring; /* decode: the exposed ring */
+    ipc_remote_t *remotes;  /* [peer_tp] */
+    uint8_t *ring;          /* decode: the exposed ring */
     uint64_t ring_size;
 } ipc_t;
 
@@ -61,8 +61,7 @@ static kvs_status_t ipc_send(void *ctx, uint32_t peer, const uint8_t *buf, size_
     return no_control(ctx);
 }
 
-static kvs_status_t ipc_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p,
-                             uint32_t *from_p)
+static kvs_status_t ipc_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p)
 {
     (void) buf;
     (void) cap;

@@ -7,7 +7,9 @@
  * decode peer's wireup (worker address, ring base and size, rkey; pushed by decode and asked for
  * by prefill until a deadline), then post their pieces, and complete only after a flush. A peer
  * that dies, restarts or re-exposes its ring invalidates its endpoint: writes in flight to it
- * fail, later writes wire up again. */
+ * fail, later writes wire up again. A prefill link with max_instances > 1 serves several decode
+ * instances: its peers are the channel's peer groups (ids kvs_peer_id(group, rank)), and a group
+ * whose ranks are all dead is closed here (close_dead_groups). */
 #include "base/bytes.h"
 #include "kvstage/net.h"
 
@@ -53,8 +55,8 @@ typedef struct {
 typedef struct {
     uint64_t ticket;
     uint32_t peer; /* index in the channel */
-    int wiring;  /* waiting for the peer's wireup */
-    int via_ipc; /* a CUDA IPC peer copy (ipc_ticket), not UCX puts */
+    int wiring;    /* waiting for the peer's wireup */
+    int via_ipc;   /* a CUDA IPC peer copy (ipc_ticket), not UCX puts */
     uint64_t ipc_ticket;
     kvs_status_t status; /* KVS_INPROGRESS until the outcome is known */
     const void *src;     /* [len] caller-owned until the outcome is collected */
@@ -472,8 +474,7 @@ static kvs_status_t net_send(void *ctx, uint32_t peer, const uint8_t *buf, size_
     return kvs_zch_send(n->ch, i, KVS_ZCH_MSG, buf, len);
 }
 
-static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p,
-                             uint32_t *from_p)
+static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p)
 {
     net_t *n = ctx;
     if (n->inbox_count == 0) service(n);

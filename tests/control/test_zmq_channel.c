@@ -308,11 +308,11 @@ static void test_rejects_hostile_frames(void **state)
     const uint8_t P = KVS_SIDE_PREFILL, D = KVS_SIDE_DECODE, V = KVS_ZCH_VERSION;
     const size_t H = KVS_ZCH_HEADER_SIZE;
     uint32_t bad = 0;
-    raw_send(s, b, 0, 0), bad++;                                      /* empty */
-    raw_send(s, "\x01\x01\x00", 3, 0), bad++;                         /* truncated header */
+    raw_send(s, b, 0, 0), bad++;                                     /* empty */
+    raw_send(s, "\x01\x01\x00", 3, 0), bad++;                        /* truncated header */
     header(b, 99, V, P, 0, 5), raw_send(s, b, H, 0), bad++;          /* unknown kind */
     header(b, 0, V, P, 0, 5), raw_send(s, b, H, 0), bad++;           /* kind 0 */
-    header(b, 1, V + 1, P, 0, 5), raw_send(s, b, H, 0), bad++;           /* version */
+    header(b, 1, V + 1, P, 0, 5), raw_send(s, b, H, 0), bad++;       /* version */
     header(b, 1, V, D, 0, 5), raw_send(s, b, H, 0), bad++;           /* from our own side */
     header(b, 1, V, 7, 0, 5), raw_send(s, b, H, 0), bad++;           /* no such side */
     header(b, 1, V, P, 2, 5), raw_send(s, b, H, 0), bad++;           /* rank >= peer_tp */

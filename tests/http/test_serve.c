@@ -1353,13 +1353,13 @@ static int multi_setup(void **state)
     char dec[300];
     snprintf(dec, sizeof(dec), "%s,%s", g_m.dec[0]->url, g_m.dec[1]->url);
     /* One router spreads the decode side round robin, one sends chats back by prefix. */
-    const char *rr[] = {"router",          "--prefill", g_m.pre->url, "--decode",    dec,
-                        "--port",          "0",         "--policy",   "round-robin", NULL};
+    const char *rr[] = {"router", "--prefill", g_m.pre->url, "--decode",    dec,
+                        "--port", "0",         "--policy",   "round-robin", NULL};
     g_m.rr = spawn_tool(rr);
     wait_up(g_m.rr, "routing on");
-    const char *px[] = {"router",          "--prefill",       g_m.pre->url,  "--decode", dec,
-                        "--port",          "0",               "--prefill-policy",
-                        "round-robin",     "--decode-policy", "prefix",      NULL};
+    const char *px[] = {"router",      "--prefill",       g_m.pre->url, "--decode",
+                        dec,           "--port",          "0",          "--prefill-policy",
+                        "round-robin", "--decode-policy", "prefix",     NULL};
     g_m.px = spawn_tool(px);
     wait_up(g_m.px, "routing on");
     return 0;
@@ -1402,8 +1402,8 @@ static void test_multi_decode_spread(void **state)
  * answer in *answer_p (NULL-able). Returns the status. */
 static long chat_turn(uint16_t port, json_t *messages, char *text, size_t cap, json_t **answer_p)
 {
-    json_t *req = json_pack("{s:O, s:i, s:i}", "messages", messages, "max_tokens", 8,
-                            "temperature", 0);
+    json_t *req =
+        json_pack("{s:O, s:i, s:i}", "messages", messages, "max_tokens", 8, "temperature", 0);
     char *body = json_dumps(req, JSON_COMPACT);
     json_decref(req);
     http_resp_t r = {0};
@@ -1447,8 +1447,8 @@ static void test_multi_decode_chats(void **state)
     int home[2] = {-1, -1};
     for (int turn = 0; turn < 3; turn++) {
         for (int c = 0; c < 2; c++) {
-            json_array_append_new(chat[c], json_pack("{s:s, s:s}", "role", "user", "content",
-                                                     asks[c][turn]));
+            json_array_append_new(
+                chat[c], json_pack("{s:s, s:s}", "role", "user", "content", asks[c][turn]));
             char want[512], got[512];
             assert_int_equal(chat_turn(g_m.colo->port, chat[c], want, sizeof(want), NULL), 200);
             json_t *answer = NULL;

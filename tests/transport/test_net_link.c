@@ -126,7 +126,8 @@ static int trecv(kvs_link_t *link, tmsg_t *m)
 {
     uint8_t buf[KVS_MSG_MAX_SIZE];
     size_t len = 0;
-    if (link->ops->recv(link->ctx, buf, sizeof(buf), &len, NULL) != KVS_OK || len != sizeof(*m)) return 0;
+    if (link->ops->recv(link->ctx, buf, sizeof(buf), &len, NULL) != KVS_OK || len != sizeof(*m))
+        return 0;
     memcpy(m, buf, sizeof(*m));
     return 1;
 }

@@ -9,8 +9,10 @@
  * A room's decode ranks are those of one decode instance: the link's peer group that its first
  * ROOM_META (or ABORT) came from (transport/link.h), so a prefill rank serving several decode
  * instances at once addresses each room's peers as (instance, rank); a message about the room
- * from another group is not the room's and is ignored. Until that first message nothing goes to
- * decode for the room (a room failed before it reports its STATUS once the metadata comes). */
+ * from another group is not the room's and is ignored. Before that first message the room's peers
+ * are group 0's: the one instance of a link with one group (as always), nobody on a link serving
+ * several (group 0 never names an instance there), so a room failed that early is not held
+ * for them (pump_room). */
 #include <string.h>
 
 #include "base/map.h"
@@ -63,8 +65,8 @@ typedef struct {
     const uint32_t *page_table; /* [ceil(prompt_len / P)] engine-owned */
     kvs_room_status_t status;
     kvs_status_t reason;
-    int grouped;    /* the decode instance is known: */
-    uint32_t group; /* its link peer group */
+    int grouped;    /* the decode instance is known (from a message of the room)... */
+    uint32_t group; /* ...as this link peer group; 0 until then */
     kvs_dest_t dests[KVS_MAX_TP];
     uint32_t ndests;
     uint32_t dpeers[KVS_MAX_TP]; /* decode ranks exchanging metadata and status */
@@ -301,11 +303,11 @@ static uint32_t peer_of(const sroom_t *r, uint32_t decode_rank)
     return kvs_peer_id(r->group, decode_rank);
 }
 
-/* Sends msg to the room's decode rank, once the room's decode instance is known. */
+/* Sends msg to the room's decode rank. */
 static void room_send(kvs_sender_t *tx, const sroom_t *r, uint32_t decode_rank,
                       const kvs_msg_t *msg)
 {
-    if (r->grouped) kvs_pd_send(tx->link, &tx->m, peer_of(r, decode_rank), msg);
+    kvs_pd_send(tx->link, &tx->m, peer_of(r, decode_rank), msg);
 }
 
 static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
@@ -615,11 +617,12 @@ static int claim(kvs_sender_t *tx, int *grouped, uint32_t *bound, uint32_t group
     return 0;
 }
 
-/* The room a decode message of `group` is about: NULL when unknown or another instance's. */
+/* The room a decode message of `group` is about: NULL when unknown or another instance's (a
+ * room not bound yet answers group 0's, the one instance of a one-group link). */
 static sroom_t *room_from(kvs_sender_t *tx, uint64_t room, uint32_t group)
 {
     sroom_t *r = kvs_map_get(&tx->rooms, room);
-    return r != NULL && r->grouped && r->group == group ? r : NULL;
+    return r != NULL && r->group == group ? r : NULL;
 }
 
 static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm, uint32_t group)
@@ -1012,6 +1015,12 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                 if (r->aborted_by & KVS_BIT(i)) send_abort_ack(tx, r->id, r->group, r->dpeers[i]);
             r->drained_acked = 1;
         }
+        /* Failed before any decode rank wrote: a peer the link reports gone (on a link serving
+         * several decode instances, every peer of the not yet known one) has nothing to hear. */
+        for (uint32_t i = 0; !r->grouped && tx->link->ops->peer_status != NULL && i < r->ndpeers;
+             i++)
+            if (tx->link->ops->peer_status(tx->link->ctx, peer_of(r, r->dpeers[i])) != KVS_OK)
+                r->status_acked |= KVS_BIT(i);
         if (r->status_acked == all || (r->status_sent && now < r->retry_at)) return events;
         if (r->status_sent && now - r->failed_at >= t->release_timeout_ns) {
             r->status_acked = all; /* the decode side is gone; stop telling it */

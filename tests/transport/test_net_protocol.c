@@ -142,6 +142,27 @@ static int prefill_main(const run_t *run, int up, int done)
     uint32_t n = (uint32_t) strlen(eps);
     if (write(up, &n, 4) != 4 || write(up, eps, n) != (ssize_t) n) return 4;
 
+    /* Serving several decode instances, a room that fails before any of them sent its metadata
+     * (a request cancelled before the decode side took it) is held for nobody: quiescent at
+     * once, well before the release timeout. */
+    if (run->insts > 1) {
+        uint32_t page[H_MAX_RANKS];
+        for (uint32_t r = 0; r < run->ptp; r++)
+            if (kvs_pool_alloc(h.ppool[r], 1, &page[r]) != KVS_OK ||
+                kvs_sender_add_room(h.tx[r], 99, 16, &page[r]) != KVS_OK ||
+                kvs_sender_abort(h.tx[r], 99) != KVS_OK)
+                return 17;
+        const uint64_t until = kvs_now_ns() + h.timeouts.release_timeout_ns / 2;
+        for (uint32_t r = 0; r < run->ptp; r++) {
+            kvs_room_info_t info = {0};
+            while (kvs_sender_progress(h.tx[r]),
+                   kvs_sender_poll(h.tx[r], 99, &info) == KVS_OK && !info.quiescent)
+                if (kvs_now_ns() > until) return 18;
+            if (kvs_sender_release(h.tx[r], 99) != KVS_OK ||
+                kvs_pool_free(h.ppool[r], &page[r], 1) != KVS_OK)
+                return 19;
+        }
+    }
     static nroom_t rooms[MAX_ROOMS];
     plan_rooms(run, h.geo.page_size, rooms);
     const uint64_t C = h.geo.chunk_tokens;

@@ -52,7 +52,7 @@ typedef struct {
 typedef struct {
     int open;
     uint64_t instance; /* as its frames name it (max_groups > 1) */
-    uint32_t group;    /* its number in peer ids: uses * max_groups + slot, modulo the id space */
+    uint32_t group;    /* its number in peer ids: uses * max_groups + slot (uses from 1) */
     uint32_t uses;     /* instances this slot has held */
 } zgroup_t;
 
@@ -330,8 +330,9 @@ static int group_for(kvs_zch_t *ch, uint64_t instance, uint64_t now)
         return -1;
     }
     zgroup_t *g = &ch->groups[free_slot];
-    const uint32_t uses_max = KVS_PEER_MAX_GROUP / ch->cfg.max_groups;
-    g->uses = (g->uses + 1) % (uses_max + 1);
+    /* Numbers from max_groups up (0 never names an instance here), within the id space. */
+    const uint32_t uses_max = (KVS_PEER_MAX_GROUP + 1) / ch->cfg.max_groups - 1;
+    g->uses = g->uses >= uses_max ? 1 : g->uses + 1;
     g->group = g->uses * ch->cfg.max_groups + (uint32_t) free_slot;
     g->instance = instance;
     g->open = 1;

@@ -13,9 +13,11 @@
  * of the other side: index = rank. A channel with max_groups > 1 (a prefill rank serving several
  * decode instances) keys its peers by (sender instance, rank): the first frame from an unknown
  * instance takes a free group slot, whose peers are indices [slot * peer_tp, (slot + 1) *
- * peer_tp); the slot's group number (kvs_peer_id) is new for every instance that takes it, so
- * a peer id of a closed group never names a later instance's rank. The channel's owner closes a
- * group (kvs_zch_close_group) once it is of no more use. */
+ * peer_tp); the slot's group number (kvs_peer_id) is new for every instance that takes it
+ * (until the numbers of a slot wrap, after millions of instances), so a peer id of a closed
+ * group never names a later instance's rank, and it is never 0, the number of a one-group
+ * channel's only group. The channel's owner closes a group (kvs_zch_close_group) once it is of
+ * no more use. */
 #ifndef KVSTAGE_CONTROL_ZMQ_CHANNEL_H
 #define KVSTAGE_CONTROL_ZMQ_CHANNEL_H
 

@@ -15,12 +15,16 @@
 #include <stdint.h>
 
 #include "kvstage/link.h"
+#include "kvstage/net.h"
 #include "kvstage/status.h"
+
+#define KVS_CUDA_IPC_MAX_PEERS (KVS_NET_MAX_INSTANCES * KVS_MAX_TP)
 
 typedef struct {
     kvs_side_t side;
     uint32_t rank;    /* this rank on its side */
-    uint32_t peer_tp; /* ranks on the other side, [1, KVS_MAX_TP] */
+    uint32_t peer_tp; /* peers: ranks on the other side, [1, KVS_CUDA_IPC_MAX_PEERS] (a
+                         prefill net link's decode instances x their ranks) */
     int device;       /* this rank's CUDA device: where its pool, ring or buffers live */
 } kvs_cuda_ipc_config_t;
 

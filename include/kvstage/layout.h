@@ -14,6 +14,25 @@
 #define KVS_REGION_ALIGN  256 /* writer regions in a slot start at multiples of this */
 #define KVS_MAX_PAGE_SIZE (1u << 20) /* largest page size in tokens on either side */
 
+/* A link's name for a rank of the other side (`peer` in the link ops): the rank alone, except
+ * on a prefill net link that serves several decode instances at once, whose peers are
+ * (instance, rank) with the instance numbered by the link (its "group"; protocol.md §5.3).
+ * Group 0 is the only one of every other link, so there a peer is its rank. */
+#define KVS_PEER_RANK_BITS 6 /* ranks below KVS_MAX_TP */
+#define KVS_PEER_MAX_GROUP ((1u << (32 - KVS_PEER_RANK_BITS)) - 1)
+static inline uint32_t kvs_peer_id(uint32_t group, uint32_t rank)
+{
+    return group << KVS_PEER_RANK_BITS | rank;
+}
+static inline uint32_t kvs_peer_rank(uint32_t peer)
+{
+    return peer & ((1u << KVS_PEER_RANK_BITS) - 1);
+}
+static inline uint32_t kvs_peer_group(uint32_t peer)
+{
+    return peer >> KVS_PEER_RANK_BITS;
+}
+
 typedef enum {
     KVS_ATTN_MHA = 0, /* MHA or GQA: K and V per KV head, sharded by head */
     KVS_ATTN_MLA = 1, /* one latent per token and layer, held whole by every rank */

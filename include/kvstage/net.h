@@ -19,6 +19,8 @@
 #include "kvstage/mem.h"
 #include "kvstage/status.h"
 
+#define KVS_NET_MAX_INSTANCES 256 /* decode instances one prefill rank serves at once */
+
 /* Which UCX transports carry data writes. */
 typedef enum {
     KVS_NET_DATA_AUTO = 0, /* SHM when this rank and every known peer are on loopback or ipc://,
@@ -61,6 +63,18 @@ typedef struct {
     uint64_t connect_timeout_ns;  /* a peer never heard within this is dead; a write waits
                                      this long for its wireup (10 s) */
     uint64_t write_timeout_ns;    /* a write with no completed piece for this long fails (30 s) */
+    /* Prefill: how many decode instances this rank serves at once. 0 or 1: one, whose ranks
+     * are its peers by rank alone (as configured in `peers`, or learned). Above 1: peers are
+     * (instance, rank), told apart by the instance every frame names (`instance` below), and
+     * learned from their heartbeats only (configure no peers); kvs_link peer ids then carry a
+     * group number per instance (kvs_peer_id, kvstage/layout.h) that the protocol learns from
+     * the messages it receives. An instance whose every rank is past the liveness timeout is
+     * closed (its sockets and wireups dropped); one more instance than this is ignored until
+     * another leaves. At most KVS_NET_MAX_INSTANCES. */
+    uint32_t max_instances;
+    /* This rank's instance, named in every frame: the ranks of one instance share it, and the
+     * decode instances that one prefill instance serves at once must differ in it. */
+    uint64_t instance;
     /* Test hook: the corrupt_nth-th (1-based) write of a prefill rank from host memory has one
      * bit of its source flipped as it starts (after the sender computed its checksum), as a
      * bad link or a stray write would; decode's checksum must catch it. 0: off. */
@@ -79,8 +93,12 @@ typedef struct {
     uint64_t peer_restarts; /* a peer came back as a new incarnation */
     uint64_t wireups_sent, wireups_received;
     uint64_t writes, write_bytes, writes_failed;
-    uint64_t writes_in_flight; /* now */
-    uint64_t corrupted;        /* writes the corrupt_nth test hook flipped a bit of */
+    uint64_t writes_in_flight;  /* now */
+    uint64_t corrupted;         /* writes the corrupt_nth test hook flipped a bit of */
+    uint64_t peer_instances;    /* now: instances of the other side connected (1 unless
+                                   max_instances > 1) */
+    uint64_t instances_refused; /* frames of a new decode instance while max_instances were
+                                   connected */
 } kvs_net_stats_t;
 
 /* Binds the control endpoint, connects to the known peers and creates the UCX context and

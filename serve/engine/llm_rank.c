@@ -106,6 +106,18 @@ static void report_peers(const kvs_llm_rank_config_t *c, const kvs_plumbing_t *p
     out_event(c->out_fd, &ev);
 }
 
+/* An instance id unlike any other's: the wall clock and the process id, mixed (splitmix64). */
+static uint64_t draw_instance(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x = (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+    x ^= (uint64_t) getpid() << 40;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
 static void out_error(int fd, const char *prefix, const char *what)
 {
     kvs_rank_line_event_t ev = {.kind = KVS_RANK_LINE_EV_ERROR};
@@ -491,6 +503,16 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         if ((st = kvs_tpgroup_join(&gc, &group)) != KVS_OK) goto out;
     }
 
+    /* The decode instance's id, which the prefill ranks it talks to tell it from other decode
+     * instances by: rank 0 draws it, the group takes it from rank 0. */
+    uint64_t instance = 0;
+    if (decode) {
+        instance = draw_instance();
+        if (group != NULL &&
+            (st = kvs_tpgroup_broadcast(group, &instance, sizeof(instance))) != KVS_OK)
+            goto out;
+    }
+
     if (prefill || decode) {
         kvs_plumbing_config_t plc = {.side = prefill ? KVS_SIDE_PREFILL : KVS_SIDE_DECODE,
                                      .rank = c.rank,
@@ -506,7 +528,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                      .liveness_timeout_ns = c.liveness_timeout_ns,
                                      .write_mode = KVS_WRITE_AUTO,
                                      .max_instances = c.max_peer_instances,
-                                     .idle_ns = c.peer_idle_ns};
+                                     .idle_ns = c.peer_idle_ns,
+                                     .instance = instance};
         if ((st = kvs_plumbing_create(&plc, pool, &pl)) != KVS_OK) goto out;
     }
 

@@ -1,5 +1,7 @@
 /* The ZeroMQ control channel of a net link: PULL in, one PUSH per peer out, a validated frame
- * header, heartbeats that also announce where this rank listens, and liveness per peer.
+ * header, heartbeats that also announce where this rank listens, liveness per peer, and (with
+ * max_groups > 1) peer groups, one per instance of the other side, keyed by the instance every
+ * frame names.
  *
  * Socket choices follow the failure behaviour measured on this platform: a send never blocks
  * (ZMQ_DONTWAIT, EAGAIN is a failed send), ZMQ_IMMEDIATE keeps frames from queueing towards a
@@ -46,14 +48,26 @@ typedef struct {
     uint32_t out_head, out_count;
 } zpeer_t;
 
+/* One instance of the other side (a group of peer_tp peers). */
+typedef struct {
+    int open;
+    uint64_t instance; /* as its frames name it (max_groups > 1) */
+    uint32_t group;    /* its number in peer ids: uses * max_groups + slot (uses from 1) */
+    uint32_t uses;     /* instances this slot has held */
+} zgroup_t;
+
 struct kvs_zch {
-    kvs_zch_config_t cfg; /* cfg.bind is not kept */
+    kvs_zch_config_t cfg; /* cfg.bind is not kept; cfg.max_groups at least 1 */
     void *zctx;
     void *pull;
     char endpoint[KVS_ZCH_ENDPOINT_MAX + 1];
     uint64_t incarnation;
-    zpeer_t *peers; /* [peer_tp] */
-    zmq_msg_t msg;  /* the frame last returned by recv */
+    zpeer_t *peers;     /* [max_groups][peer_tp] */
+    zgroup_t *groups;   /* [max_groups] */
+    uint32_t npeers;    /* max_groups * peer_tp */
+    uint32_t ngroups;   /* open */
+    uint64_t full_warn; /* when "every slot is in use" may be logged again */
+    zmq_msg_t msg;      /* the frame last returned by recv */
     int msg_live;
     kvs_zch_stats_t st;
 };
@@ -123,22 +137,33 @@ static int ms_of(uint64_t ns)
 kvs_status_t kvs_zch_create(const kvs_zch_config_t *config, kvs_zch_t **ch_p)
 {
     if (config->peer_tp == 0 || config->peer_tp > KVS_MAX_TP || config->bind == NULL ||
-        strlen(config->bind) > KVS_ZCH_ENDPOINT_MAX || config->heartbeat_ns == 0 ||
-        config->liveness_timeout_ns == 0 || config->connect_timeout_ns == 0) {
-        kvs_error("zmq channel: needs 1..%u peers, a bind endpoint of at most %u bytes and "
-                  "non-zero timeouts",
-                  KVS_MAX_TP, KVS_ZCH_ENDPOINT_MAX);
+        config->max_groups > KVS_PEER_MAX_GROUP || strlen(config->bind) > KVS_ZCH_ENDPOINT_MAX ||
+        config->heartbeat_ns == 0 || config->liveness_timeout_ns == 0 ||
+        config->connect_timeout_ns == 0) {
+        kvs_error("zmq channel: needs 1..%u peers, at most %u peer groups, a bind endpoint of "
+                  "at most %u bytes and non-zero timeouts",
+                  KVS_MAX_TP, KVS_PEER_MAX_GROUP, KVS_ZCH_ENDPOINT_MAX);
         return KVS_ERR_INVALID;
     }
     kvs_zch_t *ch = kvs_calloc(1, sizeof(*ch));
     if (ch == NULL) return KVS_ERR_NOMEM;
-    ch->peers = kvs_calloc(config->peer_tp, sizeof(*ch->peers));
-    if (ch->peers == NULL) {
+    const uint32_t groups = config->max_groups > 1 ? config->max_groups : 1;
+    ch->npeers = groups * config->peer_tp;
+    ch->peers = kvs_calloc(ch->npeers, sizeof(*ch->peers));
+    ch->groups = kvs_calloc(groups, sizeof(*ch->groups));
+    if (ch->peers == NULL || ch->groups == NULL) {
+        kvs_free(ch->peers);
+        kvs_free(ch->groups);
         kvs_free(ch);
         return KVS_ERR_NOMEM;
     }
     ch->cfg = *config;
     ch->cfg.bind = NULL;
+    ch->cfg.max_groups = groups;
+    if (groups == 1) {
+        ch->groups[0].open = 1; /* the one instance, whatever it calls itself */
+        ch->ngroups = 1;
+    }
     kvs_status_t st = KVS_ERR_IO;
     ch->zctx = zmq_ctx_new();
     if (ch->zctx == NULL) {
@@ -172,7 +197,7 @@ kvs_status_t kvs_zch_create(const kvs_zch_config_t *config, kvs_zch_t **ch_p)
     ch->endpoint[sizeof(ch->endpoint) - 1] = '\0';
     ch->incarnation = new_incarnation();
     uint64_t now = kvs_now_ns();
-    for (uint32_t i = 0; i < config->peer_tp; i++) ch->peers[i].since = now;
+    for (uint32_t i = 0; i < ch->npeers; i++) ch->peers[i].since = now;
     kvs_debug("zmq channel: %s rank %u listens on %s (incarnation %llx)",
               config->side == KVS_SIDE_PREFILL ? "prefill" : "decode", config->rank, ch->endpoint,
               (unsigned long long) ch->incarnation);
@@ -185,6 +210,7 @@ err_ctx:
     zmq_ctx_term(ch->zctx);
 err_peers:
     kvs_free(ch->peers);
+    kvs_free(ch->groups);
     kvs_free(ch);
     return st;
 }
@@ -210,7 +236,7 @@ void kvs_zch_destroy(kvs_zch_t *ch)
 {
     if (ch == NULL) return;
     if (ch->msg_live) zmq_msg_close(&ch->msg);
-    for (uint32_t i = 0; i < ch->cfg.peer_tp; i++) {
+    for (uint32_t i = 0; i < ch->npeers; i++) {
         close_peer(&ch->peers[i]);
         drop_outbox(&ch->peers[i]);
         kvs_free(ch->peers[i].outbox);
@@ -218,6 +244,7 @@ void kvs_zch_destroy(kvs_zch_t *ch)
     zmq_close(ch->pull);
     zmq_ctx_term(ch->zctx);
     kvs_free(ch->peers);
+    kvs_free(ch->groups);
     kvs_free(ch);
 }
 
@@ -226,9 +253,101 @@ const char *kvs_zch_endpoint(const kvs_zch_t *ch)
     return ch->endpoint;
 }
 
+static const zgroup_t *group_of(const kvs_zch_t *ch, uint32_t peer)
+{
+    return &ch->groups[peer / ch->cfg.peer_tp];
+}
+
+uint32_t kvs_zch_peers(const kvs_zch_t *ch)
+{
+    return ch->npeers;
+}
+
+int kvs_zch_peer_open(const kvs_zch_t *ch, uint32_t peer)
+{
+    return peer < ch->npeers && group_of(ch, peer)->open;
+}
+
+uint32_t kvs_zch_peer_id(const kvs_zch_t *ch, uint32_t peer)
+{
+    return kvs_peer_id(group_of(ch, peer)->group, peer % ch->cfg.peer_tp);
+}
+
+kvs_status_t kvs_zch_peer_index(const kvs_zch_t *ch, uint32_t id, uint32_t *index_p)
+{
+    const uint32_t rank = kvs_peer_rank(id), group = kvs_peer_group(id);
+    if (rank >= ch->cfg.peer_tp) return KVS_ERR_INVALID;
+    const uint32_t slot = group % ch->cfg.max_groups;
+    if (!ch->groups[slot].open || ch->groups[slot].group != group) return KVS_ERR_NOT_FOUND;
+    *index_p = slot * ch->cfg.peer_tp + rank;
+    return KVS_OK;
+}
+
+uint32_t kvs_zch_groups(const kvs_zch_t *ch)
+{
+    return ch->ngroups;
+}
+
+void kvs_zch_close_group(kvs_zch_t *ch, uint32_t peer)
+{
+    if (ch->cfg.max_groups == 1 || !kvs_zch_peer_open(ch, peer)) return;
+    const uint32_t slot = peer / ch->cfg.peer_tp;
+    zgroup_t *g = &ch->groups[slot];
+    for (uint32_t r = 0; r < ch->cfg.peer_tp; r++) {
+        zpeer_t *p = &ch->peers[slot * ch->cfg.peer_tp + r];
+        close_peer(p);
+        ch->st.send_failures += p->out_count;
+        drop_outbox(p);
+        zmq_msg_t *outbox = p->outbox;
+        memset(p, 0, sizeof(*p));
+        p->outbox = outbox;
+    }
+    kvs_info("zmq channel: rank %u closed peer group %u (instance %llx)", ch->cfg.rank, g->group,
+             (unsigned long long) g->instance);
+    g->open = 0;
+    ch->ngroups--;
+    ch->st.groups_closed++;
+}
+
+/* The group slot of a frame from `instance`: the open one, else a free one opened for it, else
+ * -1 (every slot is in use). */
+static int group_for(kvs_zch_t *ch, uint64_t instance, uint64_t now)
+{
+    if (ch->cfg.max_groups == 1) return 0;
+    int free_slot = -1;
+    for (uint32_t s = 0; s < ch->cfg.max_groups; s++) {
+        if (ch->groups[s].open && ch->groups[s].instance == instance) return (int) s;
+        if (!ch->groups[s].open && free_slot < 0) free_slot = (int) s;
+    }
+    if (free_slot < 0) {
+        ch->st.groups_refused++;
+        if (now >= ch->full_warn) {
+            kvs_warn("zmq channel: rank %u: instance %llx refused, %u instances are connected "
+                     "already",
+                     ch->cfg.rank, (unsigned long long) instance, ch->cfg.max_groups);
+            ch->full_warn = now + 1000000000ull;
+        }
+        return -1;
+    }
+    zgroup_t *g = &ch->groups[free_slot];
+    /* Numbers from max_groups up (0 never names an instance here), within the id space. */
+    const uint32_t uses_max = (KVS_PEER_MAX_GROUP + 1) / ch->cfg.max_groups - 1;
+    g->uses = g->uses >= uses_max ? 1 : g->uses + 1;
+    g->group = g->uses * ch->cfg.max_groups + (uint32_t) free_slot;
+    g->instance = instance;
+    g->open = 1;
+    for (uint32_t r = 0; r < ch->cfg.peer_tp; r++)
+        ch->peers[(uint32_t) free_slot * ch->cfg.peer_tp + r].since = now;
+    ch->ngroups++;
+    ch->st.groups_opened++;
+    kvs_info("zmq channel: rank %u: instance %llx is peer group %u", ch->cfg.rank,
+             (unsigned long long) instance, g->group);
+    return free_slot;
+}
+
 uint64_t kvs_zch_peer_silence_ns(const kvs_zch_t *ch, uint32_t peer)
 {
-    if (peer >= ch->cfg.peer_tp) return 0;
+    if (!kvs_zch_peer_open(ch, peer)) return 0;
     const zpeer_t *p = &ch->peers[peer];
     const uint64_t now = kvs_now_ns(), from = p->heard ? p->heard : p->since;
     return now > from ? now - from : 0;
@@ -236,7 +355,7 @@ uint64_t kvs_zch_peer_silence_ns(const kvs_zch_t *ch, uint32_t peer)
 
 const char *kvs_zch_peer_endpoint(const kvs_zch_t *ch, uint32_t peer)
 {
-    return peer < ch->cfg.peer_tp ? ch->peers[peer].endpoint : NULL;
+    return kvs_zch_peer_open(ch, peer) ? ch->peers[peer].endpoint : NULL;
 }
 
 uint64_t kvs_zch_incarnation(const kvs_zch_t *ch)
@@ -293,8 +412,8 @@ static kvs_status_t connect_peer(kvs_zch_t *ch, uint32_t peer, const char *endpo
 kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint)
 {
     size_t len = endpoint ? strlen(endpoint) : 0;
-    if (peer >= ch->cfg.peer_tp || len == 0 || len > KVS_ZCH_ENDPOINT_MAX) {
-        kvs_error("zmq channel: bad peer %u (of %u) or endpoint", peer, ch->cfg.peer_tp);
+    if (!kvs_zch_peer_open(ch, peer) || len == 0 || len > KVS_ZCH_ENDPOINT_MAX) {
+        kvs_error("zmq channel: bad peer %u (of %u) or endpoint", peer, ch->npeers);
         return KVS_ERR_INVALID;
     }
     ch->peers[peer].disputed = 0;
@@ -303,7 +422,7 @@ kvs_status_t kvs_zch_set_peer(kvs_zch_t *ch, uint32_t peer, const char *endpoint
 
 int kvs_zch_peer_disputed(const kvs_zch_t *ch, uint32_t peer)
 {
-    return peer < ch->cfg.peer_tp && ch->peers[peer].disputed;
+    return kvs_zch_peer_open(ch, peer) && ch->peers[peer].disputed;
 }
 
 /* Sends what waits in the outbox, oldest first, until the connection refuses one; frames
@@ -357,6 +476,7 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
     b[3] = 0;
     kvs_put_u32(b + 4, ch->cfg.rank);
     kvs_put_u64(b + 8, ch->incarnation);
+    kvs_put_u64(b + 16, ch->cfg.instance);
     if (len) memcpy(b + KVS_ZCH_HEADER_SIZE, payload, len);
     /* Behind held frames, before the peer's endpoint is known, or refused while its connection
      * may still be coming up: held. */
@@ -382,10 +502,10 @@ static kvs_status_t send_frame(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind
 kvs_status_t kvs_zch_send(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind, const void *payload,
                           size_t len)
 {
-    if (peer >= ch->cfg.peer_tp || kind_max(kind) == 0 || len > kind_max(kind) ||
+    if (!kvs_zch_peer_open(ch, peer) || kind_max(kind) == 0 || len > kind_max(kind) ||
         kind == KVS_ZCH_HEARTBEAT) {
         kvs_error("zmq channel: cannot send a %zu-byte frame of kind %d to peer %u (of %u)", len,
-                  (int) kind, peer, ch->cfg.peer_tp);
+                  (int) kind, peer, ch->npeers);
         return KVS_ERR_INVALID;
     }
     kvs_status_t st = send_frame(ch, peer, kind, payload, len);
@@ -442,8 +562,9 @@ uint32_t kvs_zch_tick(kvs_zch_t *ch)
 {
     uint64_t now = kvs_now_ns();
     uint32_t sent = 0;
-    for (uint32_t i = 0; i < ch->cfg.peer_tp; i++) {
+    for (uint32_t i = 0; i < ch->npeers; i++) {
         zpeer_t *p = &ch->peers[i];
+        if (!group_of(ch, i)->open) continue;
         peer_alive(ch, i, now);
         if (p->out_count > 0) flush_outbox(ch, p, now);
         if (p->push == NULL || now < p->next_hb) continue;
@@ -462,16 +583,17 @@ uint32_t kvs_zch_tick(kvs_zch_t *ch)
 
 kvs_status_t kvs_zch_peer_status(kvs_zch_t *ch, uint32_t peer)
 {
-    if (peer >= ch->cfg.peer_tp) {
-        kvs_error("zmq channel: no peer %u (of %u)", peer, ch->cfg.peer_tp);
+    if (peer >= ch->npeers) {
+        kvs_error("zmq channel: no peer %u (of %u)", peer, ch->npeers);
         return KVS_ERR_INVALID;
     }
+    if (!group_of(ch, peer)->open) return KVS_ERR_IO;
     return peer_alive(ch, peer, kvs_now_ns()) ? KVS_OK : KVS_ERR_IO;
 }
 
 uint64_t kvs_zch_peer_incarnation(const kvs_zch_t *ch, uint32_t peer)
 {
-    return peer < ch->cfg.peer_tp ? ch->peers[peer].inc : 0;
+    return kvs_zch_peer_open(ch, peer) ? ch->peers[peer].inc : 0;
 }
 
 void kvs_zch_count_rejected(kvs_zch_t *ch)
@@ -581,19 +703,26 @@ kvs_status_t kvs_zch_recv(kvs_zch_t *ch, kvs_zch_frame_t *frame_p)
             drop_msg(ch);
             continue;
         }
-        uint32_t from = kvs_get_u32(b + 4);
+        uint32_t rank = kvs_get_u32(b + 4);
         uint64_t inc = kvs_get_u64(b + 8);
+        uint64_t instance = kvs_get_u64(b + 16);
         const uint8_t *payload = b + KVS_ZCH_HEADER_SIZE;
         size_t len = size - KVS_ZCH_HEADER_SIZE;
         const char *ep = NULL;
         size_t eplen = 0;
         if (kind == KVS_ZCH_HEARTBEAT && !parse_heartbeat(payload, len, &ep, &eplen)) {
             ch->st.rejected++;
-            kvs_debug("zmq channel: rejected a malformed heartbeat from peer %u", from);
+            kvs_debug("zmq channel: rejected a malformed heartbeat from rank %u", rank);
             drop_msg(ch);
             continue;
         }
         uint64_t now = kvs_now_ns();
+        const int slot = group_for(ch, instance, now);
+        if (slot < 0) {
+            drop_msg(ch);
+            continue;
+        }
+        const uint32_t from = (uint32_t) slot * ch->cfg.peer_tp + rank;
         zpeer_t *p = &ch->peers[from];
         if (!accept_incarnation(ch, from, inc, now)) {
             ch->st.stale++;

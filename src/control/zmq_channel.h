@@ -4,8 +4,20 @@
  * and heartbeats; nothing it receives is trusted, and no call blocks.
  *
  * Frame (little-endian): kind u8, version u8, sender side u8, zero u8, sender rank u32,
- * sender incarnation u64, then the payload. The incarnation names one life of a rank (it changes
- * when the process restarts), so frames from an earlier life can be told apart. */
+ * sender incarnation u64, sender instance u64, then the payload. The incarnation names one life
+ * of a rank (it changes when the process restarts), so frames from an earlier life can be told
+ * apart; the instance names the group of ranks the sender belongs to (the ranks of one TP
+ * instance share it).
+ *
+ * Peers are numbered by index. A channel with one peer group (the default) knows one instance
+ * of the other side: index = rank. A channel with max_groups > 1 (a prefill rank serving several
+ * decode instances) keys its peers by (sender instance, rank): the first frame from an unknown
+ * instance takes a free group slot, whose peers are indices [slot * peer_tp, (slot + 1) *
+ * peer_tp); the slot's group number (kvs_peer_id) is new for every instance that takes it
+ * (until the numbers of a slot wrap, after millions of instances), so a peer id of a closed
+ * group never names a later instance's rank, and it is never 0, the number of a one-group
+ * channel's only group. The channel's owner closes a group (kvs_zch_close_group) once it is of
+ * no more use. */
 #ifndef KVSTAGE_CONTROL_ZMQ_CHANNEL_H
 #define KVSTAGE_CONTROL_ZMQ_CHANNEL_H
 
@@ -15,8 +27,8 @@
 #include "kvstage/layout.h" /* kvs_side_t */
 #include "kvstage/status.h"
 
-#define KVS_ZCH_VERSION      1
-#define KVS_ZCH_HEADER_SIZE  16
+#define KVS_ZCH_VERSION      2
+#define KVS_ZCH_HEADER_SIZE  24
 #define KVS_ZCH_INTERNAL_MAX (64u * 1024u) /* payload bound of a link-internal frame */
 #define KVS_ZCH_ENDPOINT_MAX 255           /* bytes of an endpoint string */
 
@@ -30,7 +42,9 @@ typedef enum {
 typedef struct {
     kvs_side_t side;
     uint32_t rank;
-    uint32_t peer_tp;
+    uint32_t peer_tp;    /* ranks of one instance of the other side */
+    uint32_t max_groups; /* instances of the other side at once; 0 or 1: one, by rank alone */
+    uint64_t instance;   /* this rank's instance, stamped on every frame */
     const char *bind;
     uint64_t heartbeat_ns, liveness_timeout_ns, connect_timeout_ns; /* all > 0 */
 } kvs_zch_config_t;
@@ -38,7 +52,7 @@ typedef struct {
 /* One received frame; payload stays valid until the next recv or destroy. */
 typedef struct {
     kvs_zch_kind_t kind;
-    uint32_t from; /* rank of the other side */
+    uint32_t from; /* peer index of the sender */
     uint64_t incarnation;
     const uint8_t *payload;
     size_t len;
@@ -52,6 +66,8 @@ typedef struct {
     uint64_t internal_sent, internal_received; /* WIREUP_REQ and WIREUP frames */
     uint64_t rejected, stale;
     uint64_t dead_peers, restarts;
+    uint64_t groups_opened, groups_closed; /* max_groups > 1 */
+    uint64_t groups_refused;               /* frames of a new instance while every slot is in use */
 } kvs_zch_stats_t;
 
 typedef struct kvs_zch kvs_zch_t;
@@ -62,6 +78,21 @@ void kvs_zch_destroy(kvs_zch_t *ch);
 /* The bound endpoint with its real port or path. */
 const char *kvs_zch_endpoint(const kvs_zch_t *ch);
 uint64_t kvs_zch_incarnation(const kvs_zch_t *ch);
+
+/* Peer indices run over [0, kvs_zch_peers()): max_groups (at least 1) x peer_tp. */
+uint32_t kvs_zch_peers(const kvs_zch_t *ch);
+/* 1 while the group slot of peer index `peer` holds an instance (always, with one group). */
+int kvs_zch_peer_open(const kvs_zch_t *ch, uint32_t peer);
+/* The peer id (kvs_peer_id: group, rank) of an open peer index. */
+uint32_t kvs_zch_peer_id(const kvs_zch_t *ch, uint32_t peer);
+/* The index of peer id `id`: KVS_OK, or KVS_ERR_NOT_FOUND when its group is closed (or never
+ * was) and KVS_ERR_INVALID for a rank not below peer_tp. */
+kvs_status_t kvs_zch_peer_index(const kvs_zch_t *ch, uint32_t id, uint32_t *index_p);
+/* Groups open now. */
+uint32_t kvs_zch_groups(const kvs_zch_t *ch);
+/* Closes the group slot of peer index `peer` (max_groups > 1): its sockets and held frames go,
+ * its ids stop resolving, and its slot is free for the next new instance. */
+void kvs_zch_close_group(kvs_zch_t *ch, uint32_t peer);
 
 /* How long peer has been silent: since its last frame, or since its endpoint was set when it was
  * never heard. */

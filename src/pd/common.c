@@ -43,12 +43,13 @@ void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, con
     metrics->msgs_sent++;
 }
 
-kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p)
+kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p,
+                         uint32_t *from_p)
 {
     uint8_t buf[KVS_MSG_MAX_SIZE];
     for (;;) {
         size_t len = 0;
-        kvs_status_t st = link->ops->recv(link->ctx, buf, sizeof(buf), &len);
+        kvs_status_t st = link->ops->recv(link->ctx, buf, sizeof(buf), &len, from_p);
         if (st == KVS_INPROGRESS) return st;
         metrics->msgs_received++;
         if (st == KVS_OK) st = kvs_msg_decode(buf, len, msg_p);
@@ -65,11 +66,13 @@ int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank)
     return -1;
 }
 
-int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n, uint64_t done)
+int kvs_pd_dead_peer(kvs_link_t *link, uint32_t group, const uint32_t *ranks, uint32_t n,
+                     uint64_t done)
 {
     if (link->ops->peer_status == NULL) return -1;
     for (uint32_t i = 0; i < n; i++)
-        if (!(done & KVS_BIT(i)) && link->ops->peer_status(link->ctx, ranks[i]) != KVS_OK)
+        if (!(done & KVS_BIT(i)) &&
+            link->ops->peer_status(link->ctx, kvs_peer_id(group, ranks[i])) != KVS_OK)
             return (int) i;
     return -1;
 }

@@ -36,17 +36,21 @@ static inline uint64_t kvs_pd_rto(uint64_t srtt_ns, uint64_t retry_ns)
     return rto < 32 * retry_ns ? rto : 32 * retry_ns;
 }
 
-/* Encodes and sends one control message to rank `peer` of the other side; counts it. A send
- * failure is logged and otherwise ignored: every message that matters is retried on a timer. */
+/* Encodes and sends one control message to peer `peer` (a link peer id: transport/link.h) of
+ * the other side; counts it. A send failure is logged and otherwise ignored: every message that
+ * matters is retried on a timer. */
 void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg);
 
-/* Takes the next received message that decodes: KVS_OK, or KVS_INPROGRESS when none waits.
- * Messages that fail to decode are counted as rejected and skipped. */
-kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p);
+/* Takes the next received message that decodes: KVS_OK, or KVS_INPROGRESS when none waits;
+ * *from_p (NULL-able) is the link's peer id of its sender. Messages that fail to decode are
+ * counted as rejected and skipped. */
+kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p,
+                         uint32_t *from_p);
 
-/* Index of the first peer in ranks[0, n), outside the `done` bit set, that the link reports
- * dead, or -1. */
-int kvs_pd_dead_peer(kvs_link_t *link, const uint32_t *ranks, uint32_t n, uint64_t done);
+/* Index of the first peer in ranks[0, n) (ranks of peer group `group`), outside the `done` bit
+ * set, that the link reports dead, or -1. */
+int kvs_pd_dead_peer(kvs_link_t *link, uint32_t group, const uint32_t *ranks, uint32_t n,
+                     uint64_t done);
 
 /* Index of rank in ranks[0, n), or -1. */
 int kvs_pd_rank_index(const uint32_t *ranks, uint32_t n, uint32_t rank);

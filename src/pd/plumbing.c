@@ -127,18 +127,21 @@ kvs_status_t kvs_plumbing_create(const kvs_plumbing_config_t *config, kvs_pool_t
         *plumbing_p = p;
         return KVS_OK;
     }
-    kvs_net_config_t nc = {.side = c->side,
-                           .rank = c->rank,
-                           .peer_tp =
-                               prefill ? c->geo.decode_tp : kvs_pd_geometry_prefill_ranks(&c->geo),
-                           .bind = c->bind ? c->bind : "tcp://127.0.0.1:*",
-                           .data = c->data,
-                           .net_device = c->net_device,
-                           .registry = prefill ? NULL : c->registry,
-                           .mem = c->mem,
-                           .device = c->device,
-                           .liveness_timeout_ns = c->liveness_timeout_ns,
-                           .corrupt_nth = prefill ? c->corrupt_nth : 0};
+    kvs_net_config_t nc = {
+        .side = c->side,
+        .rank = c->rank,
+        .peer_tp = prefill ? c->geo.decode_tp : kvs_pd_geometry_prefill_ranks(&c->geo),
+        .bind = c->bind ? c->bind : "tcp://127.0.0.1:*",
+        .data = c->data,
+        .net_device = c->net_device,
+        .registry = prefill ? NULL : c->registry,
+        .mem = c->mem,
+        .device = c->device,
+        .liveness_timeout_ns = c->liveness_timeout_ns,
+        .max_instances =
+            prefill ? (c->max_instances ? c->max_instances : KVS_PLUMBING_MAX_INSTANCES) : 0,
+        .instance = c->instance,
+        .corrupt_nth = prefill ? c->corrupt_nth : 0};
     if ((st = kvs_net_link_create(&nc, &p.link)) != KVS_OK) goto fail;
     p.peers = nc.peer_tp;
     if (c->serve_registry && (st = kvs_registry_create(c->registry, &p.registry)) != KVS_OK)
@@ -391,7 +394,8 @@ static kvs_status_t inst_open(kvs_plumbing_t *p, const peer_desc_t *d, kvs_plumb
                            .registry = d->registry,
                            .mem = c->mem,
                            .device = c->device,
-                           .liveness_timeout_ns = c->liveness_timeout_ns};
+                           .liveness_timeout_ns = c->liveness_timeout_ns,
+                           .instance = c->instance};
     for (uint32_t r = 0; r < d->ranks; r++) nc.peers[r] = d->eps[r];
     if ((st = kvs_net_link_create(&nc, &x->link)) != KVS_OK) return st;
     const kvs_clock_t clock = kvs_clock_monotonic();

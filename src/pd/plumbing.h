@@ -14,7 +14,11 @@
  * (prefill TP and stages) whole, and no wire format changes: to a prefill rank each link is
  * simply a decode rank. An instance with no live room is closed once it has been idle for
  * idle_ns or every one of its ranks is past the liveness timeout, and the table holds at most
- * max_instances (the least recently used idle instance makes room for a new one). */
+ * max_instances (the least recently used idle instance makes room for a new one).
+ *
+ * A prefill rank serves up to max_instances decode instances at once: its net link tells them
+ * apart by the instance id in their frames (kvs_net_config_t.max_instances) and its sender
+ * addresses each room's peers in the decode instance the room's metadata came from. */
 #ifndef KVSTAGE_PD_PLUMBING_H
 #define KVSTAGE_PD_PLUMBING_H
 
@@ -52,8 +56,14 @@ typedef struct {
     uint64_t ring_bytes;          /* decode: 0 = four full slots */
     /* Decode with registry NULL (per-room bootstrap); the config's strings must then outlive
      * the plumbing (instances are wired later), and bind must pick a free port or path. */
-    uint32_t max_instances; /* prefill instances wired at once (0: KVS_PLUMBING_MAX_INSTANCES) */
-    uint64_t idle_ns;       /* an instance this long without a room is closed (0: 300 s) */
+    uint32_t max_instances; /* instances of the other side at once: per-room decode, prefill
+                               instances wired; prefill, decode instances served (the net
+                               link's max_instances); 0: KVS_PLUMBING_MAX_INSTANCES */
+    uint64_t idle_ns;       /* per-room decode: an instance this long without a room is closed
+                               (0: 300 s) */
+    /* Decode: this instance's id, the same on all its ranks and different from every other
+     * decode instance that talks to the same prefill instance (kvs_net_config_t.instance). */
+    uint64_t instance;
 } kvs_plumbing_config_t;
 
 #define KVS_PLUMBING_MAX_INSTANCES 16
@@ -87,8 +97,9 @@ void kvs_plumbing_destroy(kvs_plumbing_t *plumbing);
 /* Serves the registry (when this process does) and progresses the sender or receiver; returns
  * how much work that was (0 = idle). */
 uint32_t kvs_plumbing_progress(kvs_plumbing_t *plumbing);
-/* How many of the other side's ranks the link believes dead (silent past the liveness timeout),
- * and the first of them in *first_p (may be NULL). 0 for links whose peers never die. Per-room
+/* Decode: how many of the other side's ranks the link believes dead (silent past the liveness
+ * timeout), and the first of them in *first_p (may be NULL). 0 for links whose peers never die.
+ * Per-room
  * bootstrap: 0 while some wired instance has every rank alive (the rank still serves its
  * rooms; a dead instance fails only its own and is closed once they are released), else the
  * down ranks of every instance. */

@@ -925,7 +925,7 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
     }
     if (r->status == KVS_ROOM_SUCCESS) return;
     /* A peer that already reported its status has nothing left to do for the room. */
-    if (kvs_pd_dead_peer(rx->link, r->peers, r->npeers, r->status_seen) >= 0) {
+    if (kvs_pd_dead_peer(rx->link, 0, r->peers, r->npeers, r->status_seen) >= 0) {
         fail_room(rx, r, KVS_ERR_IO, "a prefill peer stopped answering (liveness timeout)");
         return;
     }
@@ -954,7 +954,7 @@ uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
     uint64_t t0 = kvs_now_ns();
     uint32_t events = 0;
     kvs_msg_t msg;
-    while (kvs_pd_recv(rx->link, &rx->m, &msg) == KVS_OK) {
+    while (kvs_pd_recv(rx->link, &rx->m, &msg, NULL) == KVS_OK) {
         events++;
         if (!msg_to_me(rx, &msg)) {
             rx->m.rejected++;

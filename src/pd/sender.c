@@ -4,7 +4,15 @@
  * the granted slot, announces it with CHUNK_READY, and reports STATUS. One sender per prefill
  * rank, driven by kvs_sender_progress(). Staging buffers and the copy backend follow the pool's
  * memory kind; where the link maps the decode ring, the gather can store straight into the
- * granted slot (direct write) and CHUNK_READY waits for that gather instead of a write. */
+ * granted slot (direct write) and CHUNK_READY waits for that gather instead of a write.
+ *
+ * A room's decode ranks are those of one decode instance: the link's peer group that its first
+ * ROOM_META (or ABORT) came from (transport/link.h), so a prefill rank serving several decode
+ * instances at once addresses each room's peers as (instance, rank); a message about the room
+ * from another group is not the room's and is ignored. Before that first message the room's peers
+ * are group 0's: the one instance of a link with one group (as always), nobody on a link serving
+ * several (group 0 never names an instance there), so a room failed that early is not held
+ * for them (pump_room). */
 #include <string.h>
 
 #include "base/map.h"
@@ -44,6 +52,7 @@ typedef struct {
 
 /* Messages about rooms the engine has not added yet (protocol.md §3.2: decode registers first). */
 typedef struct {
+    uint32_t group;    /* the link's peer group of the decode instance (set by the first message) */
     uint64_t meta_got; /* bit per decode rank */
     uint64_t aborted;  /* bit per decode rank */
     smeta_t meta[KVS_MAX_TP];
@@ -56,6 +65,8 @@ typedef struct {
     const uint32_t *page_table; /* [ceil(prompt_len / P)] engine-owned */
     kvs_room_status_t status;
     kvs_status_t reason;
+    int grouped;    /* the decode instance is known (from a message of the room)... */
+    uint32_t group; /* ...as this link peer group; 0 until then */
     kvs_dest_t dests[KVS_MAX_TP];
     uint32_t ndests;
     uint32_t dpeers[KVS_MAX_TP]; /* decode ranks exchanging metadata and status */
@@ -91,10 +102,10 @@ struct kvs_sender {
     uint8_t **buffers;     /* [staging_buffers][buffer_bytes], in the pool's memory kind; NULL
                               entries in direct mode */
     int *buffer_busy;
-    uint8_t direct_ok[KVS_MAX_TP]; /* decode rank: 1 once the copy backend's device was found
-                                      to reach its mapped ring */
-    kvs_map_t rooms;               /* id -> sroom_t* */
-    kvs_map_t stash;               /* id -> sstash_t* */
+    kvs_map_t direct_ok; /* link peer id -> (void *) 1 once the copy backend's device
+                            was found to reach its mapped ring */
+    kvs_map_t rooms;     /* id -> sroom_t* */
+    kvs_map_t stash;     /* id -> sstash_t* */
     kvs_pd_metrics_t m;
     uint64_t srtt_ns; /* smoothed round trip to the decode ranks (kvs_pd_rto) */
 };
@@ -146,6 +157,7 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
     tx->grid = kvs_grid_tokens(config->geo.chunk_tokens, config->geo.page_size);
     kvs_map_init(&tx->rooms);
     kvs_map_init(&tx->stash);
+    kvs_map_init(&tx->direct_ok);
     const kvs_kv_shape_t *s = &tx->shape;
     uint64_t heads = kvs_tp_heads_per_rank(s, config->geo.prefill_tp);
     uint64_t dims = s->attn == KVS_ATTN_MLA ? s->head_dim_k : s->head_dim_k + s->head_dim_v;
@@ -176,6 +188,7 @@ err_buffers:
     kvs_free(tx->buffer_busy);
     kvs_copy_backend_destroy(&tx->copy);
 err_free:
+    kvs_map_fini(&tx->direct_ok);
     kvs_free(tx);
     return st;
 }
@@ -228,6 +241,7 @@ void kvs_sender_destroy(kvs_sender_t *tx)
     for (size_t it = 0; kvs_map_next(&tx->stash, &it, NULL, &v);) kvs_free(v);
     kvs_map_fini(&tx->rooms);
     kvs_map_fini(&tx->stash);
+    kvs_map_fini(&tx->direct_ok);
     kvs_copy_backend_destroy(&tx->copy); /* drains gathers still in flight */
     const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
     for (uint32_t i = 0; i < tx->cfg.staging_buffers; i++)
@@ -283,6 +297,19 @@ static uint64_t dest_slot(const kvs_sender_t *tx, const sroom_t *r, uint64_t k, 
     return size;
 }
 
+/* The link's name of the room's decode rank. */
+static uint32_t peer_of(const sroom_t *r, uint32_t decode_rank)
+{
+    return kvs_peer_id(r->group, decode_rank);
+}
+
+/* Sends msg to the room's decode rank. */
+static void room_send(kvs_sender_t *tx, const sroom_t *r, uint32_t decode_rank,
+                      const kvs_msg_t *msg)
+{
+    kvs_pd_send(tx->link, &tx->m, peer_of(r, decode_rank), msg);
+}
+
 static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
 {
     uint32_t decode_rank = r->dests[d].decode_rank;
@@ -294,7 +321,7 @@ static void send_staging_req(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .decode_rank = decode_rank,
         .slot_bytes = dest_slot(tx, r, chunk, d, NULL),
     };
-    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+    room_send(tx, r, decode_rank, &msg);
 }
 
 static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint32_t d)
@@ -316,7 +343,7 @@ static void send_chunk_ready(kvs_sender_t *tx, sroom_t *r, uint64_t chunk, uint3
         .bytes = chunk_tokens(tx, r, chunk, dest->decode_rank) * dest->w.bytes_per_token,
         .checksum = r->cd[chunk * r->ndests + d].checksum,
     };
-    kvs_pd_send(tx->link, &tx->m, dest->decode_rank, &msg);
+    room_send(tx, r, dest->decode_rank, &msg);
 }
 
 static void send_status(kvs_sender_t *tx, sroom_t *r, uint32_t i)
@@ -331,10 +358,11 @@ static void send_status(kvs_sender_t *tx, sroom_t *r, uint32_t i)
         .final_len = r->status == KVS_ROOM_FAILED ? 0 : r->final_len,
     };
     memcpy(msg.u.status.final, r->final, msg.u.status.final_len);
-    kvs_pd_send(tx->link, &tx->m, r->dpeers[i], &msg);
+    room_send(tx, r, r->dpeers[i], &msg);
 }
 
-static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
+/* The answers below go to decode rank decode_rank of peer group `group`. */
+static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t group, uint32_t decode_rank)
 {
     kvs_msg_t msg = {.type = KVS_MSG_ACK};
     msg.u.ack = (kvs_msg_ack_t){
@@ -343,24 +371,24 @@ static void send_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
         .from_rank = tx->cfg.rank,
         .to_rank = decode_rank,
     };
-    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+    kvs_pd_send(tx->link, &tx->m, kvs_peer_id(group, decode_rank), &msg);
 }
 
 /* Confirms a grant, so decode stops resending it. */
-static void send_grant_ack(kvs_sender_t *tx, uint64_t room, uint32_t chunk, uint32_t decode_rank)
+static void send_grant_ack(kvs_sender_t *tx, const sroom_t *r, uint32_t chunk, uint32_t decode_rank)
 {
     kvs_msg_t msg = {.type = KVS_MSG_ACK};
     msg.u.ack = (kvs_msg_ack_t){
-        .room = room,
+        .room = r->id,
         .acked_type = KVS_MSG_STAGING_GRANT,
         .chunk = chunk,
         .from_rank = tx->cfg.rank,
         .to_rank = decode_rank,
     };
-    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+    room_send(tx, r, decode_rank, &msg);
 }
 
-static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank)
+static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t group, uint32_t decode_rank)
 {
     kvs_msg_t msg = {.type = KVS_MSG_ABORT_ACK};
     msg.u.abort = (kvs_msg_abort_t){
@@ -369,7 +397,7 @@ static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t decode_rank
         .to_rank = decode_rank,
         .reason = KVS_OK,
     };
-    kvs_pd_send(tx->link, &tx->m, decode_rank, &msg);
+    kvs_pd_send(tx->link, &tx->m, kvs_peer_id(group, decode_rank), &msg);
 }
 
 /* ---- room lifecycle ---- */
@@ -456,6 +484,8 @@ kvs_status_t kvs_sender_add_room(kvs_sender_t *tx, uint64_t room, uint64_t promp
     r->added_at = r->last_activity = now_ns(tx);
     sstash_t *s = kvs_map_remove(&tx->stash, room);
     if (s != NULL) {
+        r->grouped = 1;
+        r->group = s->group;
         for (uint32_t i = 0; i < r->ndpeers; i++) {
             uint32_t d = r->dpeers[i];
             if (s->aborted & KVS_BIT(d)) r->aborted_by |= KVS_BIT(i);
@@ -569,7 +599,33 @@ static sstash_t *stash_for(kvs_sender_t *tx, uint64_t room)
     return s;
 }
 
-static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm)
+/* Binds the room (or its stash entry) to the decode instance of `group` on its first message;
+ * 0 if the room belongs to another one (a room id two decode instances both use: the later one
+ * is refused). */
+static int claim(kvs_sender_t *tx, int *grouped, uint32_t *bound, uint32_t group, uint64_t room)
+{
+    if (!*grouped) {
+        *grouped = 1;
+        *bound = group;
+        return 1;
+    }
+    if (*bound == group) return 1;
+    tx->m.rejected++;
+    kvs_warn("prefill rank %u: room %llu belongs to another decode instance (peer group %u, "
+             "not %u)",
+             tx->cfg.rank, (unsigned long long) room, *bound, group);
+    return 0;
+}
+
+/* The room a decode message of `group` is about: NULL when unknown or another instance's (a
+ * room not bound yet answers group 0's, the one instance of a one-group link). */
+static sroom_t *room_from(kvs_sender_t *tx, uint64_t room, uint32_t group)
+{
+    sroom_t *r = kvs_map_get(&tx->rooms, room);
+    return r != NULL && r->group == group ? r : NULL;
+}
+
+static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm, uint32_t group)
 {
     const kvs_pd_geometry_t *g = &tx->cfg.geo;
     if (mm->decode_tp != g->decode_tp) {
@@ -584,9 +640,11 @@ static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm)
         /* The engine has not added this room yet: keep the metadata until it does. */
         sstash_t *s = stash_for(tx, mm->room);
         if (s == NULL) return; /* not acknowledged: decode resends */
+        int grouped = s->meta_got != 0 || s->aborted != 0;
+        if (!claim(tx, &grouped, &s->group, group, mm->room)) return;
         s->meta[mm->decode_rank] = meta;
         s->meta_got |= KVS_BIT(mm->decode_rank);
-        send_ack(tx, mm->room, mm->decode_rank);
+        send_ack(tx, mm->room, group, mm->decode_rank);
         return;
     }
     int i = kvs_pd_rank_index(r->dpeers, r->ndpeers, mm->decode_rank);
@@ -594,7 +652,8 @@ static void on_room_meta(kvs_sender_t *tx, const kvs_msg_room_meta_t *mm)
         tx->m.rejected++;
         return;
     }
-    send_ack(tx, mm->room, mm->decode_rank);
+    if (!claim(tx, &r->grouped, &r->group, group, mm->room)) return;
+    send_ack(tx, mm->room, group, mm->decode_rank);
     if (r->meta_got & KVS_BIT(i)) {
         tx->m.ignored++;
         return;
@@ -610,9 +669,9 @@ static int dest_index(const sroom_t *r, uint32_t decode_rank)
     return -1;
 }
 
-static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
+static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr, uint32_t group)
 {
-    sroom_t *r = kvs_map_get(&tx->rooms, gr->room);
+    sroom_t *r = room_from(tx, gr->room, group);
     int d = r ? dest_index(r, gr->decode_rank) : -1;
     if (r == NULL || d < 0 || r->cd == NULL || gr->chunk >= r->nchunks ||
         r->status == KVS_ROOM_FAILED) {
@@ -622,7 +681,7 @@ static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
     sdest_t *sd = &r->cd[gr->chunk * r->ndests + (uint32_t) d];
     /* Confirmed whether new or a repeat (the first confirmation may have been lost); a grant
      * for a room this rank does not hold yet is not, so decode keeps resending it. */
-    send_grant_ack(tx, gr->room, gr->chunk, gr->decode_rank);
+    send_grant_ack(tx, r, gr->chunk, gr->decode_rank);
     if (sd->state != SD_IDLE && sd->state != SD_REQUESTED && sd->state != SD_QUEUED) {
         tx->m.ignored++; /* a repeat of a grant we already hold */
         return;
@@ -637,9 +696,9 @@ static void on_grant(kvs_sender_t *tx, const kvs_msg_staging_grant_t *gr)
 
 /* The request waits behind a full ring: no resend until the grant (which decode resends until
  * confirmed) or the long queued timeout, so retries count real losses only. */
-static void on_queued(kvs_sender_t *tx, const kvs_msg_staging_queued_t *q)
+static void on_queued(kvs_sender_t *tx, const kvs_msg_staging_queued_t *q, uint32_t group)
 {
-    sroom_t *r = kvs_map_get(&tx->rooms, q->room);
+    sroom_t *r = room_from(tx, q->room, group);
     int d = r ? dest_index(r, q->decode_rank) : -1;
     if (r == NULL || d < 0 || r->cd == NULL || q->chunk >= r->nchunks ||
         r->status == KVS_ROOM_FAILED) {
@@ -659,9 +718,9 @@ static void on_queued(kvs_sender_t *tx, const kvs_msg_staging_queued_t *q)
     r->last_activity = now_ns(tx);
 }
 
-static void on_ack(kvs_sender_t *tx, const kvs_msg_ack_t *a)
+static void on_ack(kvs_sender_t *tx, const kvs_msg_ack_t *a, uint32_t group)
 {
-    sroom_t *r = kvs_map_get(&tx->rooms, a->room);
+    sroom_t *r = room_from(tx, a->room, group);
     if (r == NULL) {
         tx->m.ignored++;
         return;
@@ -691,7 +750,7 @@ static void on_ack(kvs_sender_t *tx, const kvs_msg_ack_t *a)
     r->last_activity = now_ns(tx);
 }
 
-static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a)
+static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a, uint32_t group)
 {
     if (a->from_rank >= tx->cfg.geo.decode_tp) {
         tx->m.rejected++;
@@ -703,8 +762,10 @@ static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a)
          * comes (unacknowledged if we cannot: decode resends). */
         sstash_t *s = stash_for(tx, a->room);
         if (s == NULL) return;
+        int grouped = s->meta_got != 0 || s->aborted != 0;
+        if (!claim(tx, &grouped, &s->group, group, a->room)) return;
         s->aborted |= KVS_BIT(a->from_rank);
-        send_abort_ack(tx, a->room, a->from_rank);
+        send_abort_ack(tx, a->room, group, a->from_rank);
         return;
     }
     int i = kvs_pd_rank_index(r->dpeers, r->ndpeers, a->from_rank);
@@ -712,31 +773,33 @@ static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a)
         tx->m.rejected++;
         return;
     }
+    if (!claim(tx, &r->grouped, &r->group, group, a->room)) return;
     r->aborted_by |= KVS_BIT(i);
     r->status_acked |= KVS_BIT(i);
     fail_room(tx, r, KVS_ERR_ABORTED, "aborted by decode");
-    if (r->writing == 0) send_abort_ack(tx, r->id, a->from_rank);
+    if (r->writing == 0) send_abort_ack(tx, r->id, r->group, a->from_rank);
     /* Otherwise the ABORT_ACK goes out once the writes drain (pump_room), and again on every
      * repeated ABORT. */
 }
 
-static void handle(kvs_sender_t *tx, const kvs_msg_t *msg)
+/* `group`: the link's peer group of the message's sender. */
+static void handle(kvs_sender_t *tx, const kvs_msg_t *msg, uint32_t group)
 {
     switch (msg->type) {
     case KVS_MSG_ROOM_META:
-        on_room_meta(tx, &msg->u.room_meta);
+        on_room_meta(tx, &msg->u.room_meta, group);
         break;
     case KVS_MSG_STAGING_GRANT:
-        on_grant(tx, &msg->u.staging_grant);
+        on_grant(tx, &msg->u.staging_grant, group);
         break;
     case KVS_MSG_STAGING_QUEUED:
-        on_queued(tx, &msg->u.staging_queued);
+        on_queued(tx, &msg->u.staging_queued, group);
         break;
     case KVS_MSG_ACK:
-        on_ack(tx, &msg->u.ack);
+        on_ack(tx, &msg->u.ack, group);
         break;
     case KVS_MSG_ABORT:
-        on_abort(tx, &msg->u.abort);
+        on_abort(tx, &msg->u.abort, group);
         break;
     default:
         tx->m.rejected++;
@@ -788,17 +851,17 @@ static int take_buffer(kvs_sender_t *tx)
 /* The granted slot as a pointer this rank's gather can store to, or NULL: staged mode, a link
  * that cannot map the ring, or a ring this rank's copy backend cannot reach (a device ring for
  * a host pool, another GPU's ring without peer access). */
-static uint8_t *map_slot(kvs_sender_t *tx, uint32_t decode_rank, uint64_t offset, uint64_t len)
+static uint8_t *map_slot(kvs_sender_t *tx, uint32_t peer, uint64_t offset, uint64_t len)
 {
     const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
     if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL) return NULL;
     int host = 0;
-    uint8_t *p = tx->link->ops->map(tx->link->ctx, decode_rank, offset, len, &host);
+    uint8_t *p = tx->link->ops->map(tx->link->ctx, peer, offset, len, &host);
     if (p == NULL || (pc->mem == KVS_MEM_HOST) != host) return NULL;
-    if (tx->direct_ok[decode_rank]) return p;
+    if (kvs_map_get(&tx->direct_ok, peer) != NULL) return p;
     /* A host pool asks no CUDA call: initialising CUDA could stall progress for seconds. */
     if (pc->mem == KVS_MEM_DEVICE && !kvs_mem_device_can_access(pc->device, p)) return NULL;
-    tx->direct_ok[decode_rank] = 1;
+    if (kvs_map_put(&tx->direct_ok, peer, (void *) 1) != KVS_OK) return NULL;
     return p;
 }
 
@@ -827,7 +890,7 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
                   (unsigned long long) bytes, (unsigned long long) sd->size);
         return KVS_ERR_PROTOCOL;
     }
-    uint8_t *direct = map_slot(tx, dest->decode_rank, sd->offset + at, bytes);
+    uint8_t *direct = map_slot(tx, peer_of(r, dest->decode_rank), sd->offset + at, bytes);
     if (direct == NULL && tx->cfg.write_mode == KVS_WRITE_DIRECT) {
         kvs_error("room %llu chunk %llu: direct write, but the link cannot map decode rank %u's "
                   "slot for this GPU",
@@ -868,7 +931,7 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         while ((st = kvs_copy_poll(&tx->copy, copy_ticket)) == KVS_INPROGRESS) {
         }
         if (st == KVS_OK)
-            st = tx->link->ops->write(tx->link->ctx, dest->decode_rank, sd->offset + at,
+            st = tx->link->ops->write(tx->link->ctx, peer_of(r, dest->decode_rank), sd->offset + at,
                                       tx->buffers[b], bytes, &sd->ticket);
     }
     tx->m.data_ns += kvs_now_ns() - t0;
@@ -949,9 +1012,15 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
         if (r->writing > 0) return events;
         if (!r->drained_acked) {
             for (uint32_t i = 0; i < r->ndpeers; i++)
-                if (r->aborted_by & KVS_BIT(i)) send_abort_ack(tx, r->id, r->dpeers[i]);
+                if (r->aborted_by & KVS_BIT(i)) send_abort_ack(tx, r->id, r->group, r->dpeers[i]);
             r->drained_acked = 1;
         }
+        /* Failed before any decode rank wrote: a peer the link reports gone (on a link serving
+         * several decode instances, every peer of the not yet known one) has nothing to hear. */
+        for (uint32_t i = 0; !r->grouped && tx->link->ops->peer_status != NULL && i < r->ndpeers;
+             i++)
+            if (tx->link->ops->peer_status(tx->link->ctx, peer_of(r, r->dpeers[i])) != KVS_OK)
+                r->status_acked |= KVS_BIT(i);
         if (r->status_acked == all || (r->status_sent && now < r->retry_at)) return events;
         if (r->status_sent && now - r->failed_at >= t->release_timeout_ns) {
             r->status_acked = all; /* the decode side is gone; stop telling it */
@@ -972,7 +1041,7 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
      * silent peer may be one that connects only for this room (per-room bootstrap wires a
      * prefill instance on its first room, or again after closing it idle), and the bootstrap
      * timeout bounds the wait. */
-    if (kvs_pd_dead_peer(tx->link, r->dpeers, r->ndpeers, ~r->meta_got) >= 0) {
+    if (kvs_pd_dead_peer(tx->link, r->group, r->dpeers, r->ndpeers, ~r->meta_got) >= 0) {
         fail_room(tx, r, KVS_ERR_IO, "a decode peer stopped answering (liveness timeout)");
         return events + 1;
     }
@@ -1100,13 +1169,14 @@ uint32_t kvs_sender_progress(kvs_sender_t *tx)
     uint64_t t0 = kvs_now_ns();
     uint32_t events = 0;
     kvs_msg_t msg;
-    while (kvs_pd_recv(tx->link, &tx->m, &msg) == KVS_OK) {
+    uint32_t from = 0;
+    while (kvs_pd_recv(tx->link, &tx->m, &msg, &from) == KVS_OK) {
         events++;
         if (!msg_to_me(tx, &msg)) {
             tx->m.rejected++;
             continue;
         }
-        handle(tx, &msg);
+        handle(tx, &msg, kvs_peer_group(from));
     }
     uint64_t now = now_ns(tx);
     void *v;

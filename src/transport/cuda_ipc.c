@@ -39,8 +39,8 @@ typedef struct {
     kvs_cuda_ipc_config_t cfg;
     int told_control;       /* the "no control messages" error was logged */
     kvs_mem_queue_t *queue; /* prefill: peer copies */
-    ipc_remote_t remotes[KVS_MAX_TP];
-    uint8_t *ring; /* decode: the exposed ring */
+    ipc_remote_t *remotes;  /* [peer_tp] */
+    uint8_t *ring;          /* decode: the exposed ring */
     uint64_t ring_size;
 } ipc_t;
 
@@ -61,11 +61,12 @@ static kvs_status_t ipc_send(void *ctx, uint32_t peer, const uint8_t *buf, size_
     return no_control(ctx);
 }
 
-static kvs_status_t ipc_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
+static kvs_status_t ipc_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p)
 {
     (void) buf;
     (void) cap;
     (void) len_p;
+    (void) from_p;
     return no_control(ctx);
 }
 
@@ -145,7 +146,7 @@ static void close_remotes(ipc_t *c)
     int prev = 0;
     if (cudaGetDevice(&prev) != cudaSuccess) prev = c->cfg.device;
     (void) cudaSetDevice(c->cfg.device);
-    for (uint32_t i = 0; i < KVS_MAX_TP; i++) {
+    for (uint32_t i = 0; i < c->cfg.peer_tp; i++) {
         if (c->remotes[i].base == NULL) continue;
         (void) KVS_CUDA_CHECK(cudaIpcCloseMemHandle(c->remotes[i].base),
                               "cuda_ipc: closing decode rank %u's ring", i);
@@ -159,6 +160,7 @@ static void ipc_destroy(void *ctx)
     ipc_t *c = ctx;
     kvs_mem_queue_destroy(c->queue); /* waits for copies still reading their sources */
     close_remotes(c);
+    kvs_free(c->remotes);
     kvs_free(c);
 }
 
@@ -179,9 +181,9 @@ kvs_status_t kvs_cuda_ipc_link_create(const kvs_cuda_ipc_config_t *config, kvs_l
 {
     if (config == NULL || link_p == NULL ||
         (config->side != KVS_SIDE_PREFILL && config->side != KVS_SIDE_DECODE) ||
-        config->peer_tp == 0 || config->peer_tp > KVS_MAX_TP || config->device < 0) {
-        kvs_error("cuda_ipc link: invalid configuration (side, peer TP in [1, %u], device >= 0)",
-                  KVS_MAX_TP);
+        config->peer_tp == 0 || config->peer_tp > KVS_CUDA_IPC_MAX_PEERS || config->device < 0) {
+        kvs_error("cuda_ipc link: invalid configuration (side, peers in [1, %u], device >= 0)",
+                  KVS_CUDA_IPC_MAX_PEERS);
         return KVS_ERR_INVALID;
     }
     int count = kvs_mem_device_count();
@@ -192,7 +194,9 @@ kvs_status_t kvs_cuda_ipc_link_create(const kvs_cuda_ipc_config_t *config, kvs_l
     }
     ipc_t *c = kvs_calloc(1, sizeof(*c));
     kvs_link_t *link = kvs_malloc(sizeof(*link));
-    if (c == NULL || link == NULL) {
+    if (c != NULL) c->remotes = kvs_calloc(config->peer_tp, sizeof(*c->remotes));
+    if (c == NULL || link == NULL || c->remotes == NULL) {
+        if (c != NULL) kvs_free(c->remotes);
         kvs_free(c);
         kvs_free(link);
         kvs_error("cuda_ipc link: out of memory");
@@ -202,6 +206,7 @@ kvs_status_t kvs_cuda_ipc_link_create(const kvs_cuda_ipc_config_t *config, kvs_l
     if (config->side == KVS_SIDE_PREFILL) {
         kvs_status_t st = kvs_mem_queue_create(config->device, &c->queue);
         if (st != KVS_OK) {
+            kvs_free(c->remotes);
             kvs_free(c);
             kvs_free(link);
             return st;

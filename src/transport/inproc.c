@@ -20,6 +20,7 @@
 
 typedef struct {
     size_t len;
+    uint32_t from;   /* the sender's rank */
     uint8_t bytes[]; /* [len] one encoded control message */
 } inproc_msg_t;
 
@@ -217,11 +218,13 @@ static uint64_t random_delay(kvs_inproc_net_t *net, uint64_t max)
     return max ? kvs_rng_range(&net->rng, 0, max) : 0;
 }
 
-static kvs_status_t enqueue_msg(inproc_ep_t *to, const uint8_t *buf, size_t len, uint64_t due)
+static kvs_status_t enqueue_msg(inproc_ep_t *to, uint32_t from, const uint8_t *buf, size_t len,
+                                uint64_t due)
 {
     inproc_msg_t *m = kvs_malloc(sizeof(*m) + len);
     if (m == NULL) return KVS_ERR_NOMEM;
     m->len = len;
+    m->from = from;
     memcpy(m->bytes, buf, len);
     kvs_status_t st = kvs_heap_push(&to->inbox, due, m);
     if (st != KVS_OK) kvs_free(m);
@@ -255,7 +258,7 @@ static kvs_status_t ep_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t
     int copies = 1 + kvs_rng_chance(&net->rng, net->faults.dup_permille, 1000);
     for (int c = 0; c < copies; c++) {
         kvs_status_t st =
-            enqueue_msg(to, buf, len, now + random_delay(net, net->faults.delay_max_ns));
+            enqueue_msg(to, ep->rank, buf, len, now + random_delay(net, net->faults.delay_max_ns));
         if (st != KVS_OK) return st;
         net->stats.in_flight++;
     }
@@ -263,7 +266,7 @@ static kvs_status_t ep_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t
     return KVS_OK;
 }
 
-static kvs_status_t ep_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
+static kvs_status_t ep_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p)
 {
     inproc_ep_t *ep = ctx;
     kvs_inproc_net_t *net = ep->net;
@@ -280,6 +283,7 @@ static kvs_status_t ep_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
     } else {
         memcpy(buf, m->bytes, m->len);
         *len_p = m->len;
+        if (from_p != NULL) *from_p = kvs_peer_id(0, m->from);
     }
     kvs_free(m);
     return st;

@@ -12,12 +12,15 @@
 
 typedef struct {
     const char *name;
-    /* Queues one control message to rank `peer` of the other side. Success means queued, not
-     * delivered: the protocol retries what matters. */
+    /* Queues one control message to peer `peer` of the other side (a rank, or on a prefill
+     * link serving several decode instances an (instance, rank) id: kvs_peer_id in
+     * kvstage/layout.h; every op's `peer` is such an id). Success means queued, not delivered:
+     * the protocol retries what matters. */
     kvs_status_t (*send)(void *ctx, uint32_t peer, const uint8_t *buf, size_t len);
     /* Takes the next received control message: KVS_OK, or KVS_INPROGRESS when none is waiting.
-     * A message larger than cap is dropped and reported as KVS_ERR_PROTOCOL. */
-    kvs_status_t (*recv)(void *ctx, uint8_t *buf, size_t cap, size_t *len_p);
+     * *from_p (NULL-able) is its sender's peer id. A message larger than cap is dropped and
+     * reported as KVS_ERR_PROTOCOL. */
+    kvs_status_t (*recv)(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p);
     /* Prefill: starts writing len bytes from src to offset of decode rank peer's ring. */
     kvs_status_t (*write)(void *ctx, uint32_t peer, uint64_t offset, const void *src, uint64_t len,
                           uint64_t *ticket_p);
@@ -40,8 +43,9 @@ typedef struct {
     kvs_status_t (*expose)(void *ctx, void *ring, uint64_t size);
     /* Decode: makes every completed incoming write visible to local readers (scatter). */
     kvs_status_t (*flush)(void *ctx);
-    /* KVS_OK while rank `peer` of the other side is believed alive, KVS_ERR_IO once it has been
-     * silent past the liveness timeout (its rooms fail). NULL: peers never die (inproc). */
+    /* KVS_OK while peer `peer` of the other side is believed alive, KVS_ERR_IO once it has been
+     * silent past the liveness timeout (its rooms fail) or its instance is gone. NULL: peers
+     * never die (inproc). */
     kvs_status_t (*peer_status)(void *ctx, uint32_t peer);
     void (*destroy)(void *ctx);
 } kvs_link_ops_t;

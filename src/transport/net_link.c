@@ -7,7 +7,9 @@
  * decode peer's wireup (worker address, ring base and size, rkey; pushed by decode and asked for
  * by prefill until a deadline), then post their pieces, and complete only after a flush. A peer
  * that dies, restarts or re-exposes its ring invalidates its endpoint: writes in flight to it
- * fail, later writes wire up again. */
+ * fail, later writes wire up again. A prefill link with max_instances > 1 serves several decode
+ * instances: its peers are the channel's peer groups (ids kvs_peer_id(group, rank)), and a group
+ * whose ranks are all dead is closed here (close_dead_groups). */
 #include "base/bytes.h"
 #include "kvstage/net.h"
 
@@ -46,14 +48,15 @@
 
 typedef struct {
     size_t len;
+    uint32_t from;   /* the sender's peer id */
     uint8_t bytes[]; /* [len] one protocol message */
 } inbox_msg_t;
 
 typedef struct {
     uint64_t ticket;
-    uint32_t peer;
-    int wiring;  /* waiting for the peer's wireup */
-    int via_ipc; /* a CUDA IPC peer copy (ipc_ticket), not UCX puts */
+    uint32_t peer; /* index in the channel */
+    int wiring;    /* waiting for the peer's wireup */
+    int via_ipc;   /* a CUDA IPC peer copy (ipc_ticket), not UCX puts */
     uint64_t ipc_ticket;
     kvs_status_t status; /* KVS_INPROGRESS until the outcome is known */
     const void *src;     /* [len] caller-owned until the outcome is collected */
@@ -83,7 +86,7 @@ typedef struct {
     kvs_zch_t *ch;
     kvs_ucx_t *ucx;
     kvs_link_t *ipc; /* device pools: the CUDA IPC data plane; NULL for host pools */
-    npeer_t *peers;  /* [peer_tp] */
+    npeer_t *peers;  /* [kvs_zch_peers()], by the channel's peer index */
     /* decode: the exposed ring and the WIREUP payload describing it */
     kvs_ucx_region_t *region;
     kvs_ucx_region_t *owned; /* the ring ring_alloc made (exposed or not) */
@@ -297,6 +300,7 @@ static void handle_frame(net_t *n, const kvs_zch_frame_t *f)
         inbox_msg_t *m = kvs_malloc(sizeof(*m) + f->len);
         if (m == NULL) return; /* lost like any message: the protocol retries */
         m->len = f->len;
+        m->from = kvs_zch_peer_id(n->ch, f->from);
         memcpy(m->bytes, f->payload, f->len);
         n->inbox[(n->inbox_head + n->inbox_count) % INBOX_CAP] = m;
         n->inbox_count++;
@@ -341,10 +345,44 @@ static uint32_t resolve(net_t *n, uint32_t peer)
     return kvs_zch_set_peer(n->ch, peer, reg.endpoint) == KVS_OK;
 }
 
+/* Prefill serving several decode instances: an instance whose every rank is past the liveness
+ * timeout has failed its rooms (the sender sees its peers dead); its group is closed, so a
+ * long-lived prefill rank does not gather the sockets of decode instances that left. Its ids
+ * never resolve again: a room still naming it sees dead peers, and the instance, should it come
+ * back, gets a new group. */
+static uint32_t close_dead_groups(net_t *n)
+{
+    const uint32_t tp = n->cfg.peer_tp;
+    uint32_t closed = 0;
+    if (n->cfg.max_instances <= 1) return 0;
+    for (uint32_t first = 0; first < kvs_zch_peers(n->ch); first += tp) {
+        if (!kvs_zch_peer_open(n->ch, first)) continue;
+        uint32_t r = 0;
+        while (r < tp && n->peers[first + r].dead) r++;
+        if (r < tp) continue;
+        /* Puts in flight fail with their endpoint (UCX) or land (a peer copy); writes still
+         * waiting for a wireup fail now. */
+        for (r = 0; r < tp; r++) {
+            drop_remote(n, first + r, 1, "its decode instance is gone");
+            memset(&n->peers[first + r], 0, sizeof(n->peers[first + r]));
+        }
+        void *v;
+        for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);) {
+            nwrite_t *w = v;
+            if (w->peer >= first && w->peer < first + tp && w->wiring)
+                finish_write(n, w, KVS_ERR_IO);
+        }
+        kvs_zch_close_group(n->ch, first);
+        closed++;
+    }
+    return closed;
+}
+
 static uint32_t check_peers(net_t *n)
 {
     uint32_t events = 0;
-    for (uint32_t i = 0; i < n->cfg.peer_tp; i++) {
+    for (uint32_t i = 0; i < kvs_zch_peers(n->ch); i++) {
+        if (!kvs_zch_peer_open(n->ch, i)) continue;
         npeer_t *p = &n->peers[i];
         uint64_t inc = kvs_zch_peer_incarnation(n->ch, i);
         int dead = kvs_zch_peer_status(n->ch, i) != KVS_OK;
@@ -377,7 +415,7 @@ static uint32_t check_peers(net_t *n)
         }
         p->dead = dead;
     }
-    return events;
+    return events + close_dead_groups(n);
 }
 
 static uint32_t service(net_t *n)
@@ -409,18 +447,34 @@ static void maybe_service(net_t *n)
 
 /* ---- ops ---- */
 
+/* The channel's index of peer id `peer` (kvs_peer_id): KVS_OK; KVS_ERR_IO for a peer of a
+ * decode instance whose group is closed (gone, as good as dead); KVS_ERR_INVALID for a rank
+ * not on the other side. */
+static kvs_status_t peer_index(net_t *n, uint32_t peer, uint32_t *index_p)
+{
+    kvs_status_t st = kvs_zch_peer_index(n->ch, peer, index_p);
+    if (st == KVS_ERR_NOT_FOUND) return KVS_ERR_IO;
+    if (st != KVS_OK)
+        kvs_error("net link: no rank %u on the other side (of %u)", kvs_peer_rank(peer),
+                  n->cfg.peer_tp);
+    return st;
+}
+
 static kvs_status_t net_send(void *ctx, uint32_t peer, const uint8_t *buf, size_t len)
 {
     net_t *n = ctx;
-    if (peer >= n->cfg.peer_tp || len > KVS_MSG_MAX_SIZE) {
-        kvs_error("net link: cannot send %zu bytes to rank %u of %u", len, peer, n->cfg.peer_tp);
-        return KVS_ERR_INVALID;
+    uint32_t i = 0;
+    kvs_status_t st = len > KVS_MSG_MAX_SIZE ? KVS_ERR_INVALID : peer_index(n, peer, &i);
+    if (st != KVS_OK) {
+        if (st == KVS_ERR_INVALID)
+            kvs_error("net link: cannot send %zu bytes to peer %u", len, peer);
+        return st;
     }
     maybe_service(n);
-    return kvs_zch_send(n->ch, peer, KVS_ZCH_MSG, buf, len);
+    return kvs_zch_send(n->ch, i, KVS_ZCH_MSG, buf, len);
 }
 
-static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
+static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p, uint32_t *from_p)
 {
     net_t *n = ctx;
     if (n->inbox_count == 0) service(n);
@@ -435,23 +489,27 @@ static kvs_status_t net_recv(void *ctx, uint8_t *buf, size_t cap, size_t *len_p)
     } else {
         memcpy(buf, m->bytes, m->len);
         *len_p = m->len;
+        if (from_p != NULL) *from_p = m->from;
     }
     kvs_free(m);
     return st;
 }
 
-static kvs_status_t net_write(void *ctx, uint32_t peer, uint64_t offset, const void *src,
+static kvs_status_t net_write(void *ctx, uint32_t id, uint64_t offset, const void *src,
                               uint64_t len, uint64_t *ticket_p)
 {
     net_t *n = ctx;
-    if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp || (len > 0 && src == NULL)) {
+    uint32_t peer = 0;
+    if (n->cfg.side != KVS_SIDE_PREFILL || (len > 0 && src == NULL) ||
+        kvs_zch_peer_index(n->ch, id, &peer) == KVS_ERR_INVALID) {
         kvs_error("net link: %s rank %u cannot write to decode rank %u", kvs_side_str(n->cfg.side),
-                  n->cfg.rank, peer);
+                  n->cfg.rank, kvs_peer_rank(id));
         return KVS_ERR_INVALID;
     }
     service(n);
-    if (kvs_zch_peer_status(n->ch, peer) != KVS_OK) {
-        kvs_error("net link: prefill rank %u: decode rank %u is not alive", n->cfg.rank, peer);
+    if (peer_index(n, id, &peer) != KVS_OK || kvs_zch_peer_status(n->ch, peer) != KVS_OK) {
+        kvs_error("net link: prefill rank %u: decode rank %u (peer %u) is not alive", n->cfg.rank,
+                  kvs_peer_rank(id), id);
         return KVS_ERR_IO;
     }
     nwrite_t *w = kvs_calloc(1, sizeof(*w));
@@ -581,7 +639,7 @@ static kvs_status_t net_expose(void *ctx, void *ring, uint64_t size)
         return st;
     }
     /* Prefill ranks holding the old ring's rkey must hear of the new one. */
-    for (uint32_t i = 0; i < n->cfg.peer_tp; i++) {
+    for (uint32_t i = 0; i < kvs_zch_peers(n->ch); i++) {
         n->peers[i].pushed_inc = 0;
         push_wireup(n, i);
     }
@@ -612,11 +670,13 @@ static void net_ring_free(void *ctx, void *ring)
 }
 
 /* Prefill: the decode ring through shared memory, once wired up to it (else staged writes). */
-static void *net_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
+static void *net_map(void *ctx, uint32_t id, uint64_t offset, uint64_t len, int *host_p)
 {
     net_t *n = ctx;
-    if (n->cfg.side != KVS_SIDE_PREFILL || peer >= n->cfg.peer_tp) return NULL;
+    uint32_t peer = 0;
+    if (n->cfg.side != KVS_SIDE_PREFILL) return NULL;
     maybe_service(n);
+    if (kvs_zch_peer_index(n->ch, id, &peer) != KVS_OK) return NULL;
     npeer_t *p = &n->peers[peer];
     if (!wired(p) || p->dead) {
         /* Ask now so that a later chunk finds the ring mapped. */
@@ -638,15 +698,13 @@ static kvs_status_t net_flush(void *ctx)
     return KVS_OK;
 }
 
-static kvs_status_t net_peer_status(void *ctx, uint32_t peer)
+static kvs_status_t net_peer_status(void *ctx, uint32_t id)
 {
     net_t *n = ctx;
-    if (peer >= n->cfg.peer_tp) {
-        kvs_error("net link: no rank %u on the other side (of %u)", peer, n->cfg.peer_tp);
-        return KVS_ERR_INVALID;
-    }
+    uint32_t peer = 0;
     maybe_service(n);
-    return kvs_zch_peer_status(n->ch, peer);
+    kvs_status_t st = peer_index(n, id, &peer);
+    return st != KVS_OK ? st : kvs_zch_peer_status(n->ch, peer);
 }
 
 static void net_destroy(void *ctx)
@@ -659,8 +717,9 @@ static void net_destroy(void *ctx)
         kvs_free(w);
     }
     kvs_map_fini(&n->writes);
-    for (uint32_t i = 0; i < n->cfg.peer_tp; i++)
-        drop_remote(n, i, kvs_zch_peer_status(n->ch, i) != KVS_OK, "the link is closing");
+    for (uint32_t i = 0; i < kvs_zch_peers(n->ch); i++)
+        if (kvs_zch_peer_open(n->ch, i))
+            drop_remote(n, i, kvs_zch_peer_status(n->ch, i) != KVS_OK, "the link is closing");
     withdraw(n);
     if (n->owned != NULL) kvs_ucx_region_destroy(n->owned); /* the receiver did not free it */
     kvs_link_destroy(n->ipc); /* waits for peer copies still reading staging buffers */
@@ -739,14 +798,24 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
 {
     if ((config->side != KVS_SIDE_PREFILL && config->side != KVS_SIDE_DECODE) ||
         config->peer_tp == 0 || config->peer_tp > KVS_MAX_TP || config->bind == NULL ||
-        config->data > KVS_NET_DATA_TCP) {
-        kvs_error("net link: needs a side, 1..%u peers, a bind endpoint and a data transport",
-                  KVS_MAX_TP);
+        config->data > KVS_NET_DATA_TCP || config->max_instances > KVS_NET_MAX_INSTANCES) {
+        kvs_error("net link: needs a side, 1..%u peers, a bind endpoint, a data transport and at "
+                  "most %u decode instances",
+                  KVS_MAX_TP, KVS_NET_MAX_INSTANCES);
         return KVS_ERR_INVALID;
     }
+    const int multi = config->side == KVS_SIDE_PREFILL && config->max_instances > 1;
+    for (uint32_t i = 0; multi && i < config->peer_tp; i++) {
+        if (config->peers[i] != NULL) {
+            kvs_error("net link: a prefill rank serving several decode instances learns their "
+                      "endpoints from their heartbeats; configure no peers");
+            return KVS_ERR_INVALID;
+        }
+    }
+    const uint32_t groups = multi ? config->max_instances : 1;
     net_t *n = kvs_calloc(1, sizeof(*n));
     kvs_link_t *link = kvs_malloc(sizeof(*link));
-    if (n != NULL) n->peers = kvs_calloc(config->peer_tp, sizeof(*n->peers));
+    if (n != NULL) n->peers = kvs_calloc((size_t) groups * config->peer_tp, sizeof(*n->peers));
     if (n == NULL || link == NULL || n->peers == NULL) {
         if (n != NULL) kvs_free(n->peers);
         kvs_free(n);
@@ -755,6 +824,7 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
     }
     n->cfg = *config;
     kvs_net_config_t *c = &n->cfg;
+    c->max_instances = groups;
     if (c->heartbeat_ns == 0) c->heartbeat_ns = DEFAULT_HEARTBEAT;
     if (c->liveness_timeout_ns == 0) c->liveness_timeout_ns = DEFAULT_LIVENESS;
     if (c->connect_timeout_ns == 0) c->connect_timeout_ns = DEFAULT_CONNECT;
@@ -766,6 +836,8 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
         .side = c->side,
         .rank = c->rank,
         .peer_tp = c->peer_tp,
+        .max_groups = groups,
+        .instance = c->instance,
         .bind = config->bind,
         .heartbeat_ns = c->heartbeat_ns,
         .liveness_timeout_ns = c->liveness_timeout_ns,
@@ -780,7 +852,7 @@ kvs_status_t kvs_net_link_create(const kvs_net_config_t *config, kvs_link_t **li
     if ((st = kvs_ucx_create(&uc, &n->ucx)) != KVS_OK) goto err_ch;
     if (c->mem == KVS_MEM_DEVICE) {
         kvs_cuda_ipc_config_t ic = {
-            .side = c->side, .rank = c->rank, .peer_tp = c->peer_tp, .device = c->device};
+            .side = c->side, .rank = c->rank, .peer_tp = groups * c->peer_tp, .device = c->device};
         if ((st = kvs_cuda_ipc_link_create(&ic, &n->ipc)) != KVS_OK) {
             kvs_ucx_destroy(n->ucx);
             goto err_ch;
@@ -827,6 +899,11 @@ kvs_status_t kvs_net_link_set_peer(kvs_link_t *link, uint32_t rank, const char *
 {
     net_t *n = net_of(link);
     if (n == NULL) return KVS_ERR_INVALID;
+    if (n->cfg.max_instances > 1) {
+        kvs_error("net link: prefill rank %u learns its decode peers from their heartbeats",
+                  n->cfg.rank);
+        return KVS_ERR_INVALID;
+    }
     return kvs_zch_set_peer(n->ch, rank, endpoint);
 }
 
@@ -854,6 +931,8 @@ kvs_status_t kvs_net_link_stats(kvs_link_t *link, kvs_net_stats_t *stats_p)
     s.stale = z.stale;
     s.dead_peers = z.dead_peers;
     s.peer_restarts = z.restarts;
+    s.peer_instances = kvs_zch_groups(n->ch);
+    s.instances_refused = z.groups_refused;
     s.writes_in_flight = n->writes.count;
     *stats_p = s;
     return KVS_OK;

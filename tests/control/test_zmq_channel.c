@@ -1,7 +1,7 @@
 /* Tests for the ZeroMQ control channel of the net link: frames both ways between two channels
  * in threads and across fork(), malformed, oversized, truncated and stale frames counted and
  * dropped, sends that never block on a dead or stopped peer, liveness, restarts and endpoints
- * learned from heartbeats. */
+ * learned from heartbeats, peer groups (several instances of the other side told apart). */
 #include "kvs_test.h"
 
 #include <pthread.h>
@@ -274,6 +274,7 @@ static size_t header(uint8_t *b, uint8_t kind, uint8_t version, uint8_t side, ui
     b[3] = 0;
     for (int i = 0; i < 4; i++) b[4 + i] = (uint8_t) (rank >> (8 * i));
     for (int i = 0; i < 8; i++) b[8 + i] = (uint8_t) (inc >> (8 * i));
+    memset(b + 16, 0, 8); /* instance 0 */
     return KVS_ZCH_HEADER_SIZE;
 }
 
@@ -304,32 +305,33 @@ static void test_rejects_hostile_frames(void **state)
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
     assert_int_equal(zmq_connect(s, kvs_zch_endpoint(d)), 0);
     static uint8_t b[KVS_ZCH_HEADER_SIZE + KVS_ZCH_INTERNAL_MAX + 16];
-    const uint8_t P = KVS_SIDE_PREFILL, D = KVS_SIDE_DECODE;
+    const uint8_t P = KVS_SIDE_PREFILL, D = KVS_SIDE_DECODE, V = KVS_ZCH_VERSION;
+    const size_t H = KVS_ZCH_HEADER_SIZE;
     uint32_t bad = 0;
-    raw_send(s, b, 0, 0), bad++;                                      /* empty */
-    raw_send(s, "\x01\x01\x00", 3, 0), bad++;                         /* truncated header */
-    header(b, 99, 1, P, 0, 5), raw_send(s, b, 16, 0), bad++;          /* unknown kind */
-    header(b, 0, 1, P, 0, 5), raw_send(s, b, 16, 0), bad++;           /* kind 0 */
-    header(b, 1, 2, P, 0, 5), raw_send(s, b, 16, 0), bad++;           /* version */
-    header(b, 1, 1, D, 0, 5), raw_send(s, b, 16, 0), bad++;           /* from our own side */
-    header(b, 1, 1, 7, 0, 5), raw_send(s, b, 16, 0), bad++;           /* no such side */
-    header(b, 1, 1, P, 2, 5), raw_send(s, b, 16, 0), bad++;           /* rank >= peer_tp */
-    header(b, 1, 1, P, 0, 0), raw_send(s, b, 16, 0), bad++;           /* incarnation 0 */
-    header(b, 1, 1, P, 0, 5), b[3] = 1, raw_send(s, b, 16, 0), bad++; /* reserved byte */
-    header(b, 1, 1, P, 0, 5);
-    raw_send(s, b, 16 + KVS_MSG_MAX_SIZE + 1, 0), bad++; /* oversized protocol message */
-    header(b, 4, 1, P, 0, 5);
-    raw_send(s, b, 16 + KVS_ZCH_INTERNAL_MAX + 1, 0), bad++; /* oversized internal frame */
-    header(b, 2, 1, P, 0, 5);
-    raw_send(s, b, 16 + 5, 0), bad++; /* heartbeat shorter than its fixed part */
-    memset(b + 16, 0, 10);
-    b[16 + 8] = 40; /* endpoint length 40, none given */
-    raw_send(s, b, 16 + 10 + 3, 0), bad++;
-    memcpy(b + 16 + 10, "tcp://1\x01\x02", 9); /* unprintable endpoint */
-    b[16 + 8] = 9;
-    raw_send(s, b, 16 + 10 + 9, 0), bad++;
-    header(b, 1, 1, P, 0, 5);
-    raw_send(s, b, 16, ZMQ_SNDMORE), raw_send(s, b, 16, 0), bad++; /* multi-part */
+    raw_send(s, b, 0, 0), bad++;                                     /* empty */
+    raw_send(s, "\x01\x01\x00", 3, 0), bad++;                        /* truncated header */
+    header(b, 99, V, P, 0, 5), raw_send(s, b, H, 0), bad++;          /* unknown kind */
+    header(b, 0, V, P, 0, 5), raw_send(s, b, H, 0), bad++;           /* kind 0 */
+    header(b, 1, V + 1, P, 0, 5), raw_send(s, b, H, 0), bad++;       /* version */
+    header(b, 1, V, D, 0, 5), raw_send(s, b, H, 0), bad++;           /* from our own side */
+    header(b, 1, V, 7, 0, 5), raw_send(s, b, H, 0), bad++;           /* no such side */
+    header(b, 1, V, P, 2, 5), raw_send(s, b, H, 0), bad++;           /* rank >= peer_tp */
+    header(b, 1, V, P, 0, 0), raw_send(s, b, H, 0), bad++;           /* incarnation 0 */
+    header(b, 1, V, P, 0, 5), b[3] = 1, raw_send(s, b, H, 0), bad++; /* reserved byte */
+    header(b, 1, V, P, 0, 5);
+    raw_send(s, b, H + KVS_MSG_MAX_SIZE + 1, 0), bad++; /* oversized protocol message */
+    header(b, 4, V, P, 0, 5);
+    raw_send(s, b, H + KVS_ZCH_INTERNAL_MAX + 1, 0), bad++; /* oversized internal frame */
+    header(b, 2, V, P, 0, 5);
+    raw_send(s, b, H + 5, 0), bad++; /* heartbeat shorter than its fixed part */
+    memset(b + H, 0, 10);
+    b[H + 8] = 40; /* endpoint length 40, none given */
+    raw_send(s, b, H + 10 + 3, 0), bad++;
+    memcpy(b + H + 10, "tcp://1\x01\x02", 9); /* unprintable endpoint */
+    b[H + 8] = 9;
+    raw_send(s, b, H + 10 + 9, 0), bad++;
+    header(b, 1, V, P, 0, 5);
+    raw_send(s, b, H, ZMQ_SNDMORE), raw_send(s, b, H, 0), bad++; /* multi-part */
     kvs_rng_t rng;
     uint64_t seed = kvs_test_seed(11);
     kvs_rng_seed(&rng, seed);
@@ -340,12 +342,12 @@ static void test_rejects_hostile_frames(void **state)
         raw_send(s, b, len, 0);
     }
     /* The largest valid protocol message gets through, then a marker. */
-    header(b, 1, 1, P, 1, 5);
-    memset(b + 16, 'x', KVS_MSG_MAX_SIZE);
-    raw_send(s, b, 16 + KVS_MSG_MAX_SIZE, 0);
-    header(b, 1, 1, P, 0, 5);
-    memcpy(b + 16, "ok", 2);
-    raw_send(s, b, 18, 0);
+    header(b, 1, V, P, 1, 5);
+    memset(b + H, 'x', KVS_MSG_MAX_SIZE);
+    raw_send(s, b, H + KVS_MSG_MAX_SIZE, 0);
+    header(b, 1, V, P, 0, 5);
+    memcpy(b + H, "ok", 2);
+    raw_send(s, b, H + 2, 0);
     kvs_zch_frame_t f;
     assert_true(pump(d, 5000, &f));
     assert_int_equal(f.from, 1);
@@ -360,12 +362,12 @@ static void test_rejects_hostile_frames(void **state)
 
     /* A late frame from rank 0's earlier life is stale while that life is alive; a later life is
      * a restart. */
-    header(b, 1, 1, P, 0, 4);
-    memcpy(b + 16, "old", 3);
-    raw_send(s, b, 19, 0);
-    header(b, 1, 1, P, 0, 6);
-    memcpy(b + 16, "new", 3);
-    raw_send(s, b, 19, 0);
+    header(b, 1, V, P, 0, 4);
+    memcpy(b + H, "old", 3);
+    raw_send(s, b, H + 3, 0);
+    header(b, 1, V, P, 0, 6);
+    memcpy(b + H, "new", 3);
+    raw_send(s, b, H + 3, 0);
     expect_only(d, 0, "new");
     kvs_zch_stats(d, &st);
     assert_int_equal(st.stale, 1);
@@ -535,6 +537,133 @@ static void test_learn_liveness_restart(void **state)
     kvs_assert_no_leaks();
 }
 
+/* A prefill channel with two peer groups: decode instances 1 and 2 (both rank 0) are told apart
+ * by the instance in their frames, answered each on its own socket; a third waits for a free
+ * slot and gets a group number of its own once the first instance's group is closed. */
+static void test_peer_groups(void **state)
+{
+    (void) state;
+    kvs_zch_config_t pc = {.side = KVS_SIDE_PREFILL,
+                           .rank = 0,
+                           .peer_tp = 1,
+                           .max_groups = 2,
+                           .bind = "tcp://127.0.0.1:0",
+                           .heartbeat_ns = 10 * MS,
+                           .liveness_timeout_ns = 300 * MS,
+                           .connect_timeout_ns = 1000 * MS};
+    kvs_zch_t *p = NULL;
+    assert_int_equal(kvs_zch_create(&pc, &p), KVS_OK);
+    assert_int_equal(kvs_zch_peers(p), 2);
+    assert_int_equal(kvs_zch_groups(p), 0);
+    kvs_zch_t *d[3];
+    for (int i = 0; i < 3; i++) {
+        kvs_zch_config_t dc = {.side = KVS_SIDE_DECODE,
+                               .rank = 0,
+                               .peer_tp = 1,
+                               .instance = (uint64_t) i + 1,
+                               .bind = "tcp://127.0.0.1:0",
+                               .heartbeat_ns = 10 * MS,
+                               .liveness_timeout_ns = 5000 * MS,
+                               .connect_timeout_ns = 5000 * MS};
+        assert_int_equal(kvs_zch_create(&dc, &d[i]), KVS_OK);
+        assert_int_equal(kvs_zch_set_peer(d[i], 0, kvs_zch_endpoint(p)), KVS_OK);
+    }
+    /* Instances 1 and 2 say who they are; each is a group of its own. */
+    uint32_t id[2] = {0, 0}, index[2] = {0, 0};
+    for (int i = 0; i < 2; i++) {
+        char text[2] = {(char) ('a' + i), 0};
+        uint64_t end = kvs_now_ns() + 5000 * MS;
+        kvs_zch_frame_t f;
+        int got = 0;
+        while (!got) {
+            assert_true(kvs_now_ns() < end);
+            kvs_zch_tick(d[i]);
+            kvs_zch_send(d[i], 0, KVS_ZCH_MSG, text, 1);
+            got = pump(p, 20, &f);
+            if (got && (f.len != 1 || f.payload[0] != text[0])) got = 0; /* an earlier try */
+        }
+        index[i] = f.from;
+        id[i] = kvs_zch_peer_id(p, f.from);
+        assert_int_equal(kvs_peer_rank(id[i]), 0);
+    }
+    assert_int_not_equal(index[0], index[1]);
+    assert_int_not_equal(kvs_peer_group(id[0]), kvs_peer_group(id[1]));
+    assert_int_equal(kvs_zch_groups(p), 2);
+    for (int i = 0; i < 2; i++) {
+        uint32_t back = 99;
+        assert_int_equal(kvs_zch_peer_index(p, id[i], &back), KVS_OK);
+        assert_int_equal(back, index[i]);
+    }
+    /* Each is answered on its own connection (learned from its heartbeats). */
+    for (int i = 0; i < 2; i++) {
+        char text[2] = {(char) ('A' + i), 0};
+        uint64_t end = kvs_now_ns() + 5000 * MS;
+        kvs_zch_frame_t f;
+        int got = 0;
+        while (!got) {
+            assert_true(kvs_now_ns() < end);
+            for (int j = 0; j < 2; j++) kvs_zch_tick(d[j]);
+            kvs_zch_tick(p);
+            while (kvs_zch_recv(p, &f) == KVS_OK) {
+            }
+            kvs_zch_send(p, index[i], KVS_ZCH_MSG, text, 1);
+            got = pump(d[i], 20, &f);
+        }
+        assert_int_equal(f.len, 1);
+        assert_int_equal(f.payload[0], text[0]);
+        kvs_zch_frame_t other;
+        assert_false(kvs_zch_recv(d[1 - i], &other) == KVS_OK && other.kind == KVS_ZCH_MSG &&
+                     other.payload[0] == text[0]);
+    }
+    /* Instance 3 is refused while both slots are taken. */
+    kvs_zch_stats_t st;
+    uint64_t end = kvs_now_ns() + 5000 * MS;
+    do {
+        assert_true(kvs_now_ns() < end);
+        kvs_zch_tick(d[2]);
+        kvs_zch_tick(d[1]);
+        pump(p, 5, NULL);
+        kvs_zch_stats(p, &st);
+    } while (st.groups_refused == 0);
+    assert_int_equal(kvs_zch_groups(p), 2);
+    /* Instance 1 leaves; once it is dead its group is closed, and its id no longer resolves. */
+    kvs_zch_destroy(d[0]);
+    end = kvs_now_ns() + 5000 * MS;
+    while (kvs_zch_peer_status(p, index[0]) == KVS_OK) {
+        assert_true(kvs_now_ns() < end);
+        kvs_zch_tick(d[1]);
+        pump(p, 5, NULL);
+    }
+    kvs_zch_close_group(p, index[0]);
+    uint32_t back;
+    assert_int_equal(kvs_zch_peer_index(p, id[0], &back), KVS_ERR_NOT_FOUND);
+    assert_int_equal(kvs_zch_peer_index(p, id[1], &back), KVS_OK);
+    assert_int_equal(kvs_zch_peer_status(p, index[0]), KVS_ERR_IO);
+    /* Instance 3 takes the free slot under a new group number. */
+    end = kvs_now_ns() + 5000 * MS;
+    kvs_zch_frame_t f;
+    int got = 0;
+    while (!got) {
+        assert_true(kvs_now_ns() < end);
+        kvs_zch_tick(d[1]);
+        kvs_zch_tick(d[2]);
+        kvs_zch_send(d[2], 0, KVS_ZCH_MSG, "c", 1);
+        got = pump(p, 20, &f) && f.len == 1 && f.payload[0] == 'c';
+    }
+    assert_int_equal(f.from, index[0]); /* the slot */
+    uint32_t id3 = kvs_zch_peer_id(p, f.from);
+    assert_int_not_equal(id3, id[0]);
+    assert_int_not_equal(id3, id[1]);
+    kvs_zch_stats(p, &st);
+    assert_int_equal(st.groups_opened, 3);
+    assert_int_equal(st.groups_closed, 1);
+    assert_int_equal(kvs_zch_groups(p), 2);
+    kvs_zch_destroy(d[1]);
+    kvs_zch_destroy(d[2]);
+    kvs_zch_destroy(p);
+    kvs_assert_no_leaks();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -545,6 +674,7 @@ int main(void)
         cmocka_unit_test_teardown(test_dead_peer_never_blocks, kill_child),
         cmocka_unit_test_teardown(test_stopped_then_killed_peer, kill_child),
         cmocka_unit_test_teardown(test_learn_liveness_restart, kill_child),
+        cmocka_unit_test_teardown(test_peer_groups, kill_child),
     };
     const char *filter = getenv("KVS_TEST_FILTER"); /* e.g. "*restart*" */
     if (filter != NULL) cmocka_set_test_filter(filter);

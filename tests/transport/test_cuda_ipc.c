@@ -237,7 +237,8 @@ static int child_main(int in_fd, int out_fd, int device)
         link->ops->write(link->ctx, 0, RING_BYTES - 10, src, 11, &t) != KVS_ERR_INVALID ||
         link->ops->write(link->ctx, 1, 0, src, 1, &t) != KVS_ERR_NOT_FOUND ||
         link->ops->send(link->ctx, 0, msg, sizeof(msg)) != KVS_ERR_UNSUPPORTED ||
-        link->ops->recv(link->ctx, msg, sizeof(msg), &len) != KVS_ERR_UNSUPPORTED || cap.calls != 3)
+        link->ops->recv(link->ctx, msg, sizeof(msg), &len, NULL) != KVS_ERR_UNSUPPORTED ||
+        cap.calls != 3)
         rc = CHILD_REFUSALS;
 out:
     kvs_log_set_sink(NULL, NULL);

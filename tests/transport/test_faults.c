@@ -1197,6 +1197,7 @@ static void frame_header(uint8_t *b, uint8_t kind, kvs_side_t side, uint32_t ran
     b[3] = 0;
     put_u32(b + 4, rank);
     put_u64(b + 8, inc);
+    put_u64(b + 16, 0); /* instance */
 }
 
 /* Sends one frame (bounded by ZMQ_SNDTIMEO); returns 1, to count what was sent. */

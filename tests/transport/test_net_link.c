@@ -126,7 +126,8 @@ static int trecv(kvs_link_t *link, tmsg_t *m)
 {
     uint8_t buf[KVS_MSG_MAX_SIZE];
     size_t len = 0;
-    if (link->ops->recv(link->ctx, buf, sizeof(buf), &len) != KVS_OK || len != sizeof(*m)) return 0;
+    if (link->ops->recv(link->ctx, buf, sizeof(buf), &len, NULL) != KVS_OK || len != sizeof(*m))
+        return 0;
     memcpy(m, buf, sizeof(*m));
     return 1;
 }
@@ -716,7 +717,7 @@ static void test_argument_checks(void **state)
     uint8_t small[100];
     size_t len;
     kvs_status_t st;
-    while ((st = pr.p->ops->recv(pr.p->ctx, small, sizeof(small), &len)) == KVS_INPROGRESS)
+    while ((st = pr.p->ops->recv(pr.p->ctx, small, sizeof(small), &len, NULL)) == KVS_INPROGRESS)
         assert_true(kvs_now_ns() < end);
     assert_int_equal(st, KVS_ERR_PROTOCOL);
     assert_null(kvs_net_link_endpoint(NULL));

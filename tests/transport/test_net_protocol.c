@@ -3,7 +3,9 @@
  * decode prefixes, prefill cache hits and chunked compute are filled with position-keyed bytes
  * on prefill and checked byte for byte on decode; over shared memory and over tcp. Decode knows
  * the prefill endpoints (as from a bootstrap registry); prefill learns decode's from its
- * heartbeats. */
+ * heartbeats. With several decode instances (each its own ranks, links and instance id, rank 0
+ * in every one) the prefill ranks serve them all at once, each room in the instance that took
+ * it. */
 #include "pd/pd_harness.h"
 #include "transport/net_harness.h"
 
@@ -15,6 +17,7 @@
 #define MS        1000000ull
 #define MAX_ROOMS 16
 #define MAX_PAGES 160
+#define MAX_INSTS 2
 
 typedef struct {
     uint32_t ptp, dtp;
@@ -22,6 +25,7 @@ typedef struct {
     uint64_t seed;
     uint32_t nrooms;
     uint64_t corrupt_nth; /* prefill rank 0's link corrupts its n-th write: one room must fail */
+    uint32_t insts;       /* decode instances (0: 1); room i goes to instance i % insts */
 } run_t;
 
 typedef struct {
@@ -124,6 +128,7 @@ static int prefill_main(const run_t *run, int up, int done)
         make_pool(&h, 0, r);
         kvs_net_config_t c = net_cfg(KVS_SIDE_PREFILL, r, run->dtp, run->data);
         if (r == 0) c.corrupt_nth = run->corrupt_nth;
+        c.max_instances = run->insts;
         if (kvs_net_link_create(&c, &h.plink[r]) != KVS_OK) return 2;
         kvs_sender_config_t sc = {.geo = h.geo,
                                   .rank = r,
@@ -137,6 +142,27 @@ static int prefill_main(const run_t *run, int up, int done)
     uint32_t n = (uint32_t) strlen(eps);
     if (write(up, &n, 4) != 4 || write(up, eps, n) != (ssize_t) n) return 4;
 
+    /* Serving several decode instances, a room that fails before any of them sent its metadata
+     * (a request cancelled before the decode side took it) is held for nobody: quiescent at
+     * once, well before the release timeout. */
+    if (run->insts > 1) {
+        uint32_t page[H_MAX_RANKS];
+        for (uint32_t r = 0; r < run->ptp; r++)
+            if (kvs_pool_alloc(h.ppool[r], 1, &page[r]) != KVS_OK ||
+                kvs_sender_add_room(h.tx[r], 99, 16, &page[r]) != KVS_OK ||
+                kvs_sender_abort(h.tx[r], 99) != KVS_OK)
+                return 17;
+        const uint64_t until = kvs_now_ns() + h.timeouts.release_timeout_ns / 2;
+        for (uint32_t r = 0; r < run->ptp; r++) {
+            kvs_room_info_t info = {0};
+            while (kvs_sender_progress(h.tx[r]),
+                   kvs_sender_poll(h.tx[r], 99, &info) == KVS_OK && !info.quiescent)
+                if (kvs_now_ns() > until) return 18;
+            if (kvs_sender_release(h.tx[r], 99) != KVS_OK ||
+                kvs_pool_free(h.ppool[r], &page[r], 1) != KVS_OK)
+                return 19;
+        }
+    }
     static nroom_t rooms[MAX_ROOMS];
     plan_rooms(run, h.geo.page_size, rooms);
     const uint64_t C = h.geo.chunk_tokens;
@@ -210,7 +236,8 @@ static int prefill_main(const run_t *run, int up, int done)
         kvs_net_link_stats(h.plink[r], &st);
         kvs_pd_metrics_t m;
         kvs_sender_metrics(h.tx[r], &m);
-        if (code == 0 && (st.writes_failed != 0 || st.rejected != 0 || m.bulk_writes == 0))
+        if (code == 0 && (st.writes_failed != 0 || st.rejected != 0 || m.bulk_writes == 0 ||
+                          m.rejected != 0 || st.peer_instances != (run->insts ? run->insts : 1)))
             code = 12;
         /* Over shared memory the decode ring is mapped once wired up: gathers go straight into
          * it (direct writes); over tcp every write is a staged put. */
@@ -257,10 +284,9 @@ static void run_protocol(const run_t *run)
     }
     close(sv[1]);
     close(back[0]);
-    h_t h;
-    memset(&h, 0, sizeof(h));
-    net_geo(&h.geo, run->ptp, run->dtp);
-    net_timeouts(&h.timeouts);
+    const uint32_t ninst = run->insts ? run->insts : 1;
+    static h_t hs[MAX_INSTS]; /* one per decode instance */
+    memset(hs, 0, sizeof(hs));
     kvs_clock_t clock = kvs_clock_monotonic();
     uint32_t n;
     static char eps[H_MAX_RANKS * 64];
@@ -274,22 +300,29 @@ static void run_protocol(const run_t *run)
         base.peers[p] = strtok_r(p == 0 ? eps : NULL, " ", &save);
         assert_non_null(base.peers[p]);
     }
-    for (uint32_t r = 0; r < run->dtp; r++) {
-        make_pool(&h, 1, r);
-        kvs_net_config_t c = base;
-        c.rank = r;
-        assert_int_equal(kvs_net_link_create(&c, &h.dlink[r]), KVS_OK);
-        kvs_receiver_config_t rc = {
-            .geo = h.geo, .rank = r, .timeouts = h.timeouts, .ring_bytes = 1536 * 1024};
-        assert_int_equal(kvs_receiver_create(&rc, h.dpool[r], h.dlink[r], &clock, &h.rx[r]),
-                         KVS_OK);
+    for (uint32_t k = 0; k < ninst; k++) {
+        h_t *h = &hs[k];
+        net_geo(&h->geo, run->ptp, run->dtp);
+        net_timeouts(&h->timeouts);
+        for (uint32_t r = 0; r < run->dtp; r++) {
+            make_pool(h, 1, r);
+            kvs_net_config_t c = base;
+            c.rank = r;
+            c.instance = 0x100 + k;
+            assert_int_equal(kvs_net_link_create(&c, &h->dlink[r]), KVS_OK);
+            kvs_receiver_config_t rc = {
+                .geo = h->geo, .rank = r, .timeouts = h->timeouts, .ring_bytes = 1536 * 1024};
+            assert_int_equal(kvs_receiver_create(&rc, h->dpool[r], h->dlink[r], &clock, &h->rx[r]),
+                             KVS_OK);
+        }
     }
     static nroom_t rooms[MAX_ROOMS];
-    plan_rooms(run, h.geo.page_size, rooms);
+    plan_rooms(run, hs[0].geo.page_size, rooms);
     for (uint32_t i = 0; i < run->nrooms; i++) {
+        h_t *h = &hs[i % ninst];
         for (uint32_t r = 0; r < run->dtp; r++) {
-            assert_int_equal(kvs_pool_alloc(h.dpool[r], rooms[i].ndp, rooms[i].pages[r]), KVS_OK);
-            assert_int_equal(kvs_receiver_add_room(h.rx[r], rooms[i].id, rooms[i].base,
+            assert_int_equal(kvs_pool_alloc(h->dpool[r], rooms[i].ndp, rooms[i].pages[r]), KVS_OK);
+            assert_int_equal(kvs_receiver_add_room(h->rx[r], rooms[i].id, rooms[i].base,
                                                    rooms[i].len, rooms[i].pages[r]),
                              KVS_OK);
         }
@@ -302,15 +335,17 @@ static void run_protocol(const run_t *run)
             fail_msg("seed %llu: %u rooms still open after 45 s", (unsigned long long) run->seed,
                      left);
         }
-        for (uint32_t r = 0; r < run->dtp; r++) kvs_receiver_progress(h.rx[r]);
+        for (uint32_t k = 0; k < ninst; k++)
+            for (uint32_t r = 0; r < run->dtp; r++) kvs_receiver_progress(hs[k].rx[r]);
         for (uint32_t i = 0; i < run->nrooms; i++) {
             nroom_t *rm = &rooms[i];
+            h_t *h = &hs[i % ninst];
             if (rm->done) continue;
             kvs_room_status_t min = KVS_ROOM_SUCCESS;
             int quiet = 1;
             for (uint32_t r = 0; r < run->dtp; r++) {
                 kvs_room_info_t info;
-                assert_int_equal(kvs_receiver_poll(h.rx[r], rm->id, &info), KVS_OK);
+                assert_int_equal(kvs_receiver_poll(h->rx[r], rm->id, &info), KVS_OK);
                 if (info.status < min) min = info.status;
                 quiet &= info.quiescent;
                 if (info.status == KVS_ROOM_SUCCESS) {
@@ -323,9 +358,9 @@ static void run_protocol(const run_t *run)
             rm->status = min;
             for (uint32_t r = 0; r < run->dtp; r++) {
                 if (min == KVS_ROOM_SUCCESS)
-                    rm->bad += h_mismatches(&h, r, rm->id, rm->pages[r], rm->base, rm->len);
-                assert_int_equal(kvs_receiver_release(h.rx[r], rm->id), KVS_OK);
-                assert_int_equal(kvs_pool_free(h.dpool[r], rm->pages[r], rm->ndp), KVS_OK);
+                    rm->bad += h_mismatches(h, r, rm->id, rm->pages[r], rm->base, rm->len);
+                assert_int_equal(kvs_receiver_release(h->rx[r], rm->id), KVS_OK);
+                assert_int_equal(kvs_pool_free(h->dpool[r], rm->pages[r], rm->ndp), KVS_OK);
             }
             rm->done = 1;
             left--;
@@ -337,17 +372,18 @@ static void run_protocol(const run_t *run)
     uint64_t end = kvs_now_ns() + 20000 * MS;
     pid_t got = 0;
     while ((got = waitpid(pid, &status, WNOHANG)) == 0) {
-        for (uint32_t r = 0; r < run->dtp; r++) kvs_receiver_progress(h.rx[r]);
+        for (uint32_t k = 0; k < ninst; k++)
+            for (uint32_t r = 0; r < run->dtp; r++) kvs_receiver_progress(hs[k].rx[r]);
         if (kvs_now_ns() > end) {
             kill(pid, SIGKILL);
             fail_msg("seed %llu: prefill did not finish", (unsigned long long) run->seed);
         }
     }
     nh_forget(pid);
-    uint32_t failed = 0;
+    uint32_t failed = 0, failed_in[MAX_INSTS] = {0};
     for (uint32_t i = 0; i < run->nrooms; i++)
         if (run->corrupt_nth && rooms[i].status == KVS_ROOM_FAILED && failed++ == 0)
-            continue; /* the room of the corrupted write */
+            failed_in[i % ninst]++; /* the room of the corrupted write */
         else if (rooms[i].status != KVS_ROOM_SUCCESS || rooms[i].bad != 0)
             fail_msg("seed %llu: room %llu (len %llu, base %llu, hit %llu) %s, %llu bytes wrong",
                      (unsigned long long) run->seed, (unsigned long long) rooms[i].id,
@@ -360,23 +396,28 @@ static void run_protocol(const run_t *run)
                  WEXITSTATUS(status));
     assert_int_equal(failed, run->corrupt_nth ? 1 : 0);
     uint64_t caught = 0;
-    for (uint32_t r = 0; r < run->dtp; r++) {
-        kvs_pd_metrics_t m;
-        kvs_receiver_metrics(h.rx[r], &m);
-        assert_int_equal(m.live_rooms, 0);
-        assert_int_equal(m.ring_used, 0);
-        assert_int_equal(m.live_slots, 0);
-        assert_int_equal(m.rooms_succeeded, run->nrooms - failed);
-        caught += m.checksum_failures;
-        assert_true(m.chunks > 0);
-        assert_int_equal(kvs_pool_free_pages(h.dpool[r]), kvs_pool_total_pages(h.dpool[r]));
-        kvs_net_stats_t st;
-        assert_int_equal(kvs_net_link_stats(h.dlink[r], &st), KVS_OK);
-        assert_int_equal(st.rejected, 0);
-        assert_true(st.wireups_sent >= run->ptp);
-        kvs_receiver_destroy(h.rx[r]);
-        kvs_link_destroy(h.dlink[r]);
-        kvs_pool_destroy(h.dpool[r]);
+    for (uint32_t k = 0; k < ninst; k++) {
+        h_t *h = &hs[k];
+        uint32_t mine = 0;
+        for (uint32_t i = k; i < run->nrooms; i += ninst) mine++;
+        for (uint32_t r = 0; r < run->dtp; r++) {
+            kvs_pd_metrics_t m;
+            kvs_receiver_metrics(h->rx[r], &m);
+            assert_int_equal(m.live_rooms, 0);
+            assert_int_equal(m.ring_used, 0);
+            assert_int_equal(m.live_slots, 0);
+            assert_int_equal(m.rooms_succeeded, mine - failed_in[k]);
+            caught += m.checksum_failures;
+            assert_true(m.chunks > 0);
+            assert_int_equal(kvs_pool_free_pages(h->dpool[r]), kvs_pool_total_pages(h->dpool[r]));
+            kvs_net_stats_t st;
+            assert_int_equal(kvs_net_link_stats(h->dlink[r], &st), KVS_OK);
+            assert_int_equal(st.rejected, 0);
+            assert_true(st.wireups_sent >= run->ptp);
+            kvs_receiver_destroy(h->rx[r]);
+            kvs_link_destroy(h->dlink[r]);
+            kvs_pool_destroy(h->dpool[r]);
+        }
     }
     assert_int_equal(caught, run->corrupt_nth ? 1 : 0); /* and the checksum is what failed it */
     close(sv[0]);
@@ -422,6 +463,21 @@ static void test_tp1_to_tp2_auto(void **state)
     run_protocol(&run);
 }
 
+/* One prefill instance (TP2) serving two decode instances (TP2 each) at once: both have ranks 0
+ * and 1, which used to collide on prefill. Rooms alternate between them; every one arrives
+ * exact in its own instance, over shared memory. */
+static void test_two_decode_instances(void **state)
+{
+    (void) state;
+    run_t run = {.ptp = 2,
+                 .dtp = 2,
+                 .data = KVS_NET_DATA_SHM,
+                 .seed = kvs_test_seed(5),
+                 .nrooms = 10,
+                 .insts = 2};
+    run_protocol(&run);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -429,6 +485,7 @@ int main(void)
         cmocka_unit_test_teardown(test_tp2_to_tp1_tcp, nh_kill_children),
         cmocka_unit_test_teardown(test_tp1_to_tp2_auto, nh_kill_children),
         cmocka_unit_test_teardown(test_corrupted_write_caught, nh_kill_children),
+        cmocka_unit_test_teardown(test_two_decode_instances, nh_kill_children),
     };
     const char *filter = getenv("KVS_TEST_FILTER"); /* e.g. "*tcp*" */
     if (filter != NULL) cmocka_set_test_filter(filter);

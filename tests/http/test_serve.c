@@ -1695,248 +1695,249 @@ static void test_restart_ranks(void **state)
         if (kvs_now_ns() > end) fail_msg("the prefill server holds rooms");
 
     kill_rank_expect_exit(d.pre, "giving up after 1 restart within 600 s (--max-restarts)");
-    /* ---- one prefill instance feeding two decode instances ---- */
+}
 
-    typedef struct {
-        proc_t *pre, *dec[2], *colo, *rr, *px;
-    } multi_t;
+/* ---- one prefill instance feeding two decode instances ---- */
 
-    static multi_t g_m;
+typedef struct {
+    proc_t *pre, *dec[2], *colo, *rr, *px;
+} multi_t;
 
-    static int multi_setup(void **state)
-    {
-        (void) state;
-        kvs__json_init();
-        char path[4096];
-        if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
-            fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
-        memset(&g_m, 0, sizeof(g_m));
-        /* No radix cache on prefill: once its rooms end, every page is free again (leak check). */
-        const char *pre_extra[] = {"--radix", "off", NULL};
-        g_m.pre = start_fleet("prefill", "1", pre_extra);
-        for (int i = 0; i < 2; i++) {
-            g_m.dec[i] = start_fleet("decode", "1", NULL);
-            assert_string_equal(g_m.dec[i]->bootstrap, "none");
-        }
-        g_m.colo = start_fleet("colocated", "1", NULL);
-        char dec[300];
-        snprintf(dec, sizeof(dec), "%s,%s", g_m.dec[0]->url, g_m.dec[1]->url);
-        /* One router spreads the decode side round robin, one sends chats back by prefix. */
-        const char *rr[] = {"router", "--prefill", g_m.pre->url, "--decode",    dec,
-                            "--port", "0",         "--policy",   "round-robin", NULL};
-        g_m.rr = spawn_tool(rr);
-        wait_up(g_m.rr, "routing on");
-        const char *px[] = {"router",      "--prefill",       g_m.pre->url, "--decode",
-                            dec,           "--port",          "0",          "--prefill-policy",
-                            "round-robin", "--decode-policy", "prefix",     NULL};
-        g_m.px = spawn_tool(px);
-        wait_up(g_m.px, "routing on");
-        return 0;
+static multi_t g_m;
+
+static int multi_setup(void **state)
+{
+    (void) state;
+    kvs__json_init();
+    char path[4096];
+    if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
+    memset(&g_m, 0, sizeof(g_m));
+    /* No radix cache on prefill: once its rooms end, every page is free again (leak check). */
+    const char *pre_extra[] = {"--radix", "off", NULL};
+    g_m.pre = start_fleet("prefill", "1", pre_extra);
+    for (int i = 0; i < 2; i++) {
+        g_m.dec[i] = start_fleet("decode", "1", NULL);
+        assert_string_equal(g_m.dec[i]->bootstrap, "none");
     }
+    g_m.colo = start_fleet("colocated", "1", NULL);
+    char dec[300];
+    snprintf(dec, sizeof(dec), "%s,%s", g_m.dec[0]->url, g_m.dec[1]->url);
+    /* One router spreads the decode side round robin, one sends chats back by prefix. */
+    const char *rr[] = {"router", "--prefill", g_m.pre->url, "--decode",    dec,
+                        "--port", "0",         "--policy",   "round-robin", NULL};
+    g_m.rr = spawn_tool(rr);
+    wait_up(g_m.rr, "routing on");
+    const char *px[] = {"router",      "--prefill",       g_m.pre->url, "--decode",
+                        dec,           "--port",          "0",          "--prefill-policy",
+                        "round-robin", "--decode-policy", "prefix",     NULL};
+    g_m.px = spawn_tool(px);
+    wait_up(g_m.px, "routing on");
+    return 0;
+}
 
-    /* The decode server the router says served an answer; -1 when neither of g_m's. */
-    static int served_decode(json_t * answer)
-    {
-        json_t *sv = json_object_get(json_object_get(answer, "kvstage"), "servers");
-        const char *u = json_string_value(json_object_get(sv, "decode"));
-        for (int i = 0; u != NULL && i < 2; i++)
-            if (strcmp(u, g_m.dec[i]->url) == 0) return i;
-        return -1;
+/* The decode server the router says served an answer; -1 when neither of g_m's. */
+static int served_decode(json_t *answer)
+{
+    json_t *sv = json_object_get(json_object_get(answer, "kvstage"), "servers");
+    const char *u = json_string_value(json_object_get(sv, "decode"));
+    for (int i = 0; u != NULL && i < 2; i++)
+        if (strcmp(u, g_m.dec[i]->url) == 0) return i;
+    return -1;
+}
+
+/* Round robin over the two decode servers: both serve, every answer (streamed or not) is the
+ * colocated one, and the prefill instance serves both decode instances at once. */
+static void test_multi_decode_spread(void **state)
+{
+    (void) state;
+    int used[2] = {0, 0};
+    for (int k = 0; k < 8; k++) {
+        char prompt[96], want[512], got[512];
+        snprintf(prompt, sizeof(prompt), "Spread question %d: name a planet.", k);
+        assert_int_equal(complete(g_m.colo->port, prompt, 6, 0, want, sizeof(want), NULL), 200);
+        json_t *answer = NULL;
+        long st = complete(g_m.rr->port, prompt, 6, k % 2, got, sizeof(got), &answer);
+        if (st != 200) fail_msg("request %d: %ld %s", k, st, got);
+        if (strcmp(got, want) != 0) fail_msg("request %d: '%s', colocated '%s'", k, got, want);
+        int d = served_decode(answer);
+        json_decref(answer);
+        if (d < 0) fail_msg("request %d: no decode server named", k);
+        used[d]++;
     }
+    assert_int_equal(used[0], 4);
+    assert_int_equal(used[1], 4);
+}
 
-    /* Round robin over the two decode servers: both serve, every answer (streamed or not) is the
-     * colocated one, and the prefill instance serves both decode instances at once. */
-    static void test_multi_decode_spread(void **state)
-    {
-        (void) state;
-        int used[2] = {0, 0};
-        for (int k = 0; k < 8; k++) {
-            char prompt[96], want[512], got[512];
-            snprintf(prompt, sizeof(prompt), "Spread question %d: name a planet.", k);
-            assert_int_equal(complete(g_m.colo->port, prompt, 6, 0, want, sizeof(want), NULL), 200);
-            json_t *answer = NULL;
-            long st = complete(g_m.rr->port, prompt, 6, k % 2, got, sizeof(got), &answer);
-            if (st != 200) fail_msg("request %d: %ld %s", k, st, got);
-            if (strcmp(got, want) != 0) fail_msg("request %d: '%s', colocated '%s'", k, got, want);
-            int d = served_decode(answer);
-            json_decref(answer);
-            if (d < 0) fail_msg("request %d: no decode server named", k);
-            used[d]++;
-        }
-        assert_int_equal(used[0], 4);
-        assert_int_equal(used[1], 4);
-    }
-
-    /* One chat turn (greedy, not streamed): messages so far in, the assistant's text out; the
-     * answer in *answer_p (NULL-able). Returns the status. */
-    static long chat_turn(uint16_t port, json_t * messages, char *text, size_t cap,
-                          json_t **answer_p)
-    {
-        json_t *req =
-            json_pack("{s:O, s:i, s:i}", "messages", messages, "max_tokens", 8, "temperature", 0);
-        char *body = json_dumps(req, JSON_COMPACT);
-        json_decref(req);
-        http_resp_t r = {0};
-        http_call(port, NULL, "/v1/chat/completions", body, &r);
-        kvs_free(body);
-        long status = r.status;
-        if (answer_p) *answer_p = NULL;
-        if (status != 200) {
-            snprintf(text, cap, "%s", r.body.ptr);
-            http_resp_fini(&r);
-            return status;
-        }
-        json_t *j = parse_nul(r.body.ptr, r.body.len);
-        json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
-        text[0] = '\0';
-        append_text(text, 0, cap, json_object_get(msg, "content"));
-        if (answer_p)
-            *answer_p = j;
-        else
-            json_decref(j);
+/* One chat turn (greedy, not streamed): messages so far in, the assistant's text out; the
+ * answer in *answer_p (NULL-able). Returns the status. */
+static long chat_turn(uint16_t port, json_t *messages, char *text, size_t cap, json_t **answer_p)
+{
+    json_t *req =
+        json_pack("{s:O, s:i, s:i}", "messages", messages, "max_tokens", 8, "temperature", 0);
+    char *body = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    http_resp_t r = {0};
+    http_call(port, NULL, "/v1/chat/completions", body, &r);
+    kvs_free(body);
+    long status = r.status;
+    if (answer_p) *answer_p = NULL;
+    if (status != 200) {
+        snprintf(text, cap, "%s", r.body.ptr);
         http_resp_fini(&r);
         return status;
     }
+    json_t *j = parse_nul(r.body.ptr, r.body.len);
+    json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
+    text[0] = '\0';
+    append_text(text, 0, cap, json_object_get(msg, "content"));
+    if (answer_p)
+        *answer_p = j;
+    else
+        json_decref(j);
+    http_resp_fini(&r);
+    return status;
+}
 
-    /* Two chats, turns interleaved, through the prefix router: each later turn goes back to the
-     * decode server that served the chat's first one and finds the earlier turns in its radix
-     * cache; every answer is the colocated one. Then nothing is left: no room on any server, every
-     * prefill page free, and the decode pools hold only their caches (asking the last turns again
-     * takes no page more). */
-    static void test_multi_decode_chats(void **state)
-    {
-        (void) state;
-        static const char *const asks[2][3] = {
-            {"I am planning a spring trip through France with my brothers. What is its capital?",
-             "What river runs through it?", "Name one museum there."},
-            {"My garden is full of insects lately, many of them on the tomato leaves. How many "
-             "legs "
-             "does a spider have?",
-             "And an ant?", "Which of them eats the other?"},
-        };
-        json_t *chat[2] = {json_array(), json_array()};
-        int home[2] = {-1, -1};
-        for (int turn = 0; turn < 3; turn++) {
-            for (int c = 0; c < 2; c++) {
-                json_array_append_new(
-                    chat[c], json_pack("{s:s, s:s}", "role", "user", "content", asks[c][turn]));
-                char want[512], got[512];
-                assert_int_equal(chat_turn(g_m.colo->port, chat[c], want, sizeof(want), NULL), 200);
-                json_t *answer = NULL;
-                long st = chat_turn(g_m.px->port, chat[c], got, sizeof(got), &answer);
-                if (st != 200) fail_msg("chat %d turn %d: %ld %s", c, turn, st, got);
-                if (strcmp(got, want) != 0)
-                    fail_msg("chat %d turn %d: '%s', colocated '%s'", c, turn, got, want);
-                int d = served_decode(answer);
-                uint64_t cached = cached_of(answer);
-                json_decref(answer);
-                if (d < 0) fail_msg("chat %d turn %d: no decode server named", c, turn);
-                if (turn == 0) {
-                    home[c] = d;
-                } else {
-                    if (d != home[c])
-                        fail_msg("chat %d turn %d: decode server %d, the chat is on %d", c, turn, d,
-                                 home[c]);
-                    if (cached == 0) fail_msg("chat %d turn %d: no decode radix hit", c, turn);
-                }
-                json_array_append_new(chat[c],
-                                      json_pack("{s:s, s:s}", "role", "assistant", "content", got));
-            }
-        }
-        for (int i = 0; i < 2; i++) {
-            uint16_t port = g_m.dec[i]->port;
-            assert_true(wait_until(fleet_idle_rooms, &port, 10000));
-        }
-        uint16_t pre = g_m.pre->port;
-        assert_true(wait_until(fleet_idle, &pre, 10000));
-        assert_true(metric_of(pre, "kvstage_rooms_stashed") == 0);
-        /* Asking a chat's last turn again on its server hits the cache whole: no page more. */
+/* Two chats, turns interleaved, through the prefix router: each later turn goes back to the
+ * decode server that served the chat's first one and finds the earlier turns in its radix
+ * cache; every answer is the colocated one. Then nothing is left: no room on any server, every
+ * prefill page free, and the decode pools hold only their caches (asking the last turns again
+ * takes no page more). */
+static void test_multi_decode_chats(void **state)
+{
+    (void) state;
+    static const char *const asks[2][3] = {
+        {"I am planning a spring trip through France with my brothers. What is its capital?",
+         "What river runs through it?", "Name one museum there."},
+        {"My garden is full of insects lately, many of them on the tomato leaves. How many "
+         "legs "
+         "does a spider have?",
+         "And an ant?", "Which of them eats the other?"},
+    };
+    json_t *chat[2] = {json_array(), json_array()};
+    int home[2] = {-1, -1};
+    for (int turn = 0; turn < 3; turn++) {
         for (int c = 0; c < 2; c++) {
-            uint16_t port = g_m.dec[home[c]]->port;
-            double used = metric_of(port, "kvstage_kv_pages_used");
-            json_array_remove(chat[c], json_array_size(chat[c]) - 1); /* the last answer */
-            char got[512];
-            for (int k = 0; k < 2; k++)
-                assert_int_equal(chat_turn(g_m.px->port, chat[c], got, sizeof(got), NULL), 200);
-            assert_true(wait_until(fleet_idle_rooms, &port, 10000));
-            double after = metric_of(port, "kvstage_kv_pages_used");
-            if (after > used) fail_msg("chat %d: %g pages used, %g before", c, after, used);
-            assert_true(metric_of(port, "kvstage_rooms_stashed") == 0);
-            json_decref(chat[c]);
-        }
-        assert_true(wait_until(fleet_idle, &pre, 10000));
-        kvs_assert_no_leaks();
-    }
-
-    /* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
-    static int demo_teardown(void **state)
-    {
-        (void) state;
-        for (int i = 0; i < g_nprocs; i++) {
-            proc_t *p = &g_procs[i];
-            if (p->pid <= 0) continue;
-            kill(p->pid, SIGTERM);
-            uint64_t end = kvs_now_ns() + 60ull * 1000000000ull;
-            while (waitpid(p->pid, NULL, WNOHANG) == 0 && kvs_now_ns() < end) sleep_ms(20);
-        }
-        kill_all();
-        return 0;
-    }
-
-    int main(void)
-    {
-        signal(SIGPIPE, SIG_IGN);
-        curl_global_init(CURL_GLOBAL_DEFAULT);
-        atexit(kill_all);
-        const struct CMUnitTest deployed[] = {
-            cmocka_unit_test(test_disaggregated_equals_colocated),
-            cmocka_unit_test(test_concurrent_clients),
-            cmocka_unit_test(test_prefix_aware_choice),
-            cmocka_unit_test(test_metrics),
-            cmocka_unit_test(test_refusals),
-            cmocka_unit_test(test_unseeded_sampling),
-            cmocka_unit_test(test_choices),
-            cmocka_unit_test(test_killed_decode_server), /* last: it takes a server down */
-        };
-        const struct CMUnitTest demo[] = {
-            cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
-            cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
-            cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
-            cmocka_unit_test_teardown(test_http_flags, demo_teardown),
-        };
-        const struct CMUnitTest fleet[] = {
-            cmocka_unit_test(test_fleet_two_prefill), cmocka_unit_test(test_fleet_incompatible),
-            cmocka_unit_test(test_fleet_prefill_killed), /* last: it kills a server */
-        };
-        const struct CMUnitTest multi[] = {
-            cmocka_unit_test(test_multi_decode_spread),
-            cmocka_unit_test(test_multi_decode_chats),
-        };
-        const struct CMUnitTest limits[] = {
-            cmocka_unit_test_teardown(test_fleet_peer_limit, teardown),
-        };
-        const struct CMUnitTest rank_death[] = {
-            cmocka_unit_test_teardown(test_rank_death_prefill, teardown),
-            cmocka_unit_test_teardown(test_rank_death_decode, teardown),
-            cmocka_unit_test_teardown(test_restart_ranks, teardown),
-        };
-        int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
-        failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
-        failed += cmocka_run_group_tests_name("fleet", fleet, fleet_setup, teardown);
-        failed += cmocka_run_group_tests_name("multi decode", multi, multi_setup, teardown);
-        failed += cmocka_run_group_tests_name("peer limit", limits, NULL, NULL);
-        failed += cmocka_run_group_tests_name("rank death", rank_death, NULL, NULL);
-        unlink(ERR_FILE);
-        kill_all();
-        /* Nothing left in /dev/shm: instances killed with SIGKILL left their segments, which the
-         * next one started here (as this) removes. */
-        kvs_tpgroup_reclaim();
-        for (size_t i = 0; i < g_nspawned; i++) {
-            if (group_left(g_spawned[i])) {
-                fprintf(stderr, "FAIL: the TP group of server %ld is left in /dev/shm\n",
-                        (long) g_spawned[i]);
-                failed++;
+            json_array_append_new(
+                chat[c], json_pack("{s:s, s:s}", "role", "user", "content", asks[c][turn]));
+            char want[512], got[512];
+            assert_int_equal(chat_turn(g_m.colo->port, chat[c], want, sizeof(want), NULL), 200);
+            json_t *answer = NULL;
+            long st = chat_turn(g_m.px->port, chat[c], got, sizeof(got), &answer);
+            if (st != 200) fail_msg("chat %d turn %d: %ld %s", c, turn, st, got);
+            if (strcmp(got, want) != 0)
+                fail_msg("chat %d turn %d: '%s', colocated '%s'", c, turn, got, want);
+            int d = served_decode(answer);
+            uint64_t cached = cached_of(answer);
+            json_decref(answer);
+            if (d < 0) fail_msg("chat %d turn %d: no decode server named", c, turn);
+            if (turn == 0) {
+                home[c] = d;
+            } else {
+                if (d != home[c])
+                    fail_msg("chat %d turn %d: decode server %d, the chat is on %d", c, turn, d,
+                             home[c]);
+                if (cached == 0) fail_msg("chat %d turn %d: no decode radix hit", c, turn);
             }
+            json_array_append_new(chat[c],
+                                  json_pack("{s:s, s:s}", "role", "assistant", "content", got));
         }
-        return failed;
     }
+    for (int i = 0; i < 2; i++) {
+        uint16_t port = g_m.dec[i]->port;
+        assert_true(wait_until(fleet_idle_rooms, &port, 10000));
+    }
+    uint16_t pre = g_m.pre->port;
+    assert_true(wait_until(fleet_idle, &pre, 10000));
+    assert_true(metric_of(pre, "kvstage_rooms_stashed") == 0);
+    /* Asking a chat's last turn again on its server hits the cache whole: no page more. */
+    for (int c = 0; c < 2; c++) {
+        uint16_t port = g_m.dec[home[c]]->port;
+        double used = metric_of(port, "kvstage_kv_pages_used");
+        json_array_remove(chat[c], json_array_size(chat[c]) - 1); /* the last answer */
+        char got[512];
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(chat_turn(g_m.px->port, chat[c], got, sizeof(got), NULL), 200);
+        assert_true(wait_until(fleet_idle_rooms, &port, 10000));
+        double after = metric_of(port, "kvstage_kv_pages_used");
+        if (after > used) fail_msg("chat %d: %g pages used, %g before", c, after, used);
+        assert_true(metric_of(port, "kvstage_rooms_stashed") == 0);
+        json_decref(chat[c]);
+    }
+    assert_true(wait_until(fleet_idle, &pre, 10000));
+    kvs_assert_no_leaks();
+}
+
+/* serve-demo's servers lead process groups of their own: SIGTERM lets the demo stop them. */
+static int demo_teardown(void **state)
+{
+    (void) state;
+    for (int i = 0; i < g_nprocs; i++) {
+        proc_t *p = &g_procs[i];
+        if (p->pid <= 0) continue;
+        kill(p->pid, SIGTERM);
+        uint64_t end = kvs_now_ns() + 60ull * 1000000000ull;
+        while (waitpid(p->pid, NULL, WNOHANG) == 0 && kvs_now_ns() < end) sleep_ms(20);
+    }
+    kill_all();
+    return 0;
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    atexit(kill_all);
+    const struct CMUnitTest deployed[] = {
+        cmocka_unit_test(test_disaggregated_equals_colocated),
+        cmocka_unit_test(test_concurrent_clients),
+        cmocka_unit_test(test_prefix_aware_choice),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_unseeded_sampling),
+        cmocka_unit_test(test_choices),
+        cmocka_unit_test(test_killed_decode_server), /* last: it takes a server down */
+    };
+    const struct CMUnitTest demo[] = {
+        cmocka_unit_test_teardown(test_serve_demo_smollm2, demo_teardown),
+        cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
+        cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
+        cmocka_unit_test_teardown(test_http_flags, demo_teardown),
+    };
+    const struct CMUnitTest fleet[] = {
+        cmocka_unit_test(test_fleet_two_prefill), cmocka_unit_test(test_fleet_incompatible),
+        cmocka_unit_test(test_fleet_prefill_killed), /* last: it kills a server */
+    };
+    const struct CMUnitTest multi[] = {
+        cmocka_unit_test(test_multi_decode_spread),
+        cmocka_unit_test(test_multi_decode_chats),
+    };
+    const struct CMUnitTest limits[] = {
+        cmocka_unit_test_teardown(test_fleet_peer_limit, teardown),
+    };
+    const struct CMUnitTest rank_death[] = {
+        cmocka_unit_test_teardown(test_rank_death_prefill, teardown),
+        cmocka_unit_test_teardown(test_rank_death_decode, teardown),
+        cmocka_unit_test_teardown(test_restart_ranks, teardown),
+    };
+    int failed = cmocka_run_group_tests_name("deployment", deployed, setup, teardown);
+    failed += cmocka_run_group_tests_name("demo", demo, NULL, NULL);
+    failed += cmocka_run_group_tests_name("fleet", fleet, fleet_setup, teardown);
+    failed += cmocka_run_group_tests_name("multi decode", multi, multi_setup, teardown);
+    failed += cmocka_run_group_tests_name("peer limit", limits, NULL, NULL);
+    failed += cmocka_run_group_tests_name("rank death", rank_death, NULL, NULL);
+    unlink(ERR_FILE);
+    kill_all();
+    /* Nothing left in /dev/shm: instances killed with SIGKILL left their segments, which the
+     * next one started here (as this) removes. */
+    kvs_tpgroup_reclaim();
+    for (size_t i = 0; i < g_nspawned; i++) {
+        if (group_left(g_spawned[i])) {
+            fprintf(stderr, "FAIL: the TP group of server %ld is left in /dev/shm\n",
+                    (long) g_spawned[i]);
+            failed++;
+        }
+    }
+    return failed;
+}

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "model/gguf.h"
 #include "model/ops.h"
 
 #if defined(__SSE2__)
@@ -267,23 +268,8 @@ static inline uint8_t *kv_at(const kvs_region_t *r, const uint32_t *pages, uint3
 }
 
 /* bf16 K/V (elem_bytes 2, the CUDA backend's dtype, so that a CPU instance pairs with a GPU
- * one): stored rounded to nearest even from the f32 values (NaN kept a NaN), read back exactly. */
-static inline uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t) ((u >> 16) | 0x40u);
-    return (uint16_t) ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h)
-{
-    const uint32_t u = (uint32_t) h << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
+ * one): stored rounded to nearest even from the f32 values (kvs_f32_to_bf16, NaN kept a NaN),
+ * read back exactly (kvs_bf16_to_f32). */
 static void store_head(uint8_t *dst, const float *src, uint32_t n, uint32_t elem_bytes)
 {
     if (elem_bytes == sizeof(float)) {
@@ -291,7 +277,7 @@ static void store_head(uint8_t *dst, const float *src, uint32_t n, uint32_t elem
         return;
     }
     for (uint32_t i = 0; i < n; i++) {
-        const uint16_t h = to_bf16(src[i]);
+        const uint16_t h = kvs_f32_to_bf16(src[i]);
         memcpy(dst + 2 * (size_t) i, &h, 2);
     }
 }
@@ -304,7 +290,7 @@ static inline const float *load_head(const uint8_t *src, uint32_t n, uint32_t el
     for (uint32_t i = 0; i < n; i++) {
         uint16_t h;
         memcpy(&h, src + 2 * (size_t) i, 2);
-        tmp[i] = from_bf16(h);
+        tmp[i] = kvs_bf16_to_f32(h);
     }
     return tmp;
 }

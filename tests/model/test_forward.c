@@ -13,6 +13,7 @@
 
 #include "model/gguf.h"
 #include "model/model.h"
+#include "model/model_pool.h"
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
 #include "model/gguf_writer.h"
@@ -33,22 +34,6 @@ static kvs_model_config_t tiny_config(uint32_t heads, uint32_t kv_heads)
                             .rope_theta = 10000.0f,
                             .norm_eps = 1e-5f};
     return c;
-}
-
-static kvs_pool_t *make_pool(const kvs_model_t *m, uint32_t page_size, uint32_t pages,
-                             kvs_pool_layout_t layout)
-{
-    kvs_pool_config_t c;
-    memset(&c, 0, sizeof(c));
-    c.shape = kvs_model_kv_shape(m);
-    c.tp = kvs_model_tp(m);
-    c.page_size = page_size;
-    c.num_pages = pages;
-    c.layout = layout;
-    c.mem = KVS_MEM_HOST;
-    kvs_pool_t *pool = NULL;
-    assert_int_equal(kvs_pool_create(&c, &pool), KVS_OK);
-    return pool;
 }
 
 static float *falloc(size_t n)

@@ -16,6 +16,7 @@
 #include "kvstage/rng.h"
 #include "model/gguf.h"
 #include "model/model.h"
+#include "model/model_pool.h"
 #include "staging/copy.h"
 
 /* The bound the CUDA forward pass is held to (bf16 weights and activations, f32 sums). */
@@ -44,23 +45,6 @@ static kvs_model_config_t shape(uint32_t heads, uint32_t kv_heads, uint32_t head
                             .rope_theta = 10000.0f,
                             .norm_eps = 1e-5f};
     return c;
-}
-
-static kvs_pool_t *make_pool(const kvs_model_t *m, uint32_t page_size, uint32_t pages,
-                             kvs_pool_layout_t layout)
-{
-    kvs_pool_config_t c;
-    memset(&c, 0, sizeof(c));
-    c.shape = kvs_model_kv_shape(m);
-    c.tp = kvs_model_tp(m);
-    c.page_size = page_size;
-    c.num_pages = pages;
-    c.layout = layout;
-    c.mem = kvs_model_device(m) < 0 ? KVS_MEM_HOST : KVS_MEM_DEVICE;
-    c.device = kvs_model_device(m) < 0 ? 0 : kvs_model_device(m);
-    kvs_pool_t *pool = NULL;
-    assert_int_equal(kvs_pool_create(&c, &pool), KVS_OK);
-    return pool;
 }
 
 /* The two sides of one comparison: the same model (seeded or loaded) on the CPU and on GPU 0,

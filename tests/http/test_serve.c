@@ -1599,18 +1599,6 @@ static void rank_death(int kill_decode)
     wait_up(fresh, "serving on");
     admin_side(d.router->port, "remove", side, dead_url);
     admin_side(d.router->port, "add", side, fresh->url);
-    /* A per-room decode server whose only wired instance died is 503 until that instance is
-     * dropped (its ranks past the liveness timeout), and the router keeps it out until then. */
-    for (uint64_t end = kvs_now_ns() + 30ull * 1000000000ull;;) {
-        http_resp_t h = {0};
-        http_call(survivor->port, "GET", "/health", NULL, &h);
-        const long hs = h.status;
-        http_resp_fini(&h);
-        if (hs == 200) break;
-        if (kvs_now_ns() > end) fail_msg("the surviving %s server stayed unhealthy", side);
-        sleep_ms(100);
-    }
-    sleep_ms(400); /* the router's next health check (every 200 ms) takes it back */
     for (int k = 0; k < 4; k++) {
         char prompt[96], got[256];
         snprintf(prompt, sizeof(prompt), "Client %d, question %d: a fruit?", k, (k + 1) % 4);

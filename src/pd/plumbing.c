@@ -242,16 +242,12 @@ uint32_t kvs_plumbing_progress(kvs_plumbing_t *p)
 
 uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *p, uint32_t *first_p)
 {
-    if (p->insts == NULL) return link_down(p->link, p->peers, first_p);
-    uint32_t down = 0, whole = 0;
-    for (uint32_t i = 0; i < p->ninsts; i++) {
-        const kvs_plumbing_peer_t *x = &p->insts[i];
-        uint32_t first = 0, d = link_down(x->link, kvs_pd_geometry_prefill_ranks(&x->geo), &first);
-        if (d > 0 && down == 0 && first_p) *first_p = first;
-        down += d;
-        whole += d == 0;
-    }
-    return whole > 0 ? 0 : down;
+    /* Per-room bootstrap: a dead prefill instance fails only the rooms that name it (and is
+     * dropped at its liveness timeout); the rank can still wire any other one, so it is not
+     * down. Counting its dead instances made a decode server unhealthy exactly when the router
+     * needed it for a newly added prefill server, and flapped while a new instance wired up. */
+    if (p->insts != NULL) return 0;
+    return link_down(p->link, p->peers, first_p);
 }
 
 void kvs_plumbing_metrics(const kvs_plumbing_t *p, kvs_pd_metrics_t *metrics_p)

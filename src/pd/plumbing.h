@@ -99,10 +99,8 @@ void kvs_plumbing_destroy(kvs_plumbing_t *plumbing);
 uint32_t kvs_plumbing_progress(kvs_plumbing_t *plumbing);
 /* Decode: how many of the other side's ranks the link believes dead (silent past the liveness
  * timeout), and the first of them in *first_p (may be NULL). 0 for links whose peers never die.
- * Per-room
- * bootstrap: 0 while some wired instance has every rank alive (the rank still serves its
- * rooms; a dead instance fails only its own and is closed once they are released), else the
- * down ranks of every instance. */
+ * Per-room bootstrap: always 0 (a dead instance fails only the rooms naming it and is closed
+ * once they are released; the rank can wire any other instance). */
 uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *plumbing, uint32_t *first_p);
 /* The sender's or receiver's counters (all zero when there is neither); with per-room
  * bootstrap, every instance's receiver summed, and peer_instances. */

@@ -20,7 +20,9 @@
 # sanitizer run, default 100), BENCH_ARGS (extra flags for bench kernels), TRANSFER_ARGS (extra
 # flags for bench transfer), DEPS_DIR (default build-deps), CMAKE_ARGS (extra configure flags,
 # e.g. -DKVS_WERROR=OFF), SKIP (space-separated step names to leave out, e.g. "racecheck
-# initcheck bench"), STEP_TIMEOUT (seconds per sanitizer or benchmark step, default 900), LOGS.
+# initcheck bench"), STEP_TIMEOUT (seconds per sanitizer or benchmark step, default 900), LOGS,
+# REUSE_BUILD=1 (keep an existing $BUILD and only rebuild what changed: for a second run on the
+# same machine).
 #
 # GPU machines without internet often lack the project's dev packages (cmocka, ZeroMQ, UCX
 # headers, pkg-config). On a Debian/Ubuntu machine with apt, `bash scripts/gpu-check.sh
@@ -138,7 +140,7 @@ summary() {
     echo "logs: $LOGS/"
 }
 
-rm -rf "$BUILD"
+[ "${REUSE_BUILD:-0}" = 1 ] || rm -rf "$BUILD"
 mkdir -p "$LOGS"
 
 if ! have_deps; then

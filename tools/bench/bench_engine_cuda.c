@@ -115,6 +115,43 @@ static uint64_t time_calls(rig_t *r, uint32_t first, uint32_t nseq, uint32_t n, 
     return t[1 + reps / 2];
 }
 
+/* Where a decode step's device time goes, at batch 1 and the largest batch: the same calls
+ * run eagerly with an event after every op (kvs__model_cuda_profile), so the sum is a little
+ * above the graph-replayed time of the table. */
+static int breakdown(rig_t *r, uint32_t ctx, int json, kvs_json_t *j, const char *name)
+{
+    const uint32_t batches[] = {1, MAX_BATCH};
+    kvs_model_cuda_t *cu = r->m->cuda;
+    for (size_t b = 0; b < 2; b++) {
+        double ms[KVS_CUDA_OPS];
+        uint64_t calls = 0;
+        if (kvs__model_cuda_profile(cu, 1) != KVS_OK) return 1;
+        const int ok = time_calls(r, 0, batches[b], 1, ctx, 5) != 0;
+        kvs__model_cuda_profile_read(cu, ms, &calls);
+        kvs__model_cuda_profile(cu, 0);
+        if (!ok || calls == 0) return 1;
+        double total = 0;
+        for (int k = 0; k < KVS_CUDA_OPS; k++) total += ms[k] / calls;
+        if (json) {
+            kvs_json_object_begin(j, NULL);
+            kvs_json_str(j, "model", name);
+            kvs_json_str(j, "step", "decode breakdown");
+            kvs_json_u64(j, "batch", batches[b]);
+            for (int k = 0; k < KVS_CUDA_OPS; k++)
+                kvs_json_double(j, kvs__model_cuda_op_name((kvs_cuda_op_t) k), ms[k] / calls);
+            kvs_json_object_end(j);
+            continue;
+        }
+        printf("%-13s decode batch %u, eager with events: %.3f ms =", name, batches[b], total);
+        for (int k = 0; k < KVS_CUDA_OPS; k++)
+            if (ms[k] > 0)
+                printf(" %s %.3f (%.0f%%)%s", kvs__model_cuda_op_name((kvs_cuda_op_t) k),
+                       ms[k] / calls, 100 * ms[k] / calls / total, k + 1 < KVS_CUDA_OPS ? "," : "");
+        printf("\n");
+    }
+    return 0;
+}
+
 int kvs_bench_engine_cuda_model(int gpu, int json, kvs_json_t *j)
 {
     double flops = 0, bw = 0;
@@ -211,6 +248,7 @@ int kvs_bench_engine_cuda_model(int gpu, int json, kvs_json_t *j)
             }
             fflush(stdout);
         }
+        failed |= breakdown(&r, ctx, json, j, shapes[s].name);
         rig_close(&r);
     }
     if (json)

@@ -86,6 +86,13 @@ struct kvs_model_cuda {
         cudaGraphExec_t exec;
     } graphs[kvs_cuda::GRAPHS];
     uint64_t uses;
+    /* kvs__model_cuda_profile */
+    int profile;
+    cudaEvent_t *prof_ev; /* [prof_cap] */
+    uint8_t *prof_op;     /* [prof_cap]: the op each event ends */
+    uint32_t prof_cap, prof_n;
+    double prof_ms[KVS_CUDA_OPS];
+    uint64_t prof_calls;
 };
 
 namespace kvs_cuda
@@ -549,6 +556,7 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     kvs_free(c->hdbl);
     for (int i = 0; i < GRAPHS; i++)
         if (c->graphs[i].exec != NULL) cudaGraphExecDestroy(c->graphs[i].exec);
+    kvs__model_cuda_profile(c, 0);
     if (c->blas != NULL) cublasDestroy(c->blas);
     if (c->blas_ws != NULL) cudaFree(c->blas_ws);
     if (c->stream != NULL) cudaStreamDestroy(c->stream);
@@ -592,6 +600,52 @@ extern "C" kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,
     seed_kernel<<<grid_for(nrows * ncols, 256), 256, 0, c->stream>>>(*rule, cols, row0, nrows, col0,
                                                                      ncols, b, f);
     return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): seeded weights");
+}
+
+extern "C" const char *kvs__model_cuda_op_name(kvs_cuda_op_t op)
+{
+    static const char *names[KVS_CUDA_OPS] = {
+        "embedding",    "rmsnorm", "qkv gemm",  "rope + kv write", "attention",   "wo gemm",
+        "gate/up gemm", "silu",    "down gemm", "tp all-reduce",   "output head", "sampling"};
+    return op < KVS_CUDA_OPS ? names[op] : "?";
+}
+
+extern "C" kvs_status_t kvs__model_cuda_profile(kvs_model_cuda_t *c, int on)
+{
+    for (uint32_t i = 0; i < c->prof_cap; i++) cudaEventDestroy(c->prof_ev[i]);
+    kvs_free(c->prof_ev);
+    kvs_free(c->prof_op);
+    c->prof_ev = NULL;
+    c->prof_op = NULL;
+    c->prof_cap = c->prof_n = 0;
+    c->profile = 0;
+    memset(c->prof_ms, 0, sizeof(c->prof_ms));
+    c->prof_calls = 0;
+    if (!on) return KVS_OK;
+    const uint32_t cap = c->layers * 16 + 16;
+    c->prof_ev = (cudaEvent_t *) kvs_calloc(cap, sizeof(cudaEvent_t));
+    c->prof_op = (uint8_t *) kvs_calloc(cap, 1);
+    if (c->prof_ev == NULL || c->prof_op == NULL) {
+        kvs__model_cuda_profile(c, 0);
+        return KVS_ERR_NOMEM;
+    }
+    cudaSetDevice(c->device);
+    for (; c->prof_cap < cap; c->prof_cap++) {
+        kvs_status_t st = KVS_CUDA_CHECK(cudaEventCreate(&c->prof_ev[c->prof_cap]),
+                                         "model(cuda): profile events");
+        if (st != KVS_OK) {
+            kvs__model_cuda_profile(c, 0);
+            return st;
+        }
+    }
+    c->profile = 1;
+    return KVS_OK;
+}
+
+extern "C" void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_t *calls)
+{
+    memcpy(ms, c->prof_ms, sizeof(c->prof_ms));
+    *calls = c->prof_calls;
 }
 
 extern "C" kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
@@ -756,9 +810,17 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
     const int tp = m->tp.tp_size > 1;
 
     /* Everything from the embedding to the logits, on the stream. */
+    c->prof_n = 0;
+    auto mark = [&](kvs_cuda_op_t op) {
+        if (!c->profile || c->prof_n >= c->prof_cap) return;
+        cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
+        c->prof_op[c->prof_n++] = (uint8_t) op;
+    };
     auto enqueue = [&]() -> kvs_status_t {
         kvs_status_t st = KVS_OK;
+        mark(KVS_CUDA_OPS); /* the start */
         embed_kernel<<<n, 256, 0, c->stream>>>(c->embed, c->dim, d_tok, x);
+        mark(KVS_CUDA_OP_EMBED);
         attn_args_t aa;
         aa.q = qkv;
         aa.q_stride = (uint32_t) qkv_w;
@@ -775,9 +837,11 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
             const layer_w *L = &c->layer[l];
             const kvs_region_t kr = *kvs_pool_region(pool, l, 0), vr = *kvs_pool_region(pool, l, 1);
             rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
+            mark(KVS_CUDA_OP_NORM);
             if ((st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
                            (uint32_t) qkv_w, 0.0f)) != KVS_OK)
                 break;
+            mark(KVS_CUDA_OP_QKV);
             const uint64_t pairs = (uint64_t) n * (c->q_heads + c->kv_heads) * (c->hd / 2);
             rope_kernel<<<grid_for(pairs, 256), 256, 0, c->stream>>>(qkv, (uint32_t) qkv_w, d_pos,
                                                                      c->q_heads + c->kv_heads,
@@ -786,35 +850,45 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
             kv_write_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
                 qkv, (uint32_t) qkv_w, c->q, c->kv, d_pos, d_tok_pages, d_pages, P, kr, vr,
                 c->kv_heads, c->hd, n);
+            mark(KVS_CUDA_OP_ROPE_KV);
             aa.k = kr;
             aa.v = vr;
             if ((st = kvs_cuda::attention_launch(aa, c->hd, (const attn_work_t *) (dm + mt.work),
                                                  nwork, (const attn_combine_t *) (dm + mt.combine),
                                                  ncomb, c->stream)) != KVS_OK)
                 break;
+            mark(KVS_CUDA_OP_ATTENTION);
             if ((st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
                            c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
                 break;
+            mark(KVS_CUDA_OP_WO);
             if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+            mark(KVS_CUDA_OP_REDUCE);
             rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
+            mark(KVS_CUDA_OP_NORM);
             if ((st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
                            0.0f)) != KVS_OK)
                 break;
+            mark(KVS_CUDA_OP_GATE_UP);
             silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(gu, c->f, n);
+            mark(KVS_CUDA_OP_SILU);
             if ((st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
                            CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
                 break;
+            mark(KVS_CUDA_OP_DOWN);
             if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+            mark(KVS_CUDA_OP_REDUCE);
         }
         if (st == KVS_OK) {
             rmsnorm_kernel<<<nseq, 256, 0, c->stream>>>(x, d_last, c->output_norm, c->dim, c->eps,
                                                         h);
             st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, nseq, c->logits.p, CUDA_R_32F,
                       c->vocab, 0.0f);
+            mark(KVS_CUDA_OP_HEAD);
         }
         return st;
     };
-    if (tp || nall > 0) {
+    if (tp || nall > 0 || c->profile) {
         st = enqueue(); /* the host takes part (the all-reduce) or the call is one of a kind */
     } else {
         uint64_t key = mix_key(0, n);
@@ -856,6 +930,14 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
         KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): forward pass");
     if (st == KVS_OK) st = st2;
     if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): forward pass kernels");
+    if (st == KVS_OK && c->profile && c->prof_n > 1) {
+        for (uint32_t i = 1; i < c->prof_n; i++) {
+            float ms = 0;
+            cudaEventElapsedTime(&ms, c->prof_ev[i - 1], c->prof_ev[i]);
+            c->prof_ms[c->prof_op[i]] += ms;
+        }
+        c->prof_calls++;
+    }
     return st;
 }
 

@@ -53,6 +53,28 @@ kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs
 kvs_status_t kvs__model_cuda_gemm_flops(int device, uint32_t m, uint32_t n, uint32_t k,
                                         double *flops_p);
 kvs_status_t kvs__model_cuda_copy_bytes_s(int device, size_t bytes, double *bytes_s_p);
+/* Where a forward call's device time goes (the engine benchmark's breakdown): while profiling
+ * is on, calls run eagerly (no graph) with an event after every op, and each op's time (from the
+ * event before it) is added to its kind. kvs__model_cuda_profile resets the sums. */
+typedef enum {
+    KVS_CUDA_OP_EMBED,
+    KVS_CUDA_OP_NORM,
+    KVS_CUDA_OP_QKV,
+    KVS_CUDA_OP_ROPE_KV, /* RoPE and the KV write */
+    KVS_CUDA_OP_ATTENTION,
+    KVS_CUDA_OP_WO,
+    KVS_CUDA_OP_GATE_UP,
+    KVS_CUDA_OP_SILU,
+    KVS_CUDA_OP_DOWN,
+    KVS_CUDA_OP_REDUCE, /* the TP all-reduce */
+    KVS_CUDA_OP_HEAD,   /* final norm and the output projection */
+    KVS_CUDA_OP_SAMPLE,
+    KVS_CUDA_OPS
+} kvs_cuda_op_t;
+const char *kvs__model_cuda_op_name(kvs_cuda_op_t op);
+kvs_status_t kvs__model_cuda_profile(kvs_model_cuda_t *c, int on);
+/* The sums since profiling was turned on: ms[KVS_CUDA_OPS] and the calls profiled. */
+void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_t *calls);
 /* Waits for the model's device work (for timing). */
 kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c);
 

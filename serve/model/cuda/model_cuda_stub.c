@@ -66,6 +66,25 @@ kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
     (void) c;
     return KVS_ERR_UNSUPPORTED;
 }
+
+const char *kvs__model_cuda_op_name(kvs_cuda_op_t op)
+{
+    (void) op;
+    return "?";
+}
+
+kvs_status_t kvs__model_cuda_profile(kvs_model_cuda_t *c, int on)
+{
+    (void) c, (void) on;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_t *calls)
+{
+    (void) c;
+    for (int k = 0; k < KVS_CUDA_OPS; k++) ms[k] = 0;
+    *calls = 0;
+}
 #else
 /* ISO C forbids an empty translation unit. */
 typedef int kvs__model_cuda_stub_unused_t;

@@ -29,6 +29,10 @@
  * period waits at most IDLE_SLEEP_MAX. */
 #define IDLE_SLEEP_US  50
 #define IDLE_SLEEP_MAX 2000
+/* While requests are live (a decode rank waiting for a prompt's KV, a prefill rank for the
+ * acknowledgements), the back-off stops here: a GPU prefill of a 1k prompt takes tens of ms, and
+ * waking up to 2 ms late for its KV was most of the handoff's share of TTFT. */
+#define LIVE_SLEEP_MAX 200
 #define HOT_NS         (20 * MS)
 #define DRAIN_NS       (50 * MS)
 
@@ -598,8 +602,11 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
             idle_us = IDLE_SLEEP_US;
         } else {
             sleep_us(idle_us);
-            if (kvs_now_ns() - last_work > HOT_NS && idle_us < IDLE_SLEEP_MAX)
-                idle_us = idle_us * 2 < IDLE_SLEEP_MAX ? idle_us * 2 : IDLE_SLEEP_MAX;
+            const long cap = kvs_llm_live(llm) > 0 ? LIVE_SLEEP_MAX : IDLE_SLEEP_MAX;
+            if (kvs_now_ns() - last_work > HOT_NS && idle_us < cap)
+                idle_us = idle_us * 2 < cap ? idle_us * 2 : cap;
+            else if (idle_us > cap)
+                idle_us = cap;
         }
     }
     /* Late acknowledgements and repeats from the other side. */

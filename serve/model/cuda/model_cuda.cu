@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "model/cuda/attention.cuh"
+#include "model/cuda/gemv.cuh"
 
 extern "C" {
 #include "base/cuda_util.h"
@@ -188,46 +189,46 @@ __global__ void __launch_bounds__(256)
         y[(size_t) r * dim + i] = __float2bfloat16(xr[i] * inv * w[i]);
 }
 
-/* Rotates the pairs of the first `heads` heads of every row (the q heads, then the k heads). */
-__global__ void rope_kernel(bf16 *qkv, uint32_t stride, const uint32_t *pos, uint32_t heads,
-                            uint32_t hd, double theta, uint32_t n)
+/* RoPE and the KV write in one pass over q, k and v: a thread takes 8 elements (4 pairs) of
+ * one head of one token. q heads are rotated in place (attention reads them there); k heads
+ * are rotated and, like the v heads, stored as 16-byte vectors at the token's position in the
+ * pool (attention reads K and V from there). */
+__global__ void rope_kv_kernel(bf16 *qkv, uint32_t stride, uint32_t q_heads, uint32_t kv_heads,
+                               uint32_t hd, double theta, const uint32_t *pos,
+                               const uint32_t *tok_pages, const uint32_t *pages, uint32_t page_size,
+                               kvs_region_t kr, kvs_region_t vr, uint32_t n)
 {
-    const uint32_t half = hd / 2;
-    const uint64_t count = (uint64_t) n * heads * half;
+    const uint32_t chunks = hd / 8, heads = q_heads + 2 * kv_heads;
+    const uint64_t count = (uint64_t) n * heads * chunks;
     for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
          i += (uint64_t) gridDim.x * blockDim.x) {
-        const uint32_t j = (uint32_t) (i % half);
-        const uint64_t th = i / half;
-        const uint32_t h = (uint32_t) (th % heads), t = (uint32_t) (th / heads);
-        const double angle = pos[t] * pow(theta, -2.0 * j / hd);
-        double s, c;
-        sincos(angle, &s, &c);
-        bf16 *p = qkv + (size_t) t * stride + (size_t) h * hd + 2 * j;
-        const float x0 = __bfloat162float(p[0]), x1 = __bfloat162float(p[1]);
-        p[0] = __float2bfloat16((float) (x0 * c - x1 * s));
-        p[1] = __float2bfloat16((float) (x0 * s + x1 * c));
-    }
-}
-
-/* Stores every token's K and V heads (16-byte vectors) at its position in the pool. */
-__global__ void kv_write_kernel(const bf16 *qkv, uint32_t stride, uint32_t q, uint32_t kv,
-                                const uint32_t *pos, const uint32_t *tok_pages,
-                                const uint32_t *pages, uint32_t page_size, kvs_region_t kr,
-                                kvs_region_t vr, uint32_t kv_heads, uint32_t hd, uint32_t n)
-{
-    const uint32_t chunks = hd / 8;
-    const uint64_t count = (uint64_t) n * kv_heads * chunks;
-    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
-         i += (uint64_t) gridDim.x * blockDim.x) {
-        const uint32_t c = (uint32_t) (i % chunks);
+        const uint32_t ch = (uint32_t) (i % chunks);
         const uint64_t th = i / chunks;
-        const uint32_t h = (uint32_t) (th % kv_heads), t = (uint32_t) (th / kv_heads);
+        const uint32_t h = (uint32_t) (th % heads), t = (uint32_t) (th / heads);
+        bf16 *p = qkv + (size_t) t * stride + (size_t) h * hd + 8 * ch;
+        uint4 v = *reinterpret_cast<const uint4 *>(p);
+        if (h < q_heads + kv_heads) {
+            bf16 *e = reinterpret_cast<bf16 *>(&v);
+            for (uint32_t k = 0; k < 4; k++) {
+                const uint32_t j = 4 * ch + k;
+                const double angle = pos[t] * pow(theta, -2.0 * j / hd);
+                double sn, cs;
+                sincos(angle, &sn, &cs);
+                const float x0 = __bfloat162float(e[2 * k]), x1 = __bfloat162float(e[2 * k + 1]);
+                e[2 * k] = __float2bfloat16((float) (x0 * cs - x1 * sn));
+                e[2 * k + 1] = __float2bfloat16((float) (x0 * sn + x1 * cs));
+            }
+            if (h < q_heads) {
+                *reinterpret_cast<uint4 *>(p) = v;
+                continue;
+            }
+        }
+        const int is_v = h >= q_heads + kv_heads;
+        const uint32_t kvh = h - q_heads - (is_v ? kv_heads : 0);
+        const kvs_region_t &r = is_v ? vr : kr;
         const uint64_t page = pages[tok_pages[t] + pos[t] / page_size], off = pos[t] % page_size;
-        const bf16 *src = qkv + (size_t) t * stride + q + (size_t) h * hd;
-        uint8_t *kd = kr.base + page * kr.page_stride + off * kr.token_stride + h * kr.head_stride;
-        uint8_t *vd = vr.base + page * vr.page_stride + off * vr.token_stride + h * vr.head_stride;
-        reinterpret_cast<uint4 *>(kd)[c] = reinterpret_cast<const uint4 *>(src)[c];
-        reinterpret_cast<uint4 *>(vd)[c] = reinterpret_cast<const uint4 *>(src + kv)[c];
+        uint8_t *d = r.base + page * r.page_stride + off * r.token_stride + kvh * r.head_stride;
+        reinterpret_cast<uint4 *>(d)[ch] = v;
     }
 }
 
@@ -510,6 +511,7 @@ extern "C" kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device,
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "model(cuda): stream");
+    if (st == KVS_OK) st = kvs_cuda::gemv_prepare();
     if (st == KVS_OK) st = blas_check(cublasCreate(&c->blas), "cublasCreate");
     if (st == KVS_OK) st = blas_check(cublasSetStream(c->blas, c->stream), "cublasSetStream");
     if (st == KVS_OK)
@@ -694,7 +696,7 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
     if (ntiles < target) {
         uint64_t s = (kv_total + target - 1) / target;
         s = (s + kvs_cuda::ATTN_TILE - 1) / kvs_cuda::ATTN_TILE * kvs_cuda::ATTN_TILE;
-        split = s < 4 * kvs_cuda::ATTN_TILE ? 4 * kvs_cuda::ATTN_TILE : (uint32_t) s;
+        split = (uint32_t) s; /* a tile at least (decode at batch 1: a block per tile) */
     }
     uint32_t nwork = 0, ncomb = 0, nparts = 0;
     for (uint32_t i = 0; i < nseq; i++) {
@@ -816,6 +818,13 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
         cudaEventRecord(c->prof_ev[c->prof_n], c->stream);
         c->prof_op[c->prof_n++] = (uint8_t) op;
     };
+    /* One token: the projections are our fused one-token kernels (gemv.cuh), else cuBLAS. */
+    const int one = n == 1 && c->dim <= GEMV_MAX_IN && c->f <= GEMV_MAX_IN && c->q <= GEMV_MAX_IN;
+    auto gemv = [&](gemv_input_t input, const bf16 *w, uint32_t in, uint32_t out, const void *xin,
+                    const uint32_t *row, const float *norm_w, void *y, int y_f32, int accumulate) {
+        const gemv_args_t g = {w, in, out, input, xin, row, norm_w, c->eps, y, y_f32, accumulate};
+        return gemv_launch(g, c->sms, c->stream);
+    };
     auto enqueue = [&]() -> kvs_status_t {
         kvs_status_t st = KVS_OK;
         mark(KVS_CUDA_OPS); /* the start */
@@ -836,20 +845,21 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
         for (uint32_t l = 0; l < c->layers && st == KVS_OK; l++) {
             const layer_w *L = &c->layer[l];
             const kvs_region_t kr = *kvs_pool_region(pool, l, 0), vr = *kvs_pool_region(pool, l, 1);
-            rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
-            mark(KVS_CUDA_OP_NORM);
-            if ((st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
-                           (uint32_t) qkv_w, 0.0f)) != KVS_OK)
-                break;
+            if (one) {
+                st = gemv(GEMV_NORM, L->wqkv, c->dim, (uint32_t) qkv_w, x, NULL, L->attn_norm, qkv,
+                          0, 0);
+            } else {
+                rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->attn_norm, c->dim, c->eps, h);
+                mark(KVS_CUDA_OP_NORM);
+                st = gemm(c, h, c->dim, L->wqkv, c->dim, (uint32_t) qkv_w, n, qkv, CUDA_R_16BF,
+                          (uint32_t) qkv_w, 0.0f);
+            }
+            if (st != KVS_OK) break;
             mark(KVS_CUDA_OP_QKV);
-            const uint64_t pairs = (uint64_t) n * (c->q_heads + c->kv_heads) * (c->hd / 2);
-            rope_kernel<<<grid_for(pairs, 256), 256, 0, c->stream>>>(qkv, (uint32_t) qkv_w, d_pos,
-                                                                     c->q_heads + c->kv_heads,
-                                                                     c->hd, (double) c->theta, n);
-            const uint64_t vecs = (uint64_t) n * c->kv_heads * (c->hd / 8);
-            kv_write_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
-                qkv, (uint32_t) qkv_w, c->q, c->kv, d_pos, d_tok_pages, d_pages, P, kr, vr,
-                c->kv_heads, c->hd, n);
+            const uint64_t vecs = (uint64_t) n * (c->q_heads + 2 * c->kv_heads) * (c->hd / 8);
+            rope_kv_kernel<<<grid_for(vecs, 256), 256, 0, c->stream>>>(
+                qkv, (uint32_t) qkv_w, c->q_heads, c->kv_heads, c->hd, (double) c->theta, d_pos,
+                d_tok_pages, d_pages, P, kr, vr, n);
             mark(KVS_CUDA_OP_ROPE_KV);
             aa.k = kr;
             aa.v = vr;
@@ -858,28 +868,46 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
                                                  ncomb, c->stream)) != KVS_OK)
                 break;
             mark(KVS_CUDA_OP_ATTENTION);
-            if ((st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
-                           c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
-                break;
+            if (one)
+                st = gemv(GEMV_BF16, L->wo, c->q, c->dim, att, NULL, NULL, tp ? c->partial.p : x, 1,
+                          !tp);
+            else
+                st = gemm(c, att, c->q, L->wo, c->q, c->dim, n, tp ? c->partial.p : x, CUDA_R_32F,
+                          c->dim, tp ? 0.0f : 1.0f);
+            if (st != KVS_OK) break;
             mark(KVS_CUDA_OP_WO);
             if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
             mark(KVS_CUDA_OP_REDUCE);
-            rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
-            mark(KVS_CUDA_OP_NORM);
-            if ((st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
-                           0.0f)) != KVS_OK)
-                break;
-            mark(KVS_CUDA_OP_GATE_UP);
-            silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(gu, c->f, n);
-            mark(KVS_CUDA_OP_SILU);
-            if ((st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
-                           CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f)) != KVS_OK)
-                break;
+            if (one) {
+                st = gemv(GEMV_NORM, L->wgu, c->dim, 2 * c->f, x, NULL, L->ffn_norm, gu, 0, 0);
+                mark(KVS_CUDA_OP_GATE_UP);
+                if (st == KVS_OK)
+                    st = gemv(GEMV_SILU, L->wdown, c->f, c->dim, gu, NULL, NULL,
+                              tp ? c->partial.p : x, 1, !tp);
+            } else {
+                rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);
+                mark(KVS_CUDA_OP_NORM);
+                st = gemm(c, h, c->dim, L->wgu, c->dim, 2 * c->f, n, gu, CUDA_R_16BF, 2 * c->f,
+                          0.0f);
+                mark(KVS_CUDA_OP_GATE_UP);
+                if (st == KVS_OK) {
+                    silu_mul_kernel<<<grid_for((uint64_t) n * c->f, 256), 256, 0, c->stream>>>(
+                        gu, c->f, n);
+                    mark(KVS_CUDA_OP_SILU);
+                    st = gemm(c, gu, 2 * c->f, L->wdown, c->f, c->dim, n, tp ? c->partial.p : x,
+                              CUDA_R_32F, c->dim, tp ? 0.0f : 1.0f);
+                }
+            }
+            if (st != KVS_OK) break;
             mark(KVS_CUDA_OP_DOWN);
             if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
             mark(KVS_CUDA_OP_REDUCE);
         }
-        if (st == KVS_OK) {
+        if (st == KVS_OK && nseq == 1) {
+            st = gemv(GEMV_NORM, c->output, c->dim, c->vocab, x, d_last, c->output_norm,
+                      c->logits.p, 1, 0);
+            mark(KVS_CUDA_OP_HEAD);
+        } else if (st == KVS_OK) {
             rmsnorm_kernel<<<nseq, 256, 0, c->stream>>>(x, d_last, c->output_norm, c->dim, c->eps,
                                                         h);
             st = gemm(c, h, c->dim, c->output, c->dim, c->vocab, nseq, c->logits.p, CUDA_R_32F,

@@ -1,0 +1,54 @@
+/* One-token projections on the device (internal to the CUDA model backend): y = W x for a single
+ * input row, with the small step before it fused into the kernel so that a decode step at batch
+ * 1 is the weights' read and little else.
+ *
+ * W is bf16 [out][in] (row-major, in a multiple of 8), read once with streaming loads: every
+ * warp takes whole rows, its lanes 16-byte vectors of them, four in flight per lane. Each block
+ * first prepares the input row in shared memory as bf16, from one of:
+ *   GEMV_BF16   a bf16 row (the attention output);
+ *   GEMV_NORM   an f32 residual row, RMS-normalised and scaled by a weight: the same floats as
+ *               the model's rmsnorm kernel gives (the same reduction over 256 threads);
+ *   GEMV_SILU   a bf16 gate|up row [2 in], silu(gate) * up rounded to bf16, as the SwiGLU kernel.
+ * The output is f32 (optionally added to what is there: beta 1) or bf16. For one token the fused
+ * kernel beat cuBLAS's (H200: 2.7 vs 2.1 TB/s on a 4096 x 4096 matrix, 4.0 vs 3.7 on 28672 x
+ * 4096) and spares the launches of the steps it absorbs; for several tokens cuBLAS is faster. */
+#ifndef KVSTAGE_MODEL_CUDA_GEMV_CUH
+#define KVSTAGE_MODEL_CUDA_GEMV_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+#include "kvstage/status.h"
+}
+
+namespace kvs_cuda
+{
+
+enum gemv_input_t { GEMV_BF16, GEMV_NORM, GEMV_SILU };
+
+struct gemv_args_t {
+    const __nv_bfloat16 *w; /* [out][in] */
+    uint32_t in, out;
+    gemv_input_t input;
+    const void *x;         /* bf16 [in], f32 [dim = in] (NORM) or bf16 [2 in] (SILU) */
+    const uint32_t *row;   /* NORM: the row of x to take (x + *row * in), device; NULL: 0 */
+    const float *norm_w;   /* NORM: [in] */
+    float eps;             /* NORM */
+    void *y;               /* [out] */
+    int y_f32;             /* 1: float, 0: bf16 */
+    int accumulate;        /* f32 only: y += W x */
+};
+
+/* Largest `in` the shared-memory row holds (bf16). */
+constexpr uint32_t GEMV_MAX_IN = 32768;
+
+/* Once per device (the current one), before the first launch: lets the kernel's shared row
+ * grow past 48 KiB. */
+kvs_status_t gemv_prepare(void);
+kvs_status_t gemv_launch(const gemv_args_t &a, int sms, cudaStream_t stream);
+
+} // namespace kvs_cuda
+
+#endif

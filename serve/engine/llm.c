@@ -105,6 +105,7 @@ struct kvs_llm {
     float *logits;         /* [max_running][vocab] */
     uint32_t *counts;      /* [vocab] the sampler's penalty scratch, all zero between calls */
     float *raw;            /* [vocab] rank 0: a row's logits before sampling rewrites them */
+    uint32_t *dev_tok;     /* [max_running] tokens sampled where the model runs (a device) */
     float *all_logits;     /* [all_cap][vocab] rank 0: every position of prompt-logprobs chunks */
     size_t all_cap;
     double *agree; /* [3 * max_running] */
@@ -330,9 +331,10 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
     e->agree = kvs_malloc((size_t) 3 * c->max_running * sizeof(double));
     e->counts = kvs_calloc(mc->vocab, sizeof(uint32_t));
+    e->dev_tok = kvs_calloc(c->max_running, sizeof(uint32_t));
     e->raw = kvs_malloc((size_t) mc->vocab * sizeof(float));
     if (e->seqs == NULL || e->seq_rq == NULL || e->logits == NULL || e->agree == NULL ||
-        e->counts == NULL || e->raw == NULL)
+        e->counts == NULL || e->raw == NULL || e->dev_tok == NULL)
         goto err;
     if (c->radix && (st = kvs_radix_create(e->page, radix_free, e, &e->radix)) != KVS_OK) goto err;
     *llm_p = e;
@@ -377,6 +379,7 @@ void kvs_llm_destroy(kvs_llm_t *e)
     kvs_free(e->logits);
     kvs_free(e->agree);
     kvs_free(e->counts);
+    kvs_free(e->dev_tok);
     kvs_free(e->raw);
     kvs_free(e->all_logits);
     kvs_free(e->wire);
@@ -1123,15 +1126,42 @@ static uint32_t grow_sequences(kvs_llm_t *e)
  * prompt and the tokens generated before it, which the decode side has too (the prompt, and
  * the first token from the prefill side): so the prefill side's first token and the decode
  * side's later ones form the same stream as one colocated run. */
+static void token_rng(const rq_t *r, uint32_t index, kvs_rng_t *rng)
+{
+    kvs_rng_seed(rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
+}
+
 static uint32_t sample(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t index)
 {
     kvs_rng_t rng;
-    kvs_rng_seed(&rng, kvs_mix64(r->req.seed ^ kvs_mix64(index)));
+    token_rng(r, index, &rng);
     const kvs_sample_history_t h = {.tokens = r->tokens,
                                     .len = r->ntokens,
                                     .prompt_len = r->req.prompt_len,
                                     .counts = e->counts};
     return kvs_sample(logits, e->mc.vocab, &r->req.sampling, &h, &rng);
+}
+
+/* The sequence of the pass whose row of e->logits this is. */
+static uint32_t logits_row(const kvs_llm_t *e, const float *logits)
+{
+    return (uint32_t) ((size_t) (logits - e->logits) / e->mc.vocab);
+}
+
+/* The pass samples the next token of request r (number `index`) where the model runs when it
+ * can: a model on a device, no logprobs to report, no bias or penalties (which need the
+ * history on the host). Every rank decides alike: the inputs are the same on all of them. */
+static void sample_on_device(kvs_llm_t *e, const rq_t *r, kvs_model_seq_t *s, uint32_t j,
+                             uint32_t index)
+{
+    if (kvs_model_device(e->cfg.model) < 0 || r->req.logprobs ||
+        !kvs_sample_on_device_ok(&r->req.sampling))
+        return;
+    kvs_rng_t rng;
+    token_rng(r, index, &rng);
+    s->sample = &r->req.sampling;
+    s->draw = kvs_sample_draw(&rng);
+    s->token = &e->dev_tok[j];
 }
 
 /* Samples token number `index` from logits (rewritten) and, where the request asked and this
@@ -1140,6 +1170,11 @@ static uint32_t sample(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t inde
 static uint32_t sample_lp(kvs_llm_t *e, const rq_t *r, float *logits, uint32_t index,
                           int every_rank, kvs_logprobs_t *lp_p, int *has_p)
 {
+    const kvs_model_seq_t *s = &e->seqs[logits_row(e, logits)];
+    if (s->sample != NULL) { /* sampled on the device; never with logprobs */
+        *has_p = 0;
+        return *s->token;
+    }
     *has_p = r->req.logprobs && (e->rank == 0 || every_rank);
     if (*has_p) memcpy(e->raw, logits, (size_t) e->mc.vocab * sizeof(float));
     uint32_t tok = sample(e, r, logits, index);
@@ -1247,12 +1282,14 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
                                    .pos0 = r->computed,
                                    .pages = r->pages,
                                    .npages = r->npages};
+            if (r->computed + n == r->ntokens) sample_on_device(e, r, s, nseq, r->generated);
         } else if (r->state == RQ_DECODE) {
             *s = (kvs_model_seq_t){.tokens = r->tokens + r->ntokens - 1,
                                    .n = 1,
                                    .pos0 = r->ntokens - 1,
                                    .pages = r->pages,
                                    .npages = r->npages};
+            sample_on_device(e, r, s, nseq, r->generated);
         } else {
             continue;
         }

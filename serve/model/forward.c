@@ -330,6 +330,15 @@ kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model
     for (uint32_t i = 0; i < nseq; i++) {
         st = check_seq(m, pool, &seqs[i], i);
         if (st != KVS_OK) return st;
+        if (seqs[i].sample != NULL &&
+            (seqs[i].token == NULL || !kvs_sample_on_device_ok(seqs[i].sample) ||
+             kvs_sample_params_invalid(seqs[i].sample, m->config.vocab) != NULL ||
+             !(seqs[i].draw >= 0 && seqs[i].draw < 1))) {
+            kvs_error("model: sequence %u asks for sampling with bias, penalties, invalid "
+                      "parameters, a draw outside [0, 1) or no token to write",
+                      i);
+            return KVS_ERR_INVALID;
+        }
         total += seqs[i].n;
         if (seqs[i].pos0 + seqs[i].n > positions) positions = seqs[i].pos0 + seqs[i].n;
     }
@@ -361,5 +370,9 @@ kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model
         if (st != KVS_OK) return st;
     }
     output_block(m, seqs, nseq, logits);
+    for (uint32_t i = 0; i < nseq; i++)
+        if (seqs[i].sample != NULL)
+            *seqs[i].token = kvs_sample_at(logits + (size_t) i * m->config.vocab, m->config.vocab,
+                                           seqs[i].sample, NULL, seqs[i].draw);
     return KVS_OK;
 }

@@ -99,6 +99,16 @@ typedef struct {
      * (prompt logprobs); each row the same floats as that token's row would be as a last token.
      * NULL: none. */
     float *all_logits;
+    /* Optional: this sequence's next token is sampled where the model runs, from its last
+     * token's logits, by kvs_sample_at(logits, vocab, sample, NULL, draw): sample must pass
+     * kvs_sample_on_device_ok (KVS_ERR_INVALID otherwise), draw is the uniform [0, 1) double
+     * kvs_sample would take from its rng (kvs_sample_draw; unused when greedy), and the token
+     * lands in *token. On a CUDA device only the token comes back: this sequence's row of
+     * logits is left unwritten (the tolerances of model_cuda.h apply to the choice as to the
+     * logits). A CPU model computes the row and samples it on the host. NULL: no sampling. */
+    const struct kvs_sample_params *sample;
+    double draw;
+    uint32_t *token;
 } kvs_model_seq_t;
 
 /* Runs the model over every new token of every sequence: writes their K and V into the pool
@@ -126,7 +136,7 @@ typedef struct {
 
 /* Every knob's neutral value is its zero, except top_p (1). sample.c says in which order they
  * act. */
-typedef struct {
+typedef struct kvs_sample_params {
     float temperature;        /* <= 0: greedy (argmax, lowest id on ties) */
     float top_p;              /* nucleus mass in (0, 1]; <= 0 keeps only the most likely tokens */
     uint32_t top_k;           /* keep the k most likely tokens; 0: off */
@@ -159,6 +169,15 @@ const char *kvs_sample_params_invalid(const kvs_sample_params_t *params, uint32_
  * all kept). NaN logits are never picked. Allocation-free. */
 uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
                     const kvs_sample_history_t *history, kvs_rng_t *rng);
+/* The uniform double in [0, 1) kvs_sample takes from rng (its only draw). */
+double kvs_sample_draw(kvs_rng_t *rng);
+/* kvs_sample with that draw given as u in [0, 1) (unused when greedy): the same token as
+ * kvs_sample with an rng whose next draw is u. */
+uint32_t kvs_sample_at(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                       const kvs_sample_history_t *history, double u);
+/* Whether params can be sampled on a device (kvs_model_seq_t.sample): no logit bias and no
+ * penalties (they need the request's history on the host). */
+int kvs_sample_on_device_ok(const kvs_sample_params_t *params);
 
 /* ---- logprobs ---- */
 

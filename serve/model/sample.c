@@ -10,7 +10,8 @@
  *   5. min-p        keeps the weights >= min_p (the top token weighs 1).
  *   6. top-p        keeps the smallest set of the most likely survivors holding top_p of the
  *                   survivors' mass.
- *   7. draw         one uniform double from rng, walked over the kept weights in id order.
+ *   7. draw         one uniform double from rng (or given: kvs_sample_at), walked over the kept
+ *                   weights in id order.
  * Each of 4-6 keeps {i : logits[i] >= cut} for some logit value cut (the weights rise with the
  * logit), so they compose by raising one cut in turn, and tokens tied at a cut are all kept.
  * A cut is found without sorting or allocating: the count (top-k) or mass (top-p) above a cut
@@ -140,13 +141,25 @@ static double uniform01(kvs_rng_t *rng)
     return (double) (kvs_rng_next(rng) >> 11) * 0x1p-53;
 }
 
-uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
-                    const kvs_sample_history_t *history, kvs_rng_t *rng)
+int kvs_sample_on_device_ok(const kvs_sample_params_t *p)
+{
+    return p != NULL && p->n_bias == 0 && p->presence_penalty == 0 && p->frequency_penalty == 0 &&
+           (p->repetition_penalty == 0 || p->repetition_penalty == 1);
+}
+
+double kvs_sample_draw(kvs_rng_t *rng)
+{
+    return uniform01(rng);
+}
+
+/* kvs_sample with its draw given (u < 0: greedy whatever the temperature). */
+static uint32_t sample_with(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                            const kvs_sample_history_t *history, kvs_rng_t *rng, double u)
 {
     if (logits == NULL || vocab == 0) return 0;
     if (params != NULL) bias_and_penalise(logits, vocab, params, history);
     const uint32_t best = argmax(logits, vocab);
-    if (params == NULL || !(params->temperature > 0.0f) || rng == NULL) return best;
+    if (params == NULL || !(params->temperature > 0.0f) || (rng == NULL && u < 0)) return best;
     const float max = logits[best];
     if (!isfinite(max)) return best; /* all NaN, or a +inf logit: nothing to weigh */
     const double inv_temp = 1.0 / params->temperature;
@@ -171,7 +184,7 @@ uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *pa
     }
 
     const double kept = sum_above(logits, vocab, cut, max, inv_temp, 0, INFINITY);
-    const double r = uniform01(rng) * kept;
+    const double r = (rng != NULL ? uniform01(rng) : u) * kept;
     double acc = 0;
     uint32_t last = best;
     for (uint32_t i = 0; i < vocab; i++) {
@@ -181,6 +194,18 @@ uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *pa
         if (r < acc) return i;
     }
     return last; /* r landed on the rounding error at the very top */
+}
+
+uint32_t kvs_sample(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                    const kvs_sample_history_t *history, kvs_rng_t *rng)
+{
+    return sample_with(logits, vocab, params, history, rng, -1.0);
+}
+
+uint32_t kvs_sample_at(float *logits, uint32_t vocab, const kvs_sample_params_t *params,
+                       const kvs_sample_history_t *history, double u)
+{
+    return sample_with(logits, vocab, params, history, NULL, u);
 }
 
 /* A before b in a top list: larger, or equal with the lower id. */

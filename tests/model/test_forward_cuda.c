@@ -14,6 +14,7 @@
 
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
+#include "model/cuda/model_cuda.h"
 #include "model/gguf.h"
 #include "model/model.h"
 #include "model/model_pool.h"
@@ -339,6 +340,143 @@ static void test_tp2_one_gpu(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Sampling parameters of case k: greedy, then temperatures with top-k, min-p and top-p alone
+ * and together (top-k 1 and a tiny top-p keep the top token alone). */
+static kvs_sample_params_t sample_case(uint32_t k)
+{
+    static const float temps[] = {0.0f, 1.0f, 0.7f, 1.3f, 0.2f};
+    static const uint32_t top_ks[] = {0, 1, 5, 50, 0, 1000};
+    static const float top_ps[] = {1.0f, 0.9f, 0.5f, 0.0f, 1.0f, 0.99f, 0.1f};
+    static const float min_ps[] = {0.0f, 0.05f, 0.0f, 0.3f, 0.0f};
+    kvs_sample_params_t p = {0};
+    p.temperature = temps[k % 5];
+    p.top_k = top_ks[(k / 5) % 6];
+    p.top_p = top_ps[(k / 3) % 7];
+    p.min_p = min_ps[(k / 7) % 5];
+    return p;
+}
+
+/* The device sampler against kvs_sample_at on the same rows and draws: vocabularies from 7 to
+ * Llama-3's, logits spread wide and narrow, ties at the top, NaN and -inf entries; every case
+ * must pick the host's token. */
+static void test_sampler(void **state)
+{
+    (void) state;
+    require_gpu();
+    static const uint32_t vocabs[] = {7, 1001, 49152, 128256};
+    enum { ROWS = 64 };
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, 42);
+    uint32_t cases = 0, differ = 0;
+    for (size_t v = 0; v < sizeof(vocabs) / sizeof(vocabs[0]); v++) {
+        const uint32_t V = vocabs[v];
+        float *lg = kvs_calloc((size_t) ROWS * V, sizeof(float)),
+              *row = kvs_calloc(V, sizeof(float));
+        assert_non_null(lg);
+        assert_non_null(row);
+        kvs_sample_params_t params[ROWS];
+        double draws[ROWS];
+        uint32_t tok[ROWS];
+        for (uint32_t r = 0; r < ROWS; r++) {
+            const double spread = r % 3 == 0 ? 8.0 : r % 3 == 1 ? 2.0 : 0.3;
+            for (uint32_t i = 0; i < V; i++) {
+                /* a sum of uniforms: roughly normal */
+                double x = 0;
+                for (int k = 0; k < 4; k++) x += (double) (kvs_rng_next(&rng) >> 11) * 0x1p-53;
+                lg[(size_t) r * V + i] = (float) ((x - 2.0) * spread);
+            }
+            float *L = lg + (size_t) r * V;
+            if (r % 4 == 1 && V > 3) L[V - 1] = L[1] = L[2] = 9.0f * (float) spread; /* a tie */
+            if (r % 5 == 2) L[r % V] = NAN;
+            if (r % 7 == 3) L[(r + 3) % V] = -INFINITY;
+            params[r] = sample_case((uint32_t) (r + 64 * v));
+            draws[r] = (double) (kvs_rng_next(&rng) >> 11) * 0x1p-53;
+        }
+        assert_int_equal(kvs__model_cuda_sample_rows(0, lg, ROWS, V, params, draws, tok), KVS_OK);
+        for (uint32_t r = 0; r < ROWS; r++) {
+            memcpy(row, lg + (size_t) r * V, V * sizeof(float));
+            const uint32_t want = kvs_sample_at(row, V, &params[r], NULL, draws[r]);
+            cases++;
+            if (tok[r] != want) {
+                differ++;
+                print_message("vocab %u row %u (t %.2f k %u p %.2f min-p %.2f, draw %.17g): device "
+                              "%u, host %u\n",
+                              V, r, (double) params[r].temperature, params[r].top_k,
+                              (double) params[r].top_p, (double) params[r].min_p, draws[r], tok[r],
+                              want);
+            }
+        }
+        kvs_free(lg);
+        kvs_free(row);
+    }
+    print_message("  %u cases, %u differ from the host\n", cases, differ);
+    assert_int_equal(differ, 0);
+    kvs_assert_no_leaks();
+}
+
+/* Sampling inside the forward pass: in a batch of four sequences, two sample on the device (one
+ * greedy, one at a temperature) and two return logits; the device tokens equal kvs_sample_at over
+ * the logits of the same call made without sampling, and the unsampled rows are unchanged. */
+static void test_forward_sampling(void **state)
+{
+    (void) state;
+    require_gpu();
+    kvs_model_config_t c = shape(8, 2, 64);
+    c.vocab = 32000;
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded_on(&c, 5, (kvs_tp_t){1, 0}, 0, &m), KVS_OK);
+    kvs_pool_t *pool = make_pool(m, 16, 256, KVS_POOL_NHD);
+    static seq_t s[4];
+    for (uint32_t i = 0; i < 4; i++) {
+        s[i].len = 100 + 13 * i;
+        s[i].npages = (s[i].len + 64 + 15) / 16;
+        assert_int_equal(kvs_pool_alloc(pool, s[i].npages, s[i].pages), KVS_OK);
+        kvs_rng_t rng;
+        kvs_rng_seed(&rng, 100 + i);
+        for (uint32_t t = 0; t < s[i].len + 64; t++)
+            s[i].tokens[t] = (uint32_t) (kvs_rng_next(&rng) % c.vocab);
+    }
+    float *plain = kvs_calloc((size_t) 4 * c.vocab, sizeof(float));
+    float *mixed = kvs_calloc((size_t) 4 * c.vocab, sizeof(float));
+    assert_non_null(plain);
+    assert_non_null(mixed);
+    kvs_sample_params_t greedy = {.top_p = 1.0f},
+                        hot = {.temperature = 0.9f, .top_p = 0.95f, .top_k = 40};
+    uint32_t checked = 0;
+    for (uint32_t step = 0; step < 12; step++) {
+        kvs_model_seq_t q[4];
+        for (uint32_t i = 0; i < 4; i++)
+            q[i] = step == 0 ? part(&s[i], 0, s[i].len) : part(&s[i], s[i].len + step - 1, 1);
+        assert_int_equal(kvs_model_forward(m, pool, q, 4, NULL, NULL, plain), KVS_OK);
+        uint32_t tok[4] = {~0u, ~0u, ~0u, ~0u};
+        const double draw = (step + 0.5) / 12.0;
+        q[1].sample = &greedy, q[1].token = &tok[1];
+        q[2].sample = &hot, q[2].draw = draw, q[2].token = &tok[2];
+        memset(mixed, 0, (size_t) 4 * c.vocab * sizeof(float));
+        assert_int_equal(kvs_model_forward(m, pool, q, 4, NULL, NULL, mixed), KVS_OK);
+        for (uint32_t i = 0; i < 4; i += 3)
+            assert_memory_equal(mixed + (size_t) i * c.vocab, plain + (size_t) i * c.vocab,
+                                c.vocab * sizeof(float));
+        assert_int_equal(tok[0], ~0u);
+        assert_int_equal(tok[1], kvs_sample_at(plain + c.vocab, c.vocab, &greedy, NULL, 0.0));
+        assert_int_equal(tok[2],
+                         kvs_sample_at(plain + 2 * (size_t) c.vocab, c.vocab, &hot, NULL, draw));
+        checked += 2;
+    }
+    /* what cannot be sampled there is refused */
+    kvs_sample_params_t biased = {.temperature = 1.0f, .top_p = 1.0f, .presence_penalty = 0.5f};
+    uint32_t t;
+    kvs_model_seq_t q = part(&s[0], s[0].len + 11, 1);
+    q.sample = &biased, q.token = &t;
+    assert_int_equal(kvs_model_forward(m, pool, &q, 1, NULL, NULL, plain), KVS_ERR_INVALID);
+    print_message("  %u device samples checked in forward calls\n", checked);
+    kvs_free(plain);
+    kvs_free(mixed);
+    kvs_pool_destroy(pool);
+    kvs_model_destroy(m);
+    kvs_assert_no_leaks();
+}
+
 /* SmolLM2 from its GGUF: greedy for 32 tokens on the CPU; the CUDA model, fed the CPU's tokens,
  * is within the bound at every step and picks the same token wherever the gap allows. */
 static void test_smollm2(void **state)
@@ -417,9 +555,10 @@ int main(int argc, char **argv)
 {
     if (argc > 1) cmocka_set_test_filter(argv[1]);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_refusals),     cmocka_unit_test(test_shapes),
-        cmocka_unit_test(test_long_context), cmocka_unit_test(test_tp2_one_gpu),
-        cmocka_unit_test(test_smollm2),
+        cmocka_unit_test(test_refusals),         cmocka_unit_test(test_shapes),
+        cmocka_unit_test(test_long_context),     cmocka_unit_test(test_tp2_one_gpu),
+        cmocka_unit_test(test_smollm2),          cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_forward_sampling),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

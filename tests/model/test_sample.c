@@ -325,6 +325,46 @@ static void test_params_invalid(void **state)
 
 /* kvs_logprobs: log-softmax in double, the top N most likely first (lower id on ties), NaN as
  * -inf, -inf reported as the floor, N capped by the vocabulary and KVS_LOGPROBS_TOP_MAX. */
+/* kvs_sample_at with the draw an rng would give picks what kvs_sample picks with that rng, for
+ * every combination of filters; kvs_sample_on_device_ok refuses bias and penalties only. */
+static void test_given_draw(void **state)
+{
+    (void) state;
+    enum { V = 500 };
+    float base[V], a[V], b[V];
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, 77);
+    for (uint32_t i = 0; i < V; i++)
+        base[i] = (float) ((double) kvs_rng_below(&rng, 10000) / 900.0);
+    for (uint32_t k = 0; k < 300; k++) {
+        kvs_sample_params_t p = {.temperature = (float) (k % 4) * 0.5f,
+                                 .top_k = k % 3 == 0 ? 0 : k % 50,
+                                 .top_p = k % 5 == 0 ? 1.0f : 0.3f + (float) (k % 7) * 0.1f,
+                                 .min_p = k % 6 == 0 ? 0.1f : 0.0f};
+        kvs_rng_t r1, r2;
+        kvs_rng_seed(&r1, k);
+        kvs_rng_seed(&r2, k);
+        memcpy(a, base, sizeof(a));
+        memcpy(b, base, sizeof(b));
+        const uint32_t want = kvs_sample(a, V, &p, NULL, &r1);
+        assert_int_equal(kvs_sample_at(b, V, &p, NULL, kvs_sample_draw(&r2)), want);
+        assert_true(kvs_sample_on_device_ok(&p));
+    }
+    kvs_sample_params_t p = {.top_p = 1.0f, .repetition_penalty = 1.0f};
+    assert_true(kvs_sample_on_device_ok(&p));
+    p.repetition_penalty = 1.1f;
+    assert_false(kvs_sample_on_device_ok(&p));
+    p.repetition_penalty = 0;
+    p.frequency_penalty = 0.1f;
+    assert_false(kvs_sample_on_device_ok(&p));
+    p.frequency_penalty = 0;
+    kvs_logit_bias_t bias = {3, 1.0f};
+    p.bias = &bias;
+    p.n_bias = 1;
+    assert_false(kvs_sample_on_device_ok(&p));
+    assert_false(kvs_sample_on_device_ok(NULL));
+}
+
 static void test_logprobs(void **state)
 {
     (void) state;
@@ -365,6 +405,7 @@ int main(void)
         cmocka_unit_test(test_filters_and_order),
         cmocka_unit_test(test_params_invalid),
         cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_given_draw),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -19,7 +19,8 @@ __device__ void prepare_row(const gemv_args_t &a, __nv_bfloat16 *xs, float *part
     const uint32_t in = a.in;
     if (a.input == GEMV_BF16) {
         const uint4 *src = reinterpret_cast<const uint4 *>(a.x);
-        for (uint32_t i = threadIdx.x; i < in / 8; i += THREADS) reinterpret_cast<uint4 *>(xs)[i] = src[i];
+        for (uint32_t i = threadIdx.x; i < in / 8; i += THREADS)
+            reinterpret_cast<uint4 *>(xs)[i] = src[i];
     } else if (a.input == GEMV_SILU) {
         const __nv_bfloat16 *gu = reinterpret_cast<const __nv_bfloat16 *>(a.x);
         for (uint32_t i = threadIdx.x; i < in; i += THREADS) {
@@ -102,8 +103,7 @@ kvs_status_t gemv_prepare(void)
 kvs_status_t gemv_launch(const gemv_args_t &a, int sms, cudaStream_t stream)
 {
     if (a.in % 8 != 0 || a.in > GEMV_MAX_IN || a.out == 0 || (a.accumulate && !a.y_f32)) {
-        kvs_error("model(cuda): a one-token projection of [%u x %u] is not supported", a.out,
-                  a.in);
+        kvs_error("model(cuda): a one-token projection of [%u x %u] is not supported", a.out, a.in);
         return KVS_ERR_UNSUPPORTED;
     }
     const size_t smem = (size_t) a.in * sizeof(__nv_bfloat16);

@@ -32,13 +32,13 @@ struct gemv_args_t {
     const __nv_bfloat16 *w; /* [out][in] */
     uint32_t in, out;
     gemv_input_t input;
-    const void *x;         /* bf16 [in], f32 [dim = in] (NORM) or bf16 [2 in] (SILU) */
-    const uint32_t *row;   /* NORM: the row of x to take (x + *row * in), device; NULL: 0 */
-    const float *norm_w;   /* NORM: [in] */
-    float eps;             /* NORM */
-    void *y;               /* [out] */
-    int y_f32;             /* 1: float, 0: bf16 */
-    int accumulate;        /* f32 only: y += W x */
+    const void *x;       /* bf16 [in], f32 [dim = in] (NORM) or bf16 [2 in] (SILU) */
+    const uint32_t *row; /* NORM: the row of x to take (x + *row * in), device; NULL: 0 */
+    const float *norm_w; /* NORM: [in] */
+    float eps;           /* NORM */
+    void *y;             /* [out] */
+    int y_f32;           /* 1: float, 0: bf16 */
+    int accumulate;      /* f32 only: y += W x */
 };
 
 /* Largest `in` the shared-memory row holds (bf16). */

@@ -15,6 +15,7 @@
 
 #include "model/cuda/attention.cuh"
 #include "model/cuda/gemv.cuh"
+#include "model/cuda/sample.cuh"
 
 extern "C" {
 #include "base/cuda_util.h"
@@ -26,6 +27,7 @@ extern "C" {
 using kvs_cuda::attn_args_t;
 using kvs_cuda::attn_combine_t;
 using kvs_cuda::attn_work_t;
+using kvs_cuda::sample_row_t;
 typedef __nv_bfloat16 bf16;
 
 /* Every kernel is in kvs_cuda (a sanitizer can pick them by that name). */
@@ -75,6 +77,9 @@ struct kvs_model_cuda {
     dbuf stage; /* f32 upload staging of put */
     /* forward scratch */
     dbuf x, h, qkv, att, gu, partial, logits, all_logits, part_o, part_ml, meta;
+    dbuf samp, samp_scratch; /* device sampling: rows and tokens, fixed-point weights */
+    void *hsamp;             /* pinned twin of samp */
+    size_t hsamp_bytes;
     void *hmeta; /* pinned host twin of meta */
     size_t hmeta_bytes;
     float *hpart; /* pinned [tokens][dim] for the host all-reduce */
@@ -343,6 +348,68 @@ int cmp_work(const void *a, const void *b)
     return lx < ly ? 1 : lx > ly ? -1 : 0;
 }
 
+/* After the logits: the tokens of the sequences that sample on the device (their rows stay
+ * there), and the rows of the others copied to the host, run by run. */
+kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, uint32_t nseq,
+                             float *logits)
+{
+    uint32_t nsamp = 0, hot = 0;
+    for (uint32_t i = 0; i < nseq; i++)
+        if (seqs[i].sample != NULL) {
+            nsamp++;
+            hot += seqs[i].sample->temperature > 0.0f;
+        }
+    const float *dl = (const float *) c->logits.p;
+    kvs_status_t st = KVS_OK;
+    for (uint32_t i = 0; i < nseq && st == KVS_OK;) {
+        uint32_t j = i;
+        while (j < nseq && seqs[j].sample == NULL) j++;
+        if (j > i)
+            st = KVS_CUDA_CHECK(
+                cudaMemcpyAsync(logits + (size_t) i * c->vocab, dl + (size_t) i * c->vocab,
+                                (size_t) (j - i) * c->vocab * 4, cudaMemcpyDeviceToHost, c->stream),
+                "model(cuda): logits");
+        i = j + 1;
+    }
+    if (st != KVS_OK || nsamp == 0) return st;
+    const size_t rows_b = align16((size_t) nsamp * sizeof(sample_row_t));
+    const size_t bytes = rows_b + (size_t) nsamp * sizeof(uint32_t);
+    if (c->hsamp_bytes < bytes) {
+        if (c->hsamp != NULL) cudaFreeHost(c->hsamp);
+        c->hsamp = NULL;
+        c->hsamp_bytes = 0;
+        st = KVS_CUDA_CHECK(cudaMallocHost(&c->hsamp, bytes), "model(cuda): pinned sampling rows");
+        if (st != KVS_OK) return st;
+        c->hsamp_bytes = bytes;
+    }
+    if ((st = grow(&c->samp, bytes, "sampling rows")) != KVS_OK ||
+        (hot > 0 && (st = grow(&c->samp_scratch, sample_scratch_bytes(nsamp, c->vocab),
+                               "sampling scratch")) != KVS_OK))
+        return st;
+    sample_row_t *rows = (sample_row_t *) c->hsamp;
+    for (uint32_t i = 0, k = 0; i < nseq; i++) {
+        const kvs_sample_params_t *p = seqs[i].sample;
+        if (p == NULL) continue;
+        rows[k++] = sample_row_t{i, p->top_k, p->temperature, p->top_p, p->min_p, seqs[i].draw};
+    }
+    uint8_t *d = (uint8_t *) c->samp.p;
+    uint32_t *htok = (uint32_t *) ((uint8_t *) c->hsamp + rows_b);
+    st = KVS_CUDA_CHECK(cudaMemcpyAsync(d, rows, rows_b, cudaMemcpyHostToDevice, c->stream),
+                        "model(cuda): sampling rows");
+    if (st == KVS_OK)
+        st = sample_launch(dl, c->vocab, (const sample_row_t *) d, nsamp, c->samp_scratch.p,
+                           (uint32_t *) (d + rows_b), c->stream);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMemcpyAsync(htok, d + rows_b, (size_t) nsamp * 4,
+                                            cudaMemcpyDeviceToHost, c->stream),
+                            "model(cuda): sampled tokens");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): sampling");
+    for (uint32_t i = 0, k = 0; i < nseq && st == KVS_OK; i++)
+        if (seqs[i].sample != NULL) *seqs[i].token = htok[k++];
+    return st;
+}
+
 kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn reduce, void *arg)
 {
     const size_t count = (size_t) n * c->dim;
@@ -549,11 +616,13 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     if (c == NULL) return;
     cudaSetDevice(c->device);
     if (c->stream != NULL) cudaStreamSynchronize(c->stream);
-    dbuf *bufs[] = {&c->stage,   &c->x,      &c->h,          &c->qkv,    &c->att,     &c->gu,
-                    &c->partial, &c->logits, &c->all_logits, &c->part_o, &c->part_ml, &c->meta};
+    dbuf *bufs[] = {&c->stage,   &c->x,       &c->h,      &c->qkv,         &c->att,
+                    &c->gu,      &c->partial, &c->logits, &c->all_logits,  &c->part_o,
+                    &c->part_ml, &c->meta,    &c->samp,   &c->samp_scratch};
     for (dbuf *b : bufs)
         if (b->p != NULL) cudaFree(b->p);
     if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
+    if (c->hsamp != NULL) cudaFreeHost(c->hsamp);
     if (c->hpart != NULL) cudaFreeHost(c->hpart);
     kvs_free(c->hdbl);
     for (int i = 0; i < GRAPHS; i++)
@@ -602,6 +671,44 @@ extern "C" kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,
     seed_kernel<<<grid_for(nrows * ncols, 256), 256, 0, c->stream>>>(*rule, cols, row0, nrows, col0,
                                                                      ncols, b, f);
     return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): seeded weights");
+}
+
+extern "C" kvs_status_t kvs__model_cuda_sample_rows(int device, const float *logits, uint32_t rows,
+                                                    uint32_t vocab,
+                                                    const kvs_sample_params_t *params,
+                                                    const double *draws, uint32_t *tokens)
+{
+    kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(device), "model(cuda): device %d", device);
+    if (st != KVS_OK) return st;
+    const size_t lb = (size_t) rows * vocab * 4, rb = align16((size_t) rows * sizeof(sample_row_t));
+    sample_row_t *h = (sample_row_t *) kvs_calloc(rows, sizeof(sample_row_t));
+    void *d = NULL, *scratch = NULL;
+    if (h == NULL) return KVS_ERR_NOMEM;
+    for (uint32_t i = 0; i < rows; i++)
+        h[i] = sample_row_t{
+            i, params[i].top_k, params[i].temperature, params[i].top_p, params[i].min_p, draws[i]};
+    st = KVS_CUDA_CHECK(cudaMalloc(&d, lb + rb + (size_t) rows * 4), "model(cuda): sampling test");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc(&scratch, sample_scratch_bytes(rows, vocab)),
+                            "model(cuda): sampling test");
+    uint8_t *dl = (uint8_t *) d;
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMemcpy(dl, logits, lb, cudaMemcpyHostToDevice), "sampling test");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(
+            cudaMemcpy(dl + lb, h, rows * sizeof(sample_row_t), cudaMemcpyHostToDevice),
+            "sampling test");
+    if (st == KVS_OK)
+        st = sample_launch((const float *) dl, vocab, (const sample_row_t *) (dl + lb), rows,
+                           scratch, (uint32_t *) (dl + lb + rb), 0);
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(
+            cudaMemcpy(tokens, dl + lb + rb, (size_t) rows * 4, cudaMemcpyDeviceToHost),
+            "sampling test");
+    cudaFree(d);
+    cudaFree(scratch);
+    kvs_free(h);
+    return st;
 }
 
 extern "C" const char *kvs__model_cuda_op_name(kvs_cuda_op_t op)
@@ -725,6 +832,7 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
     mt.bytes = align16(mt.pages + (size_t) npages * 4);
     if (c->hmeta_bytes < mt.bytes) {
         if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
+        if (c->hsamp != NULL) cudaFreeHost(c->hsamp);
         c->hmeta = NULL;
         c->hmeta_bytes = 0;
         st =
@@ -935,10 +1043,8 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
         key = mix_key(key, P);
         st = replay(c, key, enqueue);
     }
-    if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMemcpyAsync(logits, c->logits.p, (size_t) nseq * c->vocab * 4,
-                                            cudaMemcpyDeviceToHost, c->stream),
-                            "model(cuda): logits");
+    if (st == KVS_OK) st = sample_and_copy(c, seqs, nseq, logits);
+    mark(KVS_CUDA_OP_SAMPLE);
     /* Rows of every token, for the sequences that asked (prompt logprobs). */
     for (uint32_t i = 0, r0 = 0; i < nseq && st == KVS_OK; r0 += seqs[i].n, i++) {
         if (seqs[i].all_logits == NULL) continue;

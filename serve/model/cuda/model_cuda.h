@@ -5,7 +5,8 @@
  * kernels for embedding, RMSNorm, RoPE, the KV write into the paged pool (bf16), paged
  * attention (tensor-core tiles with an online softmax, split over the positions when a call
  * has too few tiles to fill the GPU, then a reduction) and SwiGLU. The residual stream stays
- * f32; the logits come back to the host in f32 and are sampled there.
+ * f32; the logits come back to the host in f32, or stay on the device for the sequences that
+ * sample there (kvs_model_seq_t.sample: sample.cuh) and only their tokens come back.
  *
  * Tolerances instead of the CPU's bitwise rules (ops.h): every matrix input is rounded to bf16
  * (a relative error of at most 2^-9 per element), sums are f32, and results do not depend on
@@ -75,6 +76,11 @@ const char *kvs__model_cuda_op_name(kvs_cuda_op_t op);
 kvs_status_t kvs__model_cuda_profile(kvs_model_cuda_t *c, int on);
 /* The sums since profiling was turned on: ms[KVS_CUDA_OPS] and the calls profiled. */
 void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_t *calls);
+/* Tests: samples rows [rows][vocab] of host logits on `device` with the forward pass's kernel
+ * (params[i] and draws[i] for row i, as kvs_model_seq_t.sample and .draw) into tokens[rows]. */
+kvs_status_t kvs__model_cuda_sample_rows(int device, const float *logits, uint32_t rows,
+                                         uint32_t vocab, const kvs_sample_params_t *params,
+                                         const double *draws, uint32_t *tokens);
 /* Waits for the model's device work (for timing). */
 kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c);
 

@@ -67,6 +67,15 @@ kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
     return KVS_ERR_UNSUPPORTED;
 }
 
+kvs_status_t kvs__model_cuda_sample_rows(int device, const float *logits, uint32_t rows,
+                                         uint32_t vocab, const kvs_sample_params_t *params,
+                                         const double *draws, uint32_t *tokens)
+{
+    (void) device, (void) logits, (void) rows, (void) vocab, (void) params, (void) draws,
+        (void) tokens;
+    return KVS_ERR_UNSUPPORTED;
+}
+
 const char *kvs__model_cuda_op_name(kvs_cuda_op_t op)
 {
     (void) op;

@@ -3,15 +3,18 @@
  * 1 is the weights' read and little else.
  *
  * W is bf16 [out][in] (row-major, in a multiple of 8), read once with streaming loads: every
- * warp takes whole rows, its lanes 16-byte vectors of them, four in flight per lane. Each block
- * first prepares the input row in shared memory as bf16, from one of:
- *   GEMV_BF16   a bf16 row (the attention output);
+ * warp takes whole rows, its lanes 16-byte vectors of them, four in flight per lane; each warp
+ * issues its first loads before its block prepares the input row in shared memory as bf16, so
+ * the weights stream while it is prepared. The input is one of:
+ *   GEMV_BF16   a bf16 row (the attention output, the SwiGLU output);
  *   GEMV_NORM   an f32 residual row, RMS-normalised and scaled by a weight: the same floats as
- *               the model's rmsnorm kernel gives (the same reduction over 256 threads);
- *   GEMV_SILU   a bf16 gate|up row [2 in], silu(gate) * up rounded to bf16, as the SwiGLU kernel.
- * The output is f32 (optionally added to what is there: beta 1) or bf16. For one token the fused
- * kernel beat cuBLAS's (H200: 2.7 vs 2.1 TB/s on a 4096 x 4096 matrix, 4.0 vs 3.7 on 28672 x
- * 4096) and spares the launches of the steps it absorbs; for several tokens cuBLAS is faster. */
+ *               the model's rmsnorm kernel gives (the same reduction over 256 threads).
+ * The output is f32 (optionally added to what is there) or bf16; with swiglu, W is the fused
+ * gate/up matrix [2 f][in] and each warp takes rows j and f + j to write silu(gate) * up [f] in
+ * bf16, the SwiGLU kernel's arithmetic on the bf16-rounded gate and up. One token at a time the
+ * kernel is faster than cuBLAS's (H200: 2.7 vs 2.1 TB/s on a 4096 x 4096 matrix, 4.0 vs 3.7 on
+ * 28672 x 4096) and spares the launches of the steps it absorbs; for several tokens cuBLAS is
+ * faster. */
 #ifndef KVSTAGE_MODEL_CUDA_GEMV_CUH
 #define KVSTAGE_MODEL_CUDA_GEMV_CUH
 
@@ -26,19 +29,20 @@ extern "C" {
 namespace kvs_cuda
 {
 
-enum gemv_input_t { GEMV_BF16, GEMV_NORM, GEMV_SILU };
+enum gemv_input_t { GEMV_BF16, GEMV_NORM };
 
 struct gemv_args_t {
     const __nv_bfloat16 *w; /* [out][in] */
     uint32_t in, out;
     gemv_input_t input;
-    const void *x;       /* bf16 [in], f32 [dim = in] (NORM) or bf16 [2 in] (SILU) */
+    const void *x;       /* bf16 [in], or f32 [rows][in] (NORM) */
     const uint32_t *row; /* NORM: the row of x to take (x + *row * in), device; NULL: 0 */
     const float *norm_w; /* NORM: [in] */
     float eps;           /* NORM */
     void *y;             /* [out] */
     int y_f32;           /* 1: float, 0: bf16 */
     int accumulate;      /* f32 only: y += W x */
+    int swiglu;          /* NORM into bf16 only: W is [2 f][in], y [f] = silu(gate) * up */
 };
 
 /* Largest `in` the shared-memory row holds (bf16). */

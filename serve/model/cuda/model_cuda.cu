@@ -929,8 +929,10 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
     /* One token: the projections are our fused one-token kernels (gemv.cuh), else cuBLAS. */
     const int one = n == 1 && c->dim <= GEMV_MAX_IN && c->f <= GEMV_MAX_IN && c->q <= GEMV_MAX_IN;
     auto gemv = [&](gemv_input_t input, const bf16 *w, uint32_t in, uint32_t out, const void *xin,
-                    const uint32_t *row, const float *norm_w, void *y, int y_f32, int accumulate) {
-        const gemv_args_t g = {w, in, out, input, xin, row, norm_w, c->eps, y, y_f32, accumulate};
+                    const uint32_t *row, const float *norm_w, void *y, int y_f32, int accumulate,
+                    int swiglu = 0) {
+        const gemv_args_t g = {w,      in,     out, input, xin,        row,
+                               norm_w, c->eps, y,   y_f32, accumulate, swiglu};
         return gemv_launch(g, c->sms, c->stream);
     };
     auto enqueue = [&]() -> kvs_status_t {
@@ -987,10 +989,10 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
             if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
             mark(KVS_CUDA_OP_REDUCE);
             if (one) {
-                st = gemv(GEMV_NORM, L->wgu, c->dim, 2 * c->f, x, NULL, L->ffn_norm, gu, 0, 0);
+                st = gemv(GEMV_NORM, L->wgu, c->dim, 2 * c->f, x, NULL, L->ffn_norm, gu, 0, 0, 1);
                 mark(KVS_CUDA_OP_GATE_UP);
                 if (st == KVS_OK)
-                    st = gemv(GEMV_SILU, L->wdown, c->f, c->dim, gu, NULL, NULL,
+                    st = gemv(GEMV_BF16, L->wdown, c->f, c->dim, gu, NULL, NULL,
                               tp ? c->partial.p : x, 1, !tp);
             } else {
                 rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, NULL, L->ffn_norm, c->dim, c->eps, h);

@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(THREADS)
     if (R.top_k > 0) {
         unsigned long long n = 0;
         for (uint32_t i = threadIdx.x; i < vocab; i += THREADS) n += !isnan(lg[i]);
-        if (block_sum(sh, n) > R.top_k) cut = key_float(radix_cut(sh, lg, NULL, vocab, cut, R.top_k));
+        if (block_sum(sh, n) > R.top_k)
+            cut = key_float(radix_cut(sh, lg, NULL, vocab, cut, R.top_k));
     }
     /* the weights of the survivors, and min-p's lowest logit that is still likely enough */
     float low = max;

@@ -526,8 +526,7 @@ static kvs_status_t load_shard(void *arg, const shard_t *s)
     /* On a device the raw blocks of the slice go over and are decoded there, to the same
      * floats (then bf16 for a matrix): the host never holds a shard in f32. */
     if (a->loader != NULL)
-        return kvs__model_cuda_put_raw(a->loader, s->id, &t, s->row0, s->nrows, s->col0,
-                                       s->ncols);
+        return kvs__model_cuda_put_raw(a->loader, s->id, &t, s->row0, s->nrows, s->col0, s->ncols);
     return kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, s->dst);
 }
 

@@ -27,8 +27,8 @@ extern "C" {
 
 struct kvs_model_cuda_loader {
     kvs_model_cuda_t *c;
-    int device; /* -1 until the buffers are made */
-    size_t cap; /* bytes of each buffer below */
+    int device;       /* -1 until the buffers are made */
+    size_t cap;       /* bytes of each buffer below */
     uint8_t *host[2]; /* pinned */
     uint8_t *dev[2];
     cudaEvent_t copied[2]; /* host[k]'s last copy to the device is done */
@@ -115,8 +115,7 @@ __global__ void dequant_kernel(const uint8_t *src, uint64_t row_bytes, uint32_t 
 }
 
 void launch(kvs_ggml_type_t type, const uint8_t *src, uint64_t row_bytes, uint32_t skip,
-            uint64_t nrows, uint64_t ncols, __nv_bfloat16 *dst_b, float *dst_f,
-            cudaStream_t stream)
+            uint64_t nrows, uint64_t ncols, __nv_bfloat16 *dst_b, float *dst_f, cudaStream_t stream)
 {
     const uint64_t count = nrows * ncols;
     const uint64_t want = (count + 255) / 256;
@@ -260,9 +259,8 @@ extern "C" kvs_status_t kvs__model_cuda_put_raw(kvs_model_cuda_loader_t *l, uint
                                 "model(cuda): weight staging");
         if (st != KVS_OK) break;
         /* dev[k]'s next copy is queued behind this kernel on the same stream */
-        launch(t->type, l->dev[k], slice, skip, n, ncols,
-               dst.b != NULL ? dst.b + r * ncols : NULL, dst.f != NULL ? dst.f + r * ncols : NULL,
-               dst.stream);
+        launch(t->type, l->dev[k], slice, skip, n, ncols, dst.b != NULL ? dst.b + r * ncols : NULL,
+               dst.f != NULL ? dst.f + r * ncols : NULL, dst.stream);
         st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): decoding weights");
     }
     kvs_status_t st2 =
@@ -280,9 +278,8 @@ extern "C" kvs_status_t kvs__model_cuda_get(kvs_model_cuda_t *c, uint64_t id, ui
     const size_t bytes = (size_t) (nrows * ncols) * (dst.b != NULL ? 2 : 4);
     if ((st = KVS_CUDA_CHECK(cudaSetDevice(dst.device), "model(cuda): device %d", dst.device)) !=
             KVS_OK ||
-        (st = KVS_CUDA_CHECK(
-             cudaMemcpyAsync(host, from, bytes, cudaMemcpyDeviceToHost, dst.stream),
-             "model(cuda): weights back from device %d", dst.device)) != KVS_OK)
+        (st = KVS_CUDA_CHECK(cudaMemcpyAsync(host, from, bytes, cudaMemcpyDeviceToHost, dst.stream),
+                             "model(cuda): weights back from device %d", dst.device)) != KVS_OK)
         return st;
     return KVS_CUDA_CHECK(cudaStreamSynchronize(dst.stream), "model(cuda): weights back");
 }

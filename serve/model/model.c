@@ -1,7 +1,9 @@
 /* The model object: configuration from GGUF metadata and its validation against a TP layout,
- * this rank's slice of heads and feed-forward columns, and its f32 weights, either dequantised
+ * this rank's slice of heads and feed-forward columns, and its weights, either dequantised
  * from a GGUF file or seeded. Both sources walk one list of shards (for_each_shard), so the
- * slicing rule is written once. */
+ * slicing rule is written once. On the CPU the weights are f32, dequantised on the host; on a
+ * CUDA device the backend holds them (bf16 matrices, f32 norms), a GGUF shard's raw blocks
+ * decoded there (cuda/dequant.cu) and seeded ones generated there. */
 #include <assert.h>
 #include <math.h>
 #include <stdio.h>
@@ -500,6 +502,7 @@ static kvs_status_t for_each_shard(kvs_model_t *m, int tied, shard_fn fn, void *
 typedef struct {
     kvs_model_t *m;
     const kvs_gguf_t *gguf;
+    kvs_model_cuda_loader_t *loader; /* a model on a device: its staging */
 } load_arg_t;
 
 static kvs_status_t load_shard(void *arg, const shard_t *s)
@@ -520,19 +523,11 @@ static kvs_status_t load_shard(void *arg, const shard_t *s)
                   (unsigned long long) s->cols, (unsigned long long) s->rows);
         return KVS_ERR_INVALID;
     }
-    if (a->m->cuda == NULL)
-        return kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, s->dst);
-    /* On a device: dequantised on the host one shard at a time, converted there. */
-    if (s->nrows > SIZE_MAX / sizeof(float) / s->ncols) return KVS_ERR_NOMEM;
-    float *tmp = kvs_malloc(s->nrows * s->ncols * sizeof(float));
-    if (tmp == NULL) {
-        kvs_error("model: out of memory dequantising %s", s->name);
-        return KVS_ERR_NOMEM;
-    }
-    st = kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, tmp);
-    if (st == KVS_OK) st = kvs__model_cuda_put(a->m->cuda, s->id, tmp, s->nrows, s->ncols);
-    kvs_free(tmp);
-    return st;
+    /* On a device the raw blocks of the slice go over and are decoded there, to the same
+     * floats (then bf16 for a matrix): the host never holds a shard in f32. */
+    if (a->loader != NULL)
+        return kvs__model_cuda_put_raw(a->loader, s->id, &t, s->row0, s->nrows, s->col0, s->ncols);
+    return kvs_gguf_dequant(&t, s->row0, s->nrows, s->col0, s->ncols, s->dst);
 }
 
 kvs_status_t kvs_model_load(const kvs_gguf_t *gguf, kvs_tp_t tp, kvs_model_t **model_p)
@@ -555,8 +550,10 @@ kvs_status_t kvs_model_load_on(const kvs_gguf_t *gguf, kvs_tp_t tp, int device,
     kvs_model_t *m = NULL;
     st = model_create(&cfg, tp, tied, device, &m);
     if (st != KVS_OK) return st;
-    load_arg_t arg = {m, gguf};
-    st = for_each_shard(m, tied, load_shard, &arg);
+    load_arg_t arg = {m, gguf, NULL};
+    if (m->cuda != NULL) st = kvs__model_cuda_loader_create(m->cuda, &arg.loader);
+    if (st == KVS_OK) st = for_each_shard(m, tied, load_shard, &arg);
+    kvs__model_cuda_loader_destroy(arg.loader);
     if (st != KVS_OK) {
         kvs_model_destroy(m);
         return st;

@@ -187,13 +187,9 @@ static int mul_u64(uint64_t a, uint64_t b, uint64_t *r)
     return 0;
 }
 
-kvs_status_t kvs_gguf_dequant(const kvs_gguf_tensor_t *tensor, uint64_t row0, uint64_t nrows,
-                              uint64_t col0, uint64_t ncols, float *dst)
+kvs_status_t kvs_gguf_check_slice(const kvs_gguf_tensor_t *tensor, uint64_t row0, uint64_t nrows,
+                                  uint64_t col0, uint64_t ncols, uint64_t *row_bytes_p)
 {
-    if (tensor == NULL || (dst == NULL && nrows != 0 && ncols != 0)) {
-        kvs_error("gguf dequant: NULL tensor or destination");
-        return KVS_ERR_INVALID;
-    }
     const int nlen = tensor->name.len > 64 ? 64 : (int) tensor->name.len;
     const char *name = tensor->name.ptr ? tensor->name.ptr : "";
     uint32_t be = kvs_ggml_block_elems(tensor->type);
@@ -221,6 +217,22 @@ kvs_status_t kvs_gguf_dequant(const kvs_gguf_tensor_t *tensor, uint64_t row0, ui
                   (unsigned long long) ne0);
         return KVS_ERR_INVALID;
     }
+    *row_bytes_p = row_bytes;
+    return KVS_OK;
+}
+
+kvs_status_t kvs_gguf_dequant(const kvs_gguf_tensor_t *tensor, uint64_t row0, uint64_t nrows,
+                              uint64_t col0, uint64_t ncols, float *dst)
+{
+    if (tensor == NULL || (dst == NULL && nrows != 0 && ncols != 0)) {
+        kvs_error("gguf dequant: NULL tensor or destination");
+        return KVS_ERR_INVALID;
+    }
+    uint64_t row_bytes;
+    kvs_status_t st = kvs_gguf_check_slice(tensor, row0, nrows, col0, ncols, &row_bytes);
+    if (st != KVS_OK) return st;
+    const uint32_t be = kvs_ggml_block_elems(tensor->type);
+    const uint32_t bb = kvs_ggml_block_bytes(tensor->type);
     if (nrows == 0 || ncols == 0) return KVS_OK;
 
     uint64_t end = col0 + ncols;

@@ -20,4 +20,11 @@
  * dst[nblocks * kvs_ggml_block_elems(type)]. */
 void kvs_dequant_blocks(kvs_ggml_type_t type, const uint8_t *src, uint64_t nblocks, float *dst);
 
+/* Checks a tensor descriptor (type supported; shape, type and size agree) and that rows
+ * [row0, row0 + nrows) and columns [col0, col0 + ncols) lie inside it, viewed as rows of ne[0]
+ * (kvs_gguf_dequant's view); *row_bytes_p: the bytes of one such row. KVS_ERR_INVALID (logged,
+ * naming the tensor) otherwise. */
+kvs_status_t kvs_gguf_check_slice(const kvs_gguf_tensor_t *tensor, uint64_t row0, uint64_t nrows,
+                                  uint64_t col0, uint64_t ncols, uint64_t *row_bytes_p);
+
 #endif

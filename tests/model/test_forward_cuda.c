@@ -2,10 +2,11 @@
  * several shapes (head dims 64 and 128, GQA groups 1, 3 and 4, page sizes 1, 16 and 64, NHD
  * and HND pools), batches of sequences prefilled in chunks over cached prefixes and decoded,
  * a long context whose decode attention is split over the positions, prompt logits, two TP
- * ranks sharing the GPU, and SmolLM2 greedy for 32 tokens. The CUDA logits must be within
- * TOL_ABS + TOL_REL * (the CPU logits' largest magnitude) of the CPU's everywhere, and pick the
- * CPU's token wherever the CPU's top-2 gap exceeds twice that bound. GPU tests skip without a
- * CUDA device; the refusals run everywhere. */
+ * ranks sharing the GPU, and SmolLM2 greedy for 32 tokens; and the weights a GGUF load decodes
+ * on the device, bit for bit the host's (every tensor type, TP column slices). The CUDA logits must
+ * be within TOL_ABS + TOL_REL * (the CPU logits' largest magnitude) of the CPU's everywhere, and
+ * pick the CPU's token wherever the CPU's top-2 gap exceeds twice that bound. GPU tests skip
+ * without a CUDA device; the refusals run everywhere. */
 #include "kvs_test.h"
 
 #include <math.h>
@@ -16,7 +17,9 @@
 #include "kvstage/rng.h"
 #include "model/cuda/model_cuda.h"
 #include "model/gguf.h"
+#include "model/gguf_writer.h"
 #include "model/model.h"
+#include "model/model_internal.h"
 #include "model/model_pool.h"
 #include "staging/copy.h"
 
@@ -519,6 +522,225 @@ static void test_smollm2(void **state)
     kvs_assert_no_leaks();
 }
 
+/* ---- GGUF weights decoded on the device at load ---- */
+
+/* One shard of a model on the GPU against the same rank's host floats (kvs_dequant_blocks):
+ * a matrix must hold kvs_f32_to_bf16 of each, a norm vector its bits. Two NaNs pass (the NaN a
+ * quantised block's product makes carries the hardware's payload); *nans_p counts them. */
+static void check_shard(kvs_model_t *gpu, uint64_t id, const float *host, uint64_t rows,
+                        uint64_t cols, int norm, const char *what, uint64_t *nans_p)
+{
+    const size_t count = (size_t) (rows * cols);
+    void *buf = kvs_malloc(count * 4);
+    assert_non_null(buf);
+    assert_int_equal(kvs__model_cuda_get(gpu->cuda, id, rows, cols, buf), KVS_OK);
+    for (size_t i = 0; i < count; i++) {
+        uint32_t want, got;
+        int want_nan, got_nan;
+        if (norm) {
+            memcpy(&want, host + i, 4);
+            memcpy(&got, (const uint8_t *) buf + 4 * i, 4);
+            want_nan = (want & 0x7fffffffu) > 0x7f800000u;
+            got_nan = (got & 0x7fffffffu) > 0x7f800000u;
+        } else {
+            want = kvs_f32_to_bf16(host[i]);
+            got = ((const uint16_t *) buf)[i];
+            want_nan = (want & 0x7fffu) > 0x7f80u;
+            got_nan = (got & 0x7fffu) > 0x7f80u;
+        }
+        if (got == want) continue;
+        if (want_nan && got_nan) {
+            (*nans_p)++;
+            continue;
+        }
+        fail_msg("%s: shard %#llx [%llu x %llu] element (%llu, %llu): 0x%x on the GPU, 0x%x "
+                 "from the host",
+                 what, (unsigned long long) id, (unsigned long long) rows,
+                 (unsigned long long) cols, (unsigned long long) (i / cols),
+                 (unsigned long long) (i % cols), got, want);
+    }
+    kvs_free(buf);
+}
+
+/* Every weight shard of `gpu` against `cpu`, the same GGUF loaded for the same rank on the
+ * host. Returns the NaNs check_shard let pass. */
+static uint64_t check_weights(const kvs_model_t *cpu, kvs_model_t *gpu, const char *what)
+{
+    const kvs_model_config_t *c = kvs_model_config(cpu);
+    const uint64_t dim = c->dim, q = (uint64_t) cpu->q_heads * c->head_dim;
+    const uint64_t kv = (uint64_t) cpu->kv_heads * c->head_dim, f = cpu->ffn_cols;
+    uint64_t nans = 0;
+    check_shard(gpu, KVS_MODEL_ID_EMBED, cpu->embed, c->vocab, dim, 0, what, &nans);
+    check_shard(gpu, KVS_MODEL_ID_OUTPUT, cpu->output, c->vocab, dim, 0, what, &nans);
+    check_shard(gpu, KVS_MODEL_ID_OUTPUT_NORM, cpu->output_norm, 1, dim, 1, what, &nans);
+    for (uint32_t l = 0; l < c->layers; l++) {
+        const kvs_model_layer_t *L = &cpu->layers[l];
+        const uint64_t id = (uint64_t) l * 16;
+        check_shard(gpu, id + KVS_MODEL_T_ATTN_NORM, L->attn_norm, 1, dim, 1, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_Q, L->wq, q, dim, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_K, L->wk, kv, dim, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_V, L->wv, kv, dim, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_O, L->wo, dim, q, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_FFN_NORM, L->ffn_norm, 1, dim, 1, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_GATE, L->w_gate, f, dim, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_UP, L->w_up, f, dim, 0, what, &nans);
+        check_shard(gpu, id + KVS_MODEL_T_DOWN, L->w_down, dim, f, 0, what, &nans);
+    }
+    return nans;
+}
+
+/* A 3-layer model whose tensors take every supported type in turn (matrices and norm vectors
+ * alike), filled with random bytes: every f16 scale, NaN and infinity included, every nibble,
+ * every f32 bit pattern. The FFN is 160 wide, so on TP 2 a rank's 80 Wdown columns start and
+ * end inside a block; the three Wdown are Q8_0, Q4_0 and Q4_1. kvs_free the result. */
+static uint8_t *write_mixed_gguf(uint64_t seed, size_t *len_p)
+{
+    static const kvs_ggml_type_t types[] = {KVS_GGML_F32,  KVS_GGML_F16,  KVS_GGML_BF16,
+                                            KVS_GGML_Q8_0, KVS_GGML_Q4_0, KVS_GGML_Q4_1};
+    static const kvs_ggml_type_t down[] = {KVS_GGML_Q8_0, KVS_GGML_Q4_0, KVS_GGML_Q4_1};
+    const uint64_t layers = 3, dim = 128, f = 160, vocab = 67;
+    gw_t w;
+    gw_init(&w, 3);
+    gw_kv_str(&w, "general.architecture", "llama");
+    gw_kv_u32(&w, "llama.block_count", (uint32_t) layers);
+    gw_kv_u32(&w, "llama.context_length", 256);
+    gw_kv_u32(&w, "llama.embedding_length", (uint32_t) dim);
+    gw_kv_u32(&w, "llama.feed_forward_length", (uint32_t) f);
+    gw_kv_u32(&w, "llama.attention.head_count", 2);
+    gw_kv_u32(&w, "llama.attention.head_count_kv", 2);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    uint8_t *data = kvs_malloc((size_t) (f * dim * 4)); /* the largest tensor: f > vocab */
+    assert_non_null(data);
+    uint32_t mats = 0, norms = 0;
+    for (uint64_t i = 0; i < 3 + 9 * layers; i++) {
+        char name[64];
+        uint64_t ne[2] = {dim, 1};
+        uint32_t dims = 2;
+        kvs_ggml_type_t type;
+        if (i < 3) {
+            snprintf(name, sizeof(name), "%s",
+                     i == 0   ? "token_embd.weight"
+                     : i == 1 ? "output.weight"
+                              : "output_norm.weight");
+            ne[1] = i < 2 ? vocab : 1;
+        } else {
+            static const char *const kinds[9] = {"attn_norm", "attn_q",      "attn_k",
+                                                 "attn_v",    "attn_output", "ffn_norm",
+                                                 "ffn_gate",  "ffn_up",      "ffn_down"};
+            const uint64_t l = (i - 3) / 9, k = (i - 3) % 9;
+            snprintf(name, sizeof(name), "blk.%llu.%s.weight", (unsigned long long) l, kinds[k]);
+            ne[1] = k == 0 || k == 5 ? 1 : k == 6 || k == 7 ? f : dim;
+            if (k == 8) ne[0] = f;
+        }
+        const int norm = ne[1] == 1;
+        if (norm) {
+            dims = 1;
+            type = types[norms++ % 6];
+        } else {
+            type = types[mats++ % 6];
+            if (strstr(name, "ffn_down") != NULL) type = down[(i - 3) / 9];
+        }
+        const size_t bytes =
+            (size_t) (ne[1] * (ne[0] / kvs_ggml_block_elems(type)) * kvs_ggml_block_bytes(type));
+        for (size_t b = 0; b < bytes; b++) data[b] = (uint8_t) kvs_rng_next(&rng);
+        gw_tensor(&w, name, type, dims, ne, data, bytes);
+    }
+    kvs_free(data);
+    uint8_t *buf = gw_finish(&w, len_p);
+    assert_non_null(buf);
+    gw_free(&w);
+    return buf;
+}
+
+/* The mixed GGUF on TP 1 and on both ranks of TP 2: the GPU's weights are the host's bits. The
+ * host loads run everywhere (the GGUF is sound); the GPU half skips without a device. Then the
+ * loader's refusals: a descriptor whose size disagrees, a slice outside the tensor, a slice of
+ * the wrong shape for its shard. */
+static void test_dequant_types(void **state)
+{
+    (void) state;
+    const uint64_t seed = kvs_test_seed(0x5eed);
+    size_t len = 0;
+    uint8_t *buf = write_mixed_gguf(seed, &len);
+    kvs_gguf_t *g = NULL;
+    assert_int_equal(kvs_gguf_open_buffer(buf, len, &g), KVS_OK);
+    const int gpu = kvs_copy_cuda_available();
+    uint64_t nans = 0;
+    for (uint32_t tp = 1; tp <= 2; tp++)
+        for (uint32_t r = 0; r < tp; r++) {
+            kvs_model_t *hm = NULL, *dm = NULL;
+            assert_int_equal(kvs_model_load(g, (kvs_tp_t){tp, r}, &hm), KVS_OK);
+            if (gpu) {
+                assert_int_equal(kvs_model_load_on(g, (kvs_tp_t){tp, r}, 0, &dm), KVS_OK);
+                char what[64];
+                snprintf(what, sizeof(what), "mixed types, TP %u rank %u (seed %#llx)", tp, r,
+                         (unsigned long long) seed);
+                nans += check_weights(hm, dm, what);
+            }
+            kvs_model_destroy(dm);
+            kvs_model_destroy(hm);
+        }
+    if (gpu) {
+        print_message("mixed types: every weight bit-equal to the host's (%llu NaNs of the "
+                      "quantised blocks' arithmetic compared as NaN)\n",
+                      (unsigned long long) nans);
+        kvs_model_t *m = NULL;
+        assert_int_equal(kvs_model_load_on(g, (kvs_tp_t){2, 1}, 0, &m), KVS_OK);
+        kvs_model_cuda_loader_t *l = NULL;
+        assert_int_equal(kvs__model_cuda_loader_create(m->cuda, &l), KVS_OK);
+        kvs_gguf_tensor_t t;
+        assert_int_equal(kvs_gguf_tensor(g, "blk.0.ffn_down.weight", &t), KVS_OK);
+        const uint64_t id = KVS_MODEL_T_DOWN;
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        assert_int_equal(kvs__model_cuda_put_raw(l, id, &t, 0, 128, 80, 80), KVS_OK);
+        kvs_gguf_tensor_t bad = t;
+        bad.bytes--;
+        assert_int_equal(kvs__model_cuda_put_raw(l, id, &bad, 0, 128, 80, 80), KVS_ERR_INVALID);
+        assert_non_null(strstr(cap.msg, "descriptor inconsistent"));
+        assert_int_equal(kvs__model_cuda_put_raw(l, id, &t, 0, 128, 81, 80), KVS_ERR_INVALID);
+        assert_non_null(strstr(cap.msg, "outside"));
+        assert_int_equal(kvs__model_cuda_put_raw(l, id, &t, 0, 128, 80, 79), KVS_ERR_INVALID);
+        assert_non_null(strstr(cap.msg, "expected [128 x 80]"));
+        kvs_log_set_sink(NULL, NULL);
+        assert_int_equal(cap.calls, 3);
+        kvs__model_cuda_loader_destroy(l);
+        kvs_model_destroy(m);
+    }
+    kvs_gguf_close(g);
+    kvs_free(buf);
+    kvs_assert_no_leaks();
+    if (!gpu) require_gpu(); /* reported as skipped */
+}
+
+/* SmolLM2 (Q4_1 matrices, F32 norms) on the GPU at TP 1 and on each rank of TP 3 (one KV head
+ * each; Wo and Wdown cut by columns): every weight is the host's bits, no NaN anywhere. */
+static void test_dequant_smollm2(void **state)
+{
+    (void) state;
+    require_gpu();
+    char path[4096];
+    if (kvs_model_default_path(path, sizeof(path)) != KVS_OK)
+        fail_msg("SmolLM2 GGUF not found: run scripts/setup.sh (or set KVS_MODEL)");
+    kvs_gguf_t *g = NULL;
+    assert_int_equal(kvs_gguf_open(path, &g), KVS_OK);
+    const uint32_t sizes[] = {1, 3};
+    for (int k = 0; k < 2; k++)
+        for (uint32_t r = 0; r < sizes[k]; r++) {
+            kvs_model_t *hm = NULL, *dm = NULL;
+            assert_int_equal(kvs_model_load(g, (kvs_tp_t){sizes[k], r}, &hm), KVS_OK);
+            assert_int_equal(kvs_model_load_on(g, (kvs_tp_t){sizes[k], r}, 0, &dm), KVS_OK);
+            char what[64];
+            snprintf(what, sizeof(what), "SmolLM2, TP %u rank %u", sizes[k], r);
+            assert_int_equal(check_weights(hm, dm, what), 0);
+            kvs_model_destroy(dm);
+            kvs_model_destroy(hm);
+        }
+    kvs_gguf_close(g);
+    kvs_assert_no_leaks();
+}
+
 /* Refusals that need no GPU: a head dim the kernels do not cover, a pool in the wrong memory. */
 static void test_refusals(void **state)
 {
@@ -557,7 +779,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refusals),         cmocka_unit_test(test_shapes),
         cmocka_unit_test(test_long_context),     cmocka_unit_test(test_tp2_one_gpu),
-        cmocka_unit_test(test_smollm2),          cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_smollm2),          cmocka_unit_test(test_dequant_types),
+        cmocka_unit_test(test_dequant_smollm2),  cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_forward_sampling),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

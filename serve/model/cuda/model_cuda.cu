@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "model/cuda/attention.cuh"
+#include "model/cuda/dequant.cuh"
 #include "model/cuda/gemv.cuh"
 #include "model/cuda/sample.cuh"
 
@@ -74,7 +75,6 @@ struct kvs_model_cuda {
     bf16 *embed, *output;
     float *output_norm;
     layer_w *layer;
-    dbuf stage; /* f32 upload staging of put */
     /* forward scratch */
     dbuf x, h, qkv, att, gu, partial, logits, all_logits, part_o, part_ml, meta;
     dbuf samp, samp_scratch; /* device sampling: rows and tokens, fixed-point weights */
@@ -152,13 +152,6 @@ __global__ void seed_kernel(kvs_model_seed_rule_t rule, uint64_t cols, uint64_t 
         else
             dst_f[i] = v;
     }
-}
-
-__global__ void to_bf16_kernel(const float *src, bf16 *dst, uint64_t count)
-{
-    for (uint64_t i = blockIdx.x * (uint64_t) blockDim.x + threadIdx.x; i < count;
-         i += (uint64_t) gridDim.x * blockDim.x)
-        dst[i] = __float2bfloat16(src[i]);
 }
 
 /* x[t] = table[tok[t]] in f32. */
@@ -496,6 +489,19 @@ template <typename F> kvs_status_t replay(kvs_model_cuda_t *c, uint64_t key, F &
 }
 
 } // namespace
+
+kvs_status_t weight_target(kvs_model_cuda_t *c, uint64_t id, uint64_t nrows, uint64_t ncols,
+                           weight_dst_t *dst_p)
+{
+    weight_dst_t d;
+    kvs_status_t st = locate(c, id, nrows, ncols, &d.b, &d.f);
+    if (st != KVS_OK) return st;
+    d.device = c->device;
+    d.stream = c->stream;
+    *dst_p = d;
+    return KVS_OK;
+}
+
 } // namespace kvs_cuda
 using namespace kvs_cuda;
 
@@ -616,9 +622,9 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     if (c == NULL) return;
     cudaSetDevice(c->device);
     if (c->stream != NULL) cudaStreamSynchronize(c->stream);
-    dbuf *bufs[] = {&c->stage,   &c->x,       &c->h,      &c->qkv,         &c->att,
-                    &c->gu,      &c->partial, &c->logits, &c->all_logits,  &c->part_o,
-                    &c->part_ml, &c->meta,    &c->samp,   &c->samp_scratch};
+    dbuf *bufs[] = {&c->x,       &c->h,      &c->qkv,         &c->att,    &c->gu,
+                    &c->partial, &c->logits, &c->all_logits,  &c->part_o, &c->part_ml,
+                    &c->meta,    &c->samp,   &c->samp_scratch};
     for (dbuf *b : bufs)
         if (b->p != NULL) cudaFree(b->p);
     if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
@@ -634,28 +640,6 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     if (c->weights != NULL) cudaFree(c->weights);
     kvs_free(c->layer);
     kvs_free(c);
-}
-
-extern "C" kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
-                                            uint64_t nrows, uint64_t ncols)
-{
-    bf16 *b;
-    float *f;
-    kvs_status_t st = locate(c, id, nrows, ncols, &b, &f);
-    if (st != KVS_OK) return st;
-    const uint64_t count = nrows * ncols;
-    if (f != NULL)
-        return KVS_CUDA_CHECK(cudaMemcpy(f, host, count * 4, cudaMemcpyHostToDevice),
-                              "model(cuda): weights");
-    st = grow(&c->stage, count * 4, "weight staging");
-    if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(
-            cudaMemcpyAsync(c->stage.p, host, count * 4, cudaMemcpyHostToDevice, c->stream),
-            "model(cuda): weights");
-    if (st != KVS_OK) return st;
-    to_bf16_kernel<<<grid_for(count, 256), 256, 0, c->stream>>>((const float *) c->stage.p, b,
-                                                                count);
-    return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): weights");
 }
 
 extern "C" kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,

@@ -34,9 +34,27 @@ extern "C" {
 kvs_status_t kvs__model_cuda_create(const kvs_model_t *m, int device, int tied,
                                     kvs_model_cuda_t **cuda_p);
 void kvs__model_cuda_destroy(kvs_model_cuda_t *c);
-/* Stores shard `id` (KVS_MODEL_T_* of a layer, or KVS_MODEL_ID_*) from host f32 [nrows][ncols]. */
-kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
-                                 uint64_t nrows, uint64_t ncols);
+
+/* Loading from GGUF (dequant.cu): the raw tensor bytes go to the device and are decoded there.
+ * A loader holds the staging buffers (pinned host and device, made on first use) that every
+ * shard of one load reuses; destroy it when the load is done. */
+typedef struct kvs_model_cuda_loader kvs_model_cuda_loader_t;
+kvs_status_t kvs__model_cuda_loader_create(kvs_model_cuda_t *c, kvs_model_cuda_loader_t **loader_p);
+void kvs__model_cuda_loader_destroy(kvs_model_cuda_loader_t *l);
+/* Stores shard `id` (KVS_MODEL_T_* of a layer, or KVS_MODEL_ID_*) from GGUF tensor t of any
+ * supported type: rows [row0, row0 + nrows) and columns [col0, col0 + ncols) of t viewed as
+ * rows of ne[0], as kvs_gguf_dequant cuts them. Only the blocks that cover the columns are
+ * copied, a bounded piece at a time, so no host memory grows with the shard. The device
+ * computes kvs_dequant_blocks' floats bit for bit (a NaN a quantised block's arithmetic makes
+ * may carry another payload than the host's) and stores a matrix rounded to bf16 as
+ * kvs_f32_to_bf16 does, a norm vector in f32. The shard is in place when this returns. */
+kvs_status_t kvs__model_cuda_put_raw(kvs_model_cuda_loader_t *l, uint64_t id,
+                                     const kvs_gguf_tensor_t *t, uint64_t row0, uint64_t nrows,
+                                     uint64_t col0, uint64_t ncols);
+/* For tests: copies shard `id` [nrows][ncols] back to host, bf16 bits (uint16_t) for a matrix,
+ * f32 for a norm vector. */
+kvs_status_t kvs__model_cuda_get(kvs_model_cuda_t *c, uint64_t id, uint64_t nrows, uint64_t ncols,
+                                 void *host);
 /* Generates shard `id` on the device by the seeded rule: rows [row0, row0 + nrows) and columns
  * [col0, col0 + ncols) of the full tensor [rows][cols]. */
 kvs_status_t kvs__model_cuda_seed(kvs_model_cuda_t *c, uint64_t id,

@@ -23,10 +23,29 @@ void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     (void) c;
 }
 
-kvs_status_t kvs__model_cuda_put(kvs_model_cuda_t *c, uint64_t id, const float *host,
-                                 uint64_t nrows, uint64_t ncols)
+kvs_status_t kvs__model_cuda_loader_create(kvs_model_cuda_t *c, kvs_model_cuda_loader_t **loader_p)
 {
-    (void) c, (void) id, (void) host, (void) nrows, (void) ncols;
+    (void) c, (void) loader_p;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+void kvs__model_cuda_loader_destroy(kvs_model_cuda_loader_t *l)
+{
+    (void) l;
+}
+
+kvs_status_t kvs__model_cuda_put_raw(kvs_model_cuda_loader_t *l, uint64_t id,
+                                     const kvs_gguf_tensor_t *t, uint64_t row0, uint64_t nrows,
+                                     uint64_t col0, uint64_t ncols)
+{
+    (void) l, (void) id, (void) t, (void) row0, (void) nrows, (void) col0, (void) ncols;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_get(kvs_model_cuda_t *c, uint64_t id, uint64_t nrows, uint64_t ncols,
+                                 void *host)
+{
+    (void) c, (void) id, (void) nrows, (void) ncols, (void) host;
     return KVS_ERR_UNSUPPORTED;
 }
 

@@ -447,12 +447,100 @@ static void test_gather_scatter_property(void **state)
     kvs_assert_no_leaks();
 }
 
+/* The fused checksum on the shapes the vector loops are written for (head rows of 256 and 96
+ * bytes, HND with a head slice, NHD with all heads), the region at offsets 16 and 32 of an
+ * aligned buffer (16- and 32-byte streaming stores), and head_dim_k giving 40-byte heads
+ * (the scalar path): the gather's sum is the region's, the scatter's equals it and moves the
+ * same bytes, and a changed byte anywhere in the region makes the scatter's sum differ. */
+static void test_checksum_vector_paths(void **state)
+{
+    (void) state;
+    static const struct {
+        uint32_t dim, elem, heads, pool_head, sel;
+        kvs_pool_layout_t layout;
+    } cases[] = {
+        {128, 2, 8, 0, 8, KVS_POOL_HND}, {128, 2, 8, 4, 4, KVS_POOL_HND},
+        {128, 2, 8, 0, 8, KVS_POOL_NHD}, {128, 2, 8, 2, 3, KVS_POOL_NHD},
+        {48, 2, 4, 1, 2, KVS_POOL_HND},  {20, 2, 4, 0, 4, KVS_POOL_HND},
+    };
+    kvs_copy_backend_t b;
+    assert_int_equal(kvs_copy_cpu_create(&b), KVS_OK);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, 0x5eed);
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        for (uint32_t shift = 16; shift <= 32; shift += 16) {
+            kvs_kv_shape_t s = {.layers = 3,
+                                .kv_heads = cases[ci].heads,
+                                .head_dim_k = cases[ci].dim,
+                                .head_dim_v = cases[ci].dim,
+                                .elem_bytes = cases[ci].elem,
+                                .attn = KVS_ATTN_MHA};
+            const uint32_t P = 16, npages = 5, total = 8;
+            kvs_pool_t *pa = make_pool(s, 1, P, total, cases[ci].layout);
+            kvs_pool_t *pb = make_pool(s, 1, P, total, cases[ci].layout);
+            kvs_region_t *ra = pool_regions(pa), *rb = pool_regions(pb);
+            for (uint32_t i = 0; i < s.layers * 2; i++)
+                for (uint64_t k = 0; k < total * ra[i].page_stride; k++)
+                    ra[i].base[k] = (uint8_t) kvs_rng_next(&rng);
+            uint32_t list_a[5], list_b[5];
+            pick_pages(&rng, total, npages, list_a);
+            pick_pages(&rng, total, npages, list_b);
+            const uint32_t h0 = cases[ci].pool_head, nh = cases[ci].sel;
+            const uint64_t rbytes = kvs_copy_region_bytes(&s, nh, (uint64_t) npages * P);
+            const size_t cap =
+                (size_t) (rbytes + 127) / 64 * 64; /* aligned_alloc wants a multiple */
+            uint8_t *buf = aligned_alloc(64, cap), *region = buf + shift;
+            uint8_t *again = aligned_alloc(64, cap), *region2 = again + shift;
+            assert_non_null(buf);
+            assert_non_null(again);
+
+            kvs_copy_desc_t d = copy_desc(pa, ra, list_a, npages, h0, nh, region, rbytes);
+            uint64_t gsum = 0, ssum = 0, g2 = 0;
+            d.checksum = &gsum;
+            run_copy(&b, KVS_COPY_GATHER, &d);
+            assert_true(gsum == kvs_csum_of(region, rbytes));
+
+            d = copy_desc(pb, rb, list_b, npages, h0, nh, region, rbytes);
+            d.checksum = &ssum;
+            run_copy(&b, KVS_COPY_SCATTER, &d);
+            assert_true(ssum == gsum);
+            /* the scattered bytes gather back to the same region */
+            d = copy_desc(pb, rb, list_b, npages, h0, nh, region2, rbytes);
+            d.checksum = &g2;
+            run_copy(&b, KVS_COPY_GATHER, &d);
+            assert_memory_equal(region, region2, rbytes);
+            assert_true(g2 == gsum);
+
+            /* one changed byte (first, last, and random ones) changes the scatter's sum */
+            for (int k = 0; k < 8; k++) {
+                const uint64_t at = k == 0 ? 0 : k == 1 ? rbytes - 1 : kvs_rng_below(&rng, rbytes);
+                const uint8_t flip = (uint8_t) (1u << kvs_rng_below(&rng, 8));
+                region[at] ^= flip;
+                d = copy_desc(pb, rb, list_b, npages, h0, nh, region, rbytes);
+                d.checksum = &ssum;
+                run_copy(&b, KVS_COPY_SCATTER, &d);
+                assert_true(ssum != gsum);
+                assert_true(ssum == kvs_csum_of(region, rbytes));
+                region[at] ^= flip;
+            }
+            free(buf);
+            free(again);
+            free(ra);
+            free(rb);
+            kvs_pool_destroy(pa);
+            kvs_pool_destroy(pb);
+        }
+    }
+    kvs_copy_backend_destroy(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout_vector),
         cmocka_unit_test(test_invalid_descriptors),
         cmocka_unit_test(test_gather_scatter_property),
+        cmocka_unit_test(test_checksum_vector_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -517,7 +517,9 @@ static void test_random_vs_cpu(void **state)
 
 /* More copies in flight than the backend has pinned slots, alternating scatters into one pool
  * and gathers out of it (each gather must see every scatter before it), with the caller's page
- * array rewritten right after every submit. Only the last ticket is waited for. */
+ * array rewritten right after every submit. Only the last ticket is waited for. Every copy but
+ * every fifth asks for its checksum, so each slot's partial sums and block counter serve
+ * several copies in flight: each must be left cleared for the next (the sums equal the CPU's). */
 static void test_in_order_many_in_flight(void **state)
 {
     (void) state;
@@ -539,6 +541,7 @@ static void test_in_order_many_in_flight(void **state)
     rbuf_t bufs[COPIES];
     for (int k = 0; k < COPIES; k++) rbuf_make(&bufs[k], rbytes, 0, &rng);
     uint32_t caller_pages[NPAGES]; /* reused by every submit, like an engine's scratch list */
+    uint64_t hsum[COPIES], dsum[COPIES];
     uint64_t last = 0;
     for (int k = 0; k < COPIES; k++) {
         kvs_copy_dir_t dir = k % 3 == 2 ? KVS_COPY_GATHER : KVS_COPY_SCATTER;
@@ -547,6 +550,11 @@ static void test_in_order_many_in_flight(void **state)
             copy_desc(p.host, p.hreg, caller_pages, NPAGES, 0, 4, bufs[k].hbuf + GUARD, rbytes);
         kvs_copy_desc_t dd =
             copy_desc(p.dev, p.dreg, caller_pages, NPAGES, 0, 4, bufs[k].dbuf + GUARD, rbytes);
+        hsum[k] = dsum[k] = 0;
+        if (k % 5 != 4) {
+            hd.checksum = &hsum[k];
+            dd.checksum = &dsum[k];
+        }
         run_copy(&cpu, dir, &hd);
         uint64_t t = 0;
         /* both launch paths, interleaved on the one stream */
@@ -561,6 +569,10 @@ static void test_in_order_many_in_flight(void **state)
     }
     assert_int_equal(st, KVS_OK);
     for (uint64_t t = 1; t <= last; t++) assert_int_equal(kvs_copy_poll(&gpu, t), KVS_OK);
+    for (int k = 0; k < COPIES; k++)
+        CHECK(dsum[k] == hsum[k] && (k % 5 == 4) == (hsum[k] == 0),
+              "copy %d: GPU checksum %llx, CPU %llx", k, (unsigned long long) dsum[k],
+              (unsigned long long) hsum[k]);
     uint64_t diff = twin_diff(&p);
     CHECK(diff == UINT64_MAX, "pool after %d copies differs at byte %llu", COPIES,
           (unsigned long long) diff);

@@ -44,13 +44,14 @@ constexpr uint32_t NSLOTS = 16;                     /* copies in flight before s
 constexpr size_t SLOT_MIN_BYTES = 64 * 1024;        /* first pinned size of a slot */
 constexpr uint32_t MAX_UNITS = 0x7fffffffu - CHUNK; /* per block, so 32-bit indices never wrap */
 constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel parameters */
-/* Checksum partial sums per copy: block b adds into sum b % CSUM_SPREAD and counts itself done
- * in that group's counter, so a copy's atomics do not all queue on one address; the last block
- * of each group counts the group on one more counter, and the block that finishes last folds
- * the sums into the result and clears them for the next copy (no clear and no copy back per
- * copy). */
+/* Checksum partial sums per copy: block b adds its sum into sum b % CSUM_SPREAD (so a copy's
+ * additions do not all queue on one address) and then counts itself done on the copy's one
+ * counter, with release and acquire ordering; the block that counts last folds the sums into
+ * the result and clears them for the next copy through this slot (no clear and no copy back
+ * per copy). */
 constexpr uint32_t CSUM_SPREAD = 64;
-constexpr uint32_t CSUM_COUNTERS = CSUM_SPREAD + 1; /* per group, then the groups done */
+/* The counter of a slot sits alone in its 128-byte line, apart from every slot's sums. */
+constexpr uint32_t CSUM_COUNTER_STRIDE = 32; /* unsigned ints per slot */
 
 /* ---- division by an invariant 32-bit divisor ----
  * q = (t + ((n - t) >> s1)) >> s2 with t = mulhi(m, n), exact for every n, d < 2^32
@@ -100,7 +101,7 @@ struct launch_t {
     fastdiv_t page_size;          /* P */
     const uint8_t *region;        /* the writer region, for checksum offsets */
     unsigned long long *csum;     /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
-    unsigned int *csum_count;     /* [CSUM_COUNTERS] blocks done per group, groups done */
+    unsigned int *csum_count;     /* the copy's count of blocks done */
     unsigned long long *csum_out; /* the sum, in host memory mapped into the device */
 };
 
@@ -211,9 +212,17 @@ __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned c
 
 /* Adds this block's part of the checksum (thread 0's `part`; every thread calls it); the block
  * that finishes last folds the partial sums into the result, in host memory, and leaves them
- * and the counter zeroed for the next copy through this slot. The fold takes one exchange per
- * thread of its first two warps, all in flight at once, then a warp reduction: a loop of 64
- * exchanges, each waiting for the one before, cost a constant 8-9 us per copy. */
+ * and the counter zeroed for the next copy through this slot.
+ *
+ * The tail of every checksummed copy is this function's chain in its last block, so it is
+ * kept to what the result needs: the block's addition into its partial sum (a reduction, no
+ * answer awaited), one atomic on the copy's counter with release and acquire semantics (the
+ * release orders the addition before the count, the acquire of the block that counts last
+ * orders every other block's addition before its fold), then one exchange per thread of the
+ * first two warps, all in flight at once, a warp reduction and the store of the result. A
+ * fence.sc (__threadfence) per block and a second level of counters, as before, each added a
+ * wait to that chain; no system fence is needed either, as the host reads the result only
+ * after the copy's event, which follows the kernel's completion and so its writes. */
 __device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long long part)
 {
     static_assert(CSUM_SPREAD == 64 && THREADS >= CSUM_SPREAD, "the fold uses two full warps");
@@ -222,29 +231,27 @@ __device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long
     if (threadIdx.x == 0) {
         const uint32_t blocks = gridDim.x * gridDim.y;
         const uint32_t g = (blockIdx.y * gridDim.x + blockIdx.x) % CSUM_SPREAD;
-        const uint32_t in_group = (blocks - g + CSUM_SPREAD - 1) / CSUM_SPREAD;
-        const uint32_t groups = blocks < CSUM_SPREAD ? blocks : CSUM_SPREAD;
-        if (part != 0) atomicAdd(&p.csum[g], part);
-        __threadfence(); /* the part lands before the count says so */
-        last = 0;
-        if (atomicAdd(&p.csum_count[g], 1u) == in_group - 1) {
-            p.csum_count[g] = 0; /* every block of the group has counted */
-            __threadfence();
-            last = atomicAdd(&p.csum_count[CSUM_SPREAD], 1u) == groups - 1;
-        }
+        if (part != 0)
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&p.csum[g]), "l"(part)
+                         : "memory");
+        unsigned int before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(before)
+                     : "l"(p.csum_count)
+                     : "memory");
+        last = before == blocks - 1;
     }
+    /* The barrier carries thread 0's acquire to the folding threads (causality order). */
     __syncthreads();
     if (!last || threadIdx.x >= CSUM_SPREAD) return;
-    __threadfence();
     unsigned long long sum = atomicExch(&p.csum[threadIdx.x], 0ull);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
     if ((threadIdx.x & 31) == 0) fold[threadIdx.x / 32] = sum;
     asm volatile("bar.sync 1, %0;" ::"r"(CSUM_SPREAD)); /* the two folding warps only */
     if (threadIdx.x != 0) return;
-    p.csum_count[CSUM_SPREAD] = 0;
+    *p.csum_count = 0; /* every block has counted: none of this copy reads it again */
     *(volatile unsigned long long *) p.csum_out = fold[0] + fold[1];
-    __threadfence_system();
 }
 
 /* grid = (ceil(max units / CHUNK), layers * components); a thread moves vectors
@@ -438,10 +445,17 @@ extern "C" kvs_status_t kvs__copy_cuda_plan(const kvs_copy_desc_t *d, kvs_cuda_p
                   (unsigned long long) max_units, vec, MAX_UNITS);
         return KVS_ERR_UNSUPPORTED;
     }
+    const uint64_t blocks_x = (max_units + CHUNK - 1) / CHUNK;
+    if (blocks_x * n > UINT32_MAX) { /* the checksum counts a copy's blocks in 32 bits */
+        kvs_error("copy(cuda): %llu thread blocks exceed one launch; split the copy into fewer "
+                  "pages",
+                  (unsigned long long) (blocks_x * n));
+        return KVS_ERR_UNSUPPORTED;
+    }
     plan_p->vec_bytes = vec;
     plan_p->run = run;
     plan_p->entries = n;
-    plan_p->blocks_x = (uint32_t) ((max_units + CHUNK - 1) / CHUNK);
+    plan_p->blocks_x = (uint32_t) blocks_x;
     return KVS_OK;
 }
 
@@ -508,7 +522,7 @@ struct cuda_ctx_t {
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
     unsigned long long *csum_dev;      /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
-    unsigned int *csum_count;          /* [NSLOTS][CSUM_COUNTERS] blocks done per slot's copy */
+    unsigned int *csum_count;          /* [NSLOTS][CSUM_COUNTER_STRIDE]: [0] blocks done */
     unsigned long long *csum_host;     /* [NSLOTS] pinned and mapped: each slot's last sum */
     unsigned long long *csum_host_dev; /* the same, as the device sees it */
     launch_inline_t params;            /* built here, snapshotted by the launch */
@@ -683,7 +697,7 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         const size_t slot = (size_t) (s - c->slots);
         lp->region = d->region;
         lp->csum = lanes;
-        lp->csum_count = c->csum_count + (size_t) slot * CSUM_COUNTERS;
+        lp->csum_count = c->csum_count + (size_t) slot * CSUM_COUNTER_STRIDE;
         lp->csum_out = c->csum_host_dev + slot;
     }
     const dim3 grid(plan->blocks_x, plan->entries), block(THREADS);
@@ -884,12 +898,12 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(
-            cudaMalloc((void **) &c->csum_count, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
-            "copy(cuda): checksum counters on device %d", device);
+        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count,
+                                       NSLOTS * CSUM_COUNTER_STRIDE * sizeof(unsigned int)),
+                            "copy(cuda): checksum counters on device %d", device);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(
-            cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTERS * sizeof(unsigned int)),
+            cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTER_STRIDE * sizeof(unsigned int)),
             "copy(cuda): checksum counters");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,

@@ -234,6 +234,21 @@ generate_cuda() {
         echo "generate-cuda: the GPU runs differ"
         return 1
     }
+    # Sampled on the device (temperature, top-k, top-p, a seed): colocated and disaggregated
+    # compute the same logits, so they draw the same tokens.
+    local sampled=()
+    for mode in "--colocated" "--prefill-tp 1"; do
+        # shellcheck disable=SC2086 # mode is a flag list
+        "$BUILD/kvstage" generate --device cuda --gpus "$GPUS" $mode --max-tokens 24 \
+            --temperature 0.8 --top-p 0.9 --top-k 40 --seed 11 --prompt-ids "$p" --json \
+            >"$LOGS/generate-cuda.json" || return 1
+        sampled+=("$(grep -o '"ids":\[[0-9,]*\]' "$LOGS/generate-cuda.json")")
+        echo "generate --device cuda $mode, sampled: ${sampled[-1]}"
+    done
+    [ "${sampled[0]}" = "${sampled[1]}" ] || {
+        echo "generate-cuda: sampled colocated and disaggregated runs differ"
+        return 1
+    }
 }
 if [ -s "$MODEL_FILE" ]; then
     step generate-cuda generate_cuda

@@ -6,6 +6,8 @@
 # exactness suite on GPUs (test_sim_gpu), the cross-process CUDA IPC test (test_cuda_ipc) and
 # the multi-process deployments (test_rank_processes: GPU pools in every rank process, CUDA
 # IPC through the net link), the model's CUDA backend against the CPU (test_forward_cuda), the
+# serving engine disaggregated on the GPU in one process (test_llm_cuda: the KV in decode's pool
+# byte for byte prefill's, the colocated GPU tokens, prefill TP2, CPU<->GPU pairs), the
 # Python package's GPU tests (py-gpu: needs a venv with torch); the real model on the GPU
 # (generate-cuda: colocated and disaggregated give the same tokens) and `kvstage bench engine
 # --device cuda`;
@@ -189,7 +191,8 @@ step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS' ${CTEST_
 
 # Each GPU test alone, verbose: on a GPU machine nothing may be skipped.
 export KVS_TOOL=$(pwd)/$BUILD/kvstage
-GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes test_forward_cuda)
+GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes test_forward_cuda
+    test_llm_cuda)
 for t in "${GPU_TESTS[@]}"; do
     if step "$t" "$BUILD/$t" && ! skipped "$t"; then
         if grep -q "SKIPPED" "$LOGS/$t.log"; then

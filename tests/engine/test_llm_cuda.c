@@ -164,9 +164,9 @@ static void kv_hook(void *ctxp, uint64_t room, const kvs_pool_t *pool, const uin
         out = kvs_calloc((size_t) CFG.layers * 2 * prompt_len * heads, hb);
         bad = out == NULL;
     }
-    /* Whatever the backends still have queued on the pool's GPU first (the model's stream, the
-     * copy backend's). */
-    if (!bad && pc->mem == KVS_MEM_DEVICE) bad = kvs_mem_device_sync(pc->device) != KVS_OK;
+    /* No device-wide wait: what wrote these pages has completed and this rank has seen it (the
+     * forward pass returned its logits; the receiver's scatter completed before the room's
+     * success), and a device-wide wait could meet another thread's CUDA graph capture. */
     for (uint32_t l = 0; !bad && l < CFG.layers; l++)
         for (uint32_t c = 0; !bad && c < 2; c++) {
             const kvs_region_t *r = kvs_pool_region(pool, l, c);

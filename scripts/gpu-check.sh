@@ -6,9 +6,15 @@
 # exactness suite on GPUs (test_sim_gpu), the cross-process CUDA IPC test (test_cuda_ipc) and
 # the multi-process deployments (test_rank_processes: GPU pools in every rank process, CUDA
 # IPC through the net link), the model's CUDA backend against the CPU (test_forward_cuda), the
+# serving engine disaggregated on the GPU in one process (test_llm_cuda: the KV in decode's pool
+# byte for byte prefill's, the colocated GPU tokens, prefill TP2, CPU<->GPU pairs), the
 # Python package's GPU tests (py-gpu: needs a venv with torch); the real model on the GPU
-# (generate-cuda: colocated and disaggregated give the same tokens) and `kvstage bench engine
-# --device cuda`;
+# (generate-cuda: colocated and disaggregated give the same tokens), the HTTP servers on the GPU
+# (serve-cuda: `kvstage serve --device cuda` colocated, and prefill TP1 and TP3 -> decode TP1
+# behind `kvstage router`, greedy chat and completion answers, streamed and not, all equal) and
+# CPU <-> GPU server pairs (pair-cpu-gpu: a CPU prefill with bf16 K/V feeding a GPU decode and
+# the reverse, through the router, equal to a colocated CPU server's answers), `kvstage bench
+# engine --device cuda`;
 # `kvstage sim --device cuda` and `kvstage demo --device cuda`
 # (prefill on GPU 0, decode on GPU 1 when there are two); `kvstage bench transfer` (table, and
 # JSON in $LOGS/bench-transfer.json for bench/plot_transfer.py), `kvstage bench kernels` and
@@ -23,6 +29,9 @@
 # initcheck bench"), STEP_TIMEOUT (seconds per sanitizer or benchmark step, default 900), LOGS,
 # REUSE_BUILD=1 (keep an existing $BUILD and only rebuild what changed: for a second run on the
 # same machine).
+# `bash scripts/gpu-check.sh --serve-steps` runs only serve-cuda and pair-cpu-gpu against the
+# kvstage already in $BUILD; with SERVE_DEVICE=cpu every server runs on the CPU (a dry run of
+# those steps on a machine without a GPU).
 #
 # GPU machines without internet often lack the project's dev packages (cmocka, ZeroMQ, UCX
 # headers, pkg-config). On a Debian/Ubuntu machine with apt, `bash scripts/gpu-check.sh
@@ -140,6 +149,265 @@ summary() {
     echo "logs: $LOGS/"
 }
 
+# ---- serving steps (serve-cuda, pair-cpu-gpu): servers, routers and clients on this host ----
+# The model file (also for --serve-steps).
+MODEL_FILE=${KVS_MODEL:-${KVS_CACHE_DIR:-$HOME/.cache/kvstage}/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+SRV_PIDS=()   # servers and routers the current step started, in start order
+SRV_URL=""    # start_srv: the started one's http://HOST:PORT
+SRV_BOOT=""   # start_srv: a prefill server's bootstrap registry endpoint
+
+# The pids whose parent is $1 (from /proc: no procps needed).
+children_of() {
+    local f l pid
+    for f in /proc/[0-9]*/stat; do
+        l=$(cat "$f" 2>/dev/null) || continue
+        pid=${f#/proc/}
+        pid=${pid%/stat}
+        l=${l##*) }
+        # shellcheck disable=SC2086 # the stat fields after the name, split
+        set -- "$1" $l
+        [ "$3" = "$1" ] && echo "$pid"
+    done
+}
+
+# start_srv TAG ARGS...: `kvstage ARGS` in the background, its output in $LOGS/$STEP_NAME-TAG.log,
+# until it prints "serving on" / "routing on" (300 s at most; exiting first is a failure). Every
+# port is a free one the process picked itself (--port 0, the registry's default) and printed.
+start_srv() {
+    local tag=$1 log="$LOGS/$STEP_NAME-$1.log" pid t
+    shift
+    "$BUILD/kvstage" "$@" >"$log" 2>&1 </dev/null &
+    pid=$!
+    SRV_PIDS+=("$pid")
+    echo "  $tag (pid $pid): kvstage $*"
+    for ((t = 0; t < 3000; t++)); do
+        if grep -qE '^(serving|routing) on http' "$log" 2>/dev/null; then
+            SRV_URL=$(grep -oE '^(serving|routing) on http://[0-9.]+:[0-9]+' "$log" | head -n 1)
+            SRV_URL=${SRV_URL#* on }
+            SRV_BOOT=$(grep -oE 'bootstrap tcp://[0-9.]+:[0-9]+' "$log" | head -n 1)
+            SRV_BOOT=${SRV_BOOT#bootstrap }
+            return 0
+        fi
+        if ! kill -0 "$pid" 2>/dev/null; then
+            wait "$pid"
+            echo "  $tag exited (status $?) before it was ready; its log ($log):"
+            tail -n 20 "$log" | sed 's/^/    /'
+            return 1
+        fi
+        sleep 0.1
+    done
+    echo "  $tag not ready within 300 s; its log ($log):"
+    tail -n 20 "$log" | sed 's/^/    /'
+    return 1
+}
+
+# Stops what the step started, newest first: SIGTERM, 30 s, then SIGKILL, each by pid and
+# reaped; then every process a server had launched (its ranks) must be gone too: one left
+# behind is reported, killed by its pid, and fails the step.
+stop_all() {
+    local rc=0 i pid kids k t
+    for ((i = ${#SRV_PIDS[@]} - 1; i >= 0; i--)); do
+        pid=${SRV_PIDS[$i]}
+        kids=$(children_of "$pid")
+        kill -TERM "$pid" 2>/dev/null
+        for ((t = 0; t < 300 && $(kill -0 "$pid" 2>/dev/null && echo 1 || echo 0); t++)); do
+            sleep 0.1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "  pid $pid did not exit within 30 s of SIGTERM: killed"
+            kill -KILL "$pid" 2>/dev/null
+            rc=1
+        fi
+        wait "$pid" 2>/dev/null
+        for k in $kids; do
+            for ((t = 0; t < 100 && $(kill -0 "$k" 2>/dev/null && echo 1 || echo 0); t++)); do
+                sleep 0.1
+            done
+            if kill -0 "$k" 2>/dev/null; then
+                echo "  orphan: pid $k ($(tr '\0' ' ' </proc/"$k"/cmdline 2>/dev/null)) outlived its server $pid: killed"
+                kill -KILL "$k" 2>/dev/null
+                rc=1
+            fi
+        done
+    done
+    SRV_PIDS=()
+    return "$rc"
+}
+
+# http_post URL BODY OUT: the answer's body in OUT; fails unless the status is 200. curl, or
+# Python's urllib where curl is missing.
+http_post() {
+    local code
+    if command -v curl >/dev/null 2>&1; then
+        code=$(curl -sS -N --max-time 300 -o "$3" -w '%{http_code}' \
+            -H 'Content-Type: application/json' -d "$2" "$1") || code="no answer (curl failed)"
+    elif command -v python3 >/dev/null 2>&1; then
+        code=$(python3 - "$1" "$2" "$3" <<'PY'
+import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(),
+                             headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=300) as r:
+        body, code = r.read(), r.status
+except urllib.error.HTTPError as e:
+    body, code = e.read(), e.code
+except Exception as e:
+    body, code = str(e).encode(), "no answer (%s)" % e
+open(sys.argv[3], "wb").write(body)
+print(code)
+PY
+        )
+    else
+        echo "  neither curl nor python3 is here: no HTTP client"
+        return 1
+    fi
+    [ "$code" = "200" ] && return 0
+    echo "  POST $1 -> $code: $(head -c 400 "$3" 2>/dev/null)"
+    return 1
+}
+
+# The generated text of an answer: its "text" or "content" strings in order (a streamed
+# answer's deltas joined), JSON escapes left as they are.
+answer_text() {
+    grep -oE '"(text|content)":"([^"\\]|\\.)*"' "$1" | sed -E 's/^"(text|content)":"//; s/"$//' |
+        tr -d '\n'
+}
+
+# ask TAG URL: the step's requests (completion and chat, streamed and not, greedy), each
+# answer's text in $LOGS/$STEP_NAME-TAG-K.txt; fails on a failed or empty answer.
+SERVE_PROMPT="The capital of France is"
+SERVE_CHAT="What is the capital of France? Answer in one sentence."
+ask() {
+    local tag=$1 url=$2 k=0 path body out
+    for req in "completions|{\"prompt\":\"$SERVE_PROMPT\",\"max_tokens\":24,\"temperature\":0}" \
+        "completions|{\"prompt\":\"$SERVE_PROMPT\",\"max_tokens\":24,\"temperature\":0,\"stream\":true}" \
+        "chat/completions|{\"messages\":[{\"role\":\"user\",\"content\":\"$SERVE_CHAT\"}],\"max_tokens\":24,\"temperature\":0}" \
+        "chat/completions|{\"messages\":[{\"role\":\"user\",\"content\":\"$SERVE_CHAT\"}],\"max_tokens\":24,\"temperature\":0,\"stream\":true}"; do
+        k=$((k + 1))
+        path=${req%%|*}
+        body=${req#*|}
+        out="$LOGS/$STEP_NAME-$tag-$k"
+        http_post "$url/v1/$path" "$body" "$out.json" || return 1
+        answer_text "$out.json" >"$out.txt"
+        if [ ! -s "$out.txt" ]; then
+            echo "  $tag request $k ($path): no text in the answer ($out.json)"
+            return 1
+        fi
+        echo "  $tag $k /v1/$path$(case $body in *stream*) echo ' (stream)' ;; esac): $(cat "$out.txt")"
+    done
+}
+
+# same_answers TAG REF: every answer of TAG equals REF's, and a streamed answer its unstreamed
+# twin.
+same_answers() {
+    local k bad=0
+    for k in 1 2 3 4; do
+        if ! cmp -s "$LOGS/$STEP_NAME-$1-$k.txt" "$LOGS/$STEP_NAME-$2-$k.txt"; then
+            echo "  $1 request $k differs from $2's: '$(cat "$LOGS/$STEP_NAME-$1-$k.txt")' vs '$(cat "$LOGS/$STEP_NAME-$2-$k.txt")'"
+            bad=1
+        fi
+    done
+    for k in 1 3; do
+        if ! cmp -s "$LOGS/$STEP_NAME-$1-$k.txt" "$LOGS/$STEP_NAME-$1-$((k + 1)).txt"; then
+            echo "  $1: the streamed answer $((k + 1)) differs from the unstreamed $k"
+            bad=1
+        fi
+    done
+    return "$bad"
+}
+
+# pd_pair TAG PREFILL_ARGS -- DECODE_ARGS: a prefill server, a decode server bound to it and a
+# router over them; asks the requests through the router; stops all three.
+pd_pair() {
+    local tag=$1 pre=() dec=() purl
+    shift
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
+    shift
+    dec=("$@")
+    start_srv "$tag-prefill" serve --role prefill --model "$MODEL_FILE" --port 0 "${pre[@]}" ||
+        { stop_all; return 1; }
+    purl=$SRV_URL
+    [ -n "$SRV_BOOT" ] || { echo "  the prefill server printed no bootstrap"; stop_all; return 1; }
+    start_srv "$tag-decode" serve --role decode --model "$MODEL_FILE" --port 0 \
+        --bootstrap "$SRV_BOOT" "${dec[@]}" || { stop_all; return 1; }
+    local durl=$SRV_URL
+    start_srv "$tag-router" router --prefill "$purl" --decode "$durl" --port 0 ||
+        { stop_all; return 1; }
+    local rc=0
+    ask "$tag" "$SRV_URL" || rc=1
+    stop_all || rc=1
+    return "$rc"
+}
+
+# serve-cuda: `kvstage serve --device $dev` (cuda; SERVE_DEVICE=cpu dry-runs it on a machine
+# without a GPU) colocated, then prefill TP1 -> decode TP1 and prefill TP3 -> decode TP1 behind
+# `kvstage router`, every server on GPU 0: the greedy answers of the disaggregated pairs equal
+# the colocated server's, streamed and not; every process is stopped and reaped.
+serve_cuda() {
+    STEP_NAME=serve-cuda
+    local dev=${SERVE_DEVICE:-cuda} on=()
+    [ "$dev" = cuda ] && on=(--gpus 0)
+    start_srv colocated serve --role colocated --model "$MODEL_FILE" --port 0 --device "$dev" \
+        "${on[@]}" || { stop_all; return 1; }
+    local rc=0
+    ask colocated "$SRV_URL" || rc=1
+    stop_all || rc=1
+    [ "$rc" -eq 0 ] || return 1
+    pd_pair tp1 --device "$dev" "${on[@]}" --tp 1 -- --device "$dev" "${on[@]}" || return 1
+    same_answers tp1 colocated || rc=1
+    pd_pair tp3 --device "$dev" "${on[@]}" --tp 3 -- --device "$dev" "${on[@]}" || return 1
+    same_answers tp3 colocated || rc=1
+    return "$rc"
+}
+
+# pair-cpu-gpu: a CPU prefill server with bf16 K/V feeding a GPU decode server, and a GPU
+# prefill server feeding a CPU decode server (bf16), each through the router; their greedy
+# answers equal a colocated CPU server's (bf16 K/V). SERVE_DEVICE=cpu dry-runs it with CPU
+# servers on both sides. The KV between a host pool and a device pool goes through the net
+# link's data plane; where that refuses the pair, the step fails naming the refusal.
+pair_cpu_gpu() {
+    STEP_NAME=pair-cpu-gpu
+    local gdev=${SERVE_DEVICE:-cuda} gpu=() cpu=(--device cpu --kv-dtype bf16)
+    gpu=(--device "$gdev")
+    [ "$gdev" = cuda ] && gpu+=(--gpus 0)
+    [ "$gdev" = cpu ] && gpu+=(--kv-dtype bf16)
+    start_srv colocated serve --role colocated --model "$MODEL_FILE" --port 0 "${cpu[@]}" ||
+        { stop_all; return 1; }
+    local rc=0 tag
+    ask colocated "$SRV_URL" || rc=1
+    stop_all || rc=1
+    [ "$rc" -eq 0 ] || return 1
+    for tag in cpu-gpu gpu-cpu; do
+        local pre=("${cpu[@]}") dec=("${gpu[@]}")
+        [ "$tag" = gpu-cpu ] && pre=("${gpu[@]}") dec=("${cpu[@]}")
+        if pd_pair "$tag" "${pre[@]}" -- "${dec[@]}"; then
+            same_answers "$tag" colocated || rc=1
+        else
+            rc=1
+            grep -hE 'need the same kind|cannot reach decode rank|INCOMPATIBLE|incompatible' \
+                "$LOGS/$STEP_NAME-$tag"-*.log 2>/dev/null | sort -u | head -n 5 |
+                sed "s/^/  $tag refused: /"
+        fi
+    done
+    return "$rc"
+}
+
+# `bash scripts/gpu-check.sh --serve-steps`: only the two serving steps, against the kvstage
+# already built in $BUILD (SERVE_DEVICE=cpu: with CPU servers, for a machine without a GPU).
+if [ "${1:-}" = "--serve-steps" ]; then
+    mkdir -p "$LOGS"
+    [ -x "$BUILD/kvstage" ] || { echo "gpu-check: no $BUILD/kvstage (build it first)"; exit 1; }
+    if [ -s "$MODEL_FILE" ]; then
+        step serve-cuda serve_cuda
+        step pair-cpu-gpu pair_cpu_gpu
+    else
+        mark serve-cuda "FAIL (no model at $MODEL_FILE)"
+        mark pair-cpu-gpu "FAIL (no model at $MODEL_FILE)"
+    fi
+    summary
+    exit "$failed"
+fi
+
 [ "${REUSE_BUILD:-0}" = 1 ] || rm -rf "$BUILD"
 mkdir -p "$LOGS"
 
@@ -181,7 +449,6 @@ fi
 
 # The tests that read the embedded model need its GGUF (scripts/setup.sh fetches it; the GPU
 # machine has no registry access): without it they are left out here, and said so.
-MODEL_FILE=${KVS_MODEL:-${KVS_CACHE_DIR:-$HOME/.cache/kvstage}/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 CTEST_EXCLUDE=()
 if [ ! -s "$MODEL_FILE" ]; then
     echo "gpu-check: no model at $MODEL_FILE: the model tests are left out of ctest"
@@ -191,7 +458,8 @@ step ctest bash -c "cd '$BUILD' && ctest --output-on-failure -j '$JOBS' ${CTEST_
 
 # Each GPU test alone, verbose: on a GPU machine nothing may be skipped.
 export KVS_TOOL=$(pwd)/$BUILD/kvstage
-GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes test_forward_cuda)
+GPU_TESTS=(test_copy_cuda test_mem test_sim_gpu test_cuda_ipc test_rank_processes test_forward_cuda
+    test_llm_cuda)
 for t in "${GPU_TESTS[@]}"; do
     if step "$t" "$BUILD/$t" && ! skipped "$t"; then
         if grep -q "SKIPPED" "$LOGS/$t.log"; then
@@ -252,8 +520,12 @@ generate_cuda() {
 }
 if [ -s "$MODEL_FILE" ]; then
     step generate-cuda generate_cuda
+    step serve-cuda serve_cuda
+    step pair-cpu-gpu pair_cpu_gpu
 else
     mark generate-cuda "FAIL (no model at $MODEL_FILE)"
+    mark serve-cuda "FAIL (no model at $MODEL_FILE)"
+    mark pair-cpu-gpu "FAIL (no model at $MODEL_FILE)"
 fi
 step bench-engine timeout "$STEP_TIMEOUT" "$BUILD/kvstage" bench engine --device cuda
 

@@ -916,6 +916,9 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
         }
         protocol_release(e, r);
         (*work)++;
+        if (e->cfg.test_kv_hook != NULL)
+            e->cfg.test_kv_hook(e->cfg.test_kv_ctx, r->req.room, e->cfg.pool, r->pages,
+                                r->req.prompt_len);
         if (e->cfg.role == KVS_LLM_PREFILL) {
             finish(e, i, KVS_OK, KVS_LLM_FINISH_HANDOFF);
             continue;

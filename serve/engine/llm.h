@@ -81,6 +81,12 @@ typedef struct {
     void (*metrics)(void *ctx, kvs_pd_metrics_t *metrics_p); /* every receiver's, summed */
 } kvs_llm_receivers_t;
 
+/* Tests only (kvs_llm_config_t.test_kv_hook): a room's prompt KV, positions [0, prompt_len),
+ * is complete in this rank's pool and its transfer concluded with success on every rank; pages
+ * is the room's page table from position 0, valid during the call only. */
+typedef void (*kvs_llm_test_kv_hook_t)(void *ctx, uint64_t room, const kvs_pool_t *pool,
+                                       const uint32_t *pages, uint32_t prompt_len);
+
 typedef struct {
     kvs_llm_role_t role;
     kvs_model_t *model; /* this rank's shard; borrowed */
@@ -97,6 +103,12 @@ typedef struct {
      * max_ctx; above it: refused. A prefill request counts one new token. */
     uint32_t max_context;
     int radix; /* this instance's radix prefix cache */
+    /* Tests only, NULL elsewhere: called on every rank of a prefill or decode engine when a
+     * room's transfer succeeded, before anything else happens to its pages (prefill: before
+     * they go back; decode: before the first decode pass writes past the prompt), e.g. to
+     * compare the KV that left prefill's pool with what reached decode's byte for byte. */
+    kvs_llm_test_kv_hook_t test_kv_hook;
+    void *test_kv_ctx;
 } kvs_llm_config_t;
 
 #define KVS_LLM_CHOICES_MAX 16         /* n_choices at most */

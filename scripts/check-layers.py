@@ -28,6 +28,7 @@ EXTERNAL = [
     (re.compile(r"^microhttpd\.h$"), "PkgConfig::MHD"),
     (re.compile(r"^jansson\.h$"), "PkgConfig::JANSSON"),
     (re.compile(r"^curl/"), "PkgConfig::CURL"),
+    (re.compile(r"^nccl\.h$"), "${KVS_NCCL_LIB}"),
 ]
 # Symbol prefixes of the libraries libkvstage must not need.
 FORBIDDEN_SYMBOLS = re.compile(r"^(MHD_|curl_|json_|jansson_)")

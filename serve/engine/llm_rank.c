@@ -505,6 +505,9 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
                                    .max_bytes = GROUP_BCAST,
                                    .timeout_ms = c.group_timeout_ms};
         if ((st = kvs_tpgroup_join(&gc, &group)) != KVS_OK) goto out;
+        /* Ranks on distinct GPUs all-reduce through NCCL (when built with it), others through
+         * the group; every rank takes the same decision. */
+        if ((st = kvs_model_use_group(model, group, NULL)) != KVS_OK) goto out;
     }
 
     /* The decode instance's id, which the prefill ranks it talks to tell it from other decode

@@ -319,7 +319,7 @@ kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model
         kvs_error("model: forward needs a model, a pool, sequences and a logits buffer");
         return KVS_ERR_INVALID;
     }
-    if (m->tp.tp_size > 1 && reduce == NULL) {
+    if (m->tp.tp_size > 1 && reduce == NULL && m->reduce != KVS_MODEL_REDUCE_NCCL) {
         kvs_error("model: TP %u needs an all-reduce function", m->tp.tp_size);
         return KVS_ERR_INVALID;
     }

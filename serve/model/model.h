@@ -86,6 +86,42 @@ kvs_kv_shape_t kvs_model_config_kv_shape(const kvs_model_config_t *config, uint3
  * (rank 0 + rank 1 + ...), and leaves the identical sum in every rank's buf. */
 typedef kvs_status_t (*kvs_allreduce_fn)(void *arg, double *buf, size_t n);
 
+/* How a TP model's row-split partial sums (the Wo and Wdown outputs) are summed over its ranks. */
+typedef enum {
+    /* the forward call's kvs_allreduce_fn (the engine's: the host TP group): on a GPU the
+     * partials go to the host and back; the only way for ranks on the CPU or sharing a GPU */
+    KVS_MODEL_REDUCE_HOST,
+    /* ncclAllReduce on the devices, on the model's stream (ranks on pairwise distinct GPUs, a
+     * build with NCCL): no host round trip, and the TP calls replay CUDA graphs too */
+    KVS_MODEL_REDUCE_NCCL,
+} kvs_model_reduce_t;
+
+/* The choice kvs_model_use_group makes, as a pure function of what every rank knows after the
+ * exchange: devices[r] is rank r's CUDA device (-1: the CPU), nccl whether every rank's
+ * kvstage has NCCL. NCCL only for n >= 2 ranks all on GPUs, pairwise distinct (NCCL refuses
+ * two ranks on one device), with NCCL; else the host. why (why_len bytes, may be NULL) gets
+ * one line saying which and why, naming the ranks that decided it. */
+kvs_model_reduce_t kvs_model_reduce_choose(const int *devices, uint32_t n, int nccl, char *why,
+                                           size_t why_len);
+
+/* Sets up how model (rank r of TP n) reduces over `group` (its TP group: the same size and
+ * rank), once, before its first forward pass; collective: every rank of the group calls it.
+ * The ranks exchange their devices (and SM counts) over the group and every rank takes the
+ * same kvs_model_reduce_choose decision. For NCCL rank 0 makes an ncclUniqueId, the group
+ * broadcasts it, each rank creates its communicator on its device (ncclCommInitRank) and one
+ * small all-reduce checks it; path_p (may be NULL) gets the path taken. Without a call the
+ * model reduces through the host (KVS_MODEL_REDUCE_HOST), as before.
+ * Falls back to the host path with a warning on every rank when rank 0 cannot make an id.
+ * Errors: KVS_ERR_INVALID (group of another size or rank; called twice), a group error as is
+ * (the exchange failed), and, once the ranks went for NCCL, KVS_ERR_IO when this rank's
+ * communicator cannot be created or fails its check (logged with NCCL's reason): no fallback
+ * then, as the other ranks may be waiting inside NCCL's set-up; the instance does not start. */
+struct kvs_tpgroup;
+kvs_status_t kvs_model_use_group(kvs_model_t *model, struct kvs_tpgroup *group,
+                                 kvs_model_reduce_t *path_p);
+/* The path in use: KVS_MODEL_REDUCE_HOST unless kvs_model_use_group chose NCCL. */
+kvs_model_reduce_t kvs_model_reduce_path(const kvs_model_t *model);
+
 /* One sequence of a forward batch: tokens at positions pos0..pos0+n-1 (n >= 1). pages cover
  * positions 0..pos0+n-1 of this sequence: position t is token t % P of page pages[t / P];
  * positions below pos0 must already hold this sequence's K and V. */
@@ -115,11 +151,12 @@ typedef struct {
  * and attends over positions 0..pos of their own sequence. logits receives, for each sequence,
  * the logits of its last token: [nseq][vocab], identical on every rank. All ranks of the group
  * call it with the same tokens and positions (page ids are per rank); reduce may be NULL only
- * when tp_size == 1. The pool must have shape kvs_model_kv_shape() and the model's tp, in host
- * memory (a CPU model) or on the model's CUDA device; pages must be allocated. logits and
- * all_logits are host memory either way. KVS_ERR_INVALID (before any write) for a mismatch;
- * KVS_ERR_NOMEM when scratch cannot grow; an error from reduce is returned as is, and the K/V
- * of the new positions are then unspecified. Not thread-safe per model (scratch is shared). */
+ * when tp_size == 1 or the model reduces through NCCL (kvs_model_use_group), which ignores it. The
+ * pool must have shape kvs_model_kv_shape() and the model's tp, in host memory (a CPU model) or on
+ * the model's CUDA device; pages must be allocated. logits and all_logits are host memory either
+ * way. KVS_ERR_INVALID (before any write) for a mismatch; KVS_ERR_NOMEM when scratch cannot grow;
+ * an error from reduce is returned as is, and the K/V of the new positions are then unspecified.
+ * Not thread-safe per model (scratch is shared). */
 kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_model_seq_t *seqs,
                                uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
                                float *logits);

@@ -93,6 +93,8 @@ struct kvs_model {
     kvs_model_scratch_t scratch;
     int device;             /* -1: the CPU; else the CUDA device the weights and forward are on */
     kvs_model_cuda_t *cuda; /* device >= 0: the CUDA backend (weights, scratch, streams) */
+    kvs_model_reduce_t reduce; /* kvs_model_use_group's choice; HOST until then */
+    int grouped;               /* kvs_model_use_group was called */
 };
 
 /* Frees the scratch buffers (forward.c); the model stays usable and regrows them. */

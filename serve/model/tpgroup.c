@@ -426,6 +426,11 @@ uint32_t kvs_tpgroup_rank(const kvs_tpgroup_t *g)
     return g->rank;
 }
 
+uint64_t kvs_tpgroup_timeout_ns(const kvs_tpgroup_t *g)
+{
+    return g->timeout_ns;
+}
+
 /* --- join and leave ------------------------------------------------------------------------ */
 
 static int name_valid(const char *name)

@@ -75,6 +75,8 @@ uint32_t kvs_tpgroup_reclaim(void);
 
 uint32_t kvs_tpgroup_size(const kvs_tpgroup_t *group);
 uint32_t kvs_tpgroup_rank(const kvs_tpgroup_t *group);
+/* The deadline of the group's calls (its config's timeout_ms), in nanoseconds. */
+uint64_t kvs_tpgroup_timeout_ns(const kvs_tpgroup_t *group);
 
 /* In place: buf[i] = sum over ranks of each rank's buf[i], added in rank order
  * ((b0 + b1) + b2) + ..., so every rank gets the bitwise-identical result whatever the

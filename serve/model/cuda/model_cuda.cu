@@ -4,14 +4,19 @@
  *
  * Per forward call the host builds, once for every layer, the call's metadata (token ids,
  * positions, page tables, the attention work list) in one pinned buffer and copies it over in
- * one transfer; the layers then run without the host until the logits come back. */
+ * one transfer; the layers then run without the host until the logits come back. With NCCL
+ * (kvs__model_cuda_nccl_init) the TP all-reduce is on the stream too. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if KVS_HAVE_NCCL
+#include <nccl.h>
+#endif
 
 #include "model/cuda/attention.cuh"
 #include "model/cuda/dequant.cuh"
@@ -21,6 +26,7 @@
 extern "C" {
 #include "base/cuda_util.h"
 #include "kvstage/alloc.h"
+#include "kvstage/clock.h"
 #include "kvstage/log.h"
 #include "model/cuda/model_cuda.h"
 }
@@ -47,10 +53,12 @@ struct layer_w {
     bf16 *wdown;                 /* [dim][f] */
 };
 
-/* A growable device buffer. */
+/* A growable device buffer; allocs counts its allocations, so a graph key can name the
+ * buffer's current memory by a number that is the same on every TP rank (they grow alike). */
 struct dbuf {
     void *p;
     size_t bytes;
+    uint64_t allocs;
 };
 
 /* Forward calls of one shape (tokens, sequences, attention blocks, buffers, pool) replay one
@@ -99,6 +107,16 @@ struct kvs_model_cuda {
     uint32_t prof_cap, prof_n;
     double prof_ms[KVS_CUDA_OPS];
     uint64_t prof_calls;
+    /* the pool's regions (bases, strides) as of the last call, and how often they changed */
+    uint64_t pool_sig, pool_gen;
+    /* NCCL (kvs__model_cuda_nccl_init): partials reduced on the device when nccl is set */
+    int nccl;
+    int nccl_dead;       /* the communicator was aborted: every later call fails */
+    uint64_t timeout_ns; /* bound of a wait for device work with NCCL calls in it */
+    cudaEvent_t done;    /* recorded at the end of such work, polled */
+#if KVS_HAVE_NCCL
+    ncclComm_t comm;
+#endif
 };
 
 namespace kvs_cuda
@@ -113,6 +131,7 @@ kvs_status_t grow(dbuf *b, size_t bytes, const char *what)
     b->p = NULL;
     b->bytes = 0;
     size_t want = bytes + bytes / 4;
+    b->allocs++;
     kvs_status_t st =
         KVS_CUDA_CHECK(cudaMalloc(&b->p, want), "model(cuda): %zu bytes of %s", want, what);
     if (st == KVS_OK) b->bytes = want;
@@ -341,6 +360,8 @@ int cmp_work(const void *a, const void *b)
     return lx < ly ? 1 : lx > ly ? -1 : 0;
 }
 
+kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what);
+
 /* After the logits: the tokens of the sequences that sample on the device (their rows stay
  * there), and the rows of the others copied to the host, run by run. */
 kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, uint32_t nseq,
@@ -397,7 +418,7 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
                                             cudaMemcpyDeviceToHost, c->stream),
                             "model(cuda): sampled tokens");
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): sampling");
+        st = wait_stream(c, "sampling"); /* after the forward pass: NCCL calls, maybe */
     for (uint32_t i = 0, k = 0; i < nseq && st == KVS_OK; i++)
         if (seqs[i].sample != NULL) *seqs[i].token = htok[k++];
     return st;
@@ -443,6 +464,82 @@ kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn re
     if (st != KVS_OK) return st;
     add_kernel<<<grid_for(count, 256), 256, 0, c->stream>>>((float *) c->x.p, dp, count);
     return KVS_OK;
+}
+
+#if KVS_HAVE_NCCL
+kvs_status_t nccl_check(ncclResult_t r, const char *what)
+{
+    if (r == ncclSuccess) return KVS_OK;
+    kvs_error("model(cuda): %s failed: %s (%s)", what, ncclGetErrorString(r),
+              ncclGetLastError(NULL));
+    return KVS_ERR_IO;
+}
+
+/* The communicator is not to be trusted any more (an error, a peer gone): abort it, which
+ * returns without waiting for the peers, and fail every later call. */
+void nccl_abort(kvs_model_cuda_t *c)
+{
+    if (c->comm != NULL) ncclCommAbort(c->comm);
+    c->comm = NULL;
+    c->nccl_dead = 1;
+}
+#endif
+
+/* The partial sums summed over the ranks on the device (in place, f32), then added to the
+ * residual; capturable. */
+kvs_status_t reduce_partial_nccl(kvs_model_cuda_t *c, uint32_t n)
+{
+#if KVS_HAVE_NCCL
+    const size_t count = (size_t) n * c->dim;
+    float *dp = (float *) c->partial.p;
+    kvs_status_t st = nccl_check(
+        ncclAllReduce(dp, dp, count, ncclFloat32, ncclSum, c->comm, c->stream), "ncclAllReduce");
+    if (st != KVS_OK) return st;
+    add_kernel<<<grid_for(count, 256), 256, 0, c->stream>>>((float *) c->x.p, dp, count);
+    return KVS_OK;
+#else
+    (void) c, (void) n;
+    return KVS_ERR_UNSUPPORTED;
+#endif
+}
+
+/* Waits for the stream's work so far. Work with NCCL calls in it can wait on a peer forever (a
+ * peer process gone mid-call): that wait polls, watches the communicator's errors and gives up
+ * at the group's deadline, aborting the communicator. */
+kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what)
+{
+    if (!c->nccl) return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): %s", what);
+#if KVS_HAVE_NCCL
+    kvs_status_t st =
+        KVS_CUDA_CHECK(cudaEventRecord(c->done, c->stream), "model(cuda): %s (event)", what);
+    const uint64_t deadline = kvs_now_ns() + c->timeout_ns;
+    while (st == KVS_OK) {
+        const cudaError_t q = cudaEventQuery(c->done);
+        if (q == cudaSuccess) return KVS_OK;
+        if (q != cudaErrorNotReady) {
+            st = KVS_CUDA_CHECK(q, "model(cuda): %s", what);
+            break;
+        }
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(c->comm, &async);
+        if (async != ncclSuccess) {
+            st = nccl_check(async, what);
+            break;
+        }
+        if (kvs_now_ns() >= deadline) {
+            kvs_error("model(cuda): %s did not finish within %llu ms: a TP peer is gone or "
+                      "stuck in an NCCL all-reduce; aborting the communicator",
+                      what, (unsigned long long) (c->timeout_ns / 1000000));
+            st = KVS_ERR_TIMEOUT;
+            break;
+        }
+        sched_yield();
+    }
+    nccl_abort(c);
+    return st;
+#else
+    return KVS_ERR_UNSUPPORTED;
+#endif
 }
 
 uint64_t mix_key(uint64_t h, uint64_t v)
@@ -634,6 +731,12 @@ extern "C" void kvs__model_cuda_destroy(kvs_model_cuda_t *c)
     for (int i = 0; i < GRAPHS; i++)
         if (c->graphs[i].exec != NULL) cudaGraphExecDestroy(c->graphs[i].exec);
     kvs__model_cuda_profile(c, 0);
+#if KVS_HAVE_NCCL
+    /* Abort, not destroy: the stream is idle, and an abort never waits on the peers, which
+     * may be gone already. */
+    if (c->comm != NULL) ncclCommAbort(c->comm);
+#endif
+    if (c->done != NULL) cudaEventDestroy(c->done);
     if (c->blas != NULL) cublasDestroy(c->blas);
     if (c->blas_ws != NULL) cudaFree(c->blas_ws);
     if (c->stream != NULL) cudaStreamDestroy(c->stream);
@@ -746,12 +849,127 @@ extern "C" kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
     return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): sync");
 }
 
+/* ---- NCCL ---- */
+
+extern "C" int kvs__model_cuda_have_nccl(void)
+{
+    return KVS_HAVE_NCCL + 0;
+}
+
+extern "C" uint32_t kvs__model_cuda_sms(const kvs_model_cuda_t *c)
+{
+    return (uint32_t) c->sms;
+}
+
+#if KVS_HAVE_NCCL
+static_assert(sizeof(ncclUniqueId) == KVS_MODEL_NCCL_ID_BYTES, "the TP group carries 128 bytes");
+
+extern "C" kvs_status_t kvs__model_cuda_nccl_id(uint8_t id[KVS_MODEL_NCCL_ID_BYTES])
+{
+    ncclUniqueId u;
+    kvs_status_t st = nccl_check(ncclGetUniqueId(&u), "ncclGetUniqueId");
+    if (st == KVS_OK) memcpy(id, &u, sizeof(u));
+    return st;
+}
+
+extern "C" kvs_status_t kvs__model_cuda_nccl_init(kvs_model_cuda_t *c, const uint8_t *id,
+                                                  uint32_t nranks, uint32_t rank, uint32_t sms,
+                                                  uint64_t timeout_ns)
+{
+    if (c->nccl || c->nccl_dead) {
+        kvs_error("model(cuda): the NCCL communicator is set up once per model");
+        return KVS_ERR_INVALID;
+    }
+    kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(c->device), "model(cuda): device %d", c->device);
+    if (st == KVS_OK && c->done == NULL)
+        st = KVS_CUDA_CHECK(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
+                            "model(cuda): event");
+    if (st != KVS_OK) return st;
+    int version = 0;
+    ncclGetVersion(&version);
+    ncclUniqueId u;
+    memcpy(&u, id, sizeof(u));
+    st = nccl_check(ncclCommInitRank(&c->comm, (int) nranks, u, (int) rank), "ncclCommInitRank");
+    if (st != KVS_OK) {
+        c->comm = NULL;
+        kvs_error("model(cuda): TP rank %u of %u on GPU %d: no NCCL communicator (NCCL %d)", rank,
+                  nranks, c->device, version);
+        return st;
+    }
+    c->nccl = 1;
+    c->timeout_ns = timeout_ns;
+    if (sms > 0) c->sms = (int) sms;
+    /* One all-reduce of known values: rank r gives (r + 1) * (i % 7 + 1) for element i, so
+     * every element must come back as nranks (nranks + 1) / 2 * (i % 7 + 1), exactly. */
+    enum { CHECK = 4096 };
+    float *host = (float *) kvs_malloc(CHECK * sizeof(float));
+    void *dev = NULL;
+    if (host == NULL) st = KVS_ERR_NOMEM;
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(cudaMalloc(&dev, CHECK * sizeof(float)), "model(cuda): NCCL check");
+    if (st == KVS_OK) {
+        for (uint32_t i = 0; i < CHECK; i++) host[i] = (float) ((rank + 1) * (i % 7 + 1));
+        st = KVS_CUDA_CHECK(
+            cudaMemcpyAsync(dev, host, CHECK * sizeof(float), cudaMemcpyHostToDevice, c->stream),
+            "model(cuda): NCCL check");
+    }
+    if (st == KVS_OK)
+        st = nccl_check(ncclAllReduce(dev, dev, CHECK, ncclFloat32, ncclSum, c->comm, c->stream),
+                        "the NCCL check's ncclAllReduce");
+    if (st == KVS_OK)
+        st = KVS_CUDA_CHECK(
+            cudaMemcpyAsync(host, dev, CHECK * sizeof(float), cudaMemcpyDeviceToHost, c->stream),
+            "model(cuda): NCCL check");
+    if (st == KVS_OK) st = wait_stream(c, "the NCCL check");
+    const float ranks_sum = (float) nranks * (float) (nranks + 1) / 2.0f;
+    for (uint32_t i = 0; i < CHECK && st == KVS_OK; i++) {
+        const float want = ranks_sum * (float) (i % 7 + 1);
+        if (host[i] != want) {
+            kvs_error("model(cuda): TP rank %u: the NCCL check all-reduce gave %g at element %u, "
+                      "not %g",
+                      rank, (double) host[i], i, (double) want);
+            st = KVS_ERR_IO;
+        }
+    }
+    if (dev != NULL) cudaFree(dev);
+    kvs_free(host);
+    if (st != KVS_OK) {
+        if (c->comm != NULL) nccl_abort(c);
+        c->nccl = 0;
+        return st == KVS_ERR_NOMEM || st == KVS_ERR_TIMEOUT ? st : KVS_ERR_IO;
+    }
+    kvs_debug("model(cuda): TP rank %u of %u on GPU %d reduces through NCCL %d", rank, nranks,
+              c->device, version);
+    return KVS_OK;
+}
+#else
+extern "C" kvs_status_t kvs__model_cuda_nccl_id(uint8_t id[KVS_MODEL_NCCL_ID_BYTES])
+{
+    (void) id;
+    kvs_error("model(cuda): this kvstage was built without NCCL");
+    return KVS_ERR_UNSUPPORTED;
+}
+
+extern "C" kvs_status_t kvs__model_cuda_nccl_init(kvs_model_cuda_t *c, const uint8_t *id,
+                                                  uint32_t nranks, uint32_t rank, uint32_t sms,
+                                                  uint64_t timeout_ns)
+{
+    (void) c, (void) id, (void) nranks, (void) rank, (void) sms, (void) timeout_ns;
+    kvs_error("model(cuda): this kvstage was built without NCCL");
+    return KVS_ERR_UNSUPPORTED;
+}
+#endif
+
 extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool,
                                                 const kvs_model_seq_t *seqs, uint32_t nseq,
                                                 kvs_allreduce_fn reduce, void *reduce_arg,
                                                 float *logits)
 {
     kvs_model_cuda_t *c = m->cuda;
+    if (c->nccl_dead) {
+        kvs_error("model(cuda): the NCCL communicator was aborted after an earlier failure");
+        return KVS_ERR_STATE;
+    }
     kvs_status_t st = KVS_CUDA_CHECK(cudaSetDevice(c->device), "model(cuda): device %d", c->device);
     if (st != KVS_OK) return st;
     const uint32_t P = kvs_pool_config(pool)->page_size;
@@ -970,7 +1188,9 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
                           c->dim, tp ? 0.0f : 1.0f);
             if (st != KVS_OK) break;
             mark(KVS_CUDA_OP_WO);
-            if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+            if (tp && (st = c->nccl ? reduce_partial_nccl(c, n)
+                                    : reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK)
+                break;
             mark(KVS_CUDA_OP_REDUCE);
             if (one) {
                 st = gemv(GEMV_NORM, L->wgu, c->dim, 2 * c->f, x, NULL, L->ffn_norm, gu, 0, 0, 1);
@@ -994,7 +1214,9 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
             }
             if (st != KVS_OK) break;
             mark(KVS_CUDA_OP_DOWN);
-            if (tp && (st = reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK) break;
+            if (tp && (st = c->nccl ? reduce_partial_nccl(c, n)
+                                    : reduce_partial(c, n, reduce, reduce_arg)) != KVS_OK)
+                break;
             mark(KVS_CUDA_OP_REDUCE);
         }
         if (st == KVS_OK && nseq == 1) {
@@ -1010,22 +1232,32 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
         }
         return st;
     };
-    if (tp || nall > 0 || c->profile) {
+    /* The pool's regions are in the graph; a change of them is counted, so that the key below
+     * holds a count (equal on every rank) instead of addresses (which are not). */
+    uint64_t sig = 0;
+    for (uint32_t l = 0; l < c->layers; l++)
+        for (uint32_t k = 0; k < 2; k++) {
+            const kvs_region_t *r = kvs_pool_region(pool, l, k);
+            sig = mix_key(sig, (uint64_t) (uintptr_t) r->base);
+            sig = mix_key(sig, r->page_stride ^ (r->token_stride << 20) ^ (r->head_stride << 40));
+        }
+    if (c->pool_gen == 0 || sig != c->pool_sig) {
+        c->pool_sig = sig;
+        c->pool_gen++;
+    }
+    if ((tp && !c->nccl) || nall > 0 || c->profile) {
         st = enqueue(); /* the host takes part (the all-reduce) or the call is one of a kind */
     } else {
+        /* With NCCL every rank must capture (and then launch) the same calls' graphs: the key
+         * and so every hit, miss and eviction are the same on every rank, as each input is
+         * (shapes, SM count agreed at set-up, allocation counts, pool changes). */
         uint64_t key = mix_key(0, n);
         key = mix_key(key, ((uint64_t) nseq << 32) | nwork);
         key = mix_key(key, ncomb);
-        const void *ptrs[] = {c->meta.p, c->x.p,      c->h.p,      c->qkv.p,    c->att.p,
-                              c->gu.p,   c->logits.p, c->part_o.p, c->part_ml.p};
-        for (const void *q : ptrs) key = mix_key(key, (uint64_t) (uintptr_t) q);
-        for (uint32_t l = 0; l < c->layers; l++)
-            for (uint32_t k = 0; k < 2; k++) {
-                const kvs_region_t *r = kvs_pool_region(pool, l, k);
-                key = mix_key(key, (uint64_t) (uintptr_t) r->base);
-                key =
-                    mix_key(key, r->page_stride ^ (r->token_stride << 20) ^ (r->head_stride << 40));
-            }
+        const dbuf *bufs[] = {&c->meta, &c->x,      &c->h,      &c->qkv,     &c->att,
+                              &c->gu,   &c->logits, &c->part_o, &c->part_ml, &c->partial};
+        for (const dbuf *b : bufs) key = mix_key(key, b->allocs);
+        key = mix_key(key, c->pool_gen);
         key = mix_key(key, P);
         st = replay(c, key, enqueue);
     }
@@ -1043,11 +1275,9 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
                                                 (size_t) seqs[i].n * c->vocab * 4,
                                                 cudaMemcpyDeviceToHost, c->stream),
                                 "model(cuda): prompt logits");
-        if (st == KVS_OK)
-            st = KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): prompt logits");
+        if (st == KVS_OK) st = wait_stream(c, "prompt logits");
     }
-    kvs_status_t st2 =
-        KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): forward pass");
+    kvs_status_t st2 = wait_stream(c, "forward pass");
     if (st == KVS_OK) st = st2;
     if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): forward pass kernels");
     if (st == KVS_OK && c->profile && c->prof_n > 1) {

@@ -15,9 +15,18 @@
  * at most half of that bound on SmolLM2, a sixth on seeded shapes). Calls of one shape
  * (tokens, sequences, attention blocks, buffers and pool) replay a captured CUDA graph.
  *
- * Tensor parallelism on one GPU: ranks of a TP group on the same device (separate processes)
- * reduce the row-split partials through the caller's host all-reduce (copied out and back):
- * correct, and slow. */
+ * Tensor parallelism (kvs_model_use_group decides, every rank alike): ranks on pairwise distinct
+ * GPUs, in a build with NCCL, all-reduce the row-split partials (f32) in place on the device
+ * with ncclAllReduce on the model's stream and add them to the residual there, so TP calls
+ * replay CUDA graphs as TP1 calls do (the graph key holds only values equal on every rank: a
+ * graph with NCCL calls must be captured and launched by all ranks together). NCCL sums in its
+ * own order, not rank order: the logits are not bitwise the host path's (both stay within the
+ * tolerance above), but they are identical on every rank, as an all-reduce leaves every rank
+ * the same sum, which is what the engine needs (every rank samples the same token). The wait
+ * for a call's end is bounded by the group's deadline: a peer that is gone mid-call aborts the
+ * communicator and fails the call (KVS_ERR_TIMEOUT) instead of hanging. Ranks that share a GPU
+ * (or a build without NCCL) reduce through the caller's host all-reduce (copied out and back,
+ * rank order, the CPU's rule): correct, and slow; those calls are not graphed. */
 #ifndef KVSTAGE_MODEL_CUDA_H
 #define KVSTAGE_MODEL_CUDA_H
 
@@ -99,6 +108,22 @@ void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_
 kvs_status_t kvs__model_cuda_sample_rows(int device, const float *logits, uint32_t rows,
                                          uint32_t vocab, const kvs_sample_params_t *params,
                                          const double *draws, uint32_t *tokens);
+
+/* NCCL (kvs_model_use_group): the size of an ncclUniqueId, as the TP group carries it. */
+#define KVS_MODEL_NCCL_ID_BYTES 128
+/* 1 when this build has NCCL. */
+int kvs__model_cuda_have_nccl(void);
+/* The device's multiprocessor count, which sizes the attention split (the ranks agree on one). */
+uint32_t kvs__model_cuda_sms(const kvs_model_cuda_t *c);
+/* Rank 0: a fresh NCCL id. KVS_ERR_UNSUPPORTED without NCCL, KVS_ERR_IO when NCCL fails. */
+kvs_status_t kvs__model_cuda_nccl_id(uint8_t id[KVS_MODEL_NCCL_ID_BYTES]);
+/* Creates rank `rank` of `nranks`'s communicator from `id` on the model's device, checks it
+ * with one all-reduce of known values, and from then on reduces through it; `sms` (equal on
+ * every rank) replaces the device's count in the attention split, `timeout_ns` bounds every
+ * wait for device work that contains NCCL calls. KVS_ERR_IO with NCCL's reason. */
+kvs_status_t kvs__model_cuda_nccl_init(kvs_model_cuda_t *c, const uint8_t *id, uint32_t nranks,
+                                       uint32_t rank, uint32_t sms, uint64_t timeout_ns);
+
 /* Waits for the model's device work (for timing). */
 kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c);
 

@@ -113,6 +113,30 @@ void kvs__model_cuda_profile_read(const kvs_model_cuda_t *c, double *ms, uint64_
     for (int k = 0; k < KVS_CUDA_OPS; k++) ms[k] = 0;
     *calls = 0;
 }
+
+int kvs__model_cuda_have_nccl(void)
+{
+    return 0;
+}
+
+uint32_t kvs__model_cuda_sms(const kvs_model_cuda_t *c)
+{
+    (void) c;
+    return 0;
+}
+
+kvs_status_t kvs__model_cuda_nccl_id(uint8_t id[KVS_MODEL_NCCL_ID_BYTES])
+{
+    (void) id;
+    return KVS_ERR_UNSUPPORTED;
+}
+
+kvs_status_t kvs__model_cuda_nccl_init(kvs_model_cuda_t *c, const uint8_t *id, uint32_t nranks,
+                                       uint32_t rank, uint32_t sms, uint64_t timeout_ns)
+{
+    (void) c, (void) id, (void) nranks, (void) rank, (void) sms, (void) timeout_ns;
+    return KVS_ERR_UNSUPPORTED;
+}
 #else
 /* ISO C forbids an empty translation unit. */
 typedef int kvs__model_cuda_stub_unused_t;

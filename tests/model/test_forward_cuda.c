@@ -2,7 +2,8 @@
  * several shapes (head dims 64 and 128, GQA groups 1, 3 and 4, page sizes 1, 16 and 64, NHD
  * and HND pools), batches of sequences prefilled in chunks over cached prefixes and decoded,
  * a long context whose decode attention is split over the positions, prompt logits, two TP
- * ranks sharing the GPU, and SmolLM2 greedy for 32 tokens; and the weights a GGUF load decodes
+ * ranks sharing the GPU (the host path), two TP ranks on two GPUs (NCCL; only where there are
+ * two), and SmolLM2 greedy for 32 tokens; and the weights a GGUF load decodes
  * on the device, bit for bit the host's (every tensor type, TP column slices). The CUDA logits must
  * be within TOL_ABS + TOL_REL * (the CPU logits' largest magnitude) of the CPU's everywhere, and
  * pick the CPU's token wherever the CPU's top-2 gap exceeds twice that bound. GPU tests skip
@@ -13,6 +14,9 @@
 #include <pthread.h>
 #include <string.h>
 
+#include <unistd.h>
+
+#include "base/mem.h"
 #include "kvstage/pool.h"
 #include "kvstage/rng.h"
 #include "model/cuda/model_cuda.h"
@@ -21,7 +25,14 @@
 #include "model/model.h"
 #include "model/model_internal.h"
 #include "model/model_pool.h"
+#include "model/tpgroup.h"
 #include "staging/copy.h"
+
+#if KVS_HAVE_NCCL
+#define KVS_TEST_HAVE_NCCL 1
+#else
+#define KVS_TEST_HAVE_NCCL 0
+#endif
 
 /* The bound the CUDA forward pass is held to (bf16 weights and activations, f32 sums). */
 #define TOL_ABS 0.05
@@ -257,90 +268,127 @@ static void test_long_context(void **state)
     kvs_assert_no_leaks();
 }
 
-/* ---- two TP ranks on one GPU: threads, a test-local all-reduce in rank order ---- */
+/* ---- two TP ranks as threads over a real TP group: on one GPU (the host path) or on two
+ * (NCCL) ---- */
 
 typedef struct {
-    pthread_barrier_t barrier;
-    double *bufs[2];
-} tgroup_t;
-
-typedef struct {
-    tgroup_t *g;
     uint32_t rank;
+    const char *name;
+    kvs_tpgroup_t *group;
     kvs_model_t *model;
     kvs_pool_t *pool;
     const kvs_model_seq_t *seqs;
     float *logits;
+    kvs_model_reduce_t path;
     kvs_status_t st;
 } trank_t;
 
-static kvs_status_t thread_allreduce(void *arg, double *buf, size_t n)
+/* Joins the group and lets the model choose its path: collective, so both ranks at once. */
+static void *trank_setup(void *arg)
 {
     trank_t *r = arg;
-    r->g->bufs[r->rank] = buf;
-    pthread_barrier_wait(&r->g->barrier);
-    if (r->rank == 0)
-        for (size_t i = 0; i < n; i++) buf[i] += r->g->bufs[1][i];
-    pthread_barrier_wait(&r->g->barrier);
-    if (r->rank == 1) memcpy(buf, r->g->bufs[0], n * sizeof(double));
-    pthread_barrier_wait(&r->g->barrier);
-    return KVS_OK;
+    kvs_tpgroup_config_t gc = {.name = r->name,
+                               .size = 2,
+                               .rank = r->rank,
+                               .max_doubles = (size_t) 256 * 1024,
+                               .max_bytes = 4096,
+                               .timeout_ms = 60000};
+    r->st = kvs_tpgroup_join(&gc, &r->group);
+    if (r->st == KVS_OK) r->st = kvs_model_use_group(r->model, r->group, &r->path);
+    return NULL;
 }
 
 static void *trank_main(void *arg)
 {
     trank_t *r = arg;
-    r->st = kvs_model_forward(r->model, r->pool, r->seqs, 1, thread_allreduce, r, r->logits);
+    r->st = kvs_model_forward(r->model, r->pool, r->seqs, 1, kvs_tpgroup_allreduce_cb, r->group,
+                              r->logits);
     return NULL;
 }
 
-static void test_tp2_one_gpu(void **state)
+static void run_threads2(void *(*fn)(void *), trank_t *r)
 {
-    (void) state;
-    require_gpu();
+    pthread_t th[2];
+    for (uint32_t k = 0; k < 2; k++) assert_int_equal(pthread_create(&th[k], NULL, fn, &r[k]), 0);
+    for (uint32_t k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    for (uint32_t k = 0; k < 2; k++) assert_int_equal(r[k].st, KVS_OK);
+}
+
+/* TP2 with rank 1 on GPU gpu1: a 200-token prefill, then `decode` steps (a repeated shape, so
+ * the NCCL path replays graphs). Both ranks' logits are bitwise equal (one reduced sum) and
+ * close to the CPU's. */
+static void run_tp2(int gpu1, kvs_model_reduce_t want, uint32_t decode)
+{
     kvs_model_config_t c = shape(8, 2, 64);
     pair_t p;
     pair_seeded(&p, &c, 9, 16, 64, KVS_POOL_NHD);
     static seq_t s;
     seq_init(&s, p.hpool, p.dpool, 200, p.vocab, 2);
-    tgroup_t g;
-    assert_int_equal(pthread_barrier_init(&g.barrier, NULL, 2), 0);
+    char name[64];
+    snprintf(name, sizeof(name), "/kvs-fwd-cuda-test-%d-%d", (int) getpid(), gpu1);
     trank_t r[2];
-    float *lg[2];
     for (uint32_t k = 0; k < 2; k++) {
         memset(&r[k], 0, sizeof(r[k]));
-        r[k].g = &g;
         r[k].rank = k;
-        assert_int_equal(kvs_model_seeded_on(&c, 9, (kvs_tp_t){2, k}, 0, &r[k].model), KVS_OK);
+        r[k].name = name;
+        assert_int_equal(
+            kvs_model_seeded_on(&c, 9, (kvs_tp_t){2, k}, k == 0 ? 0 : gpu1, &r[k].model), KVS_OK);
         r[k].pool = make_pool(r[k].model, 16, 64, KVS_POOL_NHD);
         uint32_t pages[64];
         assert_int_equal(kvs_pool_alloc(r[k].pool, s.npages, pages), KVS_OK);
         assert_memory_equal(pages, s.pages, s.npages * sizeof(uint32_t));
-        lg[k] = r[k].logits = kvs_calloc(p.vocab, sizeof(float));
+        r[k].logits = kvs_calloc(p.vocab, sizeof(float));
+        assert_non_null(r[k].logits);
     }
-    for (uint32_t from = 0; from < 204; from = from < 200 ? 200 : from + 1) {
+    run_threads2(trank_setup, r);
+    for (uint32_t k = 0; k < 2; k++) {
+        assert_int_equal(r[k].path, want);
+        assert_int_equal(kvs_model_reduce_path(r[k].model), want);
+    }
+    for (uint32_t from = 0; from < 200 + decode; from = from < 200 ? 200 : from + 1) {
         const uint32_t n = from < 200 ? 200 : 1;
         kvs_model_seq_t q = part(&s, from, n);
         assert_int_equal(kvs_model_forward(p.cpu, p.hpool, &q, 1, NULL, NULL, p.lc), KVS_OK);
-        pthread_t th[2];
-        for (uint32_t k = 0; k < 2; k++) {
-            r[k].seqs = &q;
-            assert_int_equal(pthread_create(&th[k], NULL, trank_main, &r[k]), 0);
-        }
-        for (uint32_t k = 0; k < 2; k++) pthread_join(th[k], NULL);
-        for (uint32_t k = 0; k < 2; k++) assert_int_equal(r[k].st, KVS_OK);
+        for (uint32_t k = 0; k < 2; k++) r[k].seqs = &q;
+        run_threads2(trank_main, r);
         /* the ranks agree with each other exactly (one reduced sum) and with the CPU closely */
-        assert_memory_equal(lg[0], lg[1], p.vocab * sizeof(float));
-        compare_row(&p, p.lc, lg[0], "TP2 on one GPU", from);
+        assert_memory_equal(r[0].logits, r[1].logits, p.vocab * sizeof(float));
+        compare_row(&p, p.lc, r[0].logits,
+                    want == KVS_MODEL_REDUCE_NCCL ? "TP2 over NCCL" : "TP2 on one GPU", from);
     }
     for (uint32_t k = 0; k < 2; k++) {
-        kvs_free(lg[k]);
+        kvs_free(r[k].logits);
         kvs_pool_destroy(r[k].pool);
         kvs_model_destroy(r[k].model);
+        kvs_tpgroup_leave(r[k].group);
     }
-    pthread_barrier_destroy(&g.barrier);
     pair_free(&p);
     kvs_assert_no_leaks();
+}
+
+/* Two ranks sharing GPU 0 choose the host path (NCCL would refuse them) and reduce through the
+ * group in rank order. */
+static void test_tp2_one_gpu(void **state)
+{
+    (void) state;
+    require_gpu();
+    run_tp2(0, KVS_MODEL_REDUCE_HOST, 4);
+}
+
+/* Two ranks on GPUs 0 and 1 reduce through NCCL, with graphs replayed for the decode steps.
+ * Needs two GPUs and a build with NCCL: elsewhere it says so and passes without running (the
+ * one-GPU machine cannot run it; the two-GPU acceptance run does). */
+static void test_tp2_nccl(void **state)
+{
+    (void) state;
+    require_gpu();
+    if (kvs_mem_device_count() < 2 || !KVS_TEST_HAVE_NCCL) {
+        print_message("TP2 over NCCL needs two GPUs and a build with NCCL (%d GPU(s), NCCL %s): "
+                      "not run here\n",
+                      kvs_mem_device_count(), KVS_TEST_HAVE_NCCL ? "built" : "absent");
+        return;
+    }
+    run_tp2(1, KVS_MODEL_REDUCE_NCCL, 24);
 }
 
 /* Sampling parameters of case k: greedy, then temperatures with top-k, min-p and top-p alone
@@ -777,11 +825,11 @@ int main(int argc, char **argv)
 {
     if (argc > 1) cmocka_set_test_filter(argv[1]);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_refusals),         cmocka_unit_test(test_shapes),
-        cmocka_unit_test(test_long_context),     cmocka_unit_test(test_tp2_one_gpu),
-        cmocka_unit_test(test_smollm2),          cmocka_unit_test(test_dequant_types),
-        cmocka_unit_test(test_dequant_smollm2),  cmocka_unit_test(test_sampler),
-        cmocka_unit_test(test_forward_sampling),
+        cmocka_unit_test(test_refusals),      cmocka_unit_test(test_shapes),
+        cmocka_unit_test(test_long_context),  cmocka_unit_test(test_tp2_one_gpu),
+        cmocka_unit_test(test_tp2_nccl),      cmocka_unit_test(test_smollm2),
+        cmocka_unit_test(test_dequant_types), cmocka_unit_test(test_dequant_smollm2),
+        cmocka_unit_test(test_sampler),       cmocka_unit_test(test_forward_sampling),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

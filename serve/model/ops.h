@@ -6,7 +6,10 @@
  * device instead (bf16, fused projections, one stream), and is held to tolerances against this
  * reference rather than to these bitwise rules: its logits within 0.05 + 3% of the largest CPU
  * logit's magnitude, and the CPU's token wherever the CPU's top-2 gap exceeds twice that
- * (tests/model/test_forward_cuda.c). */
+ * (tests/model/test_forward_cuda.c). TP ranks on distinct GPUs that reduce through NCCL
+ * (kvs_model_use_group) are held to the same bound: NCCL sums f32 partials in its own order, so
+ * their logits are not bitwise those of the host TP group's rank-order double sum, but every
+ * rank gets the identical sum, hence identical logits. */
 #ifndef KVSTAGE_MODEL_OPS_H
 #define KVSTAGE_MODEL_OPS_H
 

@@ -105,7 +105,11 @@ static void add_llm_rank_model_flags(kvs_arg_table_t *t, llm_rank_opts_t *o)
         {"model-seed", KVS_ARG_U64, &c->model_seed, "seed of the seeded weights", NULL, NULL},
         {"device", KVS_ARG_CHOICE, &o->device, "where the model and its KV pool live", "cpu|cuda",
          NULL},
-        {"gpu", KVS_ARG_U32, &o->gpu, "with --device cuda: this rank's GPU (0)", "[0,1024]", NULL},
+        {"gpu", KVS_ARG_U32, &o->gpu,
+         "with --device cuda: this rank's GPU (0); a group's ranks on pairwise distinct "
+         "GPUs all-reduce through NCCL when kvstage is built with it, else through the "
+         "host TP group",
+         "[0,1024]", NULL},
         {"kv-dtype", KVS_ARG_CHOICE, &o->kv_dtype, "K/V elements on the CPU (a GPU keeps bf16)",
          "f32|bf16", NULL},
     };
@@ -1090,10 +1094,13 @@ static void add_instance_flags(kvs_arg_table_t *t, gen_t *g)
          KVS_ARGS_TP, &g->tp_seen},
         {"device", KVS_ARG_CHOICE, &g->device,
          "where the model runs: cpu (f32 KV) or cuda (bf16 KV; TP ranks sharing a GPU reduce "
-         "through the host: correct, slow)",
+         "through the host: correct, slow; on distinct GPUs through NCCL when built with it)",
          "cpu|cuda", NULL},
         {"gpus", KVS_ARG_STR, &g->gpus,
-         "with --device cuda: the prefill (or colocated) and decode instances' GPUs (0 or 0,0)",
+         "with --device cuda: the prefill (or colocated) and decode instances' GPUs (0 or 0,0), "
+         "all of an instance's ranks on its GPU; ranks sharing a GPU reduce through the host TP "
+         "group (correct, slow), ranks on distinct GPUs (llm-rank --gpu) through NCCL when kvstage "
+         "is built with it",
          KVS_ARGS_GPUS_ACCEPTED, NULL},
         {"kv-dtype", KVS_ARG_CHOICE, &g->kv_dtype,
          "K/V elements: f32 (the CPU's default) or bf16 (what a GPU keeps)", "f32|bf16",

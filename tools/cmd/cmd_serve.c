@@ -316,7 +316,10 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "where the model runs: cpu (f32 KV) or cuda (bf16 KV; both servers of a pair must "
          "agree; TP ranks share the GPU and reduce through the host: correct, slow)",
          "cpu|cuda", NULL},
-        {"gpus", KVS_ARG_U32, &f->gpus, "with --device cuda: the GPU of this instance's ranks (0)",
+        {"gpus", KVS_ARG_U32, &f->gpus,
+         "with --device cuda: the GPU of all this instance's ranks (0); ranks sharing a GPU reduce "
+         "through the host TP group (correct, slow), ranks on distinct GPUs (llm-rank --gpu) "
+         "through NCCL when kvstage is built with it",
          "[0,1024]", &f->gpus_seen},
         {"kv-dtype", KVS_ARG_CHOICE, &f->kv_dtype,
          "K/V elements: f32 (the CPU's default) or bf16 (a GPU's only one; a CPU server pairs "

@@ -229,7 +229,10 @@ int kvs_cmd_serve_demo(int argc, char **argv)
          "[1,86400]", NULL},
         {"device", KVS_ARG_CHOICE, &f.device, "where the servers run the model", "cpu|cuda", NULL},
         {"gpus", KVS_ARG_STR, &f.gpus,
-         "with --device cuda: the prefill servers' and the decode server's GPUs (0)",
+         "with --device cuda: the prefill servers' and the decode server's GPUs (0), all of a "
+         "server's ranks on its GPU; ranks sharing a GPU reduce through the host TP group "
+         "(correct, slow), ranks on distinct GPUs (llm-rank --gpu) through NCCL when kvstage is "
+         "built with it",
          KVS_ARGS_GPUS_ACCEPTED, NULL},
     };
     const size_t nargs = sizeof(args) / sizeof(args[0]);

@@ -853,7 +853,11 @@ extern "C" kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
 
 extern "C" int kvs__model_cuda_have_nccl(void)
 {
-    return KVS_HAVE_NCCL + 0;
+#if KVS_HAVE_NCCL
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 extern "C" uint32_t kvs__model_cuda_sms(const kvs_model_cuda_t *c)

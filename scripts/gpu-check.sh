@@ -239,7 +239,8 @@ stop_all() {
 http_post() {
     local code
     if command -v curl >/dev/null 2>&1; then
-        code=$(curl -sS -N --max-time 300 -o "$3" -w '%{http_code}' \
+        # the system's curl with the system's libraries, not the carried dependencies'
+        code=$(env -u LD_LIBRARY_PATH curl -sS -N --max-time 300 -o "$3" -w '%{http_code}' \
             -H 'Content-Type: application/json' -d "$2" "$1") || code="no answer (curl failed)"
     elif command -v python3 >/dev/null 2>&1; then
         code=$(python3 - "$1" "$2" "$3" <<'PY'

@@ -1,6 +1,10 @@
 /* Token sampling on the device (sample.cuh). */
 #include "model/cuda/sample.cuh"
 
+extern "C" {
+#include "base/cuda_util.h"
+}
+
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <math.h>
@@ -212,9 +216,12 @@ kvs_status_t sample_launch(const float *logits, uint32_t vocab, const sample_row
                            uint32_t nrows, void *scratch, uint32_t *tokens, cudaStream_t stream)
 {
     if (nrows == 0) return KVS_OK;
+    /* A runtime call that failed earlier in this thread (and was answered there) leaves its
+     * error as the last one; clear it so that the check below sees this launch's alone. */
+    (void) cudaGetLastError();
     sample_kernel<<<nrows, THREADS, 0, stream>>>(logits, vocab, rows,
                                                  (unsigned long long *) scratch, tokens);
-    return cudaGetLastError() == cudaSuccess ? KVS_OK : KVS_ERR_IO;
+    return KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): sampling %u rows", nrows);
 }
 
 } // namespace kvs_cuda

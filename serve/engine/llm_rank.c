@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sys/select.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,6 +319,22 @@ static void handle_line(io_t *io, char *line)
     }
 }
 
+/* An idle step's sleep of up to `us`; rank 0 wakes as soon as its input pipe has something (a
+ * request waiting for the end of a back-off sleep counted in its time to first token). */
+static void idle_wait(const io_t *io, int rank0, long us)
+{
+    const int fd = io->cfg->in_fd;
+    if (!rank0 || io->eof || fd < 0 || fd >= FD_SETSIZE) {
+        sleep_us(us);
+        return;
+    }
+    fd_set in;
+    FD_ZERO(&in);
+    FD_SET(fd, &in);
+    const struct timespec ts = {0, us * 1000};
+    (void) pselect(fd + 1, &in, NULL, NULL, &ts, NULL);
+}
+
 /* Takes whatever the pipe holds now, without waiting. */
 static void read_input(io_t *io)
 {
@@ -604,7 +621,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
             last_work = kvs_now_ns();
             idle_us = IDLE_SLEEP_US;
         } else {
-            sleep_us(idle_us);
+            idle_wait(&io, c.rank == 0, idle_us);
             const long cap = kvs_llm_live(llm) > 0 ? LIVE_SLEEP_MAX : IDLE_SLEEP_MAX;
             if (kvs_now_ns() - last_work > HOT_NS && idle_us < cap)
                 idle_us = idle_us * 2 < cap ? idle_us * 2 : cap;

@@ -7,8 +7,9 @@
  * projections' 2 x tokens x weights plus causal attention's 4 x layers x heads x head_dim x
  * N (N + 1) / 2, and MFU is their rate over the GEMM ceiling. Decode rows: B sequences of C
  * cached positions each, one token each per call; a call reads every weight once and each
- * sequence's K and V, and the roofline is those bytes at the copy rate. Medians of the timed
- * calls after one warm-up. */
+ * sequence's K and V, and the roofline is those bytes at the copy rate. Every call samples its
+ * sequences' next tokens greedily on the device, as the engine does for a greedy request. Medians
+ * of the timed calls after one warm-up. */
 #include "bench/bench_engine.h"
 
 #include <stdio.h>
@@ -97,13 +98,18 @@ static void rig_close(rig_t *r)
 static uint64_t time_calls(rig_t *r, uint32_t first, uint32_t nseq, uint32_t n, uint32_t pos0,
                            int reps)
 {
+    /* Greedy on the device, as the engine samples a greedy request: only tokens come back. */
+    static const kvs_sample_params_t greedy = {.top_p = 1.0f};
     kvs_model_seq_t seqs[MAX_BATCH];
+    uint32_t tok[MAX_BATCH];
     for (uint32_t i = 0; i < nseq; i++)
         seqs[i] = (kvs_model_seq_t){.tokens = r->tokens + pos0,
                                     .n = n,
                                     .pos0 = pos0,
                                     .pages = r->pages + (size_t) (first + i) * r->per,
-                                    .npages = r->per};
+                                    .npages = r->per,
+                                    .sample = &greedy,
+                                    .token = &tok[i]};
     uint64_t t[16];
     for (int k = 0; k <= reps; k++) {
         const uint64_t t0 = kvs_now_ns();

@@ -13,6 +13,7 @@
 #include "base/bytes.h"
 #include "kvstage/net.h"
 
+#include "base/mem.h"
 #include "kvstage/cuda_ipc.h"
 
 #include <stdio.h>
@@ -60,6 +61,7 @@ typedef struct {
     uint64_t ipc_ticket;
     kvs_status_t status; /* KVS_INPROGRESS until the outcome is known */
     const void *src;     /* [len] caller-owned until the outcome is collected */
+    void *bounce;        /* a device pool writing a host ring: the staged bytes copied to host */
     uint64_t offset, len;
     kvs_ucx_put_t *put;
     uint64_t deadline;    /* wiring: give up then */
@@ -147,6 +149,12 @@ static void start_put(net_t *n, nwrite_t *w)
     if (p->ipc_ready) {
         st = n->ipc->ops->write(n->ipc->ctx, w->peer, w->offset, w->src, w->len, &w->ipc_ticket);
         w->via_ipc = st == KVS_OK;
+    } else if (n->cfg.mem == KVS_MEM_DEVICE) {
+        /* A GPU pool writing a host ring: UCX here moves host memory only, so the staged
+         * bytes go through a host copy first (correct, and slower than a GPU-to-GPU pair). */
+        w->bounce = kvs_malloc(w->len);
+        st = w->bounce != NULL ? kvs_mem_copy(w->bounce, w->src, w->len) : KVS_ERR_NOMEM;
+        if (st == KVS_OK) st = kvs_ucx_put_start(p->remote, w->offset, w->bounce, w->len, &w->put);
     } else {
         st = kvs_ucx_put_start(p->remote, w->offset, w->src, w->len, &w->put);
     }
@@ -222,6 +230,25 @@ static uint32_t advance_write(net_t *n, nwrite_t *w, uint64_t now)
 
 /* ---- wireup ---- */
 
+/* A prefill rank with a host pool facing a decode ring on GPU `device` of this host: the CUDA
+ * IPC data plane that writes such rings, on that GPU (its copies read host memory). */
+static kvs_status_t open_host_ipc(net_t *n, uint32_t device)
+{
+    kvs_cuda_ipc_config_t ic = {.side = KVS_SIDE_PREFILL,
+                                .rank = n->cfg.rank,
+                                .peer_tp = n->cfg.max_instances * n->cfg.peer_tp,
+                                .device = (int) device};
+    kvs_status_t st = kvs_cuda_ipc_link_create(&ic, &n->ipc);
+    if (st == KVS_OK)
+        kvs_info("net link: prefill rank %u (host pool) writes GPU %u's rings through CUDA copies",
+                 n->cfg.rank, device);
+    else
+        kvs_error("net link: prefill rank %u has its pool in host memory and cannot open CUDA "
+                  "IPC to write a decode ring on GPU %u: %s",
+                  n->cfg.rank, device, kvs_status_str(st));
+    return st;
+}
+
 static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
 {
     if (n->cfg.side != KVS_SIDE_PREFILL || f->len < WIREUP_FIXED) goto reject;
@@ -248,17 +275,15 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
                 "the decode rank announced a new ring");
     kvs_ucx_remote_t *rm = NULL;
     kvs_status_t st;
-    if (ipc != (n->ipc != NULL)) {
-        /* UCX here moves host memory only, and a GPU ring needs a GPU writer. */
-        kvs_error("net link: prefill rank %u has its pool in %s memory, decode rank %u in %s "
-                  "memory: both sides need the same kind",
-                  n->cfg.rank, n->ipc ? "device" : "host", f->from, ipc ? "device" : "host");
-        st = KVS_ERR_INCOMPATIBLE;
-    } else if (ipc) {
+    if (ipc) {
+        /* A GPU ring on this host. A host pool writes it by CUDA copies from its host staging
+         * buffers, through a CUDA IPC data plane opened at the first such ring. */
         kvs_cuda_ipc_handle_t h;
         memcpy(h.bytes, b + WIREUP_FIXED, sizeof(h.bytes));
-        st = kvs_cuda_ipc_import(n->ipc, f->from, &h);
+        st = n->ipc != NULL ? KVS_OK : open_host_ipc(n, kvs_get_u32(h.bytes + 20));
+        if (st == KVS_OK) st = kvs_cuda_ipc_import(n->ipc, f->from, &h);
     } else {
+        /* A host ring: UCX puts (a GPU pool's writes go through a host copy, start_put). */
         st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len, b + WIREUP_FIXED + addr_len,
                                    rkey_len, base, size, &rm);
     }
@@ -559,6 +584,7 @@ static kvs_status_t net_write_poll(void *ctx, uint64_t ticket)
     kvs_status_t st = w->status;
     kvs_map_remove(&n->writes, ticket);
     kvs_ucx_put_release(w->put);
+    kvs_free(w->bounce);
     kvs_free(w);
     return st;
 }
@@ -714,6 +740,7 @@ static void net_destroy(void *ctx)
     for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);) {
         nwrite_t *w = v;
         kvs_ucx_put_release(w->put);
+        kvs_free(w->bounce);
         kvs_free(w);
     }
     kvs_map_fini(&n->writes);

@@ -23,20 +23,8 @@ __device__ void prepare_row(const gemv_args_t &a, __nv_bfloat16 *xs, float *part
         for (uint32_t i = threadIdx.x; i < in / 8; i += THREADS)
             reinterpret_cast<uint4 *>(xs)[i] = src[i];
     } else {
-        /* rmsnorm_kernel's arithmetic, step for step (256 threads) */
         const float *xr = reinterpret_cast<const float *>(a.x) + (size_t) (a.row ? *a.row : 0) * in;
-        float ss = 0.0f;
-        for (uint32_t i = threadIdx.x; i < in; i += THREADS) ss += xr[i] * xr[i];
-        for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            ss = threadIdx.x < WARPS ? part[threadIdx.x] : 0.0f;
-            for (int o = 4; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if (threadIdx.x == 0) part[0] = ss;
-        }
-        __syncthreads();
-        const float inv = rsqrtf(part[0] / (float) in + a.eps);
+        const float inv = rms_scale(xr, in, a.eps, part); /* as the RMSNorm kernel */
         for (uint32_t i = threadIdx.x; i < in; i += THREADS)
             xs[i] = __float2bfloat16(xr[i] * inv * a.norm_w[i]);
     }
@@ -124,8 +112,7 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const gemv_args_t a)
             /* the SwiGLU kernel's arithmetic on the bf16-rounded gate and up */
             const float g = __bfloat162float(__float2bfloat16(acc[0]));
             const float u = __bfloat162float(__float2bfloat16(acc[1]));
-            reinterpret_cast<__nv_bfloat16 *>(a.y)[row] =
-                __float2bfloat16(g / (1.0f + expf(-g)) * u);
+            reinterpret_cast<__nv_bfloat16 *>(a.y)[row] = __float2bfloat16(swiglu(g, u));
         } else if (!a.y_f32) {
             reinterpret_cast<__nv_bfloat16 *>(a.y)[row] = __float2bfloat16(acc[0]);
         } else if (a.accumulate) {

@@ -34,6 +34,7 @@ extern "C" {
 using kvs_cuda::attn_args_t;
 using kvs_cuda::attn_combine_t;
 using kvs_cuda::attn_work_t;
+using kvs_cuda::sample_row;
 using kvs_cuda::sample_row_t;
 typedef __nv_bfloat16 bf16;
 
@@ -91,7 +92,7 @@ struct kvs_model_cuda {
     void *hmeta; /* pinned host twin of meta */
     size_t hmeta_bytes;
     float *hpart; /* pinned [tokens][dim] for the host all-reduce */
-    size_t hpart_floats;
+    size_t hpart_bytes;
     double *hdbl;
     size_t hdbl_count;
     void *blas_ws; /* cuBLAS's workspace, set so that its calls can be captured */
@@ -135,6 +136,20 @@ kvs_status_t grow(dbuf *b, size_t bytes, const char *what)
     kvs_status_t st =
         KVS_CUDA_CHECK(cudaMalloc(&b->p, want), "model(cuda): %zu bytes of %s", want, what);
     if (st == KVS_OK) b->bytes = want;
+    return st;
+}
+
+/* A growable pinned host buffer: when it holds fewer than need bytes, it is replaced by one of
+ * alloc (>= need) bytes. */
+kvs_status_t grow_pinned(void **p, size_t *cap, size_t need, size_t alloc, const char *what)
+{
+    if (*cap >= need) return KVS_OK;
+    if (*p != NULL) cudaFreeHost(*p);
+    *p = NULL;
+    *cap = 0;
+    kvs_status_t st = KVS_CUDA_CHECK(cudaMallocHost(p, alloc),
+                                     "model(cuda): %zu pinned bytes of %s", alloc, what);
+    if (st == KVS_OK) *cap = alloc;
     return st;
 }
 
@@ -190,18 +205,7 @@ __global__ void __launch_bounds__(256)
     __shared__ float part[8];
     const uint32_t r = blockIdx.x, src = rows != NULL ? rows[r] : r;
     const float *xr = x + (size_t) src * dim;
-    float ss = 0.0f;
-    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        ss = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
-        for (int o = 4; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (threadIdx.x == 0) part[0] = ss;
-    }
-    __syncthreads();
-    const float inv = rsqrtf(part[0] / (float) dim + eps);
+    const float inv = rms_scale(xr, dim, eps, part);
     for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
         y[(size_t) r * dim + i] = __float2bfloat16(xr[i] * inv * w[i]);
 }
@@ -258,7 +262,7 @@ __global__ void silu_mul_kernel(bf16 *gu, uint32_t f, uint32_t n)
         const uint64_t t = i / f, j = i % f;
         bf16 *row = gu + t * 2 * f;
         const float g = __bfloat162float(row[j]), u = __bfloat162float(row[f + j]);
-        row[j] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+        row[j] = __float2bfloat16(swiglu(g, u));
     }
 }
 
@@ -388,15 +392,8 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
     if (st != KVS_OK || nsamp == 0) return st;
     const size_t rows_b = align16((size_t) nsamp * sizeof(sample_row_t));
     const size_t bytes = rows_b + (size_t) nsamp * sizeof(uint32_t);
-    if (c->hsamp_bytes < bytes) {
-        if (c->hsamp != NULL) cudaFreeHost(c->hsamp);
-        c->hsamp = NULL;
-        c->hsamp_bytes = 0;
-        st = KVS_CUDA_CHECK(cudaMallocHost(&c->hsamp, bytes), "model(cuda): pinned sampling rows");
-        if (st != KVS_OK) return st;
-        c->hsamp_bytes = bytes;
-    }
-    if ((st = grow(&c->samp, bytes, "sampling rows")) != KVS_OK ||
+    if ((st = grow_pinned(&c->hsamp, &c->hsamp_bytes, bytes, bytes, "sampling rows")) != KVS_OK ||
+        (st = grow(&c->samp, bytes, "sampling rows")) != KVS_OK ||
         (hot > 0 && (st = grow(&c->samp_scratch, sample_scratch_bytes(nsamp, c->vocab),
                                "sampling scratch")) != KVS_OK))
         return st;
@@ -404,7 +401,7 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
     for (uint32_t i = 0, k = 0; i < nseq; i++) {
         const kvs_sample_params_t *p = seqs[i].sample;
         if (p == NULL) continue;
-        rows[k++] = sample_row_t{i, p->top_k, p->temperature, p->top_p, p->min_p, seqs[i].draw};
+        rows[k++] = sample_row(i, *p, seqs[i].draw);
     }
     uint8_t *d = (uint8_t *) c->samp.p;
     uint32_t *htok = (uint32_t *) ((uint8_t *) c->hsamp + rows_b);
@@ -427,16 +424,9 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
 kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn reduce, void *arg)
 {
     const size_t count = (size_t) n * c->dim;
-    kvs_status_t st = KVS_OK;
-    if (c->hpart_floats < count) {
-        cudaFreeHost(c->hpart);
-        c->hpart = NULL;
-        c->hpart_floats = 0;
-        st = KVS_CUDA_CHECK(cudaMallocHost((void **) &c->hpart, count * sizeof(float)),
-                            "model(cuda): pinned all-reduce buffer");
-        if (st != KVS_OK) return st;
-        c->hpart_floats = count;
-    }
+    kvs_status_t st = grow_pinned((void **) &c->hpart, &c->hpart_bytes, count * sizeof(float),
+                                  count * sizeof(float), "the host all-reduce");
+    if (st != KVS_OK) return st;
     if (c->hdbl_count < count) {
         kvs_free(c->hdbl);
         c->hdbl = (double *) kvs_malloc(count * sizeof(double));
@@ -771,9 +761,7 @@ extern "C" kvs_status_t kvs__model_cuda_sample_rows(int device, const float *log
     sample_row_t *h = (sample_row_t *) kvs_calloc(rows, sizeof(sample_row_t));
     void *d = NULL, *scratch = NULL;
     if (h == NULL) return KVS_ERR_NOMEM;
-    for (uint32_t i = 0; i < rows; i++)
-        h[i] = sample_row_t{
-            i, params[i].top_k, params[i].temperature, params[i].top_p, params[i].min_p, draws[i]};
+    for (uint32_t i = 0; i < rows; i++) h[i] = sample_row(i, params[i], draws[i]);
     st = KVS_CUDA_CHECK(cudaMalloc(&d, lb + rb + (size_t) rows * 4), "model(cuda): sampling test");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc(&scratch, sample_scratch_bytes(rows, vocab)),
@@ -1036,16 +1024,8 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
     mt.last = align16(mt.tok_pages + (size_t) n * 4);
     mt.pages = align16(mt.last + (size_t) nseq * 4);
     mt.bytes = align16(mt.pages + (size_t) npages * 4);
-    if (c->hmeta_bytes < mt.bytes) {
-        if (c->hmeta != NULL) cudaFreeHost(c->hmeta);
-        if (c->hsamp != NULL) cudaFreeHost(c->hsamp);
-        c->hmeta = NULL;
-        c->hmeta_bytes = 0;
-        st =
-            KVS_CUDA_CHECK(cudaMallocHost(&c->hmeta, mt.bytes * 2), "model(cuda): pinned metadata");
-        if (st != KVS_OK) return st;
-        c->hmeta_bytes = mt.bytes * 2;
-    }
+    st = grow_pinned(&c->hmeta, &c->hmeta_bytes, mt.bytes, mt.bytes * 2, "metadata");
+    if (st != KVS_OK) return st;
     /* the previous call's copy out of hmeta is done: every call ends with a synchronize */
     uint8_t *hm = (uint8_t *) c->hmeta;
     uint32_t *tok = (uint32_t *) (hm + mt.tok), *pos = (uint32_t *) (hm + mt.pos);

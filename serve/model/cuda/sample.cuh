@@ -17,6 +17,7 @@
 
 extern "C" {
 #include "kvstage/status.h"
+#include "model/model.h"
 }
 
 namespace kvs_cuda
@@ -28,6 +29,12 @@ struct sample_row_t {
     float temperature, top_p, min_p;
     double draw; /* uniform [0, 1) */
 };
+
+/* Row `row` sampled by params with the draw given. */
+inline sample_row_t sample_row(uint32_t row, const kvs_sample_params_t &p, double draw)
+{
+    return sample_row_t{row, p.top_k, p.temperature, p.top_p, p.min_p, draw};
+}
 
 /* Bytes of device scratch the sampling of `rows` rows of `vocab` logits needs. */
 size_t sample_scratch_bytes(uint32_t rows, uint32_t vocab);

@@ -37,6 +37,9 @@ typedef struct {
 
 kvs_status_t kvs_cuda_ipc_link_create(const kvs_cuda_ipc_config_t *config, kvs_link_t **link_p);
 
+/* The GPU (the exporter's device number) a handle's ring is on. */
+uint32_t kvs_cuda_ipc_handle_device(const kvs_cuda_ipc_handle_t *handle);
+
 /* Decode: the handle of the ring this link exposed (the receiver exposes it when it is
  * created). The ring must be the start of a device allocation on the link's device, as
  * kvs_receiver_create makes it. KVS_ERR_STATE before expose. */

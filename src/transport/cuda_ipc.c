@@ -14,18 +14,23 @@
 #include "kvstage/log.h"
 #include "transport/link.h"
 
-#if KVS_HAVE_CUDA
-#include "base/cuda_util.h"
-
-#define IPC_MAGIC   0x5049564bu /* "KVIP" little-endian */
-#define IPC_VERSION 1u
-
 /* Handle layout: [0,4) magic, [4,8) version, [8,16) ring size, [16,20) exporter pid,
  * [20,24) exporter device, [24,32) zero, [32,96) cudaIpcMemHandle_t. */
 #define OFF_SIZE   8
 #define OFF_PID    16
 #define OFF_DEVICE 20
 #define OFF_CUDA   32
+
+uint32_t kvs_cuda_ipc_handle_device(const kvs_cuda_ipc_handle_t *handle)
+{
+    return kvs_get_u32(handle->bytes + OFF_DEVICE);
+}
+
+#if KVS_HAVE_CUDA
+#include "base/cuda_util.h"
+
+#define IPC_MAGIC   0x5049564bu /* "KVIP" little-endian */
+#define IPC_VERSION 1u
 
 typedef char
     ipc_handle_fits[sizeof(cudaIpcMemHandle_t) <= KVS_CUDA_IPC_HANDLE_BYTES - OFF_CUDA ? 1 : -1];

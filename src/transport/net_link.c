@@ -280,7 +280,7 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
          * buffers, through a CUDA IPC data plane opened at the first such ring. */
         kvs_cuda_ipc_handle_t h;
         memcpy(h.bytes, b + WIREUP_FIXED, sizeof(h.bytes));
-        st = n->ipc != NULL ? KVS_OK : open_host_ipc(n, kvs_get_u32(h.bytes + 20));
+        st = n->ipc != NULL ? KVS_OK : open_host_ipc(n, kvs_cuda_ipc_handle_device(&h));
         if (st == KVS_OK) st = kvs_cuda_ipc_import(n->ipc, f->from, &h);
     } else {
         /* A host ring: UCX puts (a GPU pool's writes go through a host copy, start_put). */

@@ -929,6 +929,8 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
         r->generated = 1;
         r->computed = r->req.prompt_len;
         r->ev.kv_ready_ns = r->ev.first_token_ns = kvs_now_ns();
+        kvs_trace("%.3f ms decode rank %u: room %llu: the KV is here on every rank",
+                  (double) r->ev.kv_ready_ns / 1e6, e->rank, (unsigned long long) r->req.room);
         emit_token(e, r, first, r->req.logprobs && r->has_first_lp ? &r->first_lp : NULL);
         release_siblings(e, r);
         if (first == r->req.eos || r->req.max_new_tokens == 1) {
@@ -1263,6 +1265,19 @@ static void report_prompt(kvs_llm_t *e, rq_t *r, const kvs_model_seq_t *s)
     }
 }
 
+/* While a pass runs on the device (kvs_model_set_wait): the KV handoff goes on, so a chunk
+ * computed by the previous pass is written while this one computes, and the grants and chunks
+ * that arrive meanwhile are taken at once. It touches no request in the pass: the sender only
+ * reads pages at rest, the receiver writes only the pages of requests waiting for their KV. */
+static void move_kv(void *arg)
+{
+    kvs_llm_t *e = arg;
+    if (e->cfg.sender != NULL) (void) kvs_sender_progress(e->cfg.sender);
+    if (e->cfg.receiver != NULL) (void) kvs_receiver_progress(e->cfg.receiver);
+    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
+        (void) e->cfg.receivers.progress(e->cfg.receivers.ctx);
+}
+
 static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
 {
     uint32_t nseq = 0, budget = e->cfg.batch_tokens, lp_rows = PROMPT_LP_ROWS;
@@ -1284,7 +1299,8 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
                                    .n = n,
                                    .pos0 = r->computed,
                                    .pages = r->pages,
-                                   .npages = r->npages};
+                                   .npages = r->npages,
+                                   .no_logits = r->computed + n < r->ntokens};
             if (r->computed + n == r->ntokens) sample_on_device(e, r, s, nseq, r->generated);
         } else if (r->state == RQ_DECODE) {
             *s = (kvs_model_seq_t){.tokens = r->tokens + r->ntokens - 1,
@@ -1300,16 +1316,25 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
     }
     if (nseq == 0) return KVS_OK;
     if (e->rank == 0 && !want_all_logits(e, nseq)) return KVS_ERR_NOMEM;
+    int advanced = 0;
     for (uint32_t j = 0; j < nseq; j++) {
         rq_t *r = e->seq_rq[j];
-        if (r->state == RQ_PREFILL && e->cfg.role == KVS_LLM_PREFILL)
+        if (r->state == RQ_PREFILL && e->cfg.role == KVS_LLM_PREFILL) {
             (void) kvs_sender_advance(e->cfg.sender, r->req.room, r->computed,
                                       r->computed + e->seqs[j].n);
+            advanced = 1;
+        }
     }
+    /* The slots of the chunks this pass computes are asked for now, so their grants come back
+     * during the pass and the last chunk's write starts as soon as it ends (asked after the
+     * pass, the grant's round trip was part of every prompt's time to first token). */
+    if (advanced) *work += kvs_sender_progress(e->cfg.sender);
     uint64_t t0 = kvs_now_ns();
+    if (e->cfg.role != KVS_LLM_COLOCATED) kvs_model_set_wait(e->cfg.model, move_kv, e);
     kvs_status_t st =
         kvs_model_forward(e->cfg.model, e->cfg.pool, e->seqs, nseq,
                           e->cfg.group ? kvs_tpgroup_allreduce_cb : NULL, e->cfg.group, e->logits);
+    kvs_model_set_wait(e->cfg.model, NULL, NULL);
     e->st.forward_ns += kvs_now_ns() - t0;
     e->st.forward_passes++;
     if (st != KVS_OK) {

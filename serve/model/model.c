@@ -382,6 +382,11 @@ int kvs_model_device(const kvs_model_t *m)
     return m->device;
 }
 
+void kvs_model_set_wait(kvs_model_t *m, kvs_model_wait_fn fn, void *arg)
+{
+    if (m->cuda != NULL) kvs__model_cuda_set_wait(m->cuda, fn, arg);
+}
+
 kvs_status_t kvs_model_set_kv_bytes(kvs_model_t *m, uint32_t kv_bytes)
 {
     if (kv_bytes != 2 && kv_bytes != sizeof(float)) {

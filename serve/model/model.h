@@ -145,6 +145,9 @@ typedef struct {
     const struct kvs_sample_params *sample;
     double draw;
     uint32_t *token;
+    /* 1: the caller has no use for this sequence's row of logits (a prompt chunk before the
+     * last); a model on a device then leaves it unwritten and does not wait to copy it. */
+    uint8_t no_logits;
 } kvs_model_seq_t;
 
 /* Runs the model over every new token of every sequence: writes their K and V into the pool
@@ -160,6 +163,14 @@ typedef struct {
 kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_model_seq_t *seqs,
                                uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
                                float *logits);
+
+/* While a forward pass on a device waits for its last kernels, fn(arg) is called over and over
+ * (the engine moves KV meanwhile: it takes grants and starts the writes of chunks at rest, or
+ * takes the chunks that arrive), so the host is not idle for the whole pass. fn must not call
+ * the model. NULL fn: a plain wait. A CPU model never calls it: its pass runs on the calling
+ * thread. */
+typedef void (*kvs_model_wait_fn)(void *arg);
+void kvs_model_set_wait(kvs_model_t *model, kvs_model_wait_fn fn, void *arg);
 
 /* Sampling ranges, shared by the engine's checks and the HTTP API's messages. */
 #define KVS_SAMPLE_PENALTY_MAX 2.0f   /* |presence|, |frequency| <= it; repetition in (0, it] */

@@ -25,6 +25,23 @@ void kvs_pd_timeouts_fill(kvs_pd_timeouts_t *t, const kvs_pd_timeouts_t *d)
     if (!t->release_timeout_ns) t->release_timeout_ns = d->release_timeout_ns;
 }
 
+/* The room a message names (every room message starts with it), for the trace. */
+static void trace_msg(const char *what, uint32_t peer, const kvs_msg_t *m)
+{
+    if (!kvs_log_enabled(KVS_LOG_TRACE)) return;
+    int roomed = m->type <= KVS_MSG_ACK || m->type == KVS_MSG_STAGING_QUEUED;
+    uint32_t chunk = m->type == KVS_MSG_STAGING_REQ     ? m->u.staging_req.chunk
+                     : m->type == KVS_MSG_STAGING_GRANT ? m->u.staging_grant.chunk
+                     : m->type == KVS_MSG_CHUNK_READY   ? m->u.chunk_ready.chunk
+                     : m->type == KVS_MSG_ACK           ? m->u.ack.chunk
+                                                        : 0;
+    if (roomed)
+        KVS_PD_TRACE("%s %s%s%s room %llu chunk %u, peer %u", what, kvs_msg_type_str(m->type),
+                     m->type == KVS_MSG_ACK ? " of " : "",
+                     m->type == KVS_MSG_ACK ? kvs_msg_type_str(m->u.ack.acked_type) : "",
+                     (unsigned long long) m->u.ack.room, chunk, peer);
+}
+
 void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, const kvs_msg_t *msg)
 {
     uint8_t buf[KVS_MSG_MAX_SIZE];
@@ -41,6 +58,7 @@ void kvs_pd_send(kvs_link_t *link, kvs_pd_metrics_t *metrics, uint32_t peer, con
         return;
     }
     metrics->msgs_sent++;
+    trace_msg("sent", peer, msg);
 }
 
 kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t *msg_p,
@@ -53,7 +71,10 @@ kvs_status_t kvs_pd_recv(kvs_link_t *link, kvs_pd_metrics_t *metrics, kvs_msg_t 
         if (st == KVS_INPROGRESS) return st;
         metrics->msgs_received++;
         if (st == KVS_OK) st = kvs_msg_decode(buf, len, msg_p);
-        if (st == KVS_OK) return KVS_OK;
+        if (st == KVS_OK) {
+            trace_msg("took", from_p ? *from_p : 0, msg_p);
+            return KVS_OK;
+        }
         metrics->rejected++;
         kvs_warn("rejected a %zu-byte control message: %s", len, kvs_status_str(st));
     }

@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "kvstage/clock.h"
+#include "kvstage/log.h"
 #include "kvstage/msg.h"
 #include "kvstage/pd.h"
 #include "transport/link.h"
@@ -35,6 +37,11 @@ static inline uint64_t kvs_pd_rto(uint64_t srtt_ns, uint64_t retry_ns)
     if (rto <= retry_ns) return retry_ns;
     return rto < 32 * retry_ns ? rto : 32 * retry_ns;
 }
+
+/* KVS_LOG=trace: one line per step of a room's handoff (every control message sent and taken,
+ * every write and scatter started and completed), stamped with the monotonic clock in ms so the
+ * lines of both sides' processes on one host merge into one timeline. */
+#define KVS_PD_TRACE(fmt, ...) kvs_trace("%.3f ms " fmt, (double) kvs_now_ns() / 1e6, __VA_ARGS__)
 
 /* Encodes and sends one control message to peer `peer` (a link peer id: transport/link.h) of
  * the other side; counts it. A send failure is logged and otherwise ignored: every message that

@@ -51,6 +51,7 @@ typedef struct {
     uint64_t meta_acked, status_ok, status_seen, abort_acked; /* bit per peer index */
     rchunk_t *chunks;                                         /* [nchunks] */
     uint64_t chunks_done;
+    uint64_t chunks_in;  /* chunks whose every writer's region arrived (scattering or done) */
     uint32_t scattering; /* chunks in RCH_SCATTERING */
     uint64_t *sums; /* [nchunks][nwriters][2] checksums: from CHUNK_READY, then from the scatter */
     uint64_t unacked_grants;   /* granted chunks some writer rank has not confirmed */
@@ -394,6 +395,9 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
         rx->m.bytes += tokens * r->writers[w].bytes_per_token;
     }
     rx->m.data_ns += kvs_now_ns() - t0;
+    KVS_PD_TRACE("decode rank %u: room %llu chunk %llu: scatter started (%llu tokens)",
+                 rx->cfg.rank, (unsigned long long) r->id, (unsigned long long) chunk,
+                 (unsigned long long) tokens);
     c->state = RCH_SCATTERING;
     r->scattering++;
     return KVS_OK;
@@ -447,11 +451,16 @@ static void check_room(kvs_receiver_t *rx, rroom_t *r)
     }
     if (r->status == KVS_ROOM_SUCCESS) return;
     if (r->status == KVS_ROOM_BOOTSTRAPPING && r->meta_acked == all) r->status = KVS_ROOM_WAITING;
-    if (r->status_ok == all && r->all_success_at == 0) r->all_success_at = now_ns(rx);
+    /* The completion timeout runs once only scatters are left: every peer's Success and every
+     * chunk's regions in (a STATUS may overtake the last CHUNK_READY). */
+    if (r->status_ok == all && r->chunks_in == r->nchunks && r->all_success_at == 0)
+        r->all_success_at = now_ns(rx);
     if (r->status_ok == all && r->chunks_done == r->nchunks) {
         r->status = KVS_ROOM_SUCCESS;
         r->quiescent = 1;
         rx->m.rooms_succeeded++;
+        KVS_PD_TRACE("decode rank %u: room %llu: success", rx->cfg.rank,
+                     (unsigned long long) r->id);
     }
 }
 
@@ -693,6 +702,7 @@ static void on_chunk_ready(kvs_receiver_t *rx, const kvs_msg_chunk_ready_t *cr)
     if (r->sums) r->sums[(cr->chunk * r->nwriters + cr->writer) * 2] = cr->checksum;
     grant_confirmed(r, c, writer_rank_index(r, cr->prefill_rank));
     if (c->arrived == kvs_all_bits(r->nwriters)) {
+        r->chunks_in++;
         kvs_status_t st = start_scatter(rx, r, cr->chunk);
         if (st != KVS_OK) fail_room(rx, r, st, "scatter failed to start");
     }
@@ -888,6 +898,8 @@ static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
         if (kvs_copy_poll(&rx->copy, c->ticket) != KVS_OK) continue;
         r->scattering--;
         n++;
+        KVS_PD_TRACE("decode rank %u: room %llu chunk %llu: scatter done", rx->cfg.rank,
+                     (unsigned long long) r->id, (unsigned long long) k);
         verify_chunk(rx, r, k);
         if (r->status == KVS_ROOM_FAILED) {
             /* Keep the slot quarantined until the peers confirm; set_quiescent frees it. */
@@ -900,6 +912,25 @@ static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
         rx->m.chunks++;
     }
     return n;
+}
+
+/* The peers with nothing left to do for the room: their STATUS came and every region they
+ * write has arrived (a STATUS Success may overtake the last CHUNK_READY: protocol.md §4.7). */
+static uint64_t peers_through(const rroom_t *r)
+{
+    uint64_t through = r->status_seen;
+    for (uint32_t w = 0; w < r->nwriters && through != 0; w++) {
+        int i = kvs_pd_rank_index(r->peers, r->npeers, r->writers[w].prefill_rank);
+        if (i < 0 || !(through & KVS_BIT(i))) continue;
+        for (uint64_t k = 0; k < r->nchunks; k++) {
+            const rchunk_t *c = &r->chunks[k];
+            if (c->state != RCH_SCATTERING && c->state != RCH_DONE && !(c->arrived & KVS_BIT(w))) {
+                through &= ~KVS_BIT(i);
+                break;
+            }
+        }
+    }
+    return through;
 }
 
 static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
@@ -924,8 +955,7 @@ static void run_timers(kvs_receiver_t *rx, rroom_t *r, uint64_t now)
         return;
     }
     if (r->status == KVS_ROOM_SUCCESS) return;
-    /* A peer that already reported its status has nothing left to do for the room. */
-    if (kvs_pd_dead_peer(rx->link, 0, r->peers, r->npeers, r->status_seen) >= 0) {
+    if (kvs_pd_dead_peer(rx->link, 0, r->peers, r->npeers, peers_through(r)) >= 0) {
         fail_room(rx, r, KVS_ERR_IO, "a prefill peer stopped answering (liveness timeout)");
         return;
     }

@@ -537,6 +537,8 @@ kvs_status_t kvs_sender_finish(kvs_sender_t *tx, uint64_t room, const void *fina
     }
     r->computed = r->scheduled = r->prompt_len;
     r->finished = 1;
+    KVS_PD_TRACE("prefill rank %u: room %llu: the prompt is computed", tx->cfg.rank,
+                 (unsigned long long) room);
     r->final_len = final_len;
     if (final_len) memcpy(r->final, final_meta, final_len);
     r->last_activity = now_ns(tx);
@@ -940,6 +942,9 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
         return st;
     }
     if (direct != NULL) tx->m.direct_writes++;
+    KVS_PD_TRACE("prefill rank %u: room %llu chunk %llu: %s write of %llu bytes started",
+                 tx->cfg.rank, (unsigned long long) r->id, (unsigned long long) k,
+                 direct != NULL ? "direct" : "staged", (unsigned long long) bytes);
     sd->buffer = b;
     sd->state = SD_WRITING;
     r->writing++;
@@ -987,10 +992,24 @@ static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t
         return 1;
     }
     sd->state = SD_READY_SENT;
+    KVS_PD_TRACE("prefill rank %u: room %llu chunk %llu: write done", tx->cfg.rank,
+                 (unsigned long long) r->id, (unsigned long long) k);
     if (r->status != KVS_ROOM_FAILED) {
         send_chunk_ready(tx, r, k, d);
         arm_retry(tx, sd, now, 0);
     }
+    return 1;
+}
+
+/* 1 once every (chunk, destination) of the room is written and its CHUNK_READY sent. */
+static int all_written(const sroom_t *r)
+{
+    if (r->writing > 0) return 0;
+    for (uint64_t k = r->first_open; k < r->nchunks; k++)
+        for (uint32_t d = 0; d < r->ndests; d++) {
+            sdest_state_t st = r->cd[k * r->ndests + d].state;
+            if (st != SD_READY_SENT && st != SD_DONE) return 0;
+        }
     return 1;
 }
 
@@ -1126,9 +1145,13 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
         }
     }
 
-    /* Success once every chunk reached every destination and the last send is out. */
-    if (r->finished && r->first_open == r->nchunks && r->sent_upto == r->prompt_len) {
+    /* STATUS Success goes out once the last send is out and every chunk is written with its
+     * CHUNK_READY sent (protocol.md §4.7): decode needs all of them and takes them in any order,
+     * so STATUS need not wait for the chunks' acknowledgements (a round trip in every prompt's
+     * time to first token). Success once every chunk is acknowledged as well. */
+    if (r->finished && r->sent_upto == r->prompt_len && all_written(r)) {
         if (r->status_acked == all) {
+            if (r->first_open < r->nchunks) return events;
             r->status = KVS_ROOM_SUCCESS;
             tx->m.rooms_succeeded++;
             return events + 1;

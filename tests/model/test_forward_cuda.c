@@ -465,12 +465,20 @@ static void test_sampler(void **state)
     kvs_assert_no_leaks();
 }
 
+static void count_waits(void *arg)
+{
+    ++*(uint32_t *) arg;
+}
+
 /* Sampling inside the forward pass: in a batch of four sequences, two sample on the device (one
- * greedy, one at a temperature) and two return logits; the device tokens equal kvs_sample_at over
- * the logits of the same call made without sampling, and the unsampled rows are unchanged. */
+ * greedy, one at a temperature), one returns its logits and one asks for none (no_logits); the
+ * device tokens equal kvs_sample_at over the logits of the same call made without sampling, the
+ * logits row is unchanged and the no_logits row is left unwritten. The calls run with a wait hook
+ * (kvs_model_set_wait), which must run and change nothing. */
 static void test_forward_sampling(void **state)
 {
     (void) state;
+    uint32_t waits = 0;
     require_gpu();
     kvs_model_config_t c = shape(8, 2, 64);
     c.vocab = 32000;
@@ -503,11 +511,15 @@ static void test_forward_sampling(void **state)
         const double draw = (step + 0.5) / 12.0;
         q[1].sample = &greedy, q[1].token = &tok[1];
         q[2].sample = &hot, q[2].draw = draw, q[2].token = &tok[2];
-        memset(mixed, 0, (size_t) 4 * c.vocab * sizeof(float));
+        q[3].no_logits = 1;
+        memset(mixed, 0xff, (size_t) 4 * c.vocab * sizeof(float));
+        /* The same call with a wait hook: it runs while the device works, changes nothing. */
+        kvs_model_set_wait(m, count_waits, &waits);
         assert_int_equal(kvs_model_forward(m, pool, q, 4, NULL, NULL, mixed), KVS_OK);
-        for (uint32_t i = 0; i < 4; i += 3)
-            assert_memory_equal(mixed + (size_t) i * c.vocab, plain + (size_t) i * c.vocab,
-                                c.vocab * sizeof(float));
+        kvs_model_set_wait(m, NULL, NULL);
+        assert_memory_equal(mixed, plain, c.vocab * sizeof(float));
+        /* no_logits: row 3 was left as it was */
+        for (uint32_t v = 0; v < c.vocab; v++) assert_true(isnan(mixed[(size_t) 3 * c.vocab + v]));
         assert_int_equal(tok[0], ~0u);
         assert_int_equal(tok[1], kvs_sample_at(plain + c.vocab, c.vocab, &greedy, NULL, 0.0));
         assert_int_equal(tok[2],
@@ -520,7 +532,9 @@ static void test_forward_sampling(void **state)
     kvs_model_seq_t q = part(&s[0], s[0].len + 11, 1);
     q.sample = &biased, q.token = &t;
     assert_int_equal(kvs_model_forward(m, pool, &q, 1, NULL, NULL, plain), KVS_ERR_INVALID);
-    print_message("  %u device samples checked in forward calls\n", checked);
+    print_message("  %u device samples checked in forward calls, the wait hook ran %u times\n",
+                  checked, waits);
+    assert_true(waits > 0);
     kvs_free(plain);
     kvs_free(mixed);
     kvs_pool_destroy(pool);

@@ -389,6 +389,68 @@ static void test_prefill_abort(void **state)
     kvs_assert_no_leaks();
 }
 
+/* One room of 4 chunks from two prefill ranks to one decode rank, the whole prompt at rest from
+ * the start, losing the drop_nth-th ACK (0: none). Returns the step at which decode reached
+ * Success; *acks_p: the ACKs sent in all. The room then concludes on both sides, exact. */
+static uint64_t run_losing_ack(uint64_t drop_nth, uint64_t *acks_p)
+{
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 2, 1, 4);
+    kvs_inproc_faults_t f = {.seed = 3, .drop_type = KVS_MSG_ACK, .drop_nth = drop_nth};
+    h_t h;
+    h_setup(&h, &g, &f, 1 << 16, 256);
+    h_room_t room;
+    h_room_init(&h, &room, 7, 64, 0);
+    assert_int_equal(kvs_receiver_add_room(h.rx[0], 7, 0, 64, room.dpages), KVS_OK);
+    const uint32_t token = 1234;
+    for (uint32_t r = 0; r < 2; r++) {
+        assert_int_equal(kvs_sender_add_room(h.tx[r], 7, 64, room.ptable), KVS_OK);
+        h_fill(&h, r, 7, room.ptable, 0, 64);
+        assert_int_equal(kvs_sender_finish(h.tx[r], 7, &token, 4), KVS_OK);
+    }
+    uint64_t at = 0;
+    for (uint64_t i = 1; i < 20000 && !h_concluded(&h, 7); i++) {
+        h_step(&h);
+        if (at == 0 && h_status(&h, 1, 7, NULL) == KVS_ROOM_SUCCESS) at = i;
+    }
+    assert_true(h_concluded(&h, 7));
+    assert_int_equal(h_status(&h, 0, 7, NULL), KVS_ROOM_SUCCESS);
+    assert_int_equal(h_mismatches(&h, 0, 7, room.dpages, 0, 64), 0);
+    kvs_room_info_t info;
+    assert_int_equal(kvs_receiver_poll(h.rx[0], 7, &info), KVS_OK);
+    assert_int_equal(info.final_len, 4);
+    assert_memory_equal(info.final, &token, 4);
+    kvs_inproc_stats_t ns;
+    kvs_inproc_net_stats(h.net, &ns);
+    if (drop_nth != 0) assert_int_equal(ns.dropped, 1);
+    *acks_p = ns.sent_by_type[KVS_MSG_ACK];
+    h_release(&h, 7);
+    h_room_free(&h, &room);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    return at;
+}
+
+/* No lost acknowledgement delays decode's Success (protocol.md §4.7): STATUS Success leaves with
+ * the last CHUNK_READY, not after its ACK, and whatever else an ACK confirms a later message
+ * confirms too. Losing any one ACK of a clean run, decode succeeds as soon as in the clean run,
+ * long before a retry timer (50 steps here) could have run out. */
+static void test_lost_ack_never_delays_decode(void **state)
+{
+    (void) state;
+    uint64_t acks = 0, ignored;
+    const uint64_t clean = run_losing_ack(0, &acks);
+    assert_true(clean > 0 && acks >= 8);
+    for (uint64_t n = 1; n <= acks; n++) {
+        uint64_t at = run_losing_ack(n, &ignored);
+        if (at == 0 || at > clean + 2)
+            fail_msg("losing ACK %llu of %llu: decode succeeded at step %llu, %llu without loss",
+                     (unsigned long long) n, (unsigned long long) acks, (unsigned long long) at,
+                     (unsigned long long) clean);
+    }
+    kvs_assert_no_leaks();
+}
+
 /* Garbage on the control channel is counted and dropped; the rank keeps working. */
 static void test_garbage_rejected(void **state)
 {
@@ -438,6 +500,7 @@ int main(void)
         cmocka_unit_test(test_waiting_timeout),
         cmocka_unit_test(test_abort_quarantines_until_ack),
         cmocka_unit_test(test_prefill_abort),
+        cmocka_unit_test(test_lost_ack_never_delays_decode),
         cmocka_unit_test(test_garbage_rejected),
     };
     return cmocka_run_group_tests(tests, quiet_logs, NULL);

@@ -89,7 +89,8 @@ struct kvs_model_cuda {
     dbuf samp, samp_scratch; /* device sampling: rows and tokens, fixed-point weights */
     void *hsamp;             /* pinned twin of samp */
     size_t hsamp_bytes;
-    void *hmeta; /* pinned host twin of meta */
+    size_t htok_at; /* where in hsamp the sampled tokens land */
+    void *hmeta;    /* pinned host twin of meta */
     size_t hmeta_bytes;
     float *hpart; /* pinned [tokens][dim] for the host all-reduce */
     size_t hpart_bytes;
@@ -112,9 +113,11 @@ struct kvs_model_cuda {
     uint64_t pool_sig, pool_gen;
     /* NCCL (kvs__model_cuda_nccl_init): partials reduced on the device when nccl is set */
     int nccl;
-    int nccl_dead;       /* the communicator was aborted: every later call fails */
-    uint64_t timeout_ns; /* bound of a wait for device work with NCCL calls in it */
-    cudaEvent_t done;    /* recorded at the end of such work, polled */
+    int nccl_dead;             /* the communicator was aborted: every later call fails */
+    uint64_t timeout_ns;       /* bound of a wait for device work with NCCL calls in it */
+    kvs_model_wait_fn wait_fn; /* kvs_model_set_wait: called while a pass's end is awaited */
+    void *wait_arg;
+    cudaEvent_t done; /* recorded at the end of such work, polled */
 #if KVS_HAVE_NCCL
     ncclComm_t comm;
 #endif
@@ -367,7 +370,9 @@ int cmp_work(const void *a, const void *b)
 kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what);
 
 /* After the logits: the tokens of the sequences that sample on the device (their rows stay
- * there), and the rows of the others copied to the host, run by run. */
+ * there) into pinned memory, and the rows of the others that want them (not no_logits) copied to
+ * the host, run by run. Nothing waits here: the tokens are read (take_tokens) after the pass's
+ * final wait, so that wait can run the engine's hook. */
 kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, uint32_t nseq,
                              float *logits)
 {
@@ -381,7 +386,7 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
     kvs_status_t st = KVS_OK;
     for (uint32_t i = 0; i < nseq && st == KVS_OK;) {
         uint32_t j = i;
-        while (j < nseq && seqs[j].sample == NULL) j++;
+        while (j < nseq && seqs[j].sample == NULL && !seqs[j].no_logits) j++;
         if (j > i)
             st = KVS_CUDA_CHECK(
                 cudaMemcpyAsync(logits + (size_t) i * c->vocab, dl + (size_t) i * c->vocab,
@@ -403,6 +408,7 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
         if (p == NULL) continue;
         rows[k++] = sample_row(i, *p, seqs[i].draw);
     }
+    c->htok_at = rows_b;
     uint8_t *d = (uint8_t *) c->samp.p;
     uint32_t *htok = (uint32_t *) ((uint8_t *) c->hsamp + rows_b);
     st = KVS_CUDA_CHECK(cudaMemcpyAsync(d, rows, rows_b, cudaMemcpyHostToDevice, c->stream),
@@ -414,11 +420,16 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
         st = KVS_CUDA_CHECK(cudaMemcpyAsync(htok, d + rows_b, (size_t) nsamp * 4,
                                             cudaMemcpyDeviceToHost, c->stream),
                             "model(cuda): sampled tokens");
-    if (st == KVS_OK)
-        st = wait_stream(c, "sampling"); /* after the forward pass: NCCL calls, maybe */
-    for (uint32_t i = 0, k = 0; i < nseq && st == KVS_OK; i++)
-        if (seqs[i].sample != NULL) *seqs[i].token = htok[k++];
     return st;
+}
+
+/* After the pass's final wait: the tokens sample_and_copy had sampled on the device. */
+static void take_tokens(const kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, uint32_t nseq)
+{
+    if (c->hsamp == NULL) return;
+    const uint32_t *htok = (const uint32_t *) ((const uint8_t *) c->hsamp + c->htok_at);
+    for (uint32_t i = 0, k = 0; i < nseq; i++)
+        if (seqs[i].sample != NULL) *seqs[i].token = htok[k++];
 }
 
 kvs_status_t reduce_partial(kvs_model_cuda_t *c, uint32_t n, kvs_allreduce_fn reduce, void *arg)
@@ -493,12 +504,11 @@ kvs_status_t reduce_partial_nccl(kvs_model_cuda_t *c, uint32_t n)
 #endif
 }
 
-/* Waits for the stream's work so far. Work with NCCL calls in it can wait on a peer forever (a
- * peer process gone mid-call): that wait polls, watches the communicator's errors and gives up
- * at the group's deadline, aborting the communicator. */
-kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what)
+/* A wait for device work with NCCL calls in it: those can wait on a peer forever (a peer
+ * process gone mid-call), so it polls, watches the communicator's errors and gives up at the
+ * group's deadline, aborting the communicator. */
+static kvs_status_t wait_nccl(kvs_model_cuda_t *c, const char *what)
 {
-    if (!c->nccl) return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): %s", what);
 #if KVS_HAVE_NCCL
     kvs_status_t st =
         KVS_CUDA_CHECK(cudaEventRecord(c->done, c->stream), "model(cuda): %s (event)", what);
@@ -530,6 +540,31 @@ kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what)
 #else
     return KVS_ERR_UNSUPPORTED;
 #endif
+}
+
+/* Waits for the stream's work so far (through wait_nccl when NCCL calls are in it). */
+kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what)
+{
+    if (!c->nccl) return KVS_CUDA_CHECK(cudaStreamSynchronize(c->stream), "model(cuda): %s", what);
+    return wait_nccl(c, what);
+}
+
+/* The end of a forward pass: with a wait hook, polls the stream and calls the hook between
+ * polls; else wait_stream. */
+static kvs_status_t wait_pass(kvs_model_cuda_t *c)
+{
+    if (c->wait_fn == NULL || c->nccl) return wait_stream(c, "forward pass");
+    for (;;) {
+        const cudaError_t q = cudaStreamQuery(c->stream);
+        if (q != cudaErrorNotReady) return KVS_CUDA_CHECK(q, "model(cuda): forward pass");
+        c->wait_fn(c->wait_arg);
+    }
+}
+
+extern "C" void kvs__model_cuda_set_wait(kvs_model_cuda_t *c, kvs_model_wait_fn fn, void *arg)
+{
+    c->wait_fn = fn;
+    c->wait_arg = arg;
 }
 
 uint64_t mix_key(uint64_t h, uint64_t v)
@@ -1261,8 +1296,9 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
                                 "model(cuda): prompt logits");
         if (st == KVS_OK) st = wait_stream(c, "prompt logits");
     }
-    kvs_status_t st2 = wait_stream(c, "forward pass");
+    kvs_status_t st2 = wait_pass(c);
     if (st == KVS_OK) st = st2;
+    if (st == KVS_OK) take_tokens(c, seqs, nseq);
     if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): forward pass kernels");
     if (st == KVS_OK && c->profile && c->prof_n > 1) {
         for (uint32_t i = 1; i < c->prof_n; i++) {

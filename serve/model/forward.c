@@ -368,6 +368,7 @@ kvs_status_t kvs_model_forward(kvs_model_t *m, kvs_pool_t *pool, const kvs_model
         if (st != KVS_OK) return st;
         st = ffn_block(m, l, n, reduce, reduce_arg);
         if (st != KVS_OK) return st;
+        if (m->wait_fn != NULL) m->wait_fn(m->wait_arg);
     }
     output_block(m, seqs, nseq, logits);
     for (uint32_t i = 0; i < nseq; i++)

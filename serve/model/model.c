@@ -384,6 +384,8 @@ int kvs_model_device(const kvs_model_t *m)
 
 void kvs_model_set_wait(kvs_model_t *m, kvs_model_wait_fn fn, void *arg)
 {
+    m->wait_fn = fn;
+    m->wait_arg = arg;
     if (m->cuda != NULL) kvs__model_cuda_set_wait(m->cuda, fn, arg);
 }
 

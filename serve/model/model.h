@@ -164,11 +164,11 @@ kvs_status_t kvs_model_forward(kvs_model_t *model, kvs_pool_t *pool, const kvs_m
                                uint32_t nseq, kvs_allreduce_fn reduce, void *reduce_arg,
                                float *logits);
 
-/* While a forward pass on a device waits for its last kernels, fn(arg) is called over and over
- * (the engine moves KV meanwhile: it takes grants and starts the writes of chunks at rest, or
- * takes the chunks that arrive), so the host is not idle for the whole pass. fn must not call
- * the model. NULL fn: a plain wait. A CPU model never calls it: its pass runs on the calling
- * thread. */
+/* fn(arg) is called over and over while a forward pass runs: on a device while the host waits
+ * for the pass's last kernels, on the CPU after every layer (the engine moves KV meanwhile: it
+ * answers the other side, takes grants and writes chunks at rest, or takes the chunks that
+ * arrive), so a long pass does not leave the handoff waiting, nor the other side resending
+ * what it took for lost. fn must not call the model. NULL fn: none (with NCCL a plain wait). */
 typedef void (*kvs_model_wait_fn)(void *arg);
 void kvs_model_set_wait(kvs_model_t *model, kvs_model_wait_fn fn, void *arg);
 

@@ -275,6 +275,11 @@ static void test_chunked_prefill_bf16_kv(void **state)
     kvs_assert_no_leaks();
 }
 
+static void count_waits(void *arg)
+{
+    ++*(uint32_t *) arg;
+}
+
 static void test_batch_equals_alone(void **state)
 {
     (void) state;
@@ -310,7 +315,12 @@ static void test_batch_equals_alone(void **state)
                                     .pages = pages_b[i],
                                     .npages = 4};
     }
+    /* with a wait hook (kvs_model_set_wait): called after every layer, changing no bit */
+    uint32_t waits = 0;
+    kvs_model_set_wait(m, count_waits, &waits);
     assert_int_equal(kvs_model_forward(m, batch, seqs, NSEQ, NULL, NULL, got), KVS_OK);
+    kvs_model_set_wait(m, NULL, NULL);
+    assert_int_equal(waits, c.layers);
     assert_memory_equal(got, want, (size_t) NSEQ * c.vocab * sizeof(float));
     for (uint32_t i = 0; i < NSEQ; i++)
         assert_same_kv(alone, pages_a[i], batch, pages_b[i], 0, pre[i] + add[i]);

@@ -1367,6 +1367,8 @@ static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
         r->generated++;
         emit_token(e, r, tok, has ? &lp : NULL);
     }
+    /* The chunks this pass computed start moving now, not a loop turn later. */
+    if (advanced) *work += kvs_sender_progress(e->cfg.sender);
     /* Requests that reached a stop condition end after the pass. */
     for (uint32_t i = 0; i < e->nrqs;) {
         rq_t *r = e->rqs[i];

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(256)
     __shared__ float part[8];
     const uint32_t r = blockIdx.x, src = rows != NULL ? rows[r] : r;
     const float *xr = x + (size_t) src * dim;
-    const float inv = rms_scale(xr, dim, eps, part);
+    const float inv = rms_scale<256>(xr, dim, eps, part);
     for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
         y[(size_t) r * dim + i] = __float2bfloat16(xr[i] * inv * w[i]);
 }

@@ -47,9 +47,7 @@ struct gemv_args_t {
 
 /* 1 / sqrt(mean square of xr[dim] + eps), summed by a block of BLOCK (256) threads in one
  * fixed order (part: 8 floats of shared memory): the model's RMSNorm kernel and the one-token
- * projections' fused norm share it, so both give the same floats. The block size is a constant
- * so the loop's loads unroll and are in flight together (every block of the fused projections
- * runs this before its dot products). */
+ * projections' fused norm share it, so both give the same floats. */
 template <uint32_t BLOCK>
 __device__ __forceinline__ float rms_scale(const float *xr, uint32_t dim, float eps, float *part)
 {

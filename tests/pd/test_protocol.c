@@ -451,6 +451,51 @@ static void test_lost_ack_never_delays_decode(void **state)
     kvs_assert_no_leaks();
 }
 
+/* KVS_LOG=trace (docs/transport.md): one line per step of a room's handoff, stamped with the
+ * monotonic clock in ms. The sink checks the stamps never go back and notes which steps came. */
+static const char *const trace_steps[] = {
+    "the prompt is computed", "sent STAGING_REQ", "took STAGING_REQ", "sent STAGING_GRANT",
+    "took STAGING_GRANT",     "write of",         "write done",       "sent CHUNK_READY",
+    "took CHUNK_READY",       "sent STATUS",      "took STATUS",      "scatter started",
+    "scatter done",           "room 7: success"};
+#define TRACE_STEPS (sizeof(trace_steps) / sizeof(trace_steps[0]))
+
+typedef struct {
+    double last_ms;
+    uint32_t lines, backwards, seen[TRACE_STEPS];
+} trace_capture_t;
+
+static void trace_sink(void *arg, kvs_log_level_t level, const char *file, int line,
+                       const char *msg)
+{
+    (void) file, (void) line;
+    trace_capture_t *t = arg;
+    double ms = 0;
+    if (level != KVS_LOG_TRACE || sscanf(msg, "%lf ms ", &ms) != 1) return;
+    t->lines++;
+    t->backwards += ms < t->last_ms;
+    t->last_ms = ms;
+    for (size_t i = 0; i < TRACE_STEPS; i++) t->seen[i] += strstr(msg, trace_steps[i]) != NULL;
+}
+
+static void test_trace_timeline(void **state)
+{
+    (void) state;
+    const kvs_log_level_t was = kvs_log_get_level();
+    trace_capture_t t = {0};
+    kvs_log_set_sink(trace_sink, &t);
+    kvs_log_set_level(KVS_LOG_TRACE);
+    uint64_t acks;
+    (void) run_losing_ack(0, &acks);
+    kvs_log_set_level(was);
+    kvs_log_set_sink(NULL, NULL);
+    assert_true(t.lines > 20);
+    assert_int_equal(t.backwards, 0);
+    for (size_t i = 0; i < TRACE_STEPS; i++)
+        if (t.seen[i] == 0) fail_msg("no trace line of \"%s\"", trace_steps[i]);
+    kvs_assert_no_leaks();
+}
+
 /* Garbage on the control channel is counted and dropped; the rank keeps working. */
 static void test_garbage_rejected(void **state)
 {
@@ -501,6 +546,7 @@ int main(void)
         cmocka_unit_test(test_abort_quarantines_until_ack),
         cmocka_unit_test(test_prefill_abort),
         cmocka_unit_test(test_lost_ack_never_delays_decode),
+        cmocka_unit_test(test_trace_timeline),
         cmocka_unit_test(test_garbage_rejected),
     };
     return cmocka_run_group_tests(tests, quiet_logs, NULL);

@@ -6,7 +6,6 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <sys/prctl.h>
 #include <sys/select.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,10 +35,6 @@
  * waking up to 2 ms late for its KV was most of the handoff's share of TTFT. */
 #define LIVE_SLEEP_MAX 200
 #define HOT_NS         (20 * MS)
-/* Within BURST_NS of the last work the loop polls every BURST_SLEEP_US: a handoff's steps (the
- * answer to a message, a copy finishing) come within a ms of each other. */
-#define BURST_SLEEP_US 10
-#define BURST_NS       (2 * MS)
 #define DRAIN_NS       (50 * MS)
 
 static const char *role_str(kvs_llm_role_t role)
@@ -467,9 +462,6 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     if (c.liveness_timeout_ns == 0) c.liveness_timeout_ns = 10000 * MS;
     if (c.quit_grace_ns == 0) c.quit_grace_ns = 5000 * MS;
     const uint64_t t0 = kvs_now_ns();
-    /* This thread's short sleeps must be as short as asked: the default timer slack (50 us)
-     * doubled each of them, and every step of a handoff waited through one. */
-    (void) prctl(PR_SET_TIMERSLACK, 1000ul, 0ul, 0ul, 0ul);
 
     kvs_llm_rank_result_t res;
     memset(&res, 0, sizeof(res));
@@ -629,8 +621,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
             last_work = kvs_now_ns();
             idle_us = IDLE_SLEEP_US;
         } else {
-            idle_wait(&io, c.rank == 0,
-                      kvs_now_ns() - last_work < BURST_NS ? BURST_SLEEP_US : idle_us);
+            idle_wait(&io, c.rank == 0, idle_us);
             const long cap = kvs_llm_live(llm) > 0 ? LIVE_SLEEP_MAX : IDLE_SLEEP_MAX;
             if (kvs_now_ns() - last_work > HOT_NS && idle_us < cap)
                 idle_us = idle_us * 2 < cap ? idle_us * 2 : cap;

@@ -85,7 +85,7 @@ static inline void http_call(uint16_t port, const char *method, const char *path
     snprintf(url, sizeof(url), "http://127.0.0.1:%u%s", (unsigned) port, path);
     curl_easy_setopt(e, CURLOPT_URL, url);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms ? timeout_ms : 20000L);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, timeout_ms ? timeout_ms : 60000L);
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_test_write);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, http_test_header);

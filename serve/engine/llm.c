@@ -1265,17 +1265,25 @@ static void report_prompt(kvs_llm_t *e, rq_t *r, const kvs_model_seq_t *s)
     }
 }
 
-/* While a pass runs on the device (kvs_model_set_wait): the KV handoff goes on, so a chunk
+/* One turn of the KV handoff: the sender, the receiver, or the receivers of a decode instance
+ * fed by several prefill instances. */
+static uint32_t progress_kv(kvs_llm_t *e)
+{
+    uint32_t work = 0;
+    if (e->cfg.sender != NULL) work += kvs_sender_progress(e->cfg.sender);
+    if (e->cfg.receiver != NULL) work += kvs_receiver_progress(e->cfg.receiver);
+    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
+        work += e->cfg.receivers.progress(e->cfg.receivers.ctx);
+    return work;
+}
+
+/* While a pass runs (kvs_model_set_wait): the KV handoff goes on, so a chunk
  * computed by the previous pass is written while this one computes, and the grants and chunks
  * that arrive meanwhile are taken at once. It touches no request in the pass: the sender only
  * reads pages at rest, the receiver writes only the pages of requests waiting for their KV. */
 static void move_kv(void *arg)
 {
-    kvs_llm_t *e = arg;
-    if (e->cfg.sender != NULL) (void) kvs_sender_progress(e->cfg.sender);
-    if (e->cfg.receiver != NULL) (void) kvs_receiver_progress(e->cfg.receiver);
-    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
-        (void) e->cfg.receivers.progress(e->cfg.receivers.ctx);
+    (void) progress_kv(arg);
 }
 
 static kvs_status_t forward(kvs_llm_t *e, uint32_t *work)
@@ -1396,10 +1404,7 @@ kvs_status_t kvs_llm_step(kvs_llm_t *e, int quit, int *quit_p, uint32_t *work_p)
     e->st.steps++;
     kvs_status_t st = sync_inputs(e, quit, &q);
     if (st != KVS_OK) return st;
-    if (e->cfg.sender != NULL) work += kvs_sender_progress(e->cfg.sender);
-    if (e->cfg.receiver != NULL) work += kvs_receiver_progress(e->cfg.receiver);
-    if (e->cfg.role == KVS_LLM_DECODE && e->cfg.receiver == NULL)
-        work += e->cfg.receivers.progress(e->cfg.receivers.ctx);
+    work += progress_kv(e);
     work += apply_stops(e);
     if ((st = agree(e, &work)) != KVS_OK) return st;
     work += grow_sequences(e);

@@ -386,7 +386,6 @@ void kvs_model_set_wait(kvs_model_t *m, kvs_model_wait_fn fn, void *arg)
 {
     m->wait_fn = fn;
     m->wait_arg = arg;
-    if (m->cuda != NULL) kvs__model_cuda_set_wait(m->cuda, fn, arg);
 }
 
 kvs_status_t kvs_model_set_kv_bytes(kvs_model_t *m, uint32_t kv_bytes)

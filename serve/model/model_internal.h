@@ -95,7 +95,8 @@ struct kvs_model {
     kvs_model_cuda_t *cuda; /* device >= 0: the CUDA backend (weights, scratch, streams) */
     kvs_model_reduce_t reduce; /* kvs_model_use_group's choice; HOST until then */
     int grouped;               /* kvs_model_use_group was called */
-    kvs_model_wait_fn wait_fn; /* kvs_model_set_wait: between the CPU pass's layers */
+    kvs_model_wait_fn wait_fn; /* kvs_model_set_wait: the CPU pass calls it after each layer, the
+                                * CUDA one while it waits for the pass's end */
     void *wait_arg;
 };
 

@@ -24,7 +24,7 @@ __device__ void prepare_row(const gemv_args_t &a, __nv_bfloat16 *xs, float *part
             reinterpret_cast<uint4 *>(xs)[i] = src[i];
     } else {
         const float *xr = reinterpret_cast<const float *>(a.x) + (size_t) (a.row ? *a.row : 0) * in;
-        const float inv = rms_scale<THREADS>(xr, in, a.eps, part); /* as the RMSNorm kernel */
+        const float inv = rms_scale(xr, in, a.eps, part); /* as the RMSNorm kernel */
         for (uint32_t i = threadIdx.x; i < in; i += THREADS)
             xs[i] = __float2bfloat16(xr[i] * inv * a.norm_w[i]);
     }

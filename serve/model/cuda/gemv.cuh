@@ -45,21 +45,18 @@ struct gemv_args_t {
     int swiglu;          /* NORM into bf16 only: W is [2 f][in], y [f] = silu(gate) * up */
 };
 
-/* 1 / sqrt(mean square of xr[dim] + eps), summed by a block of BLOCK (256) threads in one
- * fixed order (part: 8 floats of shared memory): the model's RMSNorm kernel and the one-token
+/* 1 / sqrt(mean square of xr[dim] + eps), summed by a block of 256 threads in one fixed
+ * order (part: 8 floats of shared memory): the model's RMSNorm kernel and the one-token
  * projections' fused norm share it, so both give the same floats. */
-template <uint32_t BLOCK>
 __device__ __forceinline__ float rms_scale(const float *xr, uint32_t dim, float eps, float *part)
 {
-    static_assert(BLOCK == 256, "the second stage sums 8 warps");
     float ss = 0.0f;
-#pragma unroll 4
-    for (uint32_t i = threadIdx.x; i < dim; i += BLOCK) ss += xr[i] * xr[i];
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
     for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
     __syncthreads();
     if (threadIdx.x < 32) {
-        ss = threadIdx.x < BLOCK / 32 ? part[threadIdx.x] : 0.0f;
+        ss = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.0f;
         for (int o = 4; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (threadIdx.x == 0) part[0] = ss;
     }

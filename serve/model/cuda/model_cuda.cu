@@ -89,8 +89,7 @@ struct kvs_model_cuda {
     dbuf samp, samp_scratch; /* device sampling: rows and tokens, fixed-point weights */
     void *hsamp;             /* pinned twin of samp */
     size_t hsamp_bytes;
-    size_t htok_at; /* where in hsamp the sampled tokens land */
-    void *hmeta;    /* pinned host twin of meta */
+    void *hmeta; /* pinned host twin of meta */
     size_t hmeta_bytes;
     float *hpart; /* pinned [tokens][dim] for the host all-reduce */
     size_t hpart_bytes;
@@ -113,11 +112,9 @@ struct kvs_model_cuda {
     uint64_t pool_sig, pool_gen;
     /* NCCL (kvs__model_cuda_nccl_init): partials reduced on the device when nccl is set */
     int nccl;
-    int nccl_dead;             /* the communicator was aborted: every later call fails */
-    uint64_t timeout_ns;       /* bound of a wait for device work with NCCL calls in it */
-    kvs_model_wait_fn wait_fn; /* kvs_model_set_wait: called while a pass's end is awaited */
-    void *wait_arg;
-    cudaEvent_t done; /* recorded at the end of such work, polled */
+    int nccl_dead;       /* the communicator was aborted: every later call fails */
+    uint64_t timeout_ns; /* bound of a wait for device work with NCCL calls in it */
+    cudaEvent_t done;    /* recorded at the end of such work, polled */
 #if KVS_HAVE_NCCL
     ncclComm_t comm;
 #endif
@@ -208,7 +205,7 @@ __global__ void __launch_bounds__(256)
     __shared__ float part[8];
     const uint32_t r = blockIdx.x, src = rows != NULL ? rows[r] : r;
     const float *xr = x + (size_t) src * dim;
-    const float inv = rms_scale<256>(xr, dim, eps, part);
+    const float inv = rms_scale(xr, dim, eps, part);
     for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x)
         y[(size_t) r * dim + i] = __float2bfloat16(xr[i] * inv * w[i]);
 }
@@ -408,7 +405,6 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
         if (p == NULL) continue;
         rows[k++] = sample_row(i, *p, seqs[i].draw);
     }
-    c->htok_at = rows_b;
     uint8_t *d = (uint8_t *) c->samp.p;
     uint32_t *htok = (uint32_t *) ((uint8_t *) c->hsamp + rows_b);
     st = KVS_CUDA_CHECK(cudaMemcpyAsync(d, rows, rows_b, cudaMemcpyHostToDevice, c->stream),
@@ -426,8 +422,12 @@ kvs_status_t sample_and_copy(kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, u
 /* After the pass's final wait: the tokens sample_and_copy had sampled on the device. */
 static void take_tokens(const kvs_model_cuda_t *c, const kvs_model_seq_t *seqs, uint32_t nseq)
 {
-    if (c->hsamp == NULL) return;
-    const uint32_t *htok = (const uint32_t *) ((const uint8_t *) c->hsamp + c->htok_at);
+    uint32_t nsamp = 0;
+    for (uint32_t i = 0; i < nseq; i++) nsamp += seqs[i].sample != NULL;
+    if (nsamp == 0) return;
+    /* sample_and_copy's layout of hsamp: the rows, then the tokens */
+    const size_t rows_b = align16((size_t) nsamp * sizeof(sample_row_t));
+    const uint32_t *htok = (const uint32_t *) ((const uint8_t *) c->hsamp + rows_b);
     for (uint32_t i = 0, k = 0; i < nseq; i++)
         if (seqs[i].sample != NULL) *seqs[i].token = htok[k++];
 }
@@ -549,22 +549,17 @@ kvs_status_t wait_stream(kvs_model_cuda_t *c, const char *what)
     return wait_nccl(c, what);
 }
 
-/* The end of a forward pass: with a wait hook, polls the stream and calls the hook between
- * polls; else wait_stream. */
-static kvs_status_t wait_pass(kvs_model_cuda_t *c)
+/* The end of a forward pass: with the model's wait hook (kvs_model_set_wait), polls the stream
+ * and calls the hook between polls; else wait_stream. */
+static kvs_status_t wait_pass(const kvs_model_t *m)
 {
-    if (c->wait_fn == NULL || c->nccl) return wait_stream(c, "forward pass");
+    kvs_model_cuda_t *c = m->cuda;
+    if (m->wait_fn == NULL || c->nccl) return wait_stream(c, "forward pass");
     for (;;) {
         const cudaError_t q = cudaStreamQuery(c->stream);
         if (q != cudaErrorNotReady) return KVS_CUDA_CHECK(q, "model(cuda): forward pass");
-        c->wait_fn(c->wait_arg);
+        m->wait_fn(m->wait_arg);
     }
-}
-
-extern "C" void kvs__model_cuda_set_wait(kvs_model_cuda_t *c, kvs_model_wait_fn fn, void *arg)
-{
-    c->wait_fn = fn;
-    c->wait_arg = arg;
 }
 
 uint64_t mix_key(uint64_t h, uint64_t v)
@@ -1296,7 +1291,7 @@ extern "C" kvs_status_t kvs__model_cuda_forward(kvs_model_t *m, kvs_pool_t *pool
                                 "model(cuda): prompt logits");
         if (st == KVS_OK) st = wait_stream(c, "prompt logits");
     }
-    kvs_status_t st2 = wait_pass(c);
+    kvs_status_t st2 = wait_pass(m);
     if (st == KVS_OK) st = st2;
     if (st == KVS_OK) take_tokens(c, seqs, nseq);
     if (st == KVS_OK) st = KVS_CUDA_CHECK(cudaGetLastError(), "model(cuda): forward pass kernels");

@@ -124,9 +124,6 @@ kvs_status_t kvs__model_cuda_nccl_id(uint8_t id[KVS_MODEL_NCCL_ID_BYTES]);
 kvs_status_t kvs__model_cuda_nccl_init(kvs_model_cuda_t *c, const uint8_t *id, uint32_t nranks,
                                        uint32_t rank, uint32_t sms, uint64_t timeout_ns);
 
-/* kvs_model_set_wait for a model on a device. */
-void kvs__model_cuda_set_wait(kvs_model_cuda_t *c, kvs_model_wait_fn fn, void *arg);
-
 /* Waits for the model's device work (for timing). */
 kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c);
 

@@ -80,11 +80,6 @@ kvs_status_t kvs__model_cuda_copy_bytes_s(int device, size_t bytes, double *byte
     return KVS_ERR_UNSUPPORTED;
 }
 
-void kvs__model_cuda_set_wait(kvs_model_cuda_t *c, kvs_model_wait_fn fn, void *arg)
-{
-    (void) c, (void) fn, (void) arg;
-}
-
 kvs_status_t kvs__model_cuda_sync(kvs_model_cuda_t *c)
 {
     (void) c;

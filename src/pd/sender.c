@@ -30,6 +30,7 @@ typedef enum {
     SD_QUEUED,     /* decode answered that the request waits in its ring's queue */
     SD_GRANTED,    /* slot granted; waiting for the chunk's KV or a staging buffer */
     SD_WRITING,    /* gathered; the transport write reads the staging buffer */
+    SD_WRITTEN,    /* written; CHUNK_READY held until the prompt is at rest (held()) */
     SD_READY_SENT, /* written; CHUNK_READY sent, waiting for its ACK */
     SD_DONE,
 } sdest_state_t;
@@ -976,9 +977,30 @@ static int waiting_on_decode(const sroom_t *r)
     return 0;
 }
 
+/* 1 while a chunk written to destination d waits for its CHUNK_READY: the decode rank shares this
+ * rank's GPU from another process, and prompt passes of the room are still to come. Decode's
+ * scatter would take the GPU from them (the GPU time-slices between two processes' kernels:
+ * about 0.4 ms of an 8B prefill pass per scatter, measured), so the room's chunks are announced
+ * together once its whole prompt is at rest. The ring cannot wedge on it: the prompt is computed
+ * whether or not slots come back. */
+static int held(const kvs_sender_t *tx, const sroom_t *r, uint32_t d)
+{
+    return !r->finished && r->status != KVS_ROOM_FAILED && tx->link->ops->shares_device != NULL &&
+           tx->link->ops->shares_device(tx->link->ctx, peer_of(r, r->dests[d].decode_rank));
+}
+
+/* Chunk k is written to destination d: CHUNK_READY goes out. */
+static void announce(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t d, uint64_t now)
+{
+    r->cd[k * r->ndests + d].state = SD_READY_SENT;
+    if (r->status == KVS_ROOM_FAILED) return;
+    send_chunk_ready(tx, r, k, d);
+    arm_retry(tx, &r->cd[k * r->ndests + d], now, 0);
+}
+
 /* Collects a write of chunk k to destination d if it completed: its buffer comes back and
- * CHUNK_READY goes out (at once: the receiver can scatter while we gather the next chunk).
- * Returns 1 if it completed (successfully or not). */
+ * CHUNK_READY goes out (at once, unless held(): the receiver can scatter while we gather the next
+ * chunk). Returns 1 if it completed (successfully or not). */
 static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t d, uint64_t now)
 {
     sdest_t *sd = &r->cd[k * r->ndests + d];
@@ -991,13 +1013,12 @@ static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t
         fail_room(tx, r, st, "transport write failed");
         return 1;
     }
-    sd->state = SD_READY_SENT;
     KVS_PD_TRACE("prefill rank %u: room %llu chunk %llu: write done", tx->cfg.rank,
                  (unsigned long long) r->id, (unsigned long long) k);
-    if (r->status != KVS_ROOM_FAILED) {
-        send_chunk_ready(tx, r, k, d);
-        arm_retry(tx, sd, now, 0);
-    }
+    if (held(tx, r, d))
+        sd->state = SD_WRITTEN;
+    else
+        announce(tx, r, k, d, now);
     return 1;
 }
 
@@ -1131,6 +1152,11 @@ static uint32_t pump_room(kvs_sender_t *tx, sroom_t *r, uint64_t now)
                     else if (st != KVS_INPROGRESS)
                         fail_room(tx, r, st, "cannot start a write");
                 }
+                break;
+            case SD_WRITTEN:
+                if (held(tx, r, d)) break;
+                announce(tx, r, k, d, now);
+                events++;
                 break;
             case SD_READY_SENT:
                 if (now < sd->retry_at) break;

@@ -58,6 +58,7 @@ struct kvs_inproc_net {
     kvs_rng_t rng;
     kvs_clock_t clock;
     kvs_inproc_stats_t stats;
+    int shared_device; /* kvs_inproc_net_set_shared_device */
 };
 
 static inproc_ep_t *endpoint(kvs_inproc_net_t *net, kvs_side_t side, uint32_t rank)
@@ -384,6 +385,18 @@ static kvs_status_t ep_flush(void *ctx)
     return KVS_OK;
 }
 
+static int ep_shares_device(void *ctx, uint32_t peer)
+{
+    const inproc_ep_t *ep = ctx;
+    (void) peer;
+    return ep->side == KVS_SIDE_PREFILL && ep->net->shared_device;
+}
+
+void kvs_inproc_net_set_shared_device(kvs_inproc_net_t *net, int shared)
+{
+    net->shared_device = shared != 0;
+}
+
 static void ep_destroy(void *ctx)
 {
     inproc_ep_t *ep = ctx;
@@ -408,6 +421,7 @@ static const kvs_link_ops_t inproc_ops = {
     .expose = ep_expose,
     .flush = ep_flush,
     .peer_status = NULL, /* in one process no peer dies */
+    .shares_device = ep_shares_device,
     .destroy = ep_destroy,
 };
 

@@ -47,6 +47,12 @@ typedef struct {
      * silent past the liveness timeout (its rooms fail) or its instance is gone. NULL: peers
      * never die (inproc). */
     kvs_status_t (*peer_status)(void *ctx, uint32_t peer);
+    /* Prefill: 1 when decode rank peer's ring is on this rank's own GPU but in another process
+     * (another CUDA context: the GPU time-slices between the two processes' kernels, so a
+     * scatter of decode's runs in place of this rank's work, not beside it), else 0. Compared
+     * by device number: both processes must see the GPUs in one order (the same
+     * CUDA_VISIBLE_DEVICES). NULL: never. */
+    int (*shares_device)(void *ctx, uint32_t peer);
     void (*destroy)(void *ctx);
 } kvs_link_ops_t;
 

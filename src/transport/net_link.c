@@ -72,6 +72,7 @@ typedef struct {
 typedef struct {
     kvs_ucx_remote_t *remote; /* prefill: endpoint + rkey of the peer's ring */
     int ipc_ready;            /* prefill: the peer's GPU ring is imported (CUDA IPC) instead */
+    int same_device;          /* prefill: and it is on this rank's GPU (shares_device) */
     uint64_t remote_inc;      /* the peer incarnation it was built from */
     uint32_t remote_gen;      /* and the ring generation */
     uint64_t next_req;        /* prefill: next WIREUP_REQ may go then */
@@ -275,6 +276,7 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
                 "the decode rank announced a new ring");
     kvs_ucx_remote_t *rm = NULL;
     kvs_status_t st;
+    int same_device = 0;
     if (ipc) {
         /* A GPU ring on this host. A host pool writes it by CUDA copies from its host staging
          * buffers, through a CUDA IPC data plane opened at the first such ring. */
@@ -282,6 +284,9 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
         memcpy(h.bytes, b + WIREUP_FIXED, sizeof(h.bytes));
         st = n->ipc != NULL ? KVS_OK : open_host_ipc(n, kvs_cuda_ipc_handle_device(&h));
         if (st == KVS_OK) st = kvs_cuda_ipc_import(n->ipc, f->from, &h);
+        /* A host pool computes nothing on the GPU: only a device pool competes there. */
+        same_device = n->cfg.mem == KVS_MEM_DEVICE &&
+                      kvs_cuda_ipc_handle_device(&h) == (uint32_t) n->cfg.device;
     } else {
         /* A host ring: UCX puts (a GPU pool's writes go through a host copy, start_put). */
         st = kvs_ucx_remote_create(n->ucx, b + WIREUP_FIXED, addr_len, b + WIREUP_FIXED + addr_len,
@@ -298,6 +303,7 @@ static void handle_wireup(net_t *n, const kvs_zch_frame_t *f)
     p->wire_error = KVS_OK;
     p->remote = rm;
     p->ipc_ready = ipc;
+    p->same_device = same_device;
     p->remote_inc = f->incarnation;
     p->remote_gen = gen;
     kvs_debug("net link: prefill rank %u wired to decode rank %u (ring of %llu bytes, gen %u)",
@@ -761,6 +767,15 @@ static void net_destroy(void *ctx)
     kvs_free(n);
 }
 
+static int net_shares_device(void *ctx, uint32_t id)
+{
+    net_t *n = ctx;
+    uint32_t peer = 0;
+    if (n->cfg.side != KVS_SIDE_PREFILL || kvs_zch_peer_index(n->ch, id, &peer) != KVS_OK) return 0;
+    const npeer_t *p = &n->peers[peer];
+    return wired(p) && p->ipc_ready && p->same_device;
+}
+
 static const kvs_link_ops_t net_ops = {
     .name = "net",
     .send = net_send,
@@ -773,6 +788,7 @@ static const kvs_link_ops_t net_ops = {
     .expose = net_expose,
     .flush = net_flush,
     .peer_status = net_peer_status,
+    .shares_device = net_shares_device,
     .destroy = net_destroy,
 };
 

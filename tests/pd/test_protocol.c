@@ -389,46 +389,104 @@ static void test_prefill_abort(void **state)
     kvs_assert_no_leaks();
 }
 
-/* One room of 4 chunks from two prefill ranks to one decode rank, the whole prompt at rest from
- * the start, losing the drop_nth-th ACK (0: none). Returns the step at which decode reached
- * Success; *acks_p: the ACKs sent in all. The room then concludes on both sides, exact. */
-static uint64_t run_losing_ack(uint64_t drop_nth, uint64_t *acks_p)
+/* Room 7 of 4 chunks (64 tokens) from two prefill ranks to one decode rank, the whole prompt at
+ * rest from the start; finished (with a 4-byte final token) now, or later by finish_room. */
+static const uint32_t final_token = 1234;
+
+static void finish_room(h_t *h)
+{
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(kvs_sender_finish(h->tx[r], 7, &final_token, 4), KVS_OK);
+}
+
+static void start_room_at_rest(h_t *h, h_room_t *room, const kvs_inproc_faults_t *f, int finish)
 {
     kvs_pd_geometry_t g;
     h_default_geo(&g, 2, 1, 4);
+    h_setup(h, &g, f, 1 << 16, 256);
+    h_room_init(h, room, 7, 64, 0);
+    assert_int_equal(kvs_receiver_add_room(h->rx[0], 7, 0, 64, room->dpages), KVS_OK);
+    for (uint32_t r = 0; r < 2; r++) {
+        assert_int_equal(kvs_sender_add_room(h->tx[r], 7, 64, room->ptable), KVS_OK);
+        h_fill(h, r, 7, room->ptable, 0, 64);
+        assert_int_equal(kvs_sender_advance(h->tx[r], 7, 64, 64), KVS_OK);
+    }
+    if (finish) finish_room(h);
+}
+
+/* Steps room 7 to its conclusion on both sides, checks it succeeded exact with its final token
+ * and releases it; the harness is left idle. */
+static void conclude_room_at_rest(h_t *h, h_room_t *room)
+{
+    for (uint64_t i = 1; i < 20000 && !h_concluded(h, 7); i++) h_step(h);
+    assert_true(h_concluded(h, 7));
+    assert_int_equal(h_status(h, 0, 7, NULL), KVS_ROOM_SUCCESS);
+    assert_int_equal(h_mismatches(h, 0, 7, room->dpages, 0, 64), 0);
+    kvs_room_info_t info;
+    assert_int_equal(kvs_receiver_poll(h->rx[0], 7, &info), KVS_OK);
+    assert_int_equal(info.final_len, 4);
+    assert_memory_equal(info.final, &final_token, 4);
+    h_release(h, 7);
+    h_room_free(h, room);
+    h_assert_idle(h);
+}
+
+/* The room at rest, losing the drop_nth-th ACK (0: none). Returns the step at which decode
+ * reached Success; *acks_p: the ACKs sent in all. The room then concludes on both sides,
+ * exact. */
+static uint64_t run_losing_ack(uint64_t drop_nth, uint64_t *acks_p)
+{
     kvs_inproc_faults_t f = {.seed = 3, .drop_type = KVS_MSG_ACK, .drop_nth = drop_nth};
     h_t h;
-    h_setup(&h, &g, &f, 1 << 16, 256);
     h_room_t room;
-    h_room_init(&h, &room, 7, 64, 0);
-    assert_int_equal(kvs_receiver_add_room(h.rx[0], 7, 0, 64, room.dpages), KVS_OK);
-    const uint32_t token = 1234;
-    for (uint32_t r = 0; r < 2; r++) {
-        assert_int_equal(kvs_sender_add_room(h.tx[r], 7, 64, room.ptable), KVS_OK);
-        h_fill(&h, r, 7, room.ptable, 0, 64);
-        assert_int_equal(kvs_sender_finish(h.tx[r], 7, &token, 4), KVS_OK);
-    }
+    start_room_at_rest(&h, &room, &f, 1);
     uint64_t at = 0;
-    for (uint64_t i = 1; i < 20000 && !h_concluded(&h, 7); i++) {
+    for (uint64_t i = 1; i < 20000 && at == 0; i++) {
         h_step(&h);
-        if (at == 0 && h_status(&h, 1, 7, NULL) == KVS_ROOM_SUCCESS) at = i;
+        if (h_status(&h, 1, 7, NULL) == KVS_ROOM_SUCCESS) at = i;
     }
-    assert_true(h_concluded(&h, 7));
-    assert_int_equal(h_status(&h, 0, 7, NULL), KVS_ROOM_SUCCESS);
-    assert_int_equal(h_mismatches(&h, 0, 7, room.dpages, 0, 64), 0);
-    kvs_room_info_t info;
-    assert_int_equal(kvs_receiver_poll(h.rx[0], 7, &info), KVS_OK);
-    assert_int_equal(info.final_len, 4);
-    assert_memory_equal(info.final, &token, 4);
+    conclude_room_at_rest(&h, &room);
     kvs_inproc_stats_t ns;
     kvs_inproc_net_stats(h.net, &ns);
     if (drop_nth != 0) assert_int_equal(ns.dropped, 1);
     *acks_p = ns.sent_by_type[KVS_MSG_ACK];
-    h_release(&h, 7);
-    h_room_free(&h, &room);
-    h_assert_idle(&h);
     h_teardown(&h);
     return at;
+}
+
+/* A decode rank that shares the prefill rank's GPU from another process gets the room's
+ * CHUNK_READYs only once the whole prompt is computed (sender.c held(): its scatters would take
+ * the GPU from prefill's passes); slots are granted and written meanwhile, and the room then
+ * succeeds exact. Other decode ranks get each chunk's CHUNK_READY as soon as it is written. */
+static void test_ready_held_while_gpu_shared(void **state)
+{
+    (void) state;
+    for (int shared = 0; shared <= 1; shared++) {
+        h_t h;
+        h_room_t room;
+        start_room_at_rest(&h, &room, NULL, 0);
+        kvs_inproc_net_set_shared_device(h.net, shared);
+        for (int i = 0; i < 300; i++) h_step(&h); /* six retry timeouts */
+        kvs_inproc_stats_t ns;
+        kvs_inproc_net_stats(h.net, &ns);
+        kvs_pd_metrics_t m;
+        kvs_receiver_metrics(h.rx[0], &m);
+        if (shared) {
+            assert_int_equal(ns.sent_by_type[KVS_MSG_CHUNK_READY], 0);
+            assert_int_equal(ns.sent_by_type[KVS_MSG_STAGING_GRANT] > 0, 1); /* slots granted */
+            assert_int_equal(m.live_slots > 0, 1);                           /* and held */
+        } else {
+            assert_int_equal(ns.sent_by_type[KVS_MSG_CHUNK_READY] >= 8, 1); /* 4 chunks x 2 */
+        }
+        assert_int_equal(ns.sent_by_type[KVS_MSG_STATUS], 0);
+        assert_int_not_equal(h_status(&h, 1, 7, NULL), KVS_ROOM_SUCCESS);
+        finish_room(&h);
+        conclude_room_at_rest(&h, &room);
+        kvs_inproc_net_stats(h.net, &ns);
+        assert_int_equal(ns.sent_by_type[KVS_MSG_CHUNK_READY] >= 8, 1);
+        h_teardown(&h);
+    }
+    kvs_assert_no_leaks();
 }
 
 /* No lost acknowledgement delays decode's Success (protocol.md §4.7): STATUS Success leaves with
@@ -546,6 +604,7 @@ int main(void)
         cmocka_unit_test(test_abort_quarantines_until_ack),
         cmocka_unit_test(test_prefill_abort),
         cmocka_unit_test(test_lost_ack_never_delays_decode),
+        cmocka_unit_test(test_ready_held_while_gpu_shared),
         cmocka_unit_test(test_trace_timeline),
         cmocka_unit_test(test_garbage_rejected),
     };

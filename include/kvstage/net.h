@@ -117,6 +117,14 @@ kvs_status_t kvs_net_link_set_peer(kvs_link_t *link, uint32_t rank, const char *
  * The ops do this too: call it only while waiting without calling ops. */
 uint32_t kvs_net_link_progress(kvs_link_t *link);
 
+/* Sleeps at most timeout_us, waking as soon as a control message may have come to one of
+ * links[0..n) (net links; other links and NULL entries are skipped) or fd (>= 0: a pipe or
+ * socket of the caller's) is readable. Returns at once when a link already holds a message.
+ * For an engine's idle loop: a rank asleep between steps takes a grant, a CHUNK_READY or a
+ * STATUS when it comes, not at the end of a fixed sleep. Writes completing (UCX, CUDA) do not
+ * wake it. Returns 1 when woken before the timeout, else 0. */
+int kvs_net_link_wait(kvs_link_t *const *links, uint32_t n, int fd, uint64_t timeout_us);
+
 /* KVS_ERR_INVALID if link is not a net link. */
 kvs_status_t kvs_net_link_stats(kvs_link_t *link, kvs_net_stats_t *stats_p);
 

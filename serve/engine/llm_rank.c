@@ -319,20 +319,14 @@ static void handle_line(io_t *io, char *line)
     }
 }
 
-/* An idle step's sleep of up to `us`; rank 0 wakes as soon as its input pipe has something (a
- * request waiting for the end of a back-off sleep counted in its time to first token). */
-static void idle_wait(const io_t *io, int rank0, long us)
+/* An idle step's sleep of up to `us`, cut short by a control message on the rank's links (a
+ * grant, a CHUNK_READY or a STATUS waiting for the end of a sleep was part of every handoff's
+ * latency) and, on rank 0, by its input pipe (a request waiting for the end of a back-off sleep
+ * counted in its time to first token). */
+static void idle_wait(const io_t *io, const kvs_plumbing_t *pl, int rank0, long us)
 {
-    const int fd = io->cfg->in_fd;
-    if (!rank0 || io->eof || fd < 0 || fd >= FD_SETSIZE) {
-        sleep_us(us);
-        return;
-    }
-    fd_set in;
-    FD_ZERO(&in);
-    FD_SET(fd, &in);
-    const struct timespec ts = {0, us * 1000};
-    (void) pselect(fd + 1, &in, NULL, NULL, &ts, NULL);
+    const int fd = rank0 && !io->eof ? io->cfg->in_fd : -1;
+    (void) kvs_plumbing_wait(pl, fd, (uint64_t) us);
 }
 
 /* Takes whatever the pipe holds now, without waiting. */
@@ -621,7 +615,7 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
             last_work = kvs_now_ns();
             idle_us = IDLE_SLEEP_US;
         } else {
-            idle_wait(&io, c.rank == 0, idle_us);
+            idle_wait(&io, &pl, c.rank == 0, idle_us);
             const long cap = kvs_llm_live(llm) > 0 ? LIVE_SLEEP_MAX : IDLE_SLEEP_MAX;
             if (kvs_now_ns() - last_work > HOT_NS && idle_us < cap)
                 idle_us = idle_us * 2 < cap ? idle_us * 2 : cap;

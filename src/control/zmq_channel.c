@@ -558,6 +558,16 @@ static int peer_alive(kvs_zch_t *ch, uint32_t peer, uint64_t now)
     return alive;
 }
 
+int kvs_zch_wait_fd(kvs_zch_t *ch, int *fd_p)
+{
+    int events = 0, fd = -1;
+    size_t len = sizeof(events), fd_len = sizeof(fd);
+    if (zmq_getsockopt(ch->pull, ZMQ_EVENTS, &events, &len) != 0 || (events & ZMQ_POLLIN)) return 1;
+    if (zmq_getsockopt(ch->pull, ZMQ_FD, &fd, &fd_len) != 0 || fd < 0) return 1;
+    *fd_p = fd;
+    return 0;
+}
+
 uint32_t kvs_zch_tick(kvs_zch_t *ch)
 {
     uint64_t now = kvs_now_ns();

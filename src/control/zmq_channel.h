@@ -120,6 +120,11 @@ kvs_status_t kvs_zch_send(kvs_zch_t *ch, uint32_t peer, kvs_zch_kind_t kind, con
  * heartbeat or not, counts as a sign of life from its sender. */
 kvs_status_t kvs_zch_recv(kvs_zch_t *ch, kvs_zch_frame_t *frame_p);
 
+/* For a caller about to sleep: 1 when a frame may be waiting now (take it first); 0 when none
+ * is, and then *fd_p becomes readable once one may have come (ZeroMQ's ZMQ_FD: only a wake-up,
+ * never to be read; checking ZMQ_EVENTS here re-arms it). */
+int kvs_zch_wait_fd(kvs_zch_t *ch, int *fd_p);
+
 /* Sends the heartbeats that are due and updates liveness; returns frames sent. */
 uint32_t kvs_zch_tick(kvs_zch_t *ch);
 

@@ -240,6 +240,16 @@ uint32_t kvs_plumbing_progress(kvs_plumbing_t *p)
     return work;
 }
 
+int kvs_plumbing_wait(const kvs_plumbing_t *p, int fd, uint64_t timeout_us)
+{
+    kvs_link_t *links[1 + KVS_NET_MAX_INSTANCES];
+    uint32_t n = 0;
+    links[n++] = p->link;
+    for (uint32_t i = 0; i < p->ninsts && n < sizeof(links) / sizeof(links[0]); i++)
+        links[n++] = p->insts[i].link;
+    return kvs_net_link_wait(links, n, fd, timeout_us);
+}
+
 uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *p, uint32_t *first_p)
 {
     /* Per-room bootstrap: a dead prefill instance fails only the rooms that name it (and is

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/select.h>
 
 #include "base/map.h"
 #include "control/zmq_channel.h"
@@ -948,6 +949,29 @@ kvs_status_t kvs_net_link_set_peer(kvs_link_t *link, uint32_t rank, const char *
         return KVS_ERR_INVALID;
     }
     return kvs_zch_set_peer(n->ch, rank, endpoint);
+}
+
+int kvs_net_link_wait(kvs_link_t *const *links, uint32_t n, int fd, uint64_t timeout_us)
+{
+    fd_set in;
+    FD_ZERO(&in);
+    int top = -1;
+    if (fd >= 0 && fd < FD_SETSIZE) {
+        FD_SET(fd, &in);
+        top = fd;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        net_t *nt = links[i] != NULL ? net_of(links[i]) : NULL;
+        if (nt == NULL) continue;
+        int zfd = -1;
+        if (nt->inbox_count > 0 || kvs_zch_wait_fd(nt->ch, &zfd)) return 1;
+        if (zfd >= FD_SETSIZE) continue; /* only the timeout wakes for it */
+        FD_SET(zfd, &in);
+        if (zfd > top) top = zfd;
+    }
+    const struct timespec ts = {(time_t) (timeout_us / 1000000),
+                                (long) (timeout_us % 1000000) * 1000};
+    return pselect(top + 1, &in, NULL, NULL, &ts, NULL) > 0;
 }
 
 uint32_t kvs_net_link_progress(kvs_link_t *link)

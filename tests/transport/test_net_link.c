@@ -657,6 +657,78 @@ static void test_wireup_timeout(void **state)
     kvs_assert_no_leaks();
 }
 
+/* kvs_net_link_wait sleeps for its timeout when nothing comes, and wakes at once for a control
+ * message (one arriving, or one already waiting) and for the caller's fd. Heartbeats are slowed
+ * to one a minute so that none wakes it. */
+static double wait_ms(kvs_link_t *const *links, uint32_t n, int fd, uint64_t timeout_us, int *woke)
+{
+    const uint64_t t0 = kvs_now_ns();
+    *woke = kvs_net_link_wait(links, n, fd, timeout_us);
+    return (double) (kvs_now_ns() - t0) / 1e6;
+}
+
+static void test_wait_wakes_on_message(void **state)
+{
+    (void) state;
+    kvs_net_config_t dc = net_cfg(KVS_SIDE_DECODE, KVS_NET_DATA_SHM);
+    dc.heartbeat_ns = 60000 * MS;
+    dc.liveness_timeout_ns = 120000 * MS;
+    kvs_link_t *d = NULL, *p = NULL;
+    assert_int_equal(kvs_net_link_create(&dc, &d), KVS_OK);
+    kvs_net_config_t pc = net_cfg(KVS_SIDE_PREFILL, KVS_NET_DATA_SHM);
+    pc.heartbeat_ns = dc.heartbeat_ns;
+    pc.liveness_timeout_ns = dc.liveness_timeout_ns;
+    pc.peers[0] = kvs_net_link_endpoint(d);
+    assert_int_equal(kvs_net_link_create(&pc, &p), KVS_OK);
+    /* Connected both ways: a message from prefill reaches decode (and its first heartbeats). */
+    tmsg_t m = {.kind = 7, .index = 1};
+    assert_int_equal(tsend(p, &m), KVS_OK);
+    tmsg_t got;
+    int woke = 0;
+    for (uint64_t end = kvs_now_ns() + 5000 * MS; !trecv(d, &got);)
+        if (kvs_now_ns() > end) fail_msg("no message within 5 s");
+    while (trecv(d, &got)) {
+    }
+    kvs_net_link_progress(d);
+    kvs_link_t *links[] = {NULL, d};
+    /* Nothing comes: the whole timeout. */
+    double ms = wait_ms(links, 2, -1, 60000, &woke);
+    assert_int_equal(woke, 0);
+    assert_true(ms >= 55.0);
+    /* A message on its way wakes it long before the timeout. */
+    m.index = 2;
+    assert_int_equal(tsend(p, &m), KVS_OK);
+    ms = wait_ms(links, 2, -1, 10000000, &woke);
+    assert_int_equal(woke, 1);
+    assert_true(ms < 2000.0);
+    /* Two waiting: the wait returns at once while one is still to be taken. */
+    m.index = 3;
+    assert_int_equal(tsend(p, &m), KVS_OK);
+    for (uint64_t end = kvs_now_ns() + 5000 * MS; !trecv(d, &got) || got.index != 2;)
+        if (kvs_now_ns() > end) fail_msg("message 2 not taken within 5 s");
+    for (uint64_t end = kvs_now_ns() + 5000 * MS; kvs_now_ns() < end;) {
+        ms = wait_ms(links, 2, -1, 10000000, &woke);
+        assert_int_equal(woke, 1);
+        if (trecv(d, &got)) break;
+    }
+    assert_int_equal(got.index, 3);
+    /* The caller's fd wakes it too; links that are not net links are skipped. */
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    assert_int_equal(write(fds[1], "x", 1), 1);
+    ms = wait_ms(links, 2, fds[0], 10000000, &woke);
+    assert_int_equal(woke, 1);
+    assert_true(ms < 2000.0);
+    close(fds[0]);
+    close(fds[1]);
+    ms = wait_ms(links, 1, -1, 20000, &woke);
+    assert_int_equal(woke, 0);
+    assert_true(ms >= 15.0);
+    kvs_link_destroy(p);
+    kvs_link_destroy(d);
+    kvs_assert_no_leaks();
+}
+
 /* Shared memory on one side and tcp on the other cannot meet: writes fail at once with a clear
  * error instead of waiting for their deadline. */
 static void test_mismatched_transports(void **state)
@@ -840,6 +912,7 @@ int main(void)
         cmocka_unit_test_teardown(test_prefill_restart_shm, nh_kill_children),
         cmocka_unit_test_teardown(test_prefill_restart_tcp, nh_kill_children),
         cmocka_unit_test_teardown(test_wireup_timeout, nh_kill_children),
+        cmocka_unit_test_teardown(test_wait_wakes_on_message, nh_kill_children),
         cmocka_unit_test_teardown(test_mismatched_transports, nh_kill_children),
         cmocka_unit_test_teardown(test_argument_checks, nh_kill_children),
         cmocka_unit_test_teardown(test_reexpose, nh_kill_children),

@@ -53,7 +53,8 @@ void kvs_inproc_net_destroy(kvs_inproc_net_t *net);
 void kvs_inproc_net_set_faults(kvs_inproc_net_t *net, const kvs_inproc_faults_t *faults);
 void kvs_inproc_net_stats(const kvs_inproc_net_t *net, kvs_inproc_stats_t *stats_p);
 /* Test hook: with shared set, every prefill link reports each decode peer as sharing its GPU
- * from another process (what kvs_sender_hold_ready acts on; one process never does). */
+ * from another process (a sender then holds the room's CHUNK_READYs until the prompt is
+ * computed, protocol.md §4.6; in one process that never happens). */
 void kvs_inproc_net_set_shared_device(kvs_inproc_net_t *net, int shared);
 /* Earliest time at which something queued becomes due (UINT64_MAX when idle). */
 uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net);

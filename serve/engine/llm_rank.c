@@ -6,7 +6,6 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <sys/select.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -73,7 +73,7 @@ typedef struct {
 typedef struct {
     kvs_ucx_remote_t *remote; /* prefill: endpoint + rkey of the peer's ring */
     int ipc_ready;            /* prefill: the peer's GPU ring is imported (CUDA IPC) instead */
-    int same_device;          /* prefill: and it is on this rank's GPU (shares_device) */
+    int same_device;          /* prefill: that GPU ring is on this rank's own GPU (shares_device) */
     uint64_t remote_inc;      /* the peer incarnation it was built from */
     uint32_t remote_gen;      /* and the ring generation */
     uint64_t next_req;        /* prefill: next WIREUP_REQ may go then */
@@ -774,7 +774,7 @@ static int net_shares_device(void *ctx, uint32_t id)
     uint32_t peer = 0;
     if (n->cfg.side != KVS_SIDE_PREFILL || kvs_zch_peer_index(n->ch, id, &peer) != KVS_OK) return 0;
     const npeer_t *p = &n->peers[peer];
-    return wired(p) && p->ipc_ready && p->same_device;
+    return wired(p) && p->same_device; /* set only for an imported GPU ring */
 }
 
 static const kvs_link_ops_t net_ops = {

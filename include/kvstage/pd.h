@@ -196,6 +196,10 @@ kvs_status_t kvs_sender_poll(kvs_sender_t *sender, uint64_t room, kvs_room_info_
 kvs_status_t kvs_sender_release(kvs_sender_t *sender, uint64_t room);
 /* Handles messages, timers and completions; returns how many events it processed. */
 uint32_t kvs_sender_progress(kvs_sender_t *sender);
+/* Writes started and not yet seen complete. Their completions wake no wait (kvs_net_link_wait
+ * watches control messages only), so a loop that sleeps between progress calls polls instead
+ * while this is nonzero: each such sleep was part of a handoff's latency. */
+uint32_t kvs_sender_copies_in_flight(const kvs_sender_t *sender);
 void kvs_sender_metrics(const kvs_sender_t *sender, kvs_pd_metrics_t *metrics_p);
 
 /* ---- decode side ---- */
@@ -227,6 +231,8 @@ kvs_status_t kvs_receiver_abort(kvs_receiver_t *receiver, uint64_t room);
 kvs_status_t kvs_receiver_poll(kvs_receiver_t *receiver, uint64_t room, kvs_room_info_t *info_p);
 kvs_status_t kvs_receiver_release(kvs_receiver_t *receiver, uint64_t room);
 uint32_t kvs_receiver_progress(kvs_receiver_t *receiver);
+/* Chunks whose scatter started and was not yet seen done (see kvs_sender_copies_in_flight). */
+uint32_t kvs_receiver_copies_in_flight(const kvs_receiver_t *receiver);
 void kvs_receiver_metrics(const kvs_receiver_t *receiver, kvs_pd_metrics_t *metrics_p);
 
 #endif

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -613,6 +614,11 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
         if (work != 0) {
             last_work = kvs_now_ns();
             idle_us = IDLE_SLEEP_US;
+        } else if (kvs_plumbing_copies_in_flight(&pl) > 0 && kvs_now_ns() - last_work < HOT_NS) {
+            /* A write or scatter runs, and its completion wakes no wait: poll for it. Each
+             * sleep here was part of every handoff's latency (about 0.1 ms of the 0.5 ms from
+             * a prompt computed to its KV on decode, on one GPU). */
+            sched_yield();
         } else {
             idle_wait(&io, &pl, c.rank == 0, idle_us);
             const long cap = kvs_llm_live(llm) > 0 ? LIVE_SLEEP_MAX : IDLE_SLEEP_MAX;

@@ -250,6 +250,16 @@ int kvs_plumbing_wait(const kvs_plumbing_t *p, int fd, uint64_t timeout_us)
     return kvs_net_link_wait(links, n, fd, timeout_us);
 }
 
+uint32_t kvs_plumbing_copies_in_flight(const kvs_plumbing_t *p)
+{
+    uint32_t n = 0;
+    if (p->sender) n += kvs_sender_copies_in_flight(p->sender);
+    if (p->receiver) n += kvs_receiver_copies_in_flight(p->receiver);
+    for (uint32_t i = 0; i < p->ninsts; i++)
+        n += kvs_receiver_copies_in_flight(p->insts[i].receiver);
+    return n;
+}
+
 uint32_t kvs_plumbing_peers_down(const kvs_plumbing_t *p, uint32_t *first_p)
 {
     /* Per-room bootstrap: a dead prefill instance fails only the rooms that name it (and is

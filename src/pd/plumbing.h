@@ -100,6 +100,9 @@ uint32_t kvs_plumbing_progress(kvs_plumbing_t *plumbing);
 /* Sleeps at most timeout_us, woken early by a control message on any of the plumbing's links
  * or by fd (>= 0) becoming readable (kvs_net_link_wait). Returns 1 if woken early. */
 int kvs_plumbing_wait(const kvs_plumbing_t *plumbing, int fd, uint64_t timeout_us);
+/* Data copies (writes, scatters) started and not yet seen complete, over the sender and every
+ * receiver. Their completions wake no wait: a loop polls rather than sleeps while they run. */
+uint32_t kvs_plumbing_copies_in_flight(const kvs_plumbing_t *plumbing);
 /* Decode: how many of the other side's ranks the link believes dead (silent past the liveness
  * timeout), and the first of them in *first_p (may be NULL). 0 for links whose peers never die.
  * Per-room bootstrap: always 0 (a dead instance fails only the rooms naming it and is closed

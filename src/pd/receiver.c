@@ -83,7 +83,8 @@ struct kvs_receiver {
      * [K of its layers][V of its layers] (protocol.md §2) */
     kvs_kv_shape_t stage_shapes[KVS_MAX_TP];
     kvs_pd_metrics_t m;
-    uint64_t srtt_ns; /* smoothed round trip to the prefill ranks (kvs_pd_rto) */
+    uint32_t scattering; /* chunks whose scatter started, not yet seen done, over every room */
+    uint64_t srtt_ns;    /* smoothed round trip to the prefill ranks (kvs_pd_rto) */
 };
 
 /* A STATUS Failed that arrived before the engine added its room: without it the room would
@@ -400,6 +401,7 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
                  (unsigned long long) tokens);
     c->state = RCH_SCATTERING;
     r->scattering++;
+    rx->scattering++;
     return KVS_OK;
 }
 
@@ -897,6 +899,7 @@ static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
         if (c->state != RCH_SCATTERING) continue;
         if (kvs_copy_poll(&rx->copy, c->ticket) != KVS_OK) continue;
         r->scattering--;
+        rx->scattering--;
         n++;
         KVS_PD_TRACE("decode rank %u: room %llu chunk %llu: scatter done", rx->cfg.rank,
                      (unsigned long long) r->id, (unsigned long long) k);
@@ -1014,6 +1017,11 @@ uint32_t kvs_receiver_progress(kvs_receiver_t *rx)
     events += grant_slots(rx);
     rx->m.progress_ns += kvs_now_ns() - t0;
     return events;
+}
+
+uint32_t kvs_receiver_copies_in_flight(const kvs_receiver_t *rx)
+{
+    return rx->scattering;
 }
 
 void kvs_receiver_metrics(const kvs_receiver_t *rx, kvs_pd_metrics_t *metrics_p)

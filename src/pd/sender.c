@@ -108,6 +108,7 @@ struct kvs_sender {
     kvs_map_t rooms;     /* id -> sroom_t* */
     kvs_map_t stash;     /* id -> sstash_t* */
     kvs_pd_metrics_t m;
+    uint32_t writing; /* writes started, not yet seen complete, over every room */
     uint64_t srtt_ns; /* smoothed round trip to the decode ranks (kvs_pd_rto) */
 };
 
@@ -226,6 +227,7 @@ static void wait_writes(kvs_sender_t *tx, sroom_t *r)
             }
             sd->state = SD_GRANTED;
             r->writing--;
+            tx->writing--;
         }
     }
 }
@@ -949,6 +951,7 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     sd->buffer = b;
     sd->state = SD_WRITING;
     r->writing++;
+    tx->writing++;
     tx->m.bulk_writes++;
     tx->m.bytes += bytes;
     return KVS_OK;
@@ -1008,6 +1011,7 @@ static uint32_t collect_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32_t
     if (st == KVS_INPROGRESS) return 0;
     if (sd->buffer >= 0) tx->buffer_busy[sd->buffer] = 0;
     r->writing--;
+    tx->writing--;
     if (st != KVS_OK) {
         sd->state = SD_GRANTED;
         fail_room(tx, r, st, "transport write failed");
@@ -1233,6 +1237,11 @@ uint32_t kvs_sender_progress(kvs_sender_t *tx)
     events += expire_stash(tx, now);
     tx->m.progress_ns += kvs_now_ns() - t0;
     return events;
+}
+
+uint32_t kvs_sender_copies_in_flight(const kvs_sender_t *tx)
+{
+    return tx->writing;
 }
 
 void kvs_sender_metrics(const kvs_sender_t *tx, kvs_pd_metrics_t *metrics_p)

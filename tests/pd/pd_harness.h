@@ -283,12 +283,14 @@ static inline void h_assert_idle(h_t *h)
     for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
         kvs_sender_metrics(h->tx[r], &m);
         assert_int_equal(m.live_rooms, 0);
+        assert_int_equal(kvs_sender_copies_in_flight(h->tx[r]), 0);
     }
     for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
         kvs_receiver_metrics(h->rx[r], &m);
         assert_int_equal(m.live_rooms, 0);
         assert_int_equal(m.live_slots, 0);
         assert_int_equal(m.ring_used, 0);
+        assert_int_equal(kvs_receiver_copies_in_flight(h->rx[r]), 0);
         assert_int_equal(kvs_pool_free_pages(h->dpool[r]), kvs_pool_total_pages(h->dpool[r]));
     }
     for (uint32_t r = 0; r < h_prefill_ranks(h); r++)

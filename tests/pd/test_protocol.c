@@ -336,6 +336,9 @@ static void test_abort_quarantines_until_ack(void **state)
         kvs_inproc_net_stats(h.net, &ns);
     } while (ns.writes_in_flight == 0 && ++steps < 5000);
     assert_true(ns.writes_in_flight > 0);
+    /* The senders count a write until they see it complete (a rank loop polls while any is) */
+    assert_true(kvs_sender_copies_in_flight(h.tx[0]) + kvs_sender_copies_in_flight(h.tx[1]) >=
+                ns.writes_in_flight);
     assert_int_equal(kvs_receiver_abort(h.rx[0], 9), KVS_OK);
     int q;
     assert_int_equal(h_status(&h, 1, 9, &q), KVS_ROOM_FAILED);
@@ -347,6 +350,8 @@ static void test_abort_quarantines_until_ack(void **state)
         h_status(&h, 1, 9, &dq);
         /* Quiescent decode implies no write can still land. */
         if (dq) assert_int_equal(ns.writes_in_flight, 0);
+        assert_true(kvs_sender_copies_in_flight(h.tx[0]) + kvs_sender_copies_in_flight(h.tx[1]) >=
+                    ns.writes_in_flight);
         h_step(&h);
     }
     assert_true(h_concluded(&h, 9));

@@ -8,6 +8,7 @@
 #include "kvstage/log.h"
 #include "kvstage/msg.h"
 #include "kvstage/pd.h"
+#include "staging/copy.h"
 #include "transport/link.h"
 
 /* Bit i of a rank set (TP sizes are at most KVS_MAX_TP = 64). */
@@ -78,5 +79,10 @@ static inline void kvs_pd_arm(uint64_t *timer, uint64_t t)
 {
     if (t < *timer) *timer = t;
 }
+
+/* Test hooks: the copy backend a rank's gathers (sender) or scatters (receiver) run on, for a
+ * test to wrap with faults (kvs__copy_fail_nth). */
+kvs_copy_backend_t *kvs__sender_copy_backend(kvs_sender_t *tx);
+kvs_copy_backend_t *kvs__receiver_copy_backend(kvs_receiver_t *rx);
 
 #endif

@@ -13,7 +13,6 @@
 #include "kvstage/log.h"
 #include "kvstage/ring.h"
 #include "pd/pd_internal.h"
-#include "staging/copy.h"
 
 typedef enum {
     RCH_NONE = 0,   /* no request yet */
@@ -897,10 +896,20 @@ static uint32_t finish_scatters(kvs_receiver_t *rx, rroom_t *r)
     for (uint64_t k = 0; k < r->nchunks && r->scattering > 0; k++) {
         rchunk_t *c = &r->chunks[k];
         if (c->state != RCH_SCATTERING) continue;
-        if (kvs_copy_poll(&rx->copy, c->ticket) != KVS_OK) continue;
+        const kvs_status_t st = kvs_copy_poll(&rx->copy, c->ticket);
+        if (st == KVS_INPROGRESS) continue;
         r->scattering--;
         rx->scattering--;
         n++;
+        if (st != KVS_OK) {
+            /* The copy is over, its bytes are not trustworthy: the room fails and the slot
+             * stays quarantined with the others (set_quiescent frees it). */
+            c->state = RCH_GRANTED;
+            char why[96];
+            snprintf(why, sizeof(why), "the scatter of chunk %llu failed", (unsigned long long) k);
+            fail_room(rx, r, st, why);
+            continue;
+        }
         KVS_PD_TRACE("decode rank %u: room %llu chunk %llu: scatter done", rx->cfg.rank,
                      (unsigned long long) r->id, (unsigned long long) k);
         verify_chunk(rx, r, k);
@@ -1039,4 +1048,9 @@ void kvs_receiver_metrics(const kvs_receiver_t *rx, kvs_pd_metrics_t *metrics_p)
         const rroom_t *r = v;
         metrics_p->quarantined_rooms += r->status == KVS_ROOM_FAILED && !r->quiescent;
     }
+}
+
+kvs_copy_backend_t *kvs__receiver_copy_backend(kvs_receiver_t *rx)
+{
+    return &rx->copy;
 }

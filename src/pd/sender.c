@@ -22,7 +22,6 @@
 #include "kvstage/grid.h"
 #include "kvstage/log.h"
 #include "pd/pd_internal.h"
-#include "staging/copy.h"
 
 typedef enum {
     SD_IDLE = 0,   /* nothing asked yet */
@@ -1255,4 +1254,9 @@ void kvs_sender_metrics(const kvs_sender_t *tx, kvs_pd_metrics_t *metrics_p)
         const sroom_t *r = v;
         metrics_p->quarantined_rooms += r->status == KVS_ROOM_FAILED && !room_quiescent(r);
     }
+}
+
+kvs_copy_backend_t *kvs__sender_copy_backend(kvs_sender_t *tx)
+{
+    return &tx->copy;
 }

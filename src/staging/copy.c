@@ -2,6 +2,7 @@
  * every backend refuses the same descriptors with the same messages. */
 #include "staging/copy.h"
 
+#include "kvstage/alloc.h"
 #include "kvstage/log.h"
 
 uint64_t kvs_copy_region_bytes(const kvs_kv_shape_t *shape, uint32_t heads, uint64_t tokens)
@@ -115,4 +116,65 @@ void kvs_copy_backend_destroy(kvs_copy_backend_t *b)
     b->ops->destroy(b->ctx);
     b->ops = NULL;
     b->ctx = NULL;
+}
+
+/* ---- the failing-copy test hook ---- */
+
+typedef struct {
+    kvs_copy_backend_t inner;
+    uint64_t fail_nth;   /* 1-based, among the copies submitted since the wrap */
+    uint64_t submitted;  /* copies submitted since the wrap */
+    uint64_t last;       /* the newest ticket */
+    uint64_t fail_first; /* the failing copy's ticket; 0 until it is submitted */
+    uint64_t fail_last;  /* the last ticket that fails with it; 0 until a poll reported it */
+} fault_ctx_t;
+
+static kvs_status_t fault_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *desc,
+                                 uint64_t *ticket_p)
+{
+    fault_ctx_t *f = ctx;
+    kvs_status_t st = kvs_copy_submit(&f->inner, dir, desc, ticket_p);
+    if (st != KVS_OK) return st;
+    f->last = *ticket_p;
+    if (++f->submitted == f->fail_nth) f->fail_first = *ticket_p;
+    return KVS_OK;
+}
+
+static kvs_status_t fault_poll(void *ctx, uint64_t ticket)
+{
+    fault_ctx_t *f = ctx;
+    kvs_status_t st = kvs_copy_poll(&f->inner, ticket);
+    if (st != KVS_OK || f->fail_first == 0 || ticket < f->fail_first) return st;
+    /* Like a device error, the failure takes the copies queued behind it with it: every copy
+     * submitted before a poll first reported it. */
+    if (f->fail_last == 0) f->fail_last = f->last;
+    if (ticket > f->fail_last) return st;
+    kvs_error("copy(%s): copy %llu failed (injected by a test)", f->inner.ops->name,
+              (unsigned long long) ticket);
+    return KVS_ERR_IO;
+}
+
+static void fault_destroy(void *ctx)
+{
+    fault_ctx_t *f = ctx;
+    kvs_copy_backend_destroy(&f->inner);
+    kvs_free(f);
+}
+
+static const kvs_copy_ops_t fault_ops = {
+    .name = "failing",
+    .submit = fault_submit,
+    .poll = fault_poll,
+    .destroy = fault_destroy,
+};
+
+kvs_status_t kvs__copy_fail_nth(kvs_copy_backend_t *b, uint64_t fail_nth)
+{
+    fault_ctx_t *f = kvs_calloc(1, sizeof(*f));
+    if (f == NULL) return KVS_ERR_NOMEM;
+    f->inner = *b;
+    f->fail_nth = fail_nth;
+    b->ops = &fault_ops;
+    b->ctx = f;
+    return KVS_OK;
 }

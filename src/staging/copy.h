@@ -99,6 +99,12 @@ static inline kvs_status_t kvs_copy_poll(const kvs_copy_backend_t *b, uint64_t t
     return b->ops->poll(b->ctx, ticket);
 }
 
+/* Test hook: wraps *b so that its fail_nth-th copy from now on (1-based) fails. Polls of that
+ * copy and of every copy submitted before a poll first reported the failure (the copies queued
+ * behind it, as a device error takes them) return KVS_ERR_IO once the inner backend has
+ * finished them; everything else passes through. Destroying *b destroys the inner backend. */
+kvs_status_t kvs__copy_fail_nth(kvs_copy_backend_t *b, uint64_t fail_nth);
+
 /* Destroys the backend's context and clears *b; a cleared or zeroed backend is a no-op. */
 void kvs_copy_backend_destroy(kvs_copy_backend_t *b);
 

@@ -34,6 +34,7 @@ typedef struct {
     uint8_t *dst;
     uint64_t len;
     int ring_device; /* of the destination ring, -1 for host memory */
+    int fail;        /* the write_fail_nth fault: lands half its bytes, then fails */
 } inproc_write_t;
 
 typedef struct inproc_ep {
@@ -58,7 +59,8 @@ struct kvs_inproc_net {
     kvs_rng_t rng;
     kvs_clock_t clock;
     kvs_inproc_stats_t stats;
-    int shared_device; /* kvs_inproc_net_set_shared_device */
+    uint64_t writes_since_faults; /* data writes issued since the faults were last set */
+    int shared_device;            /* kvs_inproc_net_set_shared_device */
 };
 
 static inproc_ep_t *endpoint(kvs_inproc_net_t *net, kvs_side_t side, uint32_t rank)
@@ -139,6 +141,7 @@ void kvs_inproc_net_set_faults(kvs_inproc_net_t *net, const kvs_inproc_faults_t 
     kvs_rng_seed(&net->rng, net->faults.seed);
     memset(net->stats.sent_by_type, 0, sizeof(net->stats.sent_by_type));
     net->stats.host_writes = 0;
+    net->writes_since_faults = 0;
 }
 
 void kvs_inproc_net_stats(const kvs_inproc_net_t *net, kvs_inproc_stats_t *stats_p)
@@ -158,8 +161,6 @@ uint64_t kvs_inproc_net_next_event(const kvs_inproc_net_t *net)
     return next;
 }
 
-/* Starts landing one write: memcpy between host buffers (done at once), otherwise an
- * asynchronous copy on the writer's queue, made on the source's device (or the ring's). */
 /* The corruption fault: flips one bit of a write that just landed in host memory, after the
  * writer computed its checksum, as a bad link or a stray write would. */
 static void maybe_corrupt(kvs_inproc_net_t *net, inproc_write_t *w)
@@ -175,9 +176,20 @@ static void maybe_corrupt(kvs_inproc_net_t *net, inproc_write_t *w)
     net->stats.corrupted++;
 }
 
+/* Starts landing one write: memcpy between host buffers (done at once), otherwise an
+ * asynchronous copy on the writer's queue, made on the source's device (or the ring's). */
 static void land_write(inproc_ep_t *ep, inproc_write_t *w)
 {
     const int src_device = kvs_mem_device_of(w->src), ring_device = w->ring_device;
+    if (w->fail) {
+        /* A link that breaks mid-write: part of the bytes landed, the writer hears of a
+         * failure. */
+        if (src_device < 0 && ring_device < 0) memcpy(w->dst, w->src, w->len / 2);
+        ep->net->stats.write_failures++;
+        w->st = KVS_ERR_IO;
+        w->done = 1;
+        return;
+    }
     if (src_device < 0 && ring_device < 0) {
         memcpy(w->dst, w->src, w->len);
         maybe_corrupt(ep->net, w);
@@ -314,6 +326,7 @@ static kvs_status_t ep_write(void *ctx, uint32_t peer, uint64_t offset, const vo
     w->dst = to->ring + offset;
     w->len = len;
     w->ring_device = to->ring_device;
+    w->fail = ++net->writes_since_faults == net->faults.write_fail_nth;
     uint64_t due = kvs_clock_now(&net->clock) + random_delay(net, net->faults.write_delay_max_ns);
     kvs_status_t st = kvs_map_put(&ep->tickets, w->ticket, w);
     if (st == KVS_OK) {

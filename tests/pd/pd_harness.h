@@ -306,7 +306,25 @@ typedef struct {
     int stall; /* never finishes: for timeout tests */
     kvs_room_status_t final_status;
     uint64_t mismatched;
+    uint64_t reasons; /* bit -reason of every rank, either side, that failed the room */
 } h_run_room_t;
+
+/* The bit of a failure reason in h_run_room_t.reasons. */
+#define H_REASON(st) (1ull << ((uint32_t) - (st) &63))
+
+/* Adds the reason of every rank of both sides that failed the room to *reasons. */
+static inline void h_collect_reasons(h_t *h, uint64_t room, uint64_t *reasons)
+{
+    kvs_room_info_t info;
+    for (uint32_t r = 0; r < h_prefill_ranks(h); r++) {
+        assert_int_equal(kvs_sender_poll(h->tx[r], room, &info), KVS_OK);
+        if (info.status == KVS_ROOM_FAILED) *reasons |= H_REASON(info.reason);
+    }
+    for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
+        assert_int_equal(kvs_receiver_poll(h->rx[r], room, &info), KVS_OK);
+        if (info.status == KVS_ROOM_FAILED) *reasons |= H_REASON(info.reason);
+    }
+}
 
 /* Drives rooms like an engine would: decode registers first, prefill adds the room a little
  * later, computes one chunk every few ticks and finishes; concluded rooms are verified, then
@@ -359,6 +377,7 @@ static inline uint64_t h_run_rooms(h_t *h, h_run_room_t *rooms, size_t n, uint64
             }
             if (!rr->added_prefill || !h_concluded(h, rm->id)) continue;
             rr->final_status = h_status(h, 1, rm->id, NULL);
+            h_collect_reasons(h, rm->id, &rr->reasons);
             if (rr->final_status == KVS_ROOM_SUCCESS) {
                 for (uint32_t r = 0; r < h->geo.decode_tp; r++) {
                     rr->mismatched +=

@@ -4,6 +4,7 @@
  * prefix, oversize slot, abort with quarantine, timeouts), each checked byte for byte and for
  * leaks. */
 #include "pd/pd_harness.h"
+#include "pd/pd_internal.h"
 
 #include "kvstage/log.h"
 
@@ -594,6 +595,75 @@ static int quiet_logs(void **state)
     return 0;
 }
 
+/* Which copy fails in test_failed_copies_fail_their_rooms. */
+typedef enum { FAIL_SCATTER, FAIL_GATHER, FAIL_WRITE } fail_kind_t;
+
+/* One run with the nth copy of one kind failing: 1 when it was injected (nth within the run's
+ * copies of that kind), 0 when every room succeeded without it. */
+static int run_with_failed_copy(uint32_t ptp, uint32_t dtp, fail_kind_t kind, uint64_t nth)
+{
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, ptp, dtp, 4);
+    kvs_inproc_faults_t f = {.seed = nth, .delay_max_ns = 3 * H_TICK_NS};
+    if (kind == FAIL_WRITE) f.write_fail_nth = nth;
+    h_t h;
+    h_setup(&h, &g, &f, 1 << 16, 256);
+    /* Every gather of prefill rank 0, or every scatter of decode rank 0 */
+    kvs_copy_backend_t *b = kind == FAIL_GATHER    ? kvs__sender_copy_backend(h.tx[0])
+                            : kind == FAIL_SCATTER ? kvs__receiver_copy_backend(h.rx[0])
+                                                   : NULL;
+    if (b != NULL) assert_int_equal(kvs__copy_fail_nth(b, nth), KVS_OK);
+    h_run_room_t rooms[3];
+    memset(rooms, 0, sizeof(rooms));
+    for (int i = 0; i < 3; i++) h_room_init(&h, &rooms[i].room, 40 + i, 40 + 9 * i, 0);
+    const uint64_t steps = h_run_rooms(&h, rooms, 3, 20000);
+    uint32_t failed = 0;
+    for (int i = 0; i < 3; i++) {
+        if (!rooms[i].released)
+            fail_msg("%u->%u, copy kind %d, nth %llu: room %llu not concluded", ptp, dtp, kind,
+                     (unsigned long long) nth, (unsigned long long) rooms[i].room.id);
+        if (rooms[i].final_status == KVS_ROOM_SUCCESS) {
+            assert_int_equal(rooms[i].mismatched, 0);
+            continue;
+        }
+        failed++;
+        /* The failure is named: the copy's own error, on the rank whose copy failed */
+        if (!(rooms[i].reasons & H_REASON(KVS_ERR_IO)))
+            fail_msg("%u->%u, copy kind %d, nth %llu: room %llu failed without KVS_ERR_IO "
+                     "(reasons %llx)",
+                     ptp, dtp, kind, (unsigned long long) nth,
+                     (unsigned long long) rooms[i].room.id, (unsigned long long) rooms[i].reasons);
+    }
+    /* concluded by the failure itself, far below every timeout (20000 ticks) */
+    assert_true(steps < 5000);
+    kvs_inproc_stats_t ns;
+    kvs_inproc_net_stats(h.net, &ns);
+    if (kind == FAIL_WRITE) assert_int_equal(ns.write_failures, failed > 0);
+    h_assert_idle(&h);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+    return failed > 0;
+}
+
+/* A scatter, gather or transport write that fails (each copy of each kind in turn, over fan-in
+ * and fan-out pairs) fails its room with the copy's error, and only the rooms whose copies
+ * failed; every other room succeeds exact, and the slots, pages and buffers of the failed ones
+ * come back once quarantine ends: nothing leaks and nothing waits for a timeout. */
+static void test_failed_copies_fail_their_rooms(void **state)
+{
+    (void) state;
+    static const uint32_t tp_pairs[][2] = {{2, 1}, {1, 2}, {2, 2}};
+    for (size_t p = 0; p < sizeof(tp_pairs) / sizeof(tp_pairs[0]); p++) {
+        for (int kind = FAIL_SCATTER; kind <= FAIL_WRITE; kind++) {
+            uint64_t nth = 1;
+            while (run_with_failed_copy(tp_pairs[p][0], tp_pairs[p][1], (fail_kind_t) kind, nth))
+                nth++;
+            /* every copy of the runs was failed once: 3 rooms of 3-5 chunks */
+            assert_true(nth > 9);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -612,6 +682,7 @@ int main(void)
         cmocka_unit_test(test_ready_held_while_gpu_shared),
         cmocka_unit_test(test_trace_timeline),
         cmocka_unit_test(test_garbage_rejected),
+        cmocka_unit_test(test_failed_copies_fail_their_rooms),
     };
     return cmocka_run_group_tests(tests, quiet_logs, NULL);
 }

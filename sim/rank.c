@@ -6,6 +6,7 @@
  * scheduling on one rank and broadcasting; that coordination is not built yet. */
 #include "sim/rank.h"
 
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -185,7 +186,10 @@ kvs_status_t kvs_rank_run(const kvs_rank_config_t *config, kvs_rank_result_t *re
         uint32_t work = kvs_plumbing_progress(&pl);
         work += submit_more(&c, wl, &next, pe, de);
         work += prefill ? kvs_prefill_engine_step(pe) : kvs_decode_engine_step(de);
-        if (work == 0) sleep_us(50);
+        if (work == 0 && kvs_plumbing_copies_in_flight(&pl) > 0)
+            sched_yield(); /* a write or scatter runs: its completion wakes no wait */
+        else if (work == 0)
+            kvs_plumbing_wait(&pl, -1, 50); /* woken by the next message */
     }
     /* Keep answering peers a little longer: late ACKs, repeats, the other side's last rooms. */
     for (uint64_t end = kvs_now_ns() + c.drain_ns; kvs_now_ns() < end;) {

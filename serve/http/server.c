@@ -1681,7 +1681,8 @@ kvs_status_t kvs_server_create(const kvs_server_config_t *config, kvs_server_t *
                            .handler = on_request,
                            .handler_cls = srv,
                            .completed = on_completed,
-                           .completed_cls = srv};
+                           .completed_cls = srv,
+                           .quiesce = 1}; /* kvs_server_destroy */
     st = kvs__http_start(&ho, &srv->daemon, &srv->port);
     if (st != KVS_OK) goto free_sync;
     if (pthread_create(&srv->poke_thread, NULL, poke_main, srv) != 0) {

@@ -201,9 +201,15 @@ typedef struct {
     void *handler_cls;
     MHD_RequestCompletedCallback completed;
     void *completed_cls;
+    /* The caller stops accepting with MHD_quiesce_daemon before it stops the daemon. Such a
+     * daemon waits with poll(), not epoll: libmicrohttpd 0.9.75 can abort the process when an
+     * epoll daemon with internal threads is quiesced (its own thread and the quiesce both take
+     * the listen socket out of the epoll set, and the loser panics on ENOENT). */
+    int quiesce;
 } kvs__http_opts_t;
 
-/* Starts an epoll daemon with an internal thread pool and suspend/resume, bound to host:port.
+/* Starts a daemon with an internal thread pool and suspend/resume, bound to host:port, waiting
+ * with epoll (poll() with opts->quiesce).
  * At most max_connections clients at once (the next ones wait in the listen backlog); one
  * silent for idle_timeout_s is closed, whatever phase it is in (libmicrohttpd answers nothing
  * then: it lets the application answer only once the whole request is in), except while

@@ -392,8 +392,9 @@ kvs_status_t kvs__http_start(const kvs__http_opts_t *o, struct MHD_Daemon **daem
         kvs_error("http: bind address '%s' is not an IPv4 address", h);
         return KVS_ERR_INVALID;
     }
-    /* epoll: no FD_SETSIZE ceiling on the descriptors a connection may get. */
-    unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    /* epoll or poll: no FD_SETSIZE ceiling on the descriptors a connection may get. */
+    unsigned flags = (o->quiesce ? MHD_USE_POLL_INTERNAL_THREAD : MHD_USE_EPOLL_INTERNAL_THREAD) |
+                     MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     unsigned pool = o->threads ? o->threads : 4;
     unsigned limit =
         afford_connections(o->max_connections ? o->max_connections : KVS__HTTP_MAX_CONNECTIONS,

@@ -369,10 +369,11 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
     if (st != KVS_OK) return st;
     uint64_t t0 = kvs_now_ns();
     const uint64_t F = rx->rank_grid / rx->cfg.geo.page_size;
+    kvs_copy_desc_t descs[KVS_MAX_WRITERS];
     for (uint32_t w = 0; w < r->nwriters; w++) {
         /* into the layers of the writer's stage */
         const kvs_kv_shape_t *shape = &rx->stage_shapes[r->writers[w].stage];
-        kvs_copy_desc_t d = {
+        descs[w] = (kvs_copy_desc_t){
             .regions = kvs_pool_region(rx->pool, r->writers[w].first_layer, 0),
             .layers = shape->layers,
             .components = kvs_kv_shape_components(shape),
@@ -390,11 +391,13 @@ static kvs_status_t start_scatter(kvs_receiver_t *rx, rroom_t *r, uint64_t chunk
             /* summed from the ring's bytes as the scatter reads them; compared once it is done */
             .checksum = r->sums ? &r->sums[(chunk * r->nwriters + w) * 2 + 1] : NULL,
         };
-        st = kvs_copy_submit(&rx->copy, KVS_COPY_SCATTER, &d, &c->ticket);
-        if (st != KVS_OK) return st;
-        rx->m.bytes += tokens * r->writers[w].bytes_per_token;
     }
+    /* one launch for every writer's region where the backend can: their tails overlap */
+    st = kvs_copy_submit_batch(&rx->copy, KVS_COPY_SCATTER, descs, r->nwriters, &c->ticket);
     rx->m.data_ns += kvs_now_ns() - t0;
+    if (st != KVS_OK) return st;
+    for (uint32_t w = 0; w < r->nwriters; w++)
+        rx->m.bytes += tokens * r->writers[w].bytes_per_token;
     KVS_PD_TRACE("decode rank %u: room %llu chunk %llu: scatter started (%llu tokens)",
                  rx->cfg.rank, (unsigned long long) r->id, (unsigned long long) chunk,
                  (unsigned long long) tokens);

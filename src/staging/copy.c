@@ -110,6 +110,21 @@ kvs_status_t kvs_copy_desc_validate(kvs_copy_dir_t dir, const kvs_copy_desc_t *d
     return KVS_OK;
 }
 
+kvs_status_t kvs_copy_submit_batch(const kvs_copy_backend_t *b, kvs_copy_dir_t dir,
+                                   const kvs_copy_desc_t *descs, uint32_t n, uint64_t *ticket_p)
+{
+    if (n == 0) {
+        kvs_error("copy: a batch of no copies");
+        return KVS_ERR_INVALID;
+    }
+    if (b->ops->submit_batch != NULL) return b->ops->submit_batch(b->ctx, dir, descs, n, ticket_p);
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_status_t st = b->ops->submit(b->ctx, dir, &descs[i], ticket_p);
+        if (st != KVS_OK) return st;
+    }
+    return KVS_OK;
+}
+
 void kvs_copy_backend_destroy(kvs_copy_backend_t *b)
 {
     if (b == NULL || b->ops == NULL) return;

@@ -59,6 +59,11 @@ typedef struct kvs_copy_ops {
     kvs_status_t (*poll)(void *ctx, uint64_t ticket);
     /* Callers poll their last ticket to completion first. */
     void (*destroy)(void *ctx);
+    /* Optional (NULL: kvs_copy_submit_batch submits one at a time): starts n >= 1 copies in
+     * one direction as one unit of work, each with its own checksum; *ticket_p is the ticket
+     * of the last, done once every one of them is. */
+    kvs_status_t (*submit_batch)(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *descs,
+                                 uint32_t n, uint64_t *ticket_p);
 } kvs_copy_ops_t;
 
 typedef struct {
@@ -105,16 +110,24 @@ static inline kvs_status_t kvs_copy_poll(const kvs_copy_backend_t *b, uint64_t t
  * finished them; everything else passes through. Destroying *b destroys the inner backend. */
 kvs_status_t kvs__copy_fail_nth(kvs_copy_backend_t *b, uint64_t fail_nth);
 
+/* Starts the n >= 1 copies of descs (e.g. every writer region of one staging slot) as the
+ * backend does best: the CUDA backend launches compatible copies (equal page lists, page size
+ * and heads) as one kernel, so their tails overlap. *ticket_p names the last copy; when it polls
+ * done, all are. On an error no copy of the batch is left running (CPU copies are synchronous,
+ * the CUDA backend drains its stream after any failed submit). */
+kvs_status_t kvs_copy_submit_batch(const kvs_copy_backend_t *b, kvs_copy_dir_t dir,
+                                   const kvs_copy_desc_t *descs, uint32_t n, uint64_t *ticket_p);
+
 /* Destroys the backend's context and clears *b; a cleared or zeroed backend is a no-op. */
 void kvs_copy_backend_destroy(kvs_copy_backend_t *b);
 
 /* The CPU reference backend: synchronous memcpy on the calling thread. */
 kvs_status_t kvs_copy_cpu_create(kvs_copy_backend_t *backend_p);
 
-/* The CUDA backend (cuda/copy_cuda.cu): one kernel launch per copy on the backend's own
- * non-blocking stream on `device`; pool regions and the writer region are device memory.
- * Builds without CUDA link a stub that logs and returns KVS_ERR_UNSUPPORTED, as does a CUDA
- * build on a machine without that device. */
+/* The CUDA backend (cuda/copy_cuda.cu): one kernel launch per copy (per batch of copies over
+ * the same pages) on the backend's own non-blocking stream on `device`; pool regions and the writer
+ * region are device memory. Builds without CUDA link a stub that logs and returns
+ * KVS_ERR_UNSUPPORTED, as does a CUDA build on a machine without that device. */
 kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *backend_p);
 /* 1 when this build has CUDA and the runtime sees at least one device, else 0; never logs. */
 int kvs_copy_cuda_available(void);

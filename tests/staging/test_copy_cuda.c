@@ -3,9 +3,9 @@
  * table of shapes that forces every vector width and run kind, and over seeded random shapes,
  * strides (NHD/HND), page sizes, head ranges, dims, element sizes and misaligned regions;
  * both launch paths (table and page ids in the kernel parameters, or uploaded first, with
- * buffer growth); in-order completion with more copies in flight than the backend has slots,
- * both paths interleaved, while the caller rewrites its page array; refused descriptors;
- * device pools. Without a GPU those report
+ * buffer growth); batches of copies launched together, each with its own checksum; in-order
+ * completion with more copies in flight than the backend has slots, both paths interleaved, while
+ * the caller rewrites its page array; refused descriptors; device pools. Without a GPU those report
  * skipped; the launch plan and the kernels' division arithmetic are host code and are checked
  * in every CUDA build. */
 #include "copy_fixture.h"
@@ -588,6 +588,96 @@ static void test_in_order_many_in_flight(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Batches (kvs_copy_submit_batch) the way the receiver submits a slot's writer regions: 1 to 11
+ * copies of disjoint head slices of one pool, scatters (fan-in) and gathers (fan-out), most on
+ * one page list (one launch per 8 at most) and now and then one with its own pages, its own
+ * alignment or no checksum, which the backend launches apart; both launch paths. The pool, every
+ * region buffer (guards included) and every checksum equal the CPU's, which runs the copies
+ * one by one. */
+static void test_batches_vs_cpu(void **state)
+{
+    (void) state;
+    require_gpu();
+    const uint64_t seed = kvs_test_seed(0xba7c4e5);
+    const uint64_t iters = kvs_test_iters(60);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_copy_backend_t cpu, gpu;
+    assert_int_equal(kvs_copy_cpu_create(&cpu), KVS_OK);
+    assert_int_equal(kvs_copy_cuda_create(0, &gpu), KVS_OK);
+    enum { MAXN = 11 };
+    static const uint32_t page_sizes[] = {1, 4, 16, 64};
+    static const uint32_t misaligns[] = {1, 2, 4, 8, 16};
+    for (uint64_t iter = 0; iter < iters; iter++) {
+        const uint32_t n = (uint32_t) kvs_rng_range(&rng, 1, MAXN);
+        const uint32_t hs = (uint32_t) kvs_rng_range(&rng, 1, 2); /* heads per copy */
+        case_t cs;
+        memset(&cs, 0, sizeof(cs));
+        case_t *c = &cs;
+        c->shape = mha((uint32_t) kvs_rng_range(&rng, 1, 3), n * hs, pick_dim(&rng), 0, 2);
+        c->shape.head_dim_v = kvs_rng_chance(&rng, 1, 2) ? c->shape.head_dim_k : pick_dim(&rng);
+        c->page_size = page_sizes[kvs_rng_below(&rng, 4)];
+        c->npages = (uint32_t) kvs_rng_range(&rng, 1, 128 / c->page_size + 1);
+        c->lay_a = (kvs_pool_layout_t) kvs_rng_below(&rng, 2);
+        c->tp_a = c->tp_b = 1;
+        c->heads = hs;
+        const uint32_t pool_pages = c->npages + 4;
+        twin_t p;
+        twin_make(&p, c->shape, 1, c->page_size, pool_pages, c->lay_a);
+        twin_fill(&p, &rng);
+        uint32_t *shared = malloc(sizeof(uint32_t) * c->npages);
+        uint32_t *own = malloc(sizeof(uint32_t) * c->npages);
+        assert_true(shared != NULL && own != NULL);
+        pick_pages(&rng, pool_pages, c->npages, shared);
+        pick_pages(&rng, pool_pages, c->npages, own);
+        const kvs_copy_dir_t dir = iter % 2 ? KVS_COPY_GATHER : KVS_COPY_SCATTER;
+        const uint64_t rbytes =
+            kvs_copy_region_bytes(&c->shape, hs, (uint64_t) c->npages * c->page_size);
+        rbuf_t bufs[MAXN];
+        kvs_copy_desc_t hd[MAXN], dd[MAXN];
+        uint64_t hsum[MAXN], dsum[MAXN];
+        for (uint32_t w = 0; w < n; w++) {
+            const uint32_t mis = kvs_rng_chance(&rng, 1, 8) ? misaligns[kvs_rng_below(&rng, 5)] : 0;
+            const uint32_t *pages = kvs_rng_chance(&rng, 1, 8) ? own : shared;
+            rbuf_make(&bufs[w], rbytes, mis, &rng);
+            hd[w] = copy_desc(p.host, p.hreg, pages, c->npages, w * hs, hs,
+                              bufs[w].hbuf + GUARD + mis, rbytes);
+            dd[w] = copy_desc(p.dev, p.dreg, pages, c->npages, w * hs, hs,
+                              bufs[w].dbuf + GUARD + mis, rbytes);
+            hsum[w] = dsum[w] = 0;
+            if (!kvs_rng_chance(&rng, 1, 10)) {
+                hd[w].checksum = &hsum[w];
+                dd[w].checksum = &dsum[w];
+            }
+            run_copy(&cpu, dir, &hd[w]);
+        }
+        assert_int_equal(kvs__copy_cuda_set_inline_max(&gpu, iter % 4 < 2 ? 0 : SIZE_MAX), KVS_OK);
+        uint64_t t = 0;
+        assert_int_equal(kvs_copy_submit_batch(&gpu, dir, dd, n, &t), KVS_OK);
+        kvs_status_t st;
+        while ((st = kvs_copy_poll(&gpu, t)) == KVS_INPROGRESS) {
+        }
+        assert_int_equal(st, KVS_OK);
+        uint64_t diff = twin_diff(&p);
+        CHECK(diff == UINT64_MAX, "%s batch of %u: pool differs at byte %llu",
+              dir == KVS_COPY_GATHER ? "gather" : "scatter", n, (unsigned long long) diff);
+        for (uint32_t w = 0; w < n; w++) {
+            diff = rbuf_diff(&bufs[w]);
+            CHECK(diff == UINT64_MAX, "batch of %u: region buffer of copy %u differs at byte %llu",
+                  n, w, (unsigned long long) diff);
+            CHECK(dsum[w] == hsum[w], "batch of %u: copy %u's GPU checksum %llx, CPU %llx", n, w,
+                  (unsigned long long) dsum[w], (unsigned long long) hsum[w]);
+            rbuf_free(&bufs[w]);
+        }
+        free(shared);
+        free(own);
+        twin_free(&p);
+    }
+    kvs_copy_backend_destroy(&gpu);
+    kvs_copy_backend_destroy(&cpu);
+    kvs_assert_no_leaks();
+}
+
 static void test_refusals(void **state)
 {
     (void) state;
@@ -718,6 +808,7 @@ int main(void)
         cmocka_unit_test(test_plan_cases_on_gpu),
         cmocka_unit_test(test_random_vs_cpu),
         cmocka_unit_test(test_in_order_many_in_flight),
+        cmocka_unit_test(test_batches_vs_cpu),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

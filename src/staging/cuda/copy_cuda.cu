@@ -1,10 +1,13 @@
 /* The CUDA copy backend: gather pool pages into a writer region and scatter them back with one
  * kernel launch per copy, covering every layer and component, on the backend's own
- * non-blocking stream. Byte for byte the CPU reference (cpu/copy_cpu.c).
+ * non-blocking stream. Byte for byte the CPU reference (cpu/copy_cpu.c). A batch of copies
+ * over the same pages (kvs_copy_submit_batch: the writer regions of one staging slot) goes out
+ * as one launch of up to MAX_BATCH copies, each with its own checksum, so the copies' tails
+ * (the last blocks, the checksum's fold) overlap instead of queueing one after another.
  *
- * Per copy, submit validates the descriptor and builds a table of (layer, component) blocks
- * followed by the page ids. A small table (INLINE_BYTES, e.g. 1k pages of Llama-3-8B) rides in
- * the kernel's parameters, which the launch snapshots; a larger one is written into a pinned
+ * Per launch, submit validates the descriptors and builds a table of (copy, layer, component)
+ * blocks followed by the page ids. A small table (INLINE_BYTES, e.g. 1k pages of Llama-3-8B) rides
+ * in the kernel's parameters, which the launch snapshots; a larger one is written into a pinned
  * host slot and copied to a device scratch buffer on the stream before the launch. Then the
  * slot's event is recorded and the ticket names it. Everything runs on one stream, so copies
  * finish in submit order and one scratch buffer suffices; the pinned slots (NSLOTS) let the
@@ -50,6 +53,9 @@ constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel para
  * the result and clears them for the next copy through this slot (no clear and no copy back
  * per copy). */
 constexpr uint32_t CSUM_SPREAD = 64;
+/* Copies one launch may carry (kvs_copy_submit_batch), each with its own checksum lanes,
+ * counter and result; larger batches go out as several launches. */
+constexpr uint32_t MAX_BATCH = 8;
 /* The counter of a slot sits alone in its 128-byte line, apart from every slot's sums. */
 constexpr uint32_t CSUM_COUNTER_STRIDE = 32; /* unsigned ints per slot */
 
@@ -94,15 +100,18 @@ struct entry_t {
 };
 static_assert(sizeof(entry_t) == 64, "entry_t is one 64-byte record");
 
+/* A launch carries gridDim.z copies of one table: copy 0's (layer, component) blocks, which the
+ * other copies shift to their own heads of the same pool and their own writer region. */
 struct launch_t {
-    const entry_t *entries;       /* [layers * components], in the device scratch */
-    const uint32_t *pages;        /* [npages], in the device scratch after the entries */
-    fastdiv_t heads;              /* selected heads */
-    fastdiv_t page_size;          /* P */
-    const uint8_t *region;        /* the writer region, for checksum offsets */
-    unsigned long long *csum;     /* [CSUM_SPREAD] the region's checksum partial sums; NULL: none */
-    unsigned int *csum_count;     /* the copy's count of blocks done */
-    unsigned long long *csum_out; /* the sum, in host memory mapped into the device */
+    const entry_t *entries;        /* [layers * components] of copy 0, in the device scratch */
+    const uint32_t *pages;         /* [npages], in the device scratch after the entries */
+    fastdiv_t heads;               /* selected heads */
+    fastdiv_t page_size;           /* P */
+    unsigned long long *csum;      /* [MAX_BATCH][CSUM_SPREAD] checksum partial sums; NULL: none */
+    unsigned int *csum_count;      /* [MAX_BATCH][CSUM_COUNTER_STRIDE]: [0] blocks done */
+    unsigned long long *csum_out;  /* [MAX_BATCH] the sums, in host memory mapped into the device */
+    uint8_t *region[MAX_BATCH];    /* each copy's writer region */
+    int32_t head_shift[MAX_BATCH]; /* each copy's first pool head, less copy 0's */
 };
 
 /* Small copies carry their table and page ids inside the launch's parameters (up to 32 KB
@@ -210,9 +219,10 @@ __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned c
     kvs_csum_small(&c, off, v, 1);
 }
 
-/* Adds this block's part of the checksum (thread 0's `part`; every thread calls it); the block
- * that finishes last folds the partial sums into the result, in host memory, and leaves them
- * and the counter zeroed for the next copy through this slot.
+/* Adds this block's part of its copy's checksum (thread 0's `part`; every thread calls it);
+ * the copy's block that finishes last folds its partial sums into the result, in host memory,
+ * and leaves them and the counter zeroed for the next copy through this slot. The copies of a
+ * batch count and fold apart, each on its own lanes.
  *
  * The tail of every checksummed copy is this function's chain in its last block, so it is
  * kept to what the result needs: the block's addition into its partial sum (a reduction, no
@@ -223,38 +233,40 @@ __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned c
  * fence.sc (__threadfence) per block and a second level of counters, as before, each added a
  * wait to that chain; no system fence is needed either, as the host reads the result only
  * after the copy's event, which follows the kernel's completion and so its writes. */
-__device__ __forceinline__ void csum_block_done(const launch_t &p, unsigned long long part)
+__device__ __forceinline__ void csum_block_done(const launch_t &p, uint32_t copy,
+                                                unsigned long long part)
 {
     static_assert(CSUM_SPREAD == 64 && THREADS >= CSUM_SPREAD, "the fold uses two full warps");
     __shared__ int last;
     __shared__ unsigned long long fold[2];
+    unsigned long long *const lanes = p.csum + (size_t) copy * CSUM_SPREAD;
+    unsigned int *const count = p.csum_count + (size_t) copy * CSUM_COUNTER_STRIDE;
     if (threadIdx.x == 0) {
-        const uint32_t blocks = gridDim.x * gridDim.y;
         const uint32_t g = (blockIdx.y * gridDim.x + blockIdx.x) % CSUM_SPREAD;
         if (part != 0)
-            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&p.csum[g]), "l"(part)
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&lanes[g]), "l"(part)
                          : "memory");
         unsigned int before;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
                      : "=r"(before)
-                     : "l"(p.csum_count)
+                     : "l"(count)
                      : "memory");
-        last = before == blocks - 1;
+        last = before == gridDim.x * gridDim.y - 1; /* the copy's blocks */
     }
     /* The barrier carries thread 0's acquire to the folding threads (causality order). */
     __syncthreads();
     if (!last || threadIdx.x >= CSUM_SPREAD) return;
-    unsigned long long sum = atomicExch(&p.csum[threadIdx.x], 0ull);
+    unsigned long long sum = atomicExch(&lanes[threadIdx.x], 0ull);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
     if ((threadIdx.x & 31) == 0) fold[threadIdx.x / 32] = sum;
     asm volatile("bar.sync 1, %0;" ::"r"(CSUM_SPREAD)); /* the two folding warps only */
     if (threadIdx.x != 0) return;
-    *p.csum_count = 0; /* every block has counted: none of this copy reads it again */
-    *(volatile unsigned long long *) p.csum_out = fold[0] + fold[1];
+    *count = 0; /* every block has counted: none of this copy reads it again */
+    *(volatile unsigned long long *) &p.csum_out[copy] = fold[0] + fold[1];
 }
 
-/* grid = (ceil(max units / CHUNK), layers * components); a thread moves vectors
+/* grid = (ceil(max units / CHUNK), layers * components, copies); a thread moves vectors
  * base + tid, base + tid + THREADS, ... of its block's chunk. The phases are written out so
  * that all page-id loads are in flight together, then all data loads, then the stores: no
  * thread waits twice for memory. Source and destination never overlap, so sources go through
@@ -265,10 +277,15 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
                                           const launch_t &p)
 {
     typedef typename vec_of<V>::type vec_t;
-    const entry_t e = entries[blockIdx.y];
+    const uint32_t copy = blockIdx.z;
+    entry_t e = entries[blockIdx.y];
+    if (copy != 0) { /* the same (layer, component) block of another copy */
+        e.pool += (int64_t) p.head_shift[copy] * (int64_t) e.head_stride;
+        e.block = p.region[copy] + (e.block - p.region[0]);
+    }
     const uint32_t base = blockIdx.x * CHUNK + threadIdx.x;
     if (blockIdx.x * CHUNK >= e.units) {
-        if (p.csum != nullptr) csum_block_done(p, 0); /* every block counts */
+        if (p.csum != nullptr) csum_block_done(p, copy, 0); /* every block counts */
         return;
     }
     uint32_t index[UNROLL];
@@ -306,7 +323,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
      * thread, then per warp and per block, then once per block into one of the partial sums. */
     if (p.csum != nullptr) {
         kvs_csum_t c = {0};
-        const uint64_t block_off = (uint64_t) (e.block - p.region);
+        const uint64_t block_off = (uint64_t) (e.block - p.region[copy]);
 #pragma unroll
         for (uint32_t k = 0; k < UNROLL; k++) {
             const uint32_t u = base + k * THREADS;
@@ -322,17 +339,18 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
 #pragma unroll
             for (uint32_t w = 0; w < THREADS / 32; w++) total += warp_sums[w];
         }
-        csum_block_done(p, total);
+        csum_block_done(p, copy, total);
     }
 }
 
+/* __grid_constant__ keeps the parameters in place (no per-thread copy) so they can be indexed
+ * (a copy's region and block count). */
 template <int V, int RUN, bool GATHER>
-__global__ void __launch_bounds__(THREADS) copy_kernel(const launch_t p)
+__global__ void __launch_bounds__(THREADS) copy_kernel(const __grid_constant__ launch_t p)
 {
     copy_body<V, RUN, GATHER, false>(p.entries, p.pages, p);
 }
 
-/* __grid_constant__ keeps the parameters in place (no per-thread copy) so they can be indexed. */
 template <int V, int RUN, bool GATHER>
 __global__ void __launch_bounds__(THREADS)
     copy_kernel_inline(const __grid_constant__ launch_inline_t p)
@@ -503,12 +521,15 @@ namespace
 {
 
 struct slot_t {
-    uint64_t ticket;  /* the copy last submitted through this slot; 0 = none yet */
-    cudaEvent_t done; /* recorded after that copy */
-    uint8_t *pinned;  /* [entries][pages] of that copy: the source of its upload */
+    uint64_t ticket;  /* the launch last submitted through this slot (its last copy's ticket);
+                         0 = none yet */
+    cudaEvent_t done; /* recorded after that launch */
+    uint8_t *pinned;  /* [entries][pages] of that launch: the source of its upload */
     size_t cap;
-    uint64_t *csum_out;  /* the caller's checksum of that copy, written once it is done */
-    uint64_t csum_bytes; /* its region's size */
+    uint32_t copies;                /* copies in that launch */
+    uint32_t csum_pending;          /* of them, checksums not yet handed to their callers */
+    uint64_t *csum_out[MAX_BATCH];  /* the callers' checksums, written once it is done */
+    uint64_t csum_bytes[MAX_BATCH]; /* each region's size */
 };
 
 struct cuda_ctx_t {
@@ -521,9 +542,9 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;      /* [NSLOTS][CSUM_SPREAD] checksum partial sums per slot */
-    unsigned int *csum_count;          /* [NSLOTS][CSUM_COUNTER_STRIDE]: [0] blocks done */
-    unsigned long long *csum_host;     /* [NSLOTS] pinned and mapped: each slot's last sum */
+    unsigned long long *csum_dev;  /* [NSLOTS][MAX_BATCH][CSUM_SPREAD] checksum partial sums */
+    unsigned int *csum_count;      /* [NSLOTS][MAX_BATCH][CSUM_COUNTER_STRIDE]: [0] blocks done */
+    unsigned long long *csum_host; /* [NSLOTS][MAX_BATCH] pinned and mapped: the last sums */
     unsigned long long *csum_host_dev; /* the same, as the device sees it */
     launch_inline_t params;            /* built here, snapshotted by the launch */
 };
@@ -566,10 +587,15 @@ void deliver_checksums(cuda_ctx_t *c)
 {
     for (uint32_t i = 0; i < NSLOTS; i++) {
         slot_t *s = &c->slots[i];
-        if (s->csum_out == NULL || s->ticket > c->done) continue;
-        const kvs_csum_t sums = {((volatile unsigned long long *) c->csum_host)[i]};
-        *s->csum_out = kvs_csum_final(&sums, s->csum_bytes);
-        s->csum_out = NULL;
+        if (s->csum_pending == 0 || s->ticket > c->done) continue;
+        for (uint32_t k = 0; k < s->copies; k++) {
+            if (s->csum_out[k] == NULL) continue;
+            const kvs_csum_t sums = {
+                ((volatile unsigned long long *) c->csum_host)[(size_t) i * MAX_BATCH + k]};
+            *s->csum_out[k] = kvs_csum_final(&sums, s->csum_bytes[k]);
+            s->csum_out[k] = NULL;
+        }
+        s->csum_pending = 0;
     }
 }
 
@@ -657,11 +683,20 @@ void fill_table(entry_t *table, const kvs_copy_desc_t *d, const kvs_cuda_plan_t 
     }
 }
 
-/* Launches the copy: with its table and page ids in the kernel parameters when they fit,
+/* n copies that differ only in their first pool head and their writer region: one launch,
+ * copy 0's table and plan. */
+struct group_t {
+    const kvs_copy_desc_t *d; /* [n] */
+    const kvs_cuda_plan_t *plan;
+    uint32_t n;
+};
+
+/* Launches the group: with its table and page ids in the kernel parameters when they fit,
  * else uploaded through the slot's pinned buffer into the device scratch first. */
-kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
-                     const kvs_cuda_plan_t *plan)
+kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const group_t *g)
 {
+    const kvs_copy_desc_t *d = g->d;
+    const kvs_cuda_plan_t *plan = g->plan;
     const size_t table_bytes = (size_t) plan->entries * sizeof(entry_t);
     const size_t bytes = table_bytes + (size_t) d->npages * sizeof(uint32_t);
     const bool inl = bytes <= c->inline_max;
@@ -669,20 +704,24 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
     memset(&p, 0, sizeof(p));
     p.heads = fastdiv_make(d->heads);
     p.page_size = fastdiv_make(d->page_size);
+    for (uint32_t k = 0; k < g->n; k++) {
+        p.region[k] = d[k].region;
+        p.head_shift[k] = (int32_t) d[k].pool_head - (int32_t) d->pool_head;
+    }
     void *args[1];
     kvs_status_t st;
-    if (inl) {
-        c->params.p = p;
-        fill_table((entry_t *) c->params.data, d, plan);
-        memcpy(c->params.data + table_bytes, d->pages, (size_t) d->npages * sizeof(uint32_t));
-        args[0] = &c->params;
-    } else {
+    if (!inl) {
         st = slot_reserve(s, bytes);
         if (st != KVS_OK) return st;
         st = scratch_reserve(c, bytes);
         if (st != KVS_OK) return st;
-        fill_table((entry_t *) s->pinned, d, plan); /* [layers][components] */
-        memcpy(s->pinned + table_bytes, d->pages, (size_t) d->npages * sizeof(uint32_t));
+    }
+    uint8_t *table = inl ? c->params.data : s->pinned; /* [layers][components] */
+    fill_table((entry_t *) table, d, plan);
+    memcpy(table + table_bytes, d->pages, (size_t) d->npages * sizeof(uint32_t));
+    if (inl) {
+        args[0] = &c->params;
+    } else {
         st = KVS_CUDA_CHECK(
             cudaMemcpyAsync(c->scratch, s->pinned, bytes, cudaMemcpyHostToDevice, c->stream),
             "copy(cuda): uploading the page list of a %s", dir_name(dir));
@@ -691,28 +730,26 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const kvs_cop
         p.pages = (const uint32_t *) (c->scratch + table_bytes);
         args[0] = &p;
     }
-    unsigned long long *lanes = c->csum_dev + (size_t) (s - c->slots) * CSUM_SPREAD;
-    if (d->checksum != NULL) {
-        launch_t *lp = inl ? &c->params.p : &p;
+    if (d->checksum != NULL) { /* every copy of a group has one, or none has */
         const size_t slot = (size_t) (s - c->slots);
-        lp->region = d->region;
-        lp->csum = lanes;
-        lp->csum_count = c->csum_count + (size_t) slot * CSUM_COUNTER_STRIDE;
-        lp->csum_out = c->csum_host_dev + slot;
+        p.csum = c->csum_dev + slot * MAX_BATCH * CSUM_SPREAD;
+        p.csum_count = c->csum_count + slot * MAX_BATCH * CSUM_COUNTER_STRIDE;
+        p.csum_out = c->csum_host_dev + slot * MAX_BATCH;
     }
-    const dim3 grid(plan->blocks_x, plan->entries), block(THREADS);
+    if (inl) c->params.p = p;
+    const dim3 grid(plan->blocks_x, plan->entries, g->n), block(THREADS);
     st = KVS_CUDA_CHECK(
         cudaLaunchKernel(pick_kernel(plan, dir, inl), grid, block, args, 0, c->stream),
-        "copy(cuda): %s of %u pages x %u tokens x %u heads (%u-byte vectors, grid %u x %u%s)",
-        dir_name(dir), d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
-        plan->entries, inl ? ", inline table" : "");
+        "copy(cuda): %s of %u x %u pages x %u tokens x %u heads (%u-byte vectors, grid %u x %u "
+        "x %u%s)",
+        dir_name(dir), g->n, d->npages, d->page_size, d->heads, plan->vec_bytes, plan->blocks_x,
+        plan->entries, g->n, inl ? ", inline table" : "");
     return st;
 }
 
-kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
-                         uint64_t *ticket_p)
+/* Validates a copy and plans it (a zeroed plan for a copy of no pages). */
+kvs_status_t prepare(kvs_copy_dir_t dir, const kvs_copy_desc_t *d, kvs_cuda_plan_t *plan)
 {
-    cuda_ctx_t *c = (cuda_ctx_t *) ctx;
     kvs_status_t st = kvs_copy_desc_validate(dir, d);
     if (st != KVS_OK) return st;
     if (kvs_copy_desc_tokens(d) != (uint64_t) d->npages * d->page_size) {
@@ -724,34 +761,54 @@ kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d
                   d->npages);
         return KVS_ERR_UNSUPPORTED;
     }
-    kvs_cuda_plan_t plan;
-    memset(&plan, 0, sizeof(plan));
-    if (d->npages > 0) {
-        st = kvs__copy_cuda_plan(d, &plan);
-        if (st != KVS_OK) return st;
-    }
+    memset(plan, 0, sizeof(*plan));
+    return d->npages > 0 ? kvs__copy_cuda_plan(d, plan) : KVS_OK;
+}
+
+/* Whether copy b can join group g: the same (layer, component) blocks of the same pool over the
+ * same pages, walked the same way, only other heads into another region. */
+bool joins(const group_t *g, const kvs_copy_desc_t *b, const kvs_cuda_plan_t *pb)
+{
+    const kvs_copy_desc_t *a = g->d;
+    const kvs_cuda_plan_t *pa = g->plan;
+    return g->n < MAX_BATCH && a->npages > 0 && b->regions == a->regions &&
+           b->layers == a->layers && b->components == a->components && b->npages == a->npages &&
+           b->page_size == a->page_size && b->heads == a->heads &&
+           (b->checksum == NULL) == (a->checksum == NULL) && pb->vec_bytes == pa->vec_bytes &&
+           pb->run == pa->run && pb->blocks_x == pa->blocks_x &&
+           (b->pages == a->pages || memcmp(b->pages, a->pages, a->npages * sizeof(uint32_t)) == 0);
+}
+
+/* Launches one group (or nothing for a copy of no pages) and hands out its ticket. */
+kvs_status_t submit_group(cuda_ctx_t *c, kvs_copy_dir_t dir, const group_t *g, uint64_t *ticket_p)
+{
     int prev = 0;
-    st = device_enter(c, &prev);
+    kvs_status_t st = device_enter(c, &prev);
     if (st != KVS_OK) return st;
     slot_t *s = &c->slots[(c->issued + 1) % NSLOTS];
     st = slot_reclaim(c, s);
-    if (st == KVS_OK && d->npages > 0) st = enqueue(c, s, dir, d, &plan);
+    if (st == KVS_OK && g->d->npages > 0) st = enqueue(c, s, dir, g);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaEventRecord(s->done, c->stream), "copy(cuda): %s completion event",
                             dir_name(dir));
     if (st == KVS_OK) {
-        s->ticket = ++c->issued;
+        s->ticket = ++c->issued; /* one ticket per launch: done when all its copies are */
         *ticket_p = s->ticket;
-        s->csum_out = NULL;
-        if (d->checksum != NULL) {
+        s->copies = g->n;
+        s->csum_pending = 0;
+        for (uint32_t k = 0; k < g->n; k++) {
+            const kvs_copy_desc_t *d = &g->d[k];
+            s->csum_out[k] = NULL;
+            if (d->checksum == NULL) continue;
             const uint64_t bytes =
                 kvs_copy_region_bytes(d->shape, d->heads, (uint64_t) d->npages * d->page_size);
             if (d->npages == 0) {
                 const kvs_csum_t none = {0};
                 *d->checksum = kvs_csum_final(&none, bytes);
             } else {
-                s->csum_out = d->checksum;
-                s->csum_bytes = bytes;
+                s->csum_out[k] = d->checksum;
+                s->csum_bytes[k] = bytes;
+                s->csum_pending++;
             }
         }
     } else {
@@ -762,6 +819,31 @@ kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d
     }
     device_leave(c, prev);
     return st;
+}
+
+kvs_status_t cuda_submit_batch(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d, uint32_t n,
+                               uint64_t *ticket_p)
+{
+    cuda_ctx_t *c = (cuda_ctx_t *) ctx;
+    kvs_cuda_plan_t plan, next;
+    kvs_status_t st = n > 0 ? prepare(dir, &d[0], &plan) : KVS_OK;
+    for (uint32_t i = 0; i < n && st == KVS_OK;) {
+        group_t g = {&d[i], &plan, 1};
+        while (i + g.n < n && (st = prepare(dir, &d[i + g.n], &next)) == KVS_OK &&
+               joins(&g, &d[i + g.n], &next))
+            g.n++;
+        if (st != KVS_OK) return st;
+        st = submit_group(c, dir, &g, ticket_p);
+        i += g.n;
+        plan = next; /* the copy that did not join starts the next group */
+    }
+    return st;
+}
+
+kvs_status_t cuda_submit(void *ctx, kvs_copy_dir_t dir, const kvs_copy_desc_t *d,
+                         uint64_t *ticket_p)
+{
+    return cuda_submit_batch(ctx, dir, d, 1, ticket_p);
 }
 
 kvs_status_t cuda_poll(void *ctx, uint64_t ticket)
@@ -826,10 +908,7 @@ void cuda_destroy(void *ctx)
 }
 
 const kvs_copy_ops_t cuda_ops = {
-    "cuda",
-    cuda_submit,
-    cuda_poll,
-    cuda_destroy,
+    "cuda", cuda_submit, cuda_poll, cuda_destroy, cuda_submit_batch,
 };
 
 } // namespace
@@ -891,23 +970,24 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
     /* Cleared once here; after that each copy's last block leaves them cleared. */
-    const size_t lanes = (size_t) NSLOTS * CSUM_SPREAD * sizeof(unsigned long long);
+    const size_t lanes = (size_t) NSLOTS * MAX_BATCH * CSUM_SPREAD * sizeof(unsigned long long);
+    const size_t counters =
+        (size_t) NSLOTS * MAX_BATCH * CSUM_COUNTER_STRIDE * sizeof(unsigned int);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count,
-                                       NSLOTS * CSUM_COUNTER_STRIDE * sizeof(unsigned int)),
+        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count, counters),
                             "copy(cuda): checksum counters on device %d", device);
     if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(
-            cudaMemset(c->csum_count, 0, NSLOTS * CSUM_COUNTER_STRIDE * sizeof(unsigned int)),
-            "copy(cuda): checksum counters");
+        st =
+            KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, counters), "copy(cuda): checksum counters");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,
-                                          NSLOTS * sizeof(unsigned long long), cudaHostAllocMapped),
+                                          (size_t) NSLOTS * MAX_BATCH * sizeof(unsigned long long),
+                                          cudaHostAllocMapped),
                             "copy(cuda): mapped checksum results");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostGetDevicePointer((void **) &c->csum_host_dev, c->csum_host, 0),

@@ -118,9 +118,17 @@ kvs_status_t kvs_copy_submit_batch(const kvs_copy_backend_t *b, kvs_copy_dir_t d
         return KVS_ERR_INVALID;
     }
     if (b->ops->submit_batch != NULL) return b->ops->submit_batch(b->ctx, dir, descs, n, ticket_p);
+    uint64_t last = 0;
     for (uint32_t i = 0; i < n; i++) {
         kvs_status_t st = b->ops->submit(b->ctx, dir, &descs[i], ticket_p);
-        if (st != KVS_OK) return st;
+        if (st != KVS_OK) {
+            /* the copies already started must not outlive the failed batch */
+            if (last != 0)
+                while (b->ops->poll(b->ctx, last) == KVS_INPROGRESS) {
+                }
+            return st;
+        }
+        last = *ticket_p;
     }
     return KVS_OK;
 }

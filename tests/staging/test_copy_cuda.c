@@ -593,7 +593,7 @@ static void test_in_order_many_in_flight(void **state)
  * one page list (one launch per 8 at most) and now and then one with its own pages, its own
  * alignment or no checksum, which the backend launches apart; both launch paths. The pool, every
  * region buffer (guards included) and every checksum equal the CPU's, which runs the copies
- * one by one. */
+ * one by one; a batch with one refused copy launches none of them. */
 static void test_batches_vs_cpu(void **state)
 {
     (void) state;
@@ -649,10 +649,25 @@ static void test_batches_vs_cpu(void **state)
                 hd[w].checksum = &hsum[w];
                 dd[w].checksum = &dsum[w];
             }
-            run_copy(&cpu, dir, &hd[w]);
         }
         assert_int_equal(kvs__copy_cuda_set_inline_max(&gpu, iter % 4 < 2 ? 0 : SIZE_MAX), KVS_OK);
         uint64_t t = 0;
+        if (iter % 8 == 0) { /* a refused copy anywhere in a batch: none of it launches */
+            const kvs_copy_desc_t keep = dd[n - 1];
+            dd[n - 1].pool_pages = 0; /* every page id is outside the pool */
+            int logged = 0;
+            kvs_log_set_sink(quiet_sink, &logged);
+            assert_int_equal(kvs_copy_submit_batch(&gpu, dir, dd, n, &t), KVS_ERR_INVALID);
+            kvs_log_set_sink(NULL, NULL);
+            dd[n - 1] = keep;
+            assert_true(logged > 0);
+            CU(cudaDeviceSynchronize());
+            CHECK(twin_diff(&p) == UINT64_MAX, "a refused batch of %u wrote the pool", n);
+            for (uint32_t w = 0; w < n; w++)
+                CHECK(rbuf_diff(&bufs[w]) == UINT64_MAX, "a refused batch of %u wrote region %u", n,
+                      w);
+        }
+        for (uint32_t w = 0; w < n; w++) run_copy(&cpu, dir, &hd[w]);
         assert_int_equal(kvs_copy_submit_batch(&gpu, dir, dd, n, &t), KVS_OK);
         kvs_status_t st;
         while ((st = kvs_copy_poll(&gpu, t)) == KVS_INPROGRESS) {

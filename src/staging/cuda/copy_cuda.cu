@@ -826,6 +826,11 @@ kvs_status_t cuda_submit_batch(void *ctx, kvs_copy_dir_t dir, const kvs_copy_des
 {
     cuda_ctx_t *c = (cuda_ctx_t *) ctx;
     kvs_cuda_plan_t plan, next;
+    /* Every copy is checked before any is launched: a refused one launches none. */
+    for (uint32_t i = 0; i < n; i++) {
+        kvs_status_t st = prepare(dir, &d[i], &plan);
+        if (st != KVS_OK) return st;
+    }
     kvs_status_t st = n > 0 ? prepare(dir, &d[0], &plan) : KVS_OK;
     for (uint32_t i = 0; i < n && st == KVS_OK;) {
         group_t g = {&d[i], &plan, 1};

@@ -308,11 +308,8 @@ static uint32_t poll_rooms(kvs_decode_engine_t *e)
                 info->quiescent = 1;
             }
             if (info->status < min) min = info->status;
-            /* The root cause wins: ABORTED on one rank is usually another rank's failure
-             * echoed back through prefill. */
-            if (info->status == KVS_ROOM_FAILED &&
-                (reason == KVS_OK || (reason == KVS_ERR_ABORTED && info->reason != KVS_OK)))
-                reason = info->reason;
+            if (info->status == KVS_ROOM_FAILED)
+                reason = kvs_engine_root_cause(reason, info->reason);
             terminal &= info->status == KVS_ROOM_SUCCESS || info->status == KVS_ROOM_FAILED;
             quiescent &= info->quiescent != 0;
             transferring |= info->status == KVS_ROOM_TRANSFERRING;

@@ -163,4 +163,14 @@ uint32_t kvs_decode_engine_step(kvs_decode_engine_t *engine);
 uint32_t kvs_decode_engine_live_rooms(const kvs_decode_engine_t *engine);
 size_t kvs_decode_engine_cached_pages(const kvs_decode_engine_t *engine);
 
+/* A room's reason over its ranks, one failed rank's reason at a time: the root cause wins over
+ * KVS_ERR_ABORTED, which on one rank is usually another rank's failure echoed back (an engine
+ * aborts a room's other ranks when one fails it, and prefill passes that on to decode). */
+static inline kvs_status_t kvs_engine_root_cause(kvs_status_t reason, kvs_status_t rank_reason)
+{
+    if (reason == KVS_OK || (reason == KVS_ERR_ABORTED && rank_reason != KVS_OK))
+        return rank_reason;
+    return reason;
+}
+
 #endif

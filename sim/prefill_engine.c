@@ -415,7 +415,8 @@ uint32_t kvs_prefill_engine_poll(kvs_prefill_engine_t *e)
                 info->quiescent = 1;
             }
             if (info->status < min) min = info->status;
-            if (info->status == KVS_ROOM_FAILED && reason == KVS_OK) reason = info->reason;
+            if (info->status == KVS_ROOM_FAILED)
+                reason = kvs_engine_root_cause(reason, info->reason);
             terminal &= info->status == KVS_ROOM_SUCCESS || info->status == KVS_ROOM_FAILED;
             quiescent &= info->quiescent != 0;
         }

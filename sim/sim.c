@@ -17,7 +17,8 @@
 
 /* ---- configuration ---- */
 
-static const char *const fault_names[] = {"reorder", "dup", "drop", "abort", "timeout", "corrupt"};
+static const char *const fault_names[] = {"reorder", "dup",     "drop",     "abort",
+                                          "timeout", "corrupt", "writefail"};
 #define FAULT_KINDS (sizeof(fault_names) / sizeof(fault_names[0]))
 
 kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p)
@@ -36,7 +37,7 @@ kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p)
         }
         if (!found) {
             kvs_error("faults: unknown fault '%.*s' in '%s' (expected a comma list of none, "
-                      "reorder, dup, drop, abort, timeout, corrupt)",
+                      "reorder, dup, drop, abort, timeout, corrupt, writefail)",
                       (int) len, p, list);
             return KVS_ERR_INVALID;
         }
@@ -426,8 +427,11 @@ static void on_done(sim_t *s, const kvs_request_t *req)
         kvs_status_t reason = q->dc.status == KVS_ROOM_FAILED ? q->dc.reason : q->pf.reason;
         uint32_t idx = reason < 0 && -reason < 16 ? (uint32_t) -reason : 0;
         res->fail_reasons[idx]++;
-        /* A room failed by its checksum under the corruption fault is the fault working. */
-        if (q->fault_room ||
+        /* A room failed by its checksum under the corruption fault, or by a broken write under
+         * that fault, is the fault working. */
+        const int broken = (s->cfg->faults & KVS_SIM_FAULT_WRITEFAIL) &&
+                           (q->dc.reason == KVS_ERR_IO || q->pf.reason == KVS_ERR_IO);
+        if (q->fault_room || broken ||
             ((s->cfg->faults & KVS_SIM_FAULT_CORRUPT) && q->dc.reason == KVS_ERR_CORRUPT)) {
             res->expected_failures++;
         } else {
@@ -535,6 +539,7 @@ static kvs_status_t sim_setup(sim_t *s)
     if (c->faults & KVS_SIM_FAULT_DUP) nf.dup_permille = 50;
     if (c->faults & KVS_SIM_FAULT_DROP) nf.drop_permille = 30;
     if (c->faults & KVS_SIM_FAULT_CORRUPT) nf.corrupt_permille = 20;
+    if (c->faults & KVS_SIM_FAULT_WRITEFAIL) nf.write_fail_permille = 10;
     if ((st = kvs_inproc_net_create(kvs_pd_geometry_prefill_ranks(&s->geo), c->decode_tp, &nf,
                                     &s->clock, &s->net)) != KVS_OK)
         return st;
@@ -659,6 +664,7 @@ static void check_leaks(sim_t *s)
     res->net_dropped = ns.dropped;
     res->net_duplicated = ns.duplicated;
     res->corrupt_injected = ns.corrupted;
+    res->write_failures = ns.write_failures;
     res->corrupt_detected += rx.checksum_failures;
 }
 

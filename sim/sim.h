@@ -109,11 +109,14 @@ enum {
     KVS_SIM_FAULT_DROP = 1u << 2,
     KVS_SIM_FAULT_ABORT = 1u << 3,
     KVS_SIM_FAULT_TIMEOUT = 1u << 4,
-    KVS_SIM_FAULT_CORRUPT = 1u << 5, /* a bit flipped in some data writes after they land */
+    KVS_SIM_FAULT_CORRUPT = 1u << 5,   /* a bit flipped in some data writes after they land */
+    KVS_SIM_FAULT_WRITEFAIL = 1u << 6, /* some data writes fail (half landed, KVS_ERR_IO) */
 };
 
-/* Parses a comma list of none|reorder|dup|drop|abort|timeout|corrupt; KVS_ERR_INVALID (logged,
- * naming the bad item) otherwise. */
+/* The fault names, for help texts. */
+#define KVS_SIM_FAULT_LIST "none|reorder|dup|drop|abort|timeout|corrupt|writefail"
+/* Parses a comma list of KVS_SIM_FAULT_LIST; KVS_ERR_INVALID (logged, naming the bad item)
+ * otherwise. */
 kvs_status_t kvs_sim_faults_parse(const char *list, uint32_t *faults_p);
 /* Writes the comma list for a mask ("none" for 0). */
 void kvs_sim_faults_str(uint32_t faults, char *buf, size_t cap);
@@ -215,6 +218,8 @@ typedef struct {
      * failed at the scatter. Detected <= injected: a corrupted write into a chunk of a room
      * that already failed is never scattered, so never checked (and never used). */
     uint64_t corrupt_injected, corrupt_detected;
+    /* The broken-write fault: data writes that failed; each fails its room (if it was live). */
+    uint64_t write_failures;
     int stalled;          /* gave up at the iteration / virtual time limit */
     uint32_t unconcluded; /* requests not concluded when it gave up */
     uint64_t iterations;

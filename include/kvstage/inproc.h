@@ -28,8 +28,10 @@ typedef struct {
      * faults were set. Writes into device memory are never corrupted. */
     uint32_t corrupt_permille;
     uint64_t corrupt_nth;
-    /* A broken write: the write_fail_nth-th (1-based; 0: none) data write since the faults
-     * were set lands half its bytes (host memory) and completes with KVS_ERR_IO. */
+    /* A broken write lands half its bytes (host memory) and completes with KVS_ERR_IO: each
+     * data write with this chance, and always the write_fail_nth-th (1-based; 0: none) since
+     * the faults were set. */
+    uint32_t write_fail_permille;
     uint64_t write_fail_nth;
 } kvs_inproc_faults_t;
 
@@ -43,7 +45,7 @@ typedef struct {
     uint64_t writes, write_bytes, writes_in_flight;
     uint64_t host_writes;    /* landed in host memory since the faults were last set */
     uint64_t corrupted;      /* of those, writes with a bit flipped */
-    uint64_t write_failures; /* writes failed by write_fail_nth */
+    uint64_t write_failures; /* writes failed by the broken-write fault */
     uint64_t sent_by_type[KVS_INPROC_MSG_TYPES]; /* since the faults were last set */
 } kvs_inproc_stats_t;
 

@@ -326,7 +326,10 @@ static kvs_status_t ep_write(void *ctx, uint32_t peer, uint64_t offset, const vo
     w->dst = to->ring + offset;
     w->len = len;
     w->ring_device = to->ring_device;
-    w->fail = ++net->writes_since_faults == net->faults.write_fail_nth;
+    /* The random draw only when the fault is on: other faults' schedules stay as they were. */
+    w->fail = ++net->writes_since_faults == net->faults.write_fail_nth ||
+              (net->faults.write_fail_permille != 0 &&
+               kvs_rng_chance(&net->rng, net->faults.write_fail_permille, 1000));
     uint64_t due = kvs_clock_now(&net->clock) + random_delay(net, net->faults.write_delay_max_ns);
     kvs_status_t st = kvs_map_put(&ep->tickets, w->ticket, w);
     if (st == KVS_OK) {

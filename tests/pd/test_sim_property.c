@@ -40,6 +40,8 @@ static void random_ring_and_faults(kvs_rng_t *rng, kvs_sim_config_t *c, uint32_t
     /* corruption too, combined with every other fault (a separate draw keeps the rest of
      * each scenario as it was) */
     if (kvs_rng_chance(rng, 1, 4)) c->faults |= KVS_SIM_FAULT_CORRUPT;
+    /* broken writes too, from the scenario's own seed so that no other draw moves */
+    if (kvs_mix64(c->seed ^ 0x7772697465ull) % 5 == 0) c->faults |= KVS_SIM_FAULT_WRITEFAIL;
     c->fault_rooms = (uint32_t) kvs_rng_range(rng, 1, max_fault_rooms);
     if (kvs_rng_chance(rng, 1, 4))
         c->write_delay_ns = kvs_rng_range(rng, 1, max_delay) * c->tick_ns;
@@ -288,6 +290,11 @@ static const char *violated(const kvs_sim_config_t *c, const kvs_sim_result_t *r
     if (r->corrupt_detected > r->corrupt_injected) return "more checksum failures than corruptions";
     if (!(c->faults & KVS_SIM_FAULT_CORRUPT) && (r->corrupt_injected || r->corrupt_detected))
         return "corruption without the fault";
+    /* A broken write fails its own room (as an expected failure above), no other. */
+    if (r->fail_reasons[-KVS_ERR_IO] > r->write_failures)
+        return "more rooms failed with KVS_ERR_IO than writes broke";
+    if (!(c->faults & KVS_SIM_FAULT_WRITEFAIL) && r->write_failures)
+        return "broken writes without the fault";
     return NULL;
 }
 
@@ -305,7 +312,7 @@ static void run_scenarios(const char *name, generator_fn gen, uint64_t seed, uin
     if (getenv("KVS_LOG") == NULL) kvs_log_set_sink(drop_log, NULL);
     kvs_rng_t rng;
     kvs_rng_seed(&rng, seed);
-    uint64_t faulted = 0, failed_rooms = 0, rooms = 0, chunks = 0;
+    uint64_t faulted = 0, failed_rooms = 0, rooms = 0, chunks = 0, broken = 0;
     for (uint64_t i = 0; i < iters; i++) {
         kvs_sim_config_t c;
         gen(&rng, &c);
@@ -332,13 +339,16 @@ static void run_scenarios(const char *name, generator_fn gen, uint64_t seed, uin
         failed_rooms += r.failed;
         rooms += r.requests;
         chunks += r.chunks;
+        broken += r.write_failures;
     }
     kvs_log_set_sink(NULL, NULL);
     print_message("%s: %llu scenarios (seed 0x%llx), %llu with faults; %llu of %llu rooms failed "
-                  "under abort/timeout/misalignment/corruption faults; %llu chunks scattered\n",
+                  "under abort/timeout/misalignment/corruption/broken-write faults (%llu writes "
+                  "broken); %llu chunks scattered\n",
                   name, (unsigned long long) iters, (unsigned long long) seed,
                   (unsigned long long) faulted, (unsigned long long) failed_rooms,
-                  (unsigned long long) rooms, (unsigned long long) chunks);
+                  (unsigned long long) rooms, (unsigned long long) broken,
+                  (unsigned long long) chunks);
     kvs_assert_no_leaks();
 }
 

@@ -93,6 +93,7 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_u64(&j, "net_duplicated", r->net_duplicated);
     kvs_json_u64(&j, "corrupt_injected", r->corrupt_injected);
     kvs_json_u64(&j, "corrupt_detected", r->corrupt_detected);
+    kvs_json_u64(&j, "write_failures", r->write_failures);
     kvs_json_object_begin(&j, "fail_reasons");
     for (int i = 0; i < 16; i++) {
         if (r->fail_reasons[i] == 0) continue;
@@ -175,6 +176,9 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
     if (r->corrupt_injected || r->corrupt_detected)
         printf("  %-20s %llu writes corrupted, %llu caught by their checksum\n", "corruption",
                (unsigned long long) r->corrupt_injected, (unsigned long long) r->corrupt_detected);
+    if (r->write_failures)
+        printf("  %-20s %llu writes failed\n", "broken writes",
+               (unsigned long long) r->write_failures);
     printf("  %-20s %.1f MiB\n", "bytes moved", (double) r->bytes_moved / (1024.0 * 1024.0));
     printf("  %-20s decode %llu tokens (%u full hits), prefill %llu tokens\n", "radix hits",
            (unsigned long long) r->decode_hit_tokens, r->full_decode_hits,
@@ -334,9 +338,9 @@ static void add_fault_flags(kvs_arg_table_t *t, sim_opts_t *o)
 {
     const kvs_arg_t g[] = {
         {"faults", KVS_ARG_STR, &o->faults,
-         "comma list of none|reorder|dup|drop|abort|timeout|corrupt (none); corrupt flips a bit "
-         "in some data writes after they land",
-         "a comma list of none|reorder|dup|drop|abort|timeout|corrupt", NULL},
+         "comma list of " KVS_SIM_FAULT_LIST " (none); corrupt flips a bit in some data writes "
+         "after they land, writefail fails some data writes (half their bytes landed)",
+         "a comma list of " KVS_SIM_FAULT_LIST, NULL},
         {"checksum", KVS_ARG_ONOFF, &o->checksum,
          "end-to-end chunk checksums: each writer's region is checked before its scatter (on)",
          NULL, NULL},
@@ -432,8 +436,7 @@ static int build_faults(sim_opts_t *o)
     kvs_status_t st = kvs_sim_faults_parse(o->faults, &c->faults);
     kvs_args_capture_end(&cap, st != KVS_OK);
     if (st != KVS_OK)
-        return kvs_args_error("--faults",
-                              "a comma list of none|reorder|dup|drop|abort|timeout|corrupt", "%s",
+        return kvs_args_error("--faults", "a comma list of " KVS_SIM_FAULT_LIST, "%s",
                               cap.msg[0] ? cap.msg : kvs_status_str(st));
     c->no_checksum = !o->checksum;
     return 0;

@@ -5,11 +5,12 @@
  * as one launch of up to MAX_BATCH copies, each with its own checksum, so the copies' tails
  * (the last blocks, the checksum's fold) overlap instead of queueing one after another.
  *
- * Per launch, submit validates the descriptors and builds a table of (copy, layer, component)
- * blocks followed by the page ids. A small table (INLINE_BYTES, e.g. 1k pages of Llama-3-8B) rides
- * in the kernel's parameters, which the launch snapshots; a larger one is written into a pinned
- * host slot and copied to a device scratch buffer on the stream before the launch. Then the
- * slot's event is recorded and the ticket names it. Everything runs on one stream, so copies
+ * Per launch, submit validates the descriptors and builds a table of the first copy's (layer,
+ * component) blocks, which the others shift to their heads and region, followed by the page
+ * ids. A small table (INLINE_BYTES, e.g. 1k pages of Llama-3-8B) rides in the kernel's
+ * parameters, which the launch snapshots; a larger one is written into a pinned host slot and
+ * copied to a device scratch buffer on the stream before the launch. Then the slot's event is
+ * recorded and the ticket names it. Everything runs on one stream, so copies
  * finish in submit order and one scratch buffer suffices; the pinned slots (NSLOTS) let the
  * caller reuse its page array at once and keep several copies in flight. Backends are not
  * thread-safe: one thread submits and polls.
@@ -344,7 +345,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
 }
 
 /* __grid_constant__ keeps the parameters in place (no per-thread copy) so they can be indexed
- * (a copy's region and block count). */
+ * (a copy's region and head shift). */
 template <int V, int RUN, bool GATHER>
 __global__ void __launch_bounds__(THREADS) copy_kernel(const __grid_constant__ launch_t p)
 {
@@ -521,8 +522,7 @@ namespace
 {
 
 struct slot_t {
-    uint64_t ticket;  /* the launch last submitted through this slot (its last copy's ticket);
-                         0 = none yet */
+    uint64_t ticket;  /* the launch last submitted through this slot; 0 = none yet */
     cudaEvent_t done; /* recorded after that launch */
     uint8_t *pinned;  /* [entries][pages] of that launch: the source of its upload */
     size_t cap;

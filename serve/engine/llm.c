@@ -329,7 +329,7 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->seqs = kvs_calloc(c->max_running, sizeof(*e->seqs));
     e->seq_rq = kvs_calloc(c->max_running, sizeof(*e->seq_rq));
     e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
-    e->agree = kvs_malloc((size_t) 3 * c->max_running * sizeof(double));
+    e->agree = kvs_malloc((size_t) KVS_LLM_AGREE_DOUBLES * c->max_running * sizeof(double));
     e->counts = kvs_calloc(mc->vocab, sizeof(uint32_t));
     e->dev_tok = kvs_calloc(c->max_running, sizeof(uint32_t));
     e->raw = kvs_malloc((size_t) mc->vocab * sizeof(float));
@@ -806,6 +806,8 @@ static int in_agreement(const kvs_llm_t *e, const rq_t *r)
     return r->in_protocol || r->local_fail;
 }
 
+/* A rank's part of a request's agreement: [0] transfer done here, [1] failed here, [2] quiet
+ * here (nothing of it can still move), [3..5] its failure reason (kvs__llm_reason_part). */
 static void local_outcome(kvs_llm_t *e, rq_t *r, double *v)
 {
     kvs_room_info_t info;
@@ -830,6 +832,26 @@ static void local_outcome(kvs_llm_t *e, rq_t *r, double *v)
     v[0] = ok;
     v[1] = failed;
     v[2] = quiet;
+    kvs__llm_reason_part(failed ? r->status : KVS_OK, v + 3);
+}
+
+void kvs__llm_reason_part(kvs_status_t reason, double *part)
+{
+    const int root = reason != KVS_OK && reason != KVS_ERR_ABORTED;
+    const double code = root ? (double) -reason : 0.0;
+    part[0] = root;
+    part[1] = code;
+    part[2] = code * code;
+}
+
+/* The reason every rank that failed a request by a root cause of its own agrees on (the sums
+ * of local_outcome's [3..5]: all codes equal exactly when n * sum of squares = sum^2), or
+ * KVS_OK when none did or they differ. So every rank reports one rank's broken write, say, and
+ * not the "aborted" that the others saw. */
+kvs_status_t kvs__llm_agreed_reason(const double *v)
+{
+    if (v[3] < 1 || v[3] * v[5] != v[4] * v[4]) return KVS_OK;
+    return (kvs_status_t) - (int) (v[4] / v[3]);
 }
 
 static void protocol_abort(kvs_llm_t *e, rq_t *r)
@@ -879,10 +901,12 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
     if (e->cfg.role == KVS_LLM_COLOCATED) return KVS_OK;
     uint32_t n = 0;
     for (uint32_t i = 0; i < e->nrqs; i++)
-        if (in_agreement(e, e->rqs[i])) local_outcome(e, e->rqs[i], e->agree + 3 * n++);
+        if (in_agreement(e, e->rqs[i]))
+            local_outcome(e, e->rqs[i], e->agree + KVS_LLM_AGREE_DOUBLES * n++);
     if (n == 0) return KVS_OK;
     if (e->cfg.group != NULL) {
-        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, e->agree, 3 * (size_t) n);
+        kvs_status_t st =
+            kvs_tpgroup_allreduce(e->cfg.group, e->agree, KVS_LLM_AGREE_DOUBLES * (size_t) n);
         if (st != KVS_OK) return st;
     }
     const double T = e->tp;
@@ -893,7 +917,7 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
             i++;
             continue;
         }
-        const double *v = e->agree + 3 * k++;
+        const double *v = e->agree + KVS_LLM_AGREE_DOUBLES * k++;
         if (v[1] > 0) {
             /* Failed somewhere: stop everywhere, and conclude once no rank can still write. */
             protocol_abort(e, r);
@@ -903,8 +927,10 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
             }
             protocol_release(e, r);
             (*work)++;
+            const kvs_status_t agreed = kvs__llm_agreed_reason(v);
             finish(e, i,
                    r->stop               ? KVS_OK
+                   : agreed != KVS_OK    ? agreed
                    : r->status != KVS_OK ? r->status
                                          : KVS_ERR_IO,
                    r->stop ? KVS_LLM_FINISH_STOP : KVS_LLM_FINISH_ERROR);

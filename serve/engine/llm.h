@@ -71,6 +71,10 @@ typedef enum {
 
 /* DECODE with per-room bootstrap: a receiver per prefill instance, looked up by the room
  * (pd/plumbing.h implements it over net links). */
+/* Doubles per request in the engine's agreement over its TP ranks (a rank's TP group must
+ * all-reduce max_running times this many). */
+#define KVS_LLM_AGREE_DOUBLES 6
+
 typedef struct {
     void *ctx;
     /* Every rank, when a room is added (the same step on each): the receiver of the prefill
@@ -251,5 +255,15 @@ void kvs_llm_collect_metrics(kvs_llm_t *llm);
 /* Rank 0: the instance's summed counters as of the last collection; returns how many
  * collections have completed (0: none yet, *metrics_p untouched). */
 uint64_t kvs_llm_instance_metrics(const kvs_llm_t *llm, kvs_pd_metrics_t *metrics_p);
+
+/* Internal (exposed for tests): a rank's failure reason as three doubles of its agreement part,
+ * to be summed over the ranks: 1, the reason's code and its square for a cause of its own,
+ * zeros for KVS_OK and for KVS_ERR_ABORTED (how the engine stops the other ranks once one
+ * failed: no cause of its own). */
+void kvs__llm_reason_part(kvs_status_t reason, double *part);
+/* The failure reason the TP ranks agree on, from the all-reduced sums of one request's
+ * KVS_LLM_AGREE_DOUBLES: the cause of the ranks that failed by one of their own when they all
+ * had the same, else KVS_OK (then each rank reports its own). */
+kvs_status_t kvs__llm_agreed_reason(const double *agreed);
 
 #endif

@@ -508,7 +508,8 @@ kvs_status_t kvs_llm_rank_run(const kvs_llm_rank_config_t *config, kvs_llm_rank_
     if (tp > 1) {
         size_t tokens = (size_t) c.batch_tokens + c.max_running;
         size_t doubles = tokens * mc->dim;
-        if (doubles < 3 * (size_t) c.max_running) doubles = 3 * (size_t) c.max_running;
+        if (doubles < KVS_LLM_AGREE_DOUBLES * (size_t) c.max_running)
+            doubles = KVS_LLM_AGREE_DOUBLES * (size_t) c.max_running;
         kvs_tpgroup_config_t gc = {.name = c.group,
                                    .size = tp,
                                    .rank = c.rank,

@@ -1039,9 +1039,37 @@ static void test_choices(void **state)
     kvs_assert_no_leaks();
 }
 
+/* The failure reason TP ranks agree on: one rank's own cause wins over the others' "aborted"
+ * (how the engine stops them), and ranks with different causes leave each its own. */
+static void test_agreed_reason(void **state)
+{
+    (void) state;
+    static const kvs_status_t cases[][4] = {
+        /* rank reasons (KVS_OK: succeeded), then the agreed reason */
+        {KVS_ERR_IO, KVS_ERR_ABORTED, KVS_OK, KVS_ERR_IO},
+        {KVS_ERR_ABORTED, KVS_ERR_CORRUPT, KVS_ERR_ABORTED, KVS_ERR_CORRUPT},
+        {KVS_ERR_IO, KVS_ERR_IO, KVS_ERR_ABORTED, KVS_ERR_IO},
+        {KVS_ERR_IO, KVS_ERR_TIMEOUT, KVS_OK, KVS_OK},
+        {KVS_ERR_ABORTED, KVS_ERR_ABORTED, KVS_OK, KVS_OK},
+        {KVS_OK, KVS_OK, KVS_OK, KVS_OK},
+        {KVS_ERR_NOSPACE, KVS_ERR_INVALID, KVS_ERR_PROTOCOL, KVS_OK},
+        {KVS_ERR_INCOMPATIBLE, KVS_OK, KVS_ERR_INCOMPATIBLE, KVS_ERR_INCOMPATIBLE},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        double v[KVS_LLM_AGREE_DOUBLES] = {0}; /* the all-reduce: a sum over the ranks */
+        for (int r = 0; r < 3; r++) {
+            double part[3];
+            kvs__llm_reason_part(cases[c][r], part);
+            for (int k = 0; k < 3; k++) v[3 + k] += part[k];
+        }
+        assert_int_equal(kvs__llm_agreed_reason(v), cases[c][3]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_agreed_reason),
         cmocka_unit_test(test_colocated_equals_reference),
         cmocka_unit_test(test_colocated_tp2_threads),
         cmocka_unit_test(test_disaggregated_equals_colocated),

@@ -69,12 +69,12 @@ typedef enum {
     KVS_LLM_DECODE = 2,
 } kvs_llm_role_t;
 
-/* DECODE with per-room bootstrap: a receiver per prefill instance, looked up by the room
- * (pd/plumbing.h implements it over net links). */
 /* Doubles per request in the engine's agreement over its TP ranks (a rank's TP group must
  * all-reduce max_running times this many). */
 #define KVS_LLM_AGREE_DOUBLES 6
 
+/* DECODE with per-room bootstrap: a receiver per prefill instance, looked up by the room
+ * (pd/plumbing.h implements it over net links). */
 typedef struct {
     void *ctx;
     /* Every rank, when a room is added (the same step on each): the receiver of the prefill

@@ -825,23 +825,20 @@ kvs_status_t cuda_submit_batch(void *ctx, kvs_copy_dir_t dir, const kvs_copy_des
                                uint64_t *ticket_p)
 {
     cuda_ctx_t *c = (cuda_ctx_t *) ctx;
-    kvs_cuda_plan_t plan, next;
-    /* Every copy is checked before any is launched: a refused one launches none. */
-    for (uint32_t i = 0; i < n; i++) {
-        kvs_status_t st = prepare(dir, &d[i], &plan);
-        if (st != KVS_OK) return st;
-    }
-    kvs_status_t st = n > 0 ? prepare(dir, &d[0], &plan) : KVS_OK;
+    /* Every copy is checked and planned before any is launched: a refused one launches none. */
+    kvs_cuda_plan_t stack[KVS_MAX_WRITERS]; /* a slot's writers; larger batches allocate */
+    kvs_cuda_plan_t *plans =
+        n <= KVS_MAX_WRITERS ? stack : (kvs_cuda_plan_t *) kvs_malloc(n * sizeof(*plans));
+    if (plans == NULL) return KVS_ERR_NOMEM;
+    kvs_status_t st = KVS_OK;
+    for (uint32_t i = 0; i < n && st == KVS_OK; i++) st = prepare(dir, &d[i], &plans[i]);
     for (uint32_t i = 0; i < n && st == KVS_OK;) {
-        group_t g = {&d[i], &plan, 1};
-        while (i + g.n < n && (st = prepare(dir, &d[i + g.n], &next)) == KVS_OK &&
-               joins(&g, &d[i + g.n], &next))
-            g.n++;
-        if (st != KVS_OK) return st;
+        group_t g = {&d[i], &plans[i], 1};
+        while (i + g.n < n && joins(&g, &d[i + g.n], &plans[i + g.n])) g.n++;
         st = submit_group(c, dir, &g, ticket_p);
         i += g.n;
-        plan = next; /* the copy that did not join starts the next group */
     }
+    if (plans != stack) kvs_free(plans);
     return st;
 }
 

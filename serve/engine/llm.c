@@ -108,7 +108,8 @@ struct kvs_llm {
     uint32_t *dev_tok;     /* [max_running] tokens sampled where the model runs (a device) */
     float *all_logits;     /* [all_cap][vocab] rank 0: every position of prompt-logprobs chunks */
     size_t all_cap;
-    double *agree; /* [3 * max_running] */
+    double *agree; /* [cap_agree][KVS_LLM_AGREE_DOUBLES] */
+    uint32_t cap_agree; /* requests */
     uint8_t *wire; /* broadcast assembly */
     size_t wire_cap;
     uint32_t *wire_ids; /* [cap_wire_ids] a broadcast request's prompt, decoded */
@@ -329,6 +330,7 @@ kvs_status_t kvs_llm_create(const kvs_llm_config_t *c, kvs_llm_t **llm_p)
     e->seqs = kvs_calloc(c->max_running, sizeof(*e->seqs));
     e->seq_rq = kvs_calloc(c->max_running, sizeof(*e->seq_rq));
     e->logits = kvs_malloc((size_t) c->max_running * mc->vocab * sizeof(float));
+    e->cap_agree = c->max_running;
     e->agree = kvs_malloc((size_t) KVS_LLM_AGREE_DOUBLES * c->max_running * sizeof(double));
     e->counts = kvs_calloc(mc->vocab, sizeof(uint32_t));
     e->dev_tok = kvs_calloc(c->max_running, sizeof(uint32_t));
@@ -900,13 +902,21 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
 {
     if (e->cfg.role == KVS_LLM_COLOCATED) return KVS_OK;
     uint32_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs; i++) n += in_agreement(e, e->rqs[i]);
+    if (n == 0) return KVS_OK;
+    /* More than max_running: a prefill instance's handoffs hold no compute slot (admit). */
+    if (!grow((void **) &e->agree, &e->cap_agree, n, KVS_LLM_AGREE_DOUBLES * sizeof(double)))
+        return KVS_ERR_NOMEM; /* fatal: the ranks would diverge */
+    n = 0;
     for (uint32_t i = 0; i < e->nrqs; i++)
         if (in_agreement(e, e->rqs[i]))
             local_outcome(e, e->rqs[i], e->agree + KVS_LLM_AGREE_DOUBLES * n++);
-    if (n == 0) return KVS_OK;
-    if (e->cfg.group != NULL) {
-        kvs_status_t st =
-            kvs_tpgroup_allreduce(e->cfg.group, e->agree, KVS_LLM_AGREE_DOUBLES * (size_t) n);
+    /* In pieces of max_running requests: what the group's all-reduce is sized for. */
+    const size_t piece = (size_t) KVS_LLM_AGREE_DOUBLES * e->cfg.max_running;
+    for (size_t at = 0, all = (size_t) KVS_LLM_AGREE_DOUBLES * n; e->cfg.group != NULL && at < all;
+         at += piece) {
+        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, e->agree + at,
+                                                all - at < piece ? all - at : piece);
         if (st != KVS_OK) return st;
     }
     const double T = e->tp;
@@ -977,6 +987,19 @@ static uint32_t running(const kvs_llm_t *e)
     for (uint32_t i = 0; i < e->nrqs; i++)
         n += e->rqs[i]->state != RQ_QUEUED && e->rqs[i]->state != RQ_SIBLING;
     return n;
+}
+
+/* Whether an admitted request holds one of the max_running slots. A prefill request whose
+ * prompt is computed (RQ_HANDOFF) holds none: its transfer may wait for the decode instance to
+ * admit the room, and the decode instance, which admits in the order requests reached it, may
+ * be waiting for its own rooms' KV, computed here only once a slot frees. Counted, the two
+ * sides' first max_running rooms could each wait on the other's until the bootstrap timeout
+ * failed them (two instances fed in different orders: 16 clients at once through the router).
+ * A decode request waiting for its KV (RQ_WAIT_KV) holds its slot: the prefill side computes
+ * every room it admits whatever decode does, so its KV comes. */
+static int holds_slot(const rq_t *r)
+{
+    return r->state != RQ_QUEUED && r->state != RQ_SIBLING && r->state != RQ_HANDOFF;
 }
 
 /* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait). Pages for
@@ -1053,12 +1076,14 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
 
 static uint32_t admit(kvs_llm_t *e)
 {
-    uint32_t n = 0, live = running(e);
-    for (uint32_t i = 0; i < e->nrqs && live < e->cfg.max_running; i++) {
+    uint32_t n = 0, live = running(e), slots = 0;
+    for (uint32_t i = 0; i < e->nrqs; i++) slots += holds_slot(e->rqs[i]);
+    for (uint32_t i = 0; i < e->nrqs && slots < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         if (r->state != RQ_QUEUED) continue;
         if (!admit_one(e, r, live)) break;
         live++;
+        slots++;
         n++;
     }
     return n;

@@ -102,7 +102,9 @@ typedef struct {
     kvs_llm_receivers_t receivers; /* DECODE without a receiver: one per prefill instance */
     uint32_t chunk_tokens;         /* prefill tokens per request per pass (use the kvstage C) */
     uint32_t batch_tokens;         /* prompt tokens per pass, all requests (>= chunk_tokens) */
-    uint32_t max_running;          /* requests admitted at once */
+    /* Requests admitted at once; on a prefill instance, those whose prompt is still computing
+     * (a computed one waiting for its handoff holds pages but no slot). */
+    uint32_t max_running;
     /* Prompt + max_new_tokens at most (the served context, vLLM's max_model_len); 0: the model's
      * max_ctx; above it: refused. A prefill request counts one new token. */
     uint32_t max_context;

@@ -50,6 +50,10 @@ static kvs_sample_params_t g_sampling = {.top_p = 0.95f}; /* of every request */
 #define ROOMY_POOL 64
 #define SMALL_POOL 10
 static uint32_t g_pool_pages = ROOMY_POOL;
+static uint32_t g_max_running = 3; /* of every engine */
+/* run_disaggregated, concurrent: the prefill engine gets the requests in the reverse order */
+static int g_prefill_reversed;
+static uint64_t g_bootstrap_ns; /* run_disaggregated's bootstrap timeout; 0: the default */
 /* Logprobs of every request (request()): off, or TOP alternatives and the prompt's too. */
 #define TOP 5
 static int g_logprobs, g_prompt_logprobs;
@@ -264,7 +268,7 @@ static void single_open(single_t *s, kvs_llm_role_t role, int radix, kvs_sender_
                           .receiver = rx,
                           .chunk_tokens = CHUNK,
                           .batch_tokens = 2 * CHUNK,
-                          .max_running = 3,
+                          .max_running = g_max_running,
                           .radix = radix};
     assert_int_equal(kvs_llm_create(&c, &s->llm), KVS_OK);
 }
@@ -449,6 +453,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     kvs_pd_timeouts_t to;
     kvs_pd_timeouts_default(&to);
     to.retry_ns = 2000000; /* 2 ms: lost messages come back quickly */
+    if (g_bootstrap_ns) to.bootstrap_timeout_ns = g_bootstrap_ns;
     kvs_sender_config_t sc = {
         .geo = geo, .rank = 0, .timeouts = to, .window_chunks = 2, .staging_buffers = 2};
     kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 1 << 20};
@@ -466,6 +471,14 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     uint64_t deadline = kvs_now_ns() + 60000000000ull;
     while (kvs_now_ns() < deadline) {
         /* One request at a time, so later ones can hit both radix caches. */
+        if (concurrent && g_prefill_reversed && next == 0) {
+            for (int p = 0; p < NPROMPTS; p++) {
+                kvs_llm_request_t q = request(p), r = request(NPROMPTS - 1 - p);
+                assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
+                assert_int_equal(kvs_llm_submit(pre.llm, &r), KVS_OK);
+            }
+            next = NPROMPTS;
+        }
         if (next < NPROMPTS && (concurrent || next == 0 || o.done[next - 1])) {
             kvs_llm_request_t q = request(next++);
             assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
@@ -543,6 +556,30 @@ static void test_disaggregated_hostile_network(void **state)
     g_pool_pages = SMALL_POOL; /* preemptions (not counted: the network decides the timing) */
     run_disaggregated(&f, 1, 1, 1, NULL);
     g_pool_pages = ROOMY_POOL;
+    kvs_assert_no_leaks();
+}
+
+/* Two instances fed in opposite orders, one compute slot fewer than requests on each side
+ * (two slots, four requests): the decode engine admits rooms 1 and 2 and waits for their KV, the
+ * prefill engine computes rooms 4 and 3 first, which decode has not admitted. The prefill rooms
+ * waiting for their handoff must free their slots for rooms 1 and 2, else both sides wait on
+ * each other until the bootstrap timeout fails the rooms (made short here: 10 s). With one slot
+ * each, and with the decode pool too small for every room at once. */
+static void test_opposite_orders(void **state)
+{
+    (void) state;
+    g_prefill_reversed = 1;
+    g_bootstrap_ns = 10000000000ull;
+    for (uint32_t slots = 1; slots <= 2; slots++) {
+        g_max_running = slots;
+        run_disaggregated(NULL, 0, 0, 1, NULL);
+        g_pool_pages = SMALL_POOL;
+        run_disaggregated(NULL, 1, 1, 1, NULL);
+        g_pool_pages = ROOMY_POOL;
+    }
+    g_max_running = 3;
+    g_bootstrap_ns = 0;
+    g_prefill_reversed = 0;
     kvs_assert_no_leaks();
 }
 
@@ -1074,6 +1111,7 @@ int main(void)
         cmocka_unit_test(test_colocated_tp2_threads),
         cmocka_unit_test(test_disaggregated_equals_colocated),
         cmocka_unit_test(test_disaggregated_hostile_network),
+        cmocka_unit_test(test_opposite_orders),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
         cmocka_unit_test(test_whole_context_max_new),

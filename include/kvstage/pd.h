@@ -190,6 +190,10 @@ kvs_status_t kvs_sender_advance(kvs_sender_t *sender, uint64_t room, uint64_t co
 kvs_status_t kvs_sender_finish(kvs_sender_t *sender, uint64_t room, const void *final_meta,
                                uint32_t final_len);
 kvs_status_t kvs_sender_abort(kvs_sender_t *sender, uint64_t room);
+/* 1 when decode has already spoken of a room not added yet (a ROOM_META or ABORT of it is
+ * stashed) or when this rank has no decode peer to wait for; 0 otherwise (and for a room
+ * already added). An engine short of pages may start first the rooms decode waits for. */
+int kvs_sender_heard(const kvs_sender_t *sender, uint64_t room);
 kvs_status_t kvs_sender_poll(kvs_sender_t *sender, uint64_t room, kvs_room_info_t *info_p);
 /* Drops a concluded, quiescent room (KVS_ERR_STATE otherwise). Idempotent: releasing an unknown
  * room returns KVS_ERR_NOT_FOUND and changes nothing. */

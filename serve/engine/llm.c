@@ -60,6 +60,10 @@ typedef struct {
     uint32_t prompt_lp_next; /* prompt_logprobs: the next prompt position to report */
     int has_first_lp;        /* decode: the first token's logprobs came with it */
     kvs_logprobs_t first_lp;
+    /* prefill: decode has spoken of the room (rank 0's sender heard it, broadcast), so its
+     * handoff cannot wait on decode's admission; 1 for every other request */
+    int ready;
+    uint32_t unready_pages; /* prefill: pages taken at an admission before ready */
     int in_protocol;    /* added to the sender or receiver, not yet released */
     int aborted;        /* abort sent to the sender or receiver */
     int stop;           /* kvs_llm_stop reached this rank */
@@ -82,6 +86,7 @@ typedef struct {
 } stop_t;
 
 #define STOP_BYTES 12 /* a stop as broadcast: room, choice */
+#define READY_BYTES 8 /* a room decode has spoken of, as broadcast */
 
 struct kvs_llm {
     kvs_llm_config_t cfg;
@@ -96,6 +101,8 @@ struct kvs_llm {
     uint32_t npending, cap_pending;
     stop_t *stops;
     uint32_t nstops, cap_stops;
+    uint64_t *ready; /* prefill: queued rooms decode has spoken of since the last step */
+    uint32_t nready, cap_ready;
     /* rank 0: events not yet taken */
     kvs_llm_event_t *events;
     uint32_t ev_head, ev_count, ev_cap;
@@ -374,6 +381,7 @@ void kvs_llm_destroy(kvs_llm_t *e)
     for (uint32_t i = 0; i < e->npending; i++) kvs_free(e->pending[i].bytes);
     kvs_free(e->pending);
     kvs_free(e->stops);
+    kvs_free(e->ready);
     kvs_free(e->rqs);
     kvs_free(e->events);
     kvs_free(e->seqs);
@@ -537,6 +545,7 @@ static rq_t *rq_new(kvs_llm_t *e, const kvs_llm_request_t *q)
     r->ev.room = q->room;
     r->ev.prompt_len = n;
     r->ev.submitted_ns = kvs_now_ns();
+    r->ready = e->cfg.role != KVS_LLM_PREFILL;
     return r;
 }
 
@@ -638,13 +647,30 @@ static kvs_status_t collect_metrics(kvs_llm_t *e)
 
 /* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
  * collect metrics), [16,24) payload bytes. */
+/* Rank 0 of a prefill instance: the queued rooms its sender has heard decode speak of since
+ * the last step, to broadcast (every rank then admits them alike). 0: out of memory. */
+static int heard_rooms(kvs_llm_t *e)
+{
+    if (e->cfg.role != KVS_LLM_PREFILL) return 1;
+    for (uint32_t i = 0; i < e->nrqs; i++) {
+        const rq_t *r = e->rqs[i];
+        if (r->ready || r->state != RQ_QUEUED || !kvs_sender_heard(e->cfg.sender, r->req.room))
+            continue;
+        if (!grow((void **) &e->ready, &e->cap_ready, e->nready + 1, sizeof(uint64_t))) return 0;
+        e->ready[e->nready++] = r->req.room;
+    }
+    return 1;
+}
+
 static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
 {
     uint8_t head[HEADER_BYTES] = {0};
     size_t payload = 0;
     if (e->rank == 0) {
+        if (!heard_rooms(e)) return KVS_ERR_NOMEM; /* fatal: the ranks would diverge */
         for (uint32_t i = 0; i < e->npending; i++) payload += e->pending[i].len;
-        payload += (size_t) e->nstops * STOP_BYTES;
+        payload += (size_t) e->nstops * STOP_BYTES + (size_t) e->nready * READY_BYTES;
+        kvs_put_u32(head + 24, e->nready);
         kvs_put_u32(head, (uint32_t) (quit != 0));
         kvs_put_u32(head + 4, e->npending);
         kvs_put_u32(head + 8, e->nstops);
@@ -658,6 +684,7 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
         return st;
     *quit_p = kvs_get_u32(head) != 0;
     uint32_t nnew = kvs_get_u32(head + 4), nstop = kvs_get_u32(head + 8);
+    const uint32_t nready = kvs_get_u32(head + 24);
     if ((kvs_get_u32(head + 12) & 1) && (st = collect_metrics(e)) != KVS_OK) return st;
     payload = kvs_get_u64(head + 16);
     if (payload == 0) return KVS_OK;
@@ -678,7 +705,9 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
             kvs_put_u64(e->wire + at, e->stops[i].room);
             kvs_put_u32(e->wire + at + 8, e->stops[i].choice);
         }
-        e->npending = e->nstops = 0;
+        for (uint32_t i = 0; i < e->nready; i++, at += READY_BYTES)
+            kvs_put_u64(e->wire + at, e->ready[i]);
+        e->npending = e->nstops = e->nready = 0;
     }
     for (size_t at = 0; e->cfg.group != NULL && at < payload; at += PIECE_BYTES) {
         size_t n = payload - at < PIECE_BYTES ? payload - at : PIECE_BYTES;
@@ -702,6 +731,10 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
             if (r->req.room == room && (choice == KVS_LLM_CHOICE_ALL || r->choice == choice))
                 r->stop = 1;
         }
+    }
+    for (uint32_t i = 0; i < nready && at + READY_BYTES <= payload; i++, at += READY_BYTES) {
+        rq_t *r = find(e, kvs_get_u64(e->wire + at));
+        if (r != NULL) r->ready = 1;
     }
     return KVS_OK;
 }
@@ -1002,10 +1035,11 @@ static int holds_slot(const rq_t *r)
     return r->state != RQ_QUEUED && r->state != RQ_SIBLING && r->state != RQ_HANDOFF;
 }
 
-/* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait). Pages for
- * the tokens known (the prompt; after a preemption, prompt + generated), and where sequences
- * grow, one page of headroom left for each of the `running` requests. */
-static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
+/* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait) or it would
+ * take more than `most`. Pages for the tokens known (the prompt; after a preemption, prompt +
+ * generated), and where sequences grow, one page of headroom left for each of the `running`
+ * requests. */
+static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running, uint32_t most)
 {
     const kvs_llm_request_t *q = &r->req;
     uint32_t cached = 0;
@@ -1027,13 +1061,14 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
     }
     uint32_t first = cached / e->page, total = pages_for(r->ntokens, e->page);
     uint32_t headroom = e->cfg.role == KVS_LLM_PREFILL ? 0 : running;
-    if ((uint64_t) total - first + headroom > available_pages(e) ||
+    if (total - first > most || (uint64_t) total - first + headroom > available_pages(e) ||
         take_pages(e, total - first, r->pages + first) != KVS_OK) {
         if (node != NULL) (void) kvs_radix_unlock(e->radix, node);
         return 0;
     }
     r->node = node;
     r->npages = total;
+    r->unready_pages = r->ready ? 0 : total - first;
     r->cached = r->computed = cached;
     if (r->hold != NULL) { /* its own match holds what it shares now */
         (void) kvs_radix_unlock(e->radix, r->hold);
@@ -1074,14 +1109,41 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running)
     return 1;
 }
 
+/* Pages held by prefill requests admitted before decode spoke of their room. */
+static uint32_t unready_pages(const kvs_llm_t *e)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < e->nrqs; i++) n += e->rqs[i]->unready_pages;
+    return n > UINT32_MAX ? UINT32_MAX : (uint32_t) n;
+}
+
+/* FIFO, as slots and pages allow. A prefill instance admits a room decode has not spoken of
+ * yet only into half of its pool (counting every such room until it ends): such a room's
+ * handoff waits for decode's admission, and decode may be waiting for rooms of its own that
+ * find no pages here. The half kept for the rooms decode waits for always frees (their
+ * handoffs end), so the two sides cannot hold each other's pages until the bootstrap timeout
+ * (a small pool under many clients); while it lasts, such rooms are passed over (the rooms
+ * behind them that decode waits for go first), and one that decode has spoken of waits for
+ * pages at its place. One such room at a time may take more (a prompt over half the pool; a
+ * decode instance that never answers: each room then fails at its bootstrap timeout in turn).
+ * A room starts at once, before decode's word, whenever that leaves the limit. */
 static uint32_t admit(kvs_llm_t *e)
 {
     uint32_t n = 0, live = running(e), slots = 0;
     for (uint32_t i = 0; i < e->nrqs; i++) slots += holds_slot(e->rqs[i]);
+    const uint32_t half = kvs_pool_total_pages(e->cfg.pool) / 2;
+    uint32_t unready = unready_pages(e);
     for (uint32_t i = 0; i < e->nrqs && slots < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         if (r->state != RQ_QUEUED) continue;
-        if (!admit_one(e, r, live)) break;
+        const uint32_t most = r->ready || unready == 0 ? UINT32_MAX
+                              : unready < half          ? half - unready
+                                                        : 0;
+        if (!admit_one(e, r, live, most)) {
+            if (r->ready) break;
+            continue;
+        }
+        unready += r->unready_pages;
         live++;
         slots++;
         n++;

@@ -555,6 +555,15 @@ kvs_status_t kvs_sender_abort(kvs_sender_t *tx, uint64_t room)
     return KVS_OK;
 }
 
+int kvs_sender_heard(const kvs_sender_t *tx, uint64_t room)
+{
+    if (kvs_map_get(&tx->rooms, room) != NULL) return 0;
+    const sstash_t *s = kvs_map_get(&tx->stash, room);
+    if (s != NULL) return s->meta_got != 0 || s->aborted != 0;
+    uint32_t dpeers[KVS_MAX_TP], n = 0;
+    return kvs_plan_geo_decode_peers(&tx->cfg.geo, tx->cfg.rank, dpeers, &n) == KVS_OK && n == 0;
+}
+
 static int room_quiescent(const sroom_t *r)
 {
     if (r->status == KVS_ROOM_SUCCESS) return 1;

@@ -54,6 +54,7 @@ static uint32_t g_max_running = 3; /* of every engine */
 /* run_disaggregated, concurrent: the prefill engine gets the requests in the reverse order */
 static int g_prefill_reversed;
 static uint64_t g_bootstrap_ns; /* run_disaggregated's bootstrap timeout; 0: the default */
+static uint32_t g_prefill_pool_pages = ROOMY_POOL; /* run_disaggregated's prefill pool */
 /* Logprobs of every request (request()): off, or TOP alternatives and the prompt's too. */
 #define TOP 5
 static int g_logprobs, g_prompt_logprobs;
@@ -439,7 +440,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     kvs_clock_t clock = kvs_clock_monotonic();
     kvs_model_t *m;
     assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
-    kvs_pool_t *ppool = make_pool(m, ROOMY_POOL), *dpool = make_pool(m, g_pool_pages);
+    kvs_pool_t *ppool = make_pool(m, g_prefill_pool_pages), *dpool = make_pool(m, g_pool_pages);
     kvs_inproc_net_t *net;
     assert_int_equal(kvs_inproc_net_create(1, 1, faults, &clock, &net), KVS_OK);
     kvs_link_t *pl, *dl;
@@ -576,6 +577,9 @@ static void test_opposite_orders(void **state)
         g_pool_pages = SMALL_POOL;
         run_disaggregated(NULL, 1, 1, 1, NULL);
         g_pool_pages = ROOMY_POOL;
+        g_prefill_pool_pages = SMALL_POOL;
+        run_disaggregated(NULL, 0, 0, 1, NULL);
+        g_prefill_pool_pages = ROOMY_POOL;
     }
     g_max_running = 3;
     g_bootstrap_ns = 0;

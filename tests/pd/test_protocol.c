@@ -395,6 +395,54 @@ static void test_prefill_abort(void **state)
     kvs_assert_no_leaks();
 }
 
+/* kvs_sender_heard: 0 until a decode rank's ROOM_META (or ABORT) of a room not added yet
+ * reaches the prefill rank, 1 from then until the room is added; the room then runs as usual.
+ * A decode rank's ABORT of a room never added counts too. */
+static void test_sender_heard(void **state)
+{
+    (void) state;
+    kvs_pd_geometry_t g;
+    h_default_geo(&g, 1, 2, 4);
+    h_t h;
+    h_setup(&h, &g, NULL, 1 << 16, 256);
+    h_room_t room, other;
+    h_room_init(&h, &room, 4, 64, 0);
+    h_room_init(&h, &other, 5, 16, 0);
+    assert_false(kvs_sender_heard(h.tx[0], 4));
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(kvs_receiver_add_room(h.rx[r], 4, 0, 64, room.dpages), KVS_OK);
+    assert_int_equal(kvs_receiver_add_room(h.rx[0], 5, 0, 16, other.dpages), KVS_OK);
+    assert_int_equal(kvs_receiver_abort(h.rx[0], 5), KVS_OK);
+    for (int i = 0; i < 200 && !(kvs_sender_heard(h.tx[0], 4) && kvs_sender_heard(h.tx[0], 5));
+         i++)
+        h_step(&h);
+    assert_true(kvs_sender_heard(h.tx[0], 4));
+    assert_true(kvs_sender_heard(h.tx[0], 5));
+    assert_false(kvs_sender_heard(h.tx[0], 6));
+    assert_int_equal(kvs_sender_add_room(h.tx[0], 4, 64, room.ptable), KVS_OK);
+    assert_false(kvs_sender_heard(h.tx[0], 4)); /* added: nothing left to wait for */
+    h_fill(&h, 0, 4, room.ptable, 0, 64);
+    assert_int_equal(kvs_sender_advance(h.tx[0], 4, 64, 64), KVS_OK);
+    assert_int_equal(kvs_sender_finish(h.tx[0], 4, NULL, 0), KVS_OK);
+    for (int i = 0; i < 20000 && !h_concluded(&h, 4); i++) h_step(&h);
+    assert_int_equal(h_status(&h, 1, 4, NULL), KVS_ROOM_SUCCESS);
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(h_mismatches(&h, r, 4, room.dpages, 0, 64), 0);
+    h_release(&h, 4);
+    kvs_room_info_t info = {0};
+    for (int i = 0; i < 20000 && !info.quiescent; i++) {
+        h_step(&h);
+        assert_int_equal(kvs_receiver_poll(h.rx[0], 5, &info), KVS_OK);
+    }
+    assert_true(info.quiescent);
+    assert_int_equal(info.status, KVS_ROOM_FAILED);
+    assert_int_equal(kvs_receiver_release(h.rx[0], 5), KVS_OK);
+    h_room_free(&h, &room);
+    h_room_free(&h, &other);
+    h_teardown(&h);
+    kvs_assert_no_leaks();
+}
+
 /* Room 7 of 4 chunks (64 tokens) from two prefill ranks to one decode rank, the whole prompt at
  * rest from the start; finished (with a 4-byte final token) now, or later by finish_room. */
 static const uint32_t final_token = 1234;
@@ -678,6 +726,7 @@ int main(void)
         cmocka_unit_test(test_waiting_timeout),
         cmocka_unit_test(test_abort_quarantines_until_ack),
         cmocka_unit_test(test_prefill_abort),
+        cmocka_unit_test(test_sender_heard),
         cmocka_unit_test(test_lost_ack_never_delays_decode),
         cmocka_unit_test(test_ready_held_while_gpu_shared),
         cmocka_unit_test(test_trace_timeline),

@@ -9,6 +9,11 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -49,6 +54,24 @@ static inline void kvs_log_capture_sink(void *arg, kvs_log_level_t level, const 
     if (c->errors_only && level != KVS_LOG_ERROR) return;
     c->calls++;
     snprintf(c->msg, sizeof(c->msg), "%s", msg);
+}
+
+/* A loopback TCP port free at the time of the call (the kernel's pick for port 0), for a test
+ * that must name a port another process binds. Ports a test derives itself (from its pid, say)
+ * can fall in the ephemeral range and collide with another test's connection. */
+static inline uint16_t kvs_test_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    assert_int_equal(bind(fd, (struct sockaddr *) &a, sizeof(a)), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
 }
 
 /* Iteration count: KVS_ITERS from the environment (for soaks), else the given default. */

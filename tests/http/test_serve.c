@@ -864,22 +864,6 @@ static void test_serve_demo_smollm2(void **state)
     assert_non_null(strstr(out, "every process exited cleanly"));
 }
 
-/* A free TCP port on 127.0.0.1 (bound, read back and closed: free a moment later too). */
-static uint16_t free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof(a));
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    assert_int_equal(bind(fd, (struct sockaddr *) &a, sizeof(a)), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* A prefill server killed (SIGKILL to its whole group) and started again on the same HTTP
  * port and registry, with new ports for its ranks: the decode server, never restarted, finds
  * the new instance through the registry and serves correctly again, leaking no room. */
@@ -887,8 +871,8 @@ static void test_prefill_restart(void **state)
 {
     (void) state;
     char port[8], reg[64];
-    snprintf(port, sizeof(port), "%u", free_port());
-    snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", free_port());
+    snprintf(port, sizeof(port), "%u", kvs_test_free_port());
+    snprintf(reg, sizeof(reg), "tcp://127.0.0.1:%u", kvs_test_free_port());
     const char *pargs[] = {"serve", "--role", "prefill", "--seeded",   SEEDED, "--model-seed",
                            "11",    "--port", port,      "--registry", reg,    "--max-model-len",
                            MAX_LEN, "--tp",   "2",       NULL};

@@ -161,7 +161,7 @@ static void test_incompatible_decode_refused(void **state)
     (void) state;
     if (tool() == NULL) skip();
     char registry[64];
-    snprintf(registry, sizeof(registry), "tcp://127.0.0.1:%d", 20000 + (int) (getpid() % 20000));
+    snprintf(registry, sizeof(registry), "tcp://127.0.0.1:%u", kvs_test_free_port());
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {

@@ -64,12 +64,12 @@ typedef struct {
      * handoff cannot wait on decode's admission; 1 for every other request */
     int ready;
     uint32_t unready_pages; /* prefill: pages taken at an admission before ready */
-    int in_protocol;    /* added to the sender or receiver, not yet released */
-    int aborted;        /* abort sent to the sender or receiver */
-    int stop;           /* kvs_llm_stop reached this rank */
-    int local_fail;     /* this rank could not add the room to its sender or receiver */
-    kvs_receiver_t *rx; /* decode: the room's receiver, from admission on */
-    char *peer;         /* decode: req.peer's copy, or NULL */
+    int in_protocol;        /* added to the sender or receiver, not yet released */
+    int aborted;            /* abort sent to the sender or receiver */
+    int stop;               /* kvs_llm_stop reached this rank */
+    int local_fail;         /* this rank could not add the room to its sender or receiver */
+    kvs_receiver_t *rx;     /* decode: the room's receiver, from admission on */
+    char *peer;             /* decode: req.peer's copy, or NULL */
     kvs_status_t status;
     kvs_llm_event_t ev; /* timestamps, filled as the request goes */
 } rq_t;
@@ -85,8 +85,8 @@ typedef struct {
     uint32_t choice; /* or KVS_LLM_CHOICE_ALL */
 } stop_t;
 
-#define STOP_BYTES 12 /* a stop as broadcast: room, choice */
-#define READY_BYTES 8 /* a room decode has spoken of, as broadcast */
+#define STOP_BYTES  12 /* a stop as broadcast: room, choice */
+#define READY_BYTES 8  /* a room decode has spoken of, as broadcast */
 
 struct kvs_llm {
     kvs_llm_config_t cfg;
@@ -115,9 +115,9 @@ struct kvs_llm {
     uint32_t *dev_tok;     /* [max_running] tokens sampled where the model runs (a device) */
     float *all_logits;     /* [all_cap][vocab] rank 0: every position of prompt-logprobs chunks */
     size_t all_cap;
-    double *agree; /* [cap_agree][KVS_LLM_AGREE_DOUBLES] */
+    double *agree;      /* [cap_agree][KVS_LLM_AGREE_DOUBLES] */
     uint32_t cap_agree; /* requests */
-    uint8_t *wire; /* broadcast assembly */
+    uint8_t *wire;      /* broadcast assembly */
     size_t wire_cap;
     uint32_t *wire_ids; /* [cap_wire_ids] a broadcast request's prompt, decoded */
     kvs_logit_bias_t *wire_bias;
@@ -948,8 +948,8 @@ static kvs_status_t agree(kvs_llm_t *e, uint32_t *work)
     const size_t piece = (size_t) KVS_LLM_AGREE_DOUBLES * e->cfg.max_running;
     for (size_t at = 0, all = (size_t) KVS_LLM_AGREE_DOUBLES * n; e->cfg.group != NULL && at < all;
          at += piece) {
-        kvs_status_t st = kvs_tpgroup_allreduce(e->cfg.group, e->agree + at,
-                                                all - at < piece ? all - at : piece);
+        kvs_status_t st =
+            kvs_tpgroup_allreduce(e->cfg.group, e->agree + at, all - at < piece ? all - at : piece);
         if (st != KVS_OK) return st;
     }
     const double T = e->tp;
@@ -1137,8 +1137,8 @@ static uint32_t admit(kvs_llm_t *e)
         rq_t *r = e->rqs[i];
         if (r->state != RQ_QUEUED) continue;
         const uint32_t most = r->ready || unready == 0 ? UINT32_MAX
-                              : unready < half          ? half - unready
-                                                        : 0;
+                              : unready < half         ? half - unready
+                                                       : 0;
         if (!admit_one(e, r, live, most)) {
             if (r->ready) break;
             continue;

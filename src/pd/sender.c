@@ -611,9 +611,9 @@ static sstash_t *stash_for(kvs_sender_t *tx, uint64_t room)
     /* As long as decode waits for the room (its waiting timeout) or this side would (bootstrap):
      * a busy prefill instance may add a room decode is ready for much later. */
     const kvs_pd_timeouts_t *t = &tx->cfg.timeouts;
-    s->expires_at = now_ns(tx) + (t->waiting_timeout_ns > t->bootstrap_timeout_ns
-                                      ? t->waiting_timeout_ns
-                                      : t->bootstrap_timeout_ns);
+    s->expires_at =
+        now_ns(tx) + (t->waiting_timeout_ns > t->bootstrap_timeout_ns ? t->waiting_timeout_ns
+                                                                      : t->bootstrap_timeout_ns);
     return s;
 }
 

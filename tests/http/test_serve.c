@@ -1929,8 +1929,10 @@ int main(int argc, char **argv)
     GROUP("rank_death", rank_death, NULL, NULL)
 #undef GROUP
     if (ran == 0) {
-        fprintf(stderr, "test_serve: no group '%s' (deployment, demo, fleet, multi_decode, "
-                        "peer_limit, rank_death)\n", only);
+        fprintf(stderr,
+                "test_serve: no group '%s' (deployment, demo, fleet, multi_decode, "
+                "peer_limit, rank_death)\n",
+                only);
         return 2;
     }
     unlink(ERR_FILE);

@@ -413,8 +413,7 @@ static void test_sender_heard(void **state)
         assert_int_equal(kvs_receiver_add_room(h.rx[r], 4, 0, 64, room.dpages), KVS_OK);
     assert_int_equal(kvs_receiver_add_room(h.rx[0], 5, 0, 16, other.dpages), KVS_OK);
     assert_int_equal(kvs_receiver_abort(h.rx[0], 5), KVS_OK);
-    for (int i = 0; i < 200 && !(kvs_sender_heard(h.tx[0], 4) && kvs_sender_heard(h.tx[0], 5));
-         i++)
+    for (int i = 0; i < 200 && !(kvs_sender_heard(h.tx[0], 4) && kvs_sender_heard(h.tx[0], 5)); i++)
         h_step(&h);
     assert_true(kvs_sender_heard(h.tx[0], 4));
     assert_true(kvs_sender_heard(h.tx[0], 5));

@@ -300,9 +300,9 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "end-to-end chunk checksums of the KV handoff; a decode server refuses a prefill "
          "instance with the other setting (on)",
          NULL, NULL},
-        {"max-running", KVS_ARG_U32, &f->max_running, "requests admitted at once (4); on a prefill server, prompts computing at once",
-         "[1,1024]",
-         NULL},
+        {"max-running", KVS_ARG_U32, &f->max_running,
+         "requests admitted at once (4); on a prefill server, prompts computing at once",
+         "[1,1024]", NULL},
         {"max-model-len", KVS_ARG_U32, &f->max_model_len,
          "prompt + max_tokens of a request at most; a request without max_tokens may use the "
          "rest (default: the model's context length)",

@@ -1117,28 +1117,35 @@ static uint32_t unready_pages(const kvs_llm_t *e)
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t) n;
 }
 
+/* Pages a prefill instance lends to rooms decode has not spoken of yet: its pool less the
+ * largest prompt it accepts (max_ctx - 1 tokens). */
+static uint32_t unready_budget(const kvs_llm_t *e)
+{
+    const uint32_t total = kvs_pool_total_pages(e->cfg.pool);
+    const uint32_t largest = pages_for(e->max_ctx - 1, e->page);
+    return largest < total ? total - largest : 0;
+}
+
 /* FIFO, as slots and pages allow. A prefill instance admits a room decode has not spoken of
- * yet only into half of its pool (counting every such room until it ends): such a room's
- * handoff waits for decode's admission, and decode may be waiting for rooms of its own that
- * find no pages here. The half kept for the rooms decode waits for always frees (their
- * handoffs end), so the two sides cannot hold each other's pages until the bootstrap timeout
- * (a small pool under many clients); while it lasts, such rooms are passed over (the rooms
- * behind them that decode waits for go first), and one that decode has spoken of waits for
- * pages at its place. One such room at a time may take more (a prompt over half the pool; a
- * decode instance that never answers: each room then fails at its bootstrap timeout in turn).
- * A room starts at once, before decode's word, whenever that leaves the limit. */
+ * yet (counting every such room until it ends) only into what its pool holds beyond the
+ * largest prompt it accepts: such a room's handoff waits for decode's admission, and decode may
+ * be holding its pages for rooms of its own, which need pages here. What is kept back always
+ * frees for them (the rooms decode has spoken of end without waiting on anything else), so
+ * the two sides cannot hold each other's pages until the bootstrap timeout (a small pool under
+ * many clients, or prompts near the pool's size). While the lent pages are taken, such rooms
+ * are passed over (the rooms behind them that decode waits for go first), and one that decode
+ * has spoken of waits for pages at its place. A pool no larger than one prompt lends nothing:
+ * every room waits for decode's word (a round trip of its bootstrap) before it starts. */
 static uint32_t admit(kvs_llm_t *e)
 {
     uint32_t n = 0, live = running(e), slots = 0;
     for (uint32_t i = 0; i < e->nrqs; i++) slots += holds_slot(e->rqs[i]);
-    const uint32_t half = kvs_pool_total_pages(e->cfg.pool) / 2;
+    const uint32_t budget = unready_budget(e);
     uint32_t unready = unready_pages(e);
     for (uint32_t i = 0; i < e->nrqs && slots < e->cfg.max_running; i++) {
         rq_t *r = e->rqs[i];
         if (r->state != RQ_QUEUED) continue;
-        const uint32_t most = r->ready || unready == 0 ? UINT32_MAX
-                              : unready < half         ? half - unready
-                                                       : 0;
+        const uint32_t most = r->ready ? UINT32_MAX : unready < budget ? budget - unready : 0;
         if (!admit_one(e, r, live, most)) {
             if (r->ready) break;
             continue;

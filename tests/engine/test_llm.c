@@ -49,6 +49,7 @@ static kvs_sample_params_t g_sampling = {.top_p = 0.95f}; /* of every request */
  * and 1 are admitted together in 9 and grow to 13). */
 #define ROOMY_POOL 64
 #define SMALL_POOL 10
+#define TIGHT_POOL 6 /* prompt 2 alone */
 static uint32_t g_pool_pages = ROOMY_POOL;
 static uint32_t g_max_running = 3; /* of every engine */
 /* run_disaggregated, concurrent: the prefill engine gets the requests in the reverse order */
@@ -565,7 +566,9 @@ static void test_disaggregated_hostile_network(void **state)
  * prefill engine computes rooms 4 and 3 first, which decode has not admitted. The prefill rooms
  * waiting for their handoff must free their slots for rooms 1 and 2, else both sides wait on
  * each other until the bootstrap timeout fails the rooms (made short here: 10 s). With one slot
- * each, and with the decode pool too small for every room at once. */
+ * each, with the decode pool too small for every room at once, and with both pools small: a
+ * prefill pool the size of the largest prompt (6 pages), where room 4, started before decode
+ * spoke of it, would keep room 1 out while decode's pages wait for rooms 1 and 2. */
 static void test_opposite_orders(void **state)
 {
     (void) state;
@@ -579,6 +582,10 @@ static void test_opposite_orders(void **state)
         g_pool_pages = ROOMY_POOL;
         g_prefill_pool_pages = SMALL_POOL;
         run_disaggregated(NULL, 0, 0, 1, NULL);
+        g_pool_pages = SMALL_POOL;
+        g_prefill_pool_pages = TIGHT_POOL;
+        run_disaggregated(NULL, 0, 0, 1, NULL);
+        g_pool_pages = ROOMY_POOL;
         g_prefill_pool_pages = ROOMY_POOL;
     }
     g_max_running = 3;

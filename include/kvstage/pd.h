@@ -190,9 +190,11 @@ kvs_status_t kvs_sender_advance(kvs_sender_t *sender, uint64_t room, uint64_t co
 kvs_status_t kvs_sender_finish(kvs_sender_t *sender, uint64_t room, const void *final_meta,
                                uint32_t final_len);
 kvs_status_t kvs_sender_abort(kvs_sender_t *sender, uint64_t room);
-/* 1 when decode has already spoken of a room not added yet (a ROOM_META or ABORT of it is
- * stashed) or when this rank has no decode peer to wait for; 0 otherwise (and for a room
- * already added). An engine short of pages may start first the rooms decode waits for. */
+/* 1 when decode has spoken of the room: a ROOM_META or ABORT of it came (stashed, for a room
+ * not added yet), the room has concluded, or this rank has no decode peer to wait for; 0
+ * otherwise. A room decode has spoken of concludes without waiting on decode's admission: an
+ * engine short of pages may start those first, and count the pages of rooms it added before
+ * decode spoke as lent until this turns 1. */
 int kvs_sender_heard(const kvs_sender_t *sender, uint64_t room);
 kvs_status_t kvs_sender_poll(kvs_sender_t *sender, uint64_t room, kvs_room_info_t *info_p);
 /* Drops a concluded, quiescent room (KVS_ERR_STATE otherwise). Idempotent: releasing an unknown

@@ -63,7 +63,7 @@ typedef struct {
     /* prefill: decode has spoken of the room (rank 0's sender heard it, broadcast), so its
      * handoff cannot wait on decode's admission; 1 for every other request */
     int ready;
-    uint32_t unready_pages; /* prefill: pages taken at an admission before ready */
+    uint32_t unready_pages; /* prefill, admitted before ready: its pages, cached ones too */
     int in_protocol;        /* added to the sender or receiver, not yet released */
     int aborted;            /* abort sent to the sender or receiver */
     int stop;               /* kvs_llm_stop reached this rank */
@@ -647,15 +647,17 @@ static kvs_status_t collect_metrics(kvs_llm_t *e)
 
 /* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
  * collect metrics), [16,24) payload bytes. */
-/* Rank 0 of a prefill instance: the queued rooms its sender has heard decode speak of since
- * the last step, to broadcast (every rank then admits them alike). 0: out of memory. */
+static void cache_prompt_early(kvs_llm_t *e, rq_t *r);
+
+/* Rank 0 of a prefill instance: the rooms its sender has heard decode speak of since the last
+ * step, to broadcast (every rank then admits them, or counts their pages, alike). 0: out of
+ * memory. */
 static int heard_rooms(kvs_llm_t *e)
 {
     if (e->cfg.role != KVS_LLM_PREFILL) return 1;
     for (uint32_t i = 0; i < e->nrqs; i++) {
         const rq_t *r = e->rqs[i];
-        if (r->ready || r->state != RQ_QUEUED || !kvs_sender_heard(e->cfg.sender, r->req.room))
-            continue;
+        if (r->ready || !kvs_sender_heard(e->cfg.sender, r->req.room)) continue;
         if (!grow((void **) &e->ready, &e->cap_ready, e->nready + 1, sizeof(uint64_t))) return 0;
         e->ready[e->nready++] = r->req.room;
     }
@@ -734,7 +736,10 @@ static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
     }
     for (uint32_t i = 0; i < nready && at + READY_BYTES <= payload; i++, at += READY_BYTES) {
         rq_t *r = find(e, kvs_get_u64(e->wire + at));
-        if (r != NULL) r->ready = 1;
+        if (r == NULL || r->ready) continue;
+        r->ready = 1; /* its handoff no longer waits on decode: its pages are lent no more */
+        r->unready_pages = 0;
+        if (r->state == RQ_HANDOFF) cache_prompt_early(e, r);
     }
     return KVS_OK;
 }
@@ -759,6 +764,17 @@ static void cache_insert(kvs_llm_t *e, rq_t *r, uint32_t valid, kvs_radix_node_t
     r->keep_from = present_pages > first ? present_pages : first;
     r->keep_to = valid / e->page;
     if (r->keep_to < r->keep_from) r->keep_to = r->keep_from;
+}
+
+/* The computed prompt's KV into the radix cache now, locked while the request lives, so later
+ * requests (or its other choices) share it while it still runs or is still being sent (the
+ * sender only reads the pages). Once per request. */
+static void cache_prompt_early(kvs_llm_t *e, rq_t *r)
+{
+    if (r->cached_early) return;
+    cache_insert(e, r, r->req.prompt_len, &r->inserted);
+    if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
+    r->cached_early = 1;
 }
 
 /* Positions [0, n) whose KV the request's pages hold at rest. */
@@ -915,11 +931,7 @@ static void protocol_release(kvs_llm_t *e, rq_t *r)
 static void release_siblings(kvs_llm_t *e, rq_t *r)
 {
     if (r->choice != 0 || r->req.n_choices <= 1) return;
-    if (!r->cached_early) {
-        cache_insert(e, r, r->req.prompt_len, &r->inserted);
-        if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
-        r->cached_early = 1;
-    }
+    cache_prompt_early(e, r);
     for (uint32_t i = 0; i < e->nrqs; i++) {
         rq_t *s = e->rqs[i];
         if (s->req.room != r->req.room || s->state != RQ_SIBLING) continue;
@@ -1036,7 +1048,8 @@ static int holds_slot(const rq_t *r)
 }
 
 /* Radix match, pages, and the protocol room; 0 when pages are short (FIFO: wait) or it would
- * take more than `most`. Pages for the tokens known (the prompt; after a preemption, prompt +
+ * hold more than `most`, its cached prefix included (locked, those pages are no one else's to
+ * take either). Pages for the tokens known (the prompt; after a preemption, prompt +
  * generated), and where sequences grow, one page of headroom left for each of the `running`
  * requests. */
 static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running, uint32_t most)
@@ -1061,14 +1074,14 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running, uint32_t most)
     }
     uint32_t first = cached / e->page, total = pages_for(r->ntokens, e->page);
     uint32_t headroom = e->cfg.role == KVS_LLM_PREFILL ? 0 : running;
-    if (total - first > most || (uint64_t) total - first + headroom > available_pages(e) ||
+    if (total > most || (uint64_t) total - first + headroom > available_pages(e) ||
         take_pages(e, total - first, r->pages + first) != KVS_OK) {
         if (node != NULL) (void) kvs_radix_unlock(e->radix, node);
         return 0;
     }
     r->node = node;
     r->npages = total;
-    r->unready_pages = r->ready ? 0 : total - first;
+    r->unready_pages = r->ready ? 0 : total;
     r->cached = r->computed = cached;
     if (r->hold != NULL) { /* its own match holds what it shares now */
         (void) kvs_radix_unlock(e->radix, r->hold);
@@ -1109,7 +1122,8 @@ static int admit_one(kvs_llm_t *e, rq_t *r, uint32_t running, uint32_t most)
     return 1;
 }
 
-/* Pages held by prefill requests admitted before decode spoke of their room. */
+/* Pages held or locked (a cached prefix) by prefill requests admitted before decode spoke of
+ * their room. */
 static uint32_t unready_pages(const kvs_llm_t *e)
 {
     uint64_t n = 0;
@@ -1319,10 +1333,10 @@ static void prompt_done(kvs_llm_t *e, rq_t *r, float *logits)
     emit_token(e, r, tok, has ? &lp : NULL);
     if (e->cfg.role == KVS_LLM_PREFILL) {
         /* The prompt's KV is final: later requests may share it now, while it is still being
-         * sent (the pages stay locked, and the sender only reads them). */
-        cache_insert(e, r, r->req.prompt_len, &r->inserted);
-        if (r->inserted != NULL) kvs_radix_lock(e->radix, r->inserted);
-        r->cached_early = 1;
+         * sent. A room decode has not spoken of waits until it has (sync_inputs): its lock
+         * would hold the cache's pages of a prefix it also computed itself, beyond the pages
+         * admit() lends it. */
+        if (r->ready) cache_prompt_early(e, r);
         uint8_t meta[META_MAX];
         size_t mlen = meta_put(meta, tok, has ? &lp : NULL);
         if (kvs_sender_finish(e->cfg.sender, r->req.room, meta, mlen) != KVS_OK)

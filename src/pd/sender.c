@@ -557,7 +557,10 @@ kvs_status_t kvs_sender_abort(kvs_sender_t *tx, uint64_t room)
 
 int kvs_sender_heard(const kvs_sender_t *tx, uint64_t room)
 {
-    if (kvs_map_get(&tx->rooms, room) != NULL) return 0;
+    const sroom_t *r = kvs_map_get(&tx->rooms, room);
+    if (r != NULL)
+        return r->meta_got != 0 || r->aborted_by != 0 || r->status == KVS_ROOM_FAILED ||
+               r->status == KVS_ROOM_SUCCESS || r->ndpeers == 0;
     const sstash_t *s = kvs_map_get(&tx->stash, room);
     if (s != NULL) return s->meta_got != 0 || s->aborted != 0;
     uint32_t dpeers[KVS_MAX_TP], n = 0;

@@ -52,6 +52,7 @@ static kvs_sample_params_t g_sampling = {.top_p = 0.95f}; /* of every request */
 #define TIGHT_POOL 6 /* prompt 2 alone */
 static uint32_t g_pool_pages = ROOMY_POOL;
 static uint32_t g_max_running = 3; /* of every engine */
+static uint32_t g_max_context;     /* of every engine; 0: the model's */
 /* run_disaggregated, concurrent: the prefill engine gets the requests in the reverse order */
 static int g_prefill_reversed;
 static uint64_t g_bootstrap_ns; /* run_disaggregated's bootstrap timeout; 0: the default */
@@ -89,8 +90,10 @@ static kvs_pool_t *make_pool(const kvs_model_t *m, uint32_t pages)
     return pool;
 }
 
-/* Greedy tokens straight from the model: the whole prompt in one pass, then one per pass. */
-static void reference(void)
+/* Greedy tokens straight from the model: the whole prompt in one pass, then one per pass; n of
+ * them for each of the count prompts into out (a row of MAX_NEW each). */
+static void greedy_reference(uint32_t (*prompt)[MAX_TOKEN], const uint32_t *len, int count, int n,
+                             uint32_t (*out)[MAX_NEW])
 {
     kvs_model_t *m;
     assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
@@ -98,20 +101,25 @@ static void reference(void)
     uint32_t pages[32];
     assert_int_equal(kvs_pool_alloc(pool, 32, pages), KVS_OK);
     static float logits[256];
-    for (int p = 0; p < NPROMPTS; p++) {
+    for (int p = 0; p < count; p++) {
         kvs_model_seq_t s = {
-            .tokens = g_prompt[p], .n = g_len[p], .pos0 = 0, .pages = pages, .npages = 32};
+            .tokens = prompt[p], .n = len[p], .pos0 = 0, .pages = pages, .npages = 32};
         assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
-        for (int t = 0; t < MAX_NEW; t++) {
-            g_ref[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL, NULL);
+        for (int t = 0; t < n; t++) {
+            out[p][t] = kvs_sample(logits, CFG.vocab, NULL, NULL, NULL);
             s = (kvs_model_seq_t){
-                .tokens = &g_ref[p][t], .n = 1, .pos0 = g_len[p] + t, .pages = pages, .npages = 32};
-            if (t + 1 < MAX_NEW)
+                .tokens = &out[p][t], .n = 1, .pos0 = len[p] + t, .pages = pages, .npages = 32};
+            if (t + 1 < n)
                 assert_int_equal(kvs_model_forward(m, pool, &s, 1, NULL, NULL, logits), KVS_OK);
         }
     }
     kvs_pool_destroy(pool);
     kvs_model_destroy(m);
+}
+
+static void reference(void)
+{
+    greedy_reference(g_prompt, g_len, NPROMPTS, MAX_NEW, g_ref);
 }
 
 /* log_softmax(logits)[token], written out independently of kvs_logprobs. */
@@ -271,6 +279,7 @@ static void single_open(single_t *s, kvs_llm_role_t role, int radix, kvs_sender_
                           .chunk_tokens = CHUNK,
                           .batch_tokens = 2 * CHUNK,
                           .max_running = g_max_running,
+                          .max_context = g_max_context,
                           .radix = radix};
     assert_int_equal(kvs_llm_create(&c, &s->llm), KVS_OK);
 }
@@ -591,6 +600,180 @@ static void test_opposite_orders(void **state)
     g_max_running = 3;
     g_bootstrap_ns = 0;
     g_prefill_reversed = 0;
+    kvs_assert_no_leaks();
+}
+
+/* ---- admission under random pools, slots and orders ---- */
+
+#define RND_ROOMS 10
+#define RND_NEW   6
+#define RND_CTX   (128 + RND_NEW) /* prompts of 1..128 tokens; the engines' max_context */
+
+static uint32_t g_rnd_prompt[RND_ROOMS][MAX_TOKEN];
+static uint32_t g_rnd_len[RND_ROOMS];
+static uint32_t g_rnd_ref[RND_ROOMS][MAX_NEW];
+
+/* Rank 0's events of one engine: each room's tokens and its end. */
+typedef struct {
+    uint32_t tokens[RND_ROOMS][RND_NEW];
+    uint32_t ntokens[RND_ROOMS];
+    int done[RND_ROOMS];
+    kvs_llm_event_t last[RND_ROOMS];
+} rnd_outcome_t;
+
+static void rnd_drain(kvs_llm_t *e, rnd_outcome_t *o)
+{
+    kvs_llm_event_t ev;
+    while (kvs_llm_next_event(e, &ev) == KVS_OK) {
+        assert_true(ev.room >= 1 && ev.room <= RND_ROOMS);
+        int p = (int) ev.room - 1;
+        assert_false(o->done[p]);
+        if (ev.kind == KVS_LLM_EV_TOKEN) {
+            assert_true(o->ntokens[p] < RND_NEW);
+            o->tokens[p][o->ntokens[p]++] = ev.token;
+        } else if (ev.kind != KVS_LLM_EV_PROMPT) {
+            o->done[p] = 1;
+            o->last[p] = ev;
+        }
+    }
+}
+
+static void shuffle(kvs_rng_t *rng, int *order, int n)
+{
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        int j = (int) kvs_rng_below(rng, (uint64_t) i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+}
+
+/* One scenario: rooms of 1..128 tokens (half sharing a prefix with an earlier one), a prefill pool
+ * from one largest prompt to three, a decode pool from one request to four, 1-4 slots on each side,
+ * radix caches on or off, and each side fed the rooms in its own random order at its own
+ * random pace. Every room must succeed with the reference's tokens well before the bootstrap
+ * timeout (10 s): two sides that held each other's pages or slots would fail rooms there. */
+static void run_random_admission(kvs_rng_t *rng)
+{
+    const int n = (int) kvs_rng_range(rng, 3, RND_ROOMS);
+    for (int p = 0; p < n; p++) {
+        g_rnd_len[p] = (uint32_t) kvs_rng_range(rng, 1, RND_CTX - RND_NEW);
+        /* Half of them begin with a part of an earlier one: radix hits on both sides. */
+        const int from = p > 0 && kvs_rng_below(rng, 2) ? (int) kvs_rng_below(rng, p) : -1;
+        const uint32_t shared = from < 0 ? 0 : (uint32_t) kvs_rng_range(rng, 0, g_rnd_len[from]);
+        for (uint32_t i = 0; i < g_rnd_len[p]; i++)
+            g_rnd_prompt[p][i] =
+                i < shared ? g_rnd_prompt[from][i] : (uint32_t) kvs_rng_below(rng, 256);
+    }
+    greedy_reference(g_rnd_prompt, g_rnd_len, n, RND_NEW, g_rnd_ref);
+    const uint32_t largest = (RND_CTX - 1 + PAGE - 1) / PAGE, request = (RND_CTX + PAGE - 1) / PAGE;
+    const uint32_t ppages = (uint32_t) kvs_rng_range(rng, largest, 3 * largest);
+    const uint32_t dpages = (uint32_t) kvs_rng_range(rng, request, 4 * request);
+    const uint32_t pslots = (uint32_t) kvs_rng_range(rng, 1, 4);
+    const uint32_t dslots = (uint32_t) kvs_rng_range(rng, 1, 4);
+    const int pradix = (int) kvs_rng_below(rng, 2), dradix = (int) kvs_rng_below(rng, 2);
+    int porder[RND_ROOMS], dorder[RND_ROOMS];
+    shuffle(rng, porder, n);
+    shuffle(rng, dorder, n);
+    const uint32_t pace = (uint32_t) kvs_rng_range(rng, 1, 4); /* 1: a room per step */
+
+    kvs_clock_t clock = kvs_clock_monotonic();
+    kvs_model_t *m;
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
+    kvs_pool_t *ppool = make_pool(m, ppages), *dpool = make_pool(m, dpages);
+    kvs_inproc_net_t *net;
+    assert_int_equal(kvs_inproc_net_create(1, 1, NULL, &clock, &net), KVS_OK);
+    kvs_link_t *pl, *dl;
+    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_PREFILL, 0, &pl), KVS_OK);
+    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_DECODE, 0, &dl), KVS_OK);
+    kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(m),
+                             .prefill_tp = 1,
+                             .decode_tp = 1,
+                             .page_size = PAGE,
+                             .chunk_tokens = CHUNK};
+    kvs_pd_timeouts_t to;
+    kvs_pd_timeouts_default(&to);
+    to.bootstrap_timeout_ns = 10000000000ull;
+    kvs_sender_config_t sc = {
+        .geo = geo, .rank = 0, .timeouts = to, .window_chunks = 2, .staging_buffers = 2};
+    kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 1 << 20};
+    kvs_sender_t *tx;
+    kvs_receiver_t *rx;
+    assert_int_equal(kvs_sender_create(&sc, ppool, pl, &clock, &tx), KVS_OK);
+    assert_int_equal(kvs_receiver_create(&rc, dpool, dl, &clock, &rx), KVS_OK);
+    single_t pre, dec;
+    g_max_context = RND_CTX;
+    g_max_running = pslots;
+    single_open(&pre, KVS_LLM_PREFILL, pradix, tx, NULL, m, ppool);
+    g_max_running = dslots;
+    single_open(&dec, KVS_LLM_DECODE, dradix, NULL, rx, m, dpool);
+    g_max_running = 3;
+    g_max_context = 0;
+    static rnd_outcome_t po, o;
+    memset(&po, 0, sizeof(po));
+    memset(&o, 0, sizeof(o));
+    int pnext = 0, dnext = 0;
+    const uint64_t deadline = kvs_now_ns() + 60000000000ull;
+    while (kvs_now_ns() < deadline) {
+        for (int side = 0; side < 2; side++) {
+            int *next = side ? &dnext : &pnext;
+            if (*next == n || kvs_rng_below(rng, pace) != 0) continue;
+            const int p = side ? dorder[(*next)++] : porder[(*next)++];
+            kvs_llm_request_t q = {.room = (uint64_t) p + 1,
+                                   .prompt = g_rnd_prompt[p],
+                                   .prompt_len = g_rnd_len[p],
+                                   .max_new_tokens = RND_NEW,
+                                   .sampling = GREEDY,
+                                   .seed = 1,
+                                   .eos = UINT32_MAX};
+            assert_int_equal(kvs_llm_submit(side ? dec.llm : pre.llm, &q), KVS_OK);
+        }
+        int quit;
+        uint32_t w1 = 0, w2 = 0;
+        assert_int_equal(kvs_llm_step(pre.llm, 0, &quit, &w1), KVS_OK);
+        assert_int_equal(kvs_llm_step(dec.llm, 0, &quit, &w2), KVS_OK);
+        rnd_drain(pre.llm, &po);
+        rnd_drain(dec.llm, &o);
+        if (pnext == n && dnext == n && kvs_llm_live(dec.llm) == 0 && kvs_llm_live(pre.llm) == 0)
+            break;
+        if (w1 + w2 == 0) {
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    for (int p = 0; p < n; p++) {
+        if (!o.done[p] || o.last[p].status != KVS_OK || !po.done[p] || po.last[p].status != KVS_OK)
+            fail_msg("room %d of %d (%u tokens) did not succeed: decode %s, prefill %s; prefill "
+                     "pool %u pages, %u slots, radix %d; decode pool %u pages, %u slots, radix %d",
+                     p + 1, n, g_rnd_len[p], o.done[p] ? kvs_status_str(o.last[p].status) : "live",
+                     po.done[p] ? kvs_status_str(po.last[p].status) : "live", ppages, pslots,
+                     pradix, dpages, dslots, dradix);
+        assert_int_equal(po.last[p].finish, KVS_LLM_FINISH_HANDOFF);
+        assert_int_equal(o.ntokens[p], RND_NEW);
+        assert_memory_equal(o.tokens[p], g_rnd_ref[p], RND_NEW * sizeof(uint32_t));
+    }
+    expect_pages_back(pre.llm, ppool);
+    expect_pages_back(dec.llm, dpool);
+    single_close(&pre, 0);
+    single_close(&dec, 0);
+    kvs_sender_destroy(tx);
+    kvs_receiver_destroy(rx);
+    kvs_link_destroy(pl);
+    kvs_link_destroy(dl);
+    kvs_inproc_net_destroy(net);
+    kvs_pool_destroy(ppool);
+    kvs_pool_destroy(dpool);
+    kvs_model_destroy(m);
+}
+
+static void test_random_admission(void **state)
+{
+    (void) state;
+    kvs_rng_t rng;
+    const uint64_t seed = kvs_test_seed(5);
+    kvs_rng_seed(&rng, seed);
+    const uint64_t iters = kvs_test_iters(48);
+    for (uint64_t i = 0; i < iters; i++) run_random_admission(&rng);
     kvs_assert_no_leaks();
 }
 
@@ -1123,6 +1306,7 @@ int main(void)
         cmocka_unit_test(test_disaggregated_equals_colocated),
         cmocka_unit_test(test_disaggregated_hostile_network),
         cmocka_unit_test(test_opposite_orders),
+        cmocka_unit_test(test_random_admission),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
         cmocka_unit_test(test_whole_context_max_new),

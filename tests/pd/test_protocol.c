@@ -395,9 +395,9 @@ static void test_prefill_abort(void **state)
     kvs_assert_no_leaks();
 }
 
-/* kvs_sender_heard: 0 until a decode rank's ROOM_META (or ABORT) of a room not added yet
- * reaches the prefill rank, 1 from then until the room is added; the room then runs as usual.
- * A decode rank's ABORT of a room never added counts too. */
+/* kvs_sender_heard: 0 until a decode rank's ROOM_META (or ABORT) of a room reaches the prefill
+ * rank, 1 from then on, whether the room was added before (room 6) or after (room 4); the room
+ * then runs as usual. A decode rank's ABORT of a room never added counts too. */
 static void test_sender_heard(void **state)
 {
     (void) state;
@@ -419,7 +419,16 @@ static void test_sender_heard(void **state)
     assert_true(kvs_sender_heard(h.tx[0], 5));
     assert_false(kvs_sender_heard(h.tx[0], 6));
     assert_int_equal(kvs_sender_add_room(h.tx[0], 4, 64, room.ptable), KVS_OK);
-    assert_false(kvs_sender_heard(h.tx[0], 4)); /* added: nothing left to wait for */
+    assert_true(kvs_sender_heard(h.tx[0], 4)); /* its stashed metadata came with it */
+    h_room_t late;
+    h_room_init(&h, &late, 6, 16, 0);
+    assert_int_equal(kvs_sender_add_room(h.tx[0], 6, 16, late.ptable), KVS_OK);
+    for (int i = 0; i < 20; i++) h_step(&h);
+    assert_false(kvs_sender_heard(h.tx[0], 6)); /* added, decode silent */
+    for (uint32_t r = 0; r < 2; r++)
+        assert_int_equal(kvs_receiver_add_room(h.rx[r], 6, 0, 16, late.dpages), KVS_OK);
+    for (int i = 0; i < 200 && !kvs_sender_heard(h.tx[0], 6); i++) h_step(&h);
+    assert_true(kvs_sender_heard(h.tx[0], 6));
     h_fill(&h, 0, 4, room.ptable, 0, 64);
     assert_int_equal(kvs_sender_advance(h.tx[0], 4, 64, 64), KVS_OK);
     assert_int_equal(kvs_sender_finish(h.tx[0], 4, NULL, 0), KVS_OK);
@@ -428,6 +437,13 @@ static void test_sender_heard(void **state)
     for (uint32_t r = 0; r < 2; r++)
         assert_int_equal(h_mismatches(&h, r, 4, room.dpages, 0, 64), 0);
     h_release(&h, 4);
+    h_fill(&h, 0, 6, late.ptable, 0, 16);
+    assert_int_equal(kvs_sender_advance(h.tx[0], 6, 16, 16), KVS_OK);
+    assert_int_equal(kvs_sender_finish(h.tx[0], 6, NULL, 0), KVS_OK);
+    for (int i = 0; i < 20000 && !h_concluded(&h, 6); i++) h_step(&h);
+    assert_int_equal(h_status(&h, 1, 6, NULL), KVS_ROOM_SUCCESS);
+    assert_true(kvs_sender_heard(h.tx[0], 6));
+    h_release(&h, 6);
     kvs_room_info_t info = {0};
     for (int i = 0; i < 20000 && !info.quiescent; i++) {
         h_step(&h);
@@ -438,6 +454,7 @@ static void test_sender_heard(void **state)
     assert_int_equal(kvs_receiver_release(h.rx[0], 5), KVS_OK);
     h_room_free(&h, &room);
     h_room_free(&h, &other);
+    h_room_free(&h, &late);
     h_teardown(&h);
     kvs_assert_no_leaks();
 }

@@ -645,8 +645,6 @@ static kvs_status_t collect_metrics(kvs_llm_t *e)
     return KVS_OK;
 }
 
-/* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
- * collect metrics), [16,24) payload bytes. */
 static void cache_prompt_early(kvs_llm_t *e, rq_t *r);
 
 /* Rank 0 of a prefill instance: the rooms its sender has heard decode speak of since the last
@@ -664,6 +662,8 @@ static int heard_rooms(kvs_llm_t *e)
     return 1;
 }
 
+/* The step header: [0,4) quit, [4,8) new requests, [8,12) stops, [12,16) flags (bit 0:
+ * collect metrics), [16,24) payload bytes, [24,28) rooms decode has spoken of. */
 static kvs_status_t sync_inputs(kvs_llm_t *e, int quit, int *quit_p)
 {
     uint8_t head[HEADER_BYTES] = {0};
@@ -1141,7 +1141,7 @@ static uint32_t unready_budget(const kvs_llm_t *e)
 }
 
 /* FIFO, as slots and pages allow. A prefill instance admits a room decode has not spoken of
- * yet (counting every such room until it ends) only into what its pool holds beyond the
+ * yet (counting every such room until decode speaks of it or it ends) only into what its pool holds beyond the
  * largest prompt it accepts: such a room's handoff waits for decode's admission, and decode may
  * be holding its pages for rooms of its own, which need pages here. What is kept back always
  * frees for them (the rooms decode has spoken of end without waiting on anything else), so

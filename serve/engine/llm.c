@@ -1141,10 +1141,10 @@ static uint32_t unready_budget(const kvs_llm_t *e)
 }
 
 /* FIFO, as slots and pages allow. A prefill instance admits a room decode has not spoken of
- * yet (counting every such room until decode speaks of it or it ends) only into what its pool holds beyond the
- * largest prompt it accepts: such a room's handoff waits for decode's admission, and decode may
- * be holding its pages for rooms of its own, which need pages here. What is kept back always
- * frees for them (the rooms decode has spoken of end without waiting on anything else), so
+ * yet (counting every such room until decode speaks of it or it ends) only into what its pool holds
+ * beyond the largest prompt it accepts: such a room's handoff waits for decode's admission, and
+ * decode may be holding its pages for rooms of its own, which need pages here. What is kept back
+ * always frees for them (the rooms decode has spoken of end without waiting on anything else), so
  * the two sides cannot hold each other's pages until the bootstrap timeout (a small pool under
  * many clients, or prompts near the pool's size). While the lent pages are taken, such rooms
  * are passed over (the rooms behind them that decode waits for go first), and one that decode

@@ -442,39 +442,99 @@ static void test_colocated_tp2_threads(void **state)
 
 /* ---- disaggregated over kvstage, in one process ---- */
 
+/* A prefill engine and a decode engine of one seeded model, joined by kvstage over the
+ * in-process transport (TP1 each). */
+typedef struct {
+    kvs_clock_t clock;
+    kvs_model_t *m;
+    kvs_pool_t *ppool, *dpool;
+    kvs_inproc_net_t *net;
+    kvs_link_t *pl, *dl;
+    kvs_sender_t *tx;
+    kvs_receiver_t *rx;
+    single_t pre, dec;
+} pair_t;
+
+/* Pools of ppages and dpages; each engine with its radix cache as given and its own
+ * max_running (pslots, dslots), both with g_max_context. */
+static void pair_open(pair_t *x, const kvs_inproc_faults_t *faults, const kvs_pd_timeouts_t *to,
+                      uint32_t ppages, uint32_t dpages, int pradix, int dradix, uint32_t pslots,
+                      uint32_t dslots)
+{
+    x->clock = kvs_clock_monotonic();
+    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &x->m), KVS_OK);
+    x->ppool = make_pool(x->m, ppages);
+    x->dpool = make_pool(x->m, dpages);
+    assert_int_equal(kvs_inproc_net_create(1, 1, faults, &x->clock, &x->net), KVS_OK);
+    assert_int_equal(kvs_inproc_link_create(x->net, KVS_SIDE_PREFILL, 0, &x->pl), KVS_OK);
+    assert_int_equal(kvs_inproc_link_create(x->net, KVS_SIDE_DECODE, 0, &x->dl), KVS_OK);
+    kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(x->m),
+                             .prefill_tp = 1,
+                             .decode_tp = 1,
+                             .page_size = PAGE,
+                             .chunk_tokens = CHUNK};
+    kvs_sender_config_t sc = {
+        .geo = geo, .rank = 0, .timeouts = *to, .window_chunks = 2, .staging_buffers = 2};
+    kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = *to, .ring_bytes = 1 << 20};
+    assert_int_equal(kvs_sender_create(&sc, x->ppool, x->pl, &x->clock, &x->tx), KVS_OK);
+    assert_int_equal(kvs_receiver_create(&rc, x->dpool, x->dl, &x->clock, &x->rx), KVS_OK);
+    const uint32_t slots = g_max_running;
+    g_max_running = pslots;
+    single_open(&x->pre, KVS_LLM_PREFILL, pradix, x->tx, NULL, x->m, x->ppool);
+    g_max_running = dslots;
+    single_open(&x->dec, KVS_LLM_DECODE, dradix, NULL, x->rx, x->m, x->dpool);
+    g_max_running = slots;
+}
+
+/* One step of each engine; sleeps a little when neither had work. */
+static void pair_step(pair_t *x)
+{
+    int quit;
+    uint32_t w1 = 0, w2 = 0;
+    assert_int_equal(kvs_llm_step(x->pre.llm, 0, &quit, &w1), KVS_OK);
+    assert_int_equal(kvs_llm_step(x->dec.llm, 0, &quit, &w2), KVS_OK);
+    if (w1 + w2 == 0) {
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int pair_idle(const pair_t *x)
+{
+    return kvs_llm_live(x->dec.llm) == 0 && kvs_llm_live(x->pre.llm) == 0;
+}
+
+/* Every page back in both pools (asserted), everything destroyed. */
+static void pair_close(pair_t *x)
+{
+    expect_pages_back(x->pre.llm, x->ppool);
+    expect_pages_back(x->dec.llm, x->dpool);
+    single_close(&x->pre, 0);
+    single_close(&x->dec, 0);
+    kvs_sender_destroy(x->tx);
+    kvs_receiver_destroy(x->rx);
+    kvs_link_destroy(x->pl);
+    kvs_link_destroy(x->dl);
+    kvs_inproc_net_destroy(x->net);
+    assert_int_equal(kvs_pool_free_pages(x->ppool), kvs_pool_total_pages(x->ppool));
+    assert_int_equal(kvs_pool_free_pages(x->dpool), kvs_pool_total_pages(x->dpool));
+    kvs_pool_destroy(x->ppool);
+    kvs_pool_destroy(x->dpool);
+    kvs_model_destroy(x->m);
+}
+
 /* concurrent: every request submitted at once (a step each) instead of one after another, into
  * a decode pool of g_pool_pages; the decode engine's preemptions go to *preemptions_p. */
 static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_radix,
                               int decode_radix, int concurrent, uint64_t *preemptions_p)
 {
-    kvs_clock_t clock = kvs_clock_monotonic();
-    kvs_model_t *m;
-    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
-    kvs_pool_t *ppool = make_pool(m, g_prefill_pool_pages), *dpool = make_pool(m, g_pool_pages);
-    kvs_inproc_net_t *net;
-    assert_int_equal(kvs_inproc_net_create(1, 1, faults, &clock, &net), KVS_OK);
-    kvs_link_t *pl, *dl;
-    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_PREFILL, 0, &pl), KVS_OK);
-    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_DECODE, 0, &dl), KVS_OK);
-    kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(m),
-                             .prefill_tp = 1,
-                             .decode_tp = 1,
-                             .page_size = PAGE,
-                             .chunk_tokens = CHUNK};
     kvs_pd_timeouts_t to;
     kvs_pd_timeouts_default(&to);
     to.retry_ns = 2000000; /* 2 ms: lost messages come back quickly */
     if (g_bootstrap_ns) to.bootstrap_timeout_ns = g_bootstrap_ns;
-    kvs_sender_config_t sc = {
-        .geo = geo, .rank = 0, .timeouts = to, .window_chunks = 2, .staging_buffers = 2};
-    kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 1 << 20};
-    kvs_sender_t *tx;
-    kvs_receiver_t *rx;
-    assert_int_equal(kvs_sender_create(&sc, ppool, pl, &clock, &tx), KVS_OK);
-    assert_int_equal(kvs_receiver_create(&rc, dpool, dl, &clock, &rx), KVS_OK);
-    single_t pre, dec;
-    single_open(&pre, KVS_LLM_PREFILL, prefill_radix, tx, NULL, m, ppool);
-    single_open(&dec, KVS_LLM_DECODE, decode_radix, NULL, rx, m, dpool);
+    pair_t x;
+    pair_open(&x, faults, &to, g_prefill_pool_pages, g_pool_pages, prefill_radix, decode_radix,
+              g_max_running, g_max_running);
     static outcome_t po, o;
     memset(&po, 0, sizeof(po));
     memset(&o, 0, sizeof(o));
@@ -485,27 +545,20 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
         if (concurrent && g_prefill_reversed && next == 0) {
             for (int p = 0; p < NPROMPTS; p++) {
                 kvs_llm_request_t q = request(p), r = request(NPROMPTS - 1 - p);
-                assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
-                assert_int_equal(kvs_llm_submit(pre.llm, &r), KVS_OK);
+                assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
+                assert_int_equal(kvs_llm_submit(x.pre.llm, &r), KVS_OK);
             }
             next = NPROMPTS;
         }
         if (next < NPROMPTS && (concurrent || next == 0 || o.done[next - 1])) {
             kvs_llm_request_t q = request(next++);
-            assert_int_equal(kvs_llm_submit(dec.llm, &q), KVS_OK);
-            assert_int_equal(kvs_llm_submit(pre.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(x.pre.llm, &q), KVS_OK);
         }
-        int quit;
-        uint32_t w1 = 0, w2 = 0;
-        assert_int_equal(kvs_llm_step(pre.llm, 0, &quit, &w1), KVS_OK);
-        assert_int_equal(kvs_llm_step(dec.llm, 0, &quit, &w2), KVS_OK);
-        drain(pre.llm, &po);
-        drain(dec.llm, &o);
-        if (next == NPROMPTS && kvs_llm_live(dec.llm) == 0 && kvs_llm_live(pre.llm) == 0) break;
-        if (w1 + w2 == 0) {
-            struct timespec ts = {0, 100000};
-            nanosleep(&ts, NULL);
-        }
+        pair_step(&x);
+        drain(x.pre.llm, &po);
+        drain(x.dec.llm, &o);
+        if (next == NPROMPTS && pair_idle(&x)) break;
     }
     for (int p = 0; p < NPROMPTS; p++) {
         expect_reference(&o, p);
@@ -522,29 +575,16 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
         /* decode caches prompt + generated tokens: prompt 1 shares 40 tokens with prompt 0 */
         assert_int_equal(o.last[p].cached_tokens, decode_radix ? 2 * PAGE : 0);
     }
-    expect_pages_back(pre.llm, ppool);
-    expect_pages_back(dec.llm, dpool);
     g_out = o;
     g_out_prefill = po;
     kvs_llm_stats_t dst;
-    kvs_llm_stats(dec.llm, &dst);
+    kvs_llm_stats(x.dec.llm, &dst);
     if (preemptions_p) *preemptions_p = dst.preemptions;
     kvs_pd_metrics_t pm;
-    kvs_sender_metrics(tx, &pm);
+    kvs_sender_metrics(x.tx, &pm);
     assert_int_equal(pm.rooms_succeeded, NPROMPTS);
     assert_int_equal(pm.live_rooms, 0);
-    single_close(&pre, 0);
-    single_close(&dec, 0);
-    kvs_sender_destroy(tx);
-    kvs_receiver_destroy(rx);
-    kvs_link_destroy(pl);
-    kvs_link_destroy(dl);
-    kvs_inproc_net_destroy(net);
-    assert_int_equal(kvs_pool_free_pages(ppool), kvs_pool_total_pages(ppool));
-    assert_int_equal(kvs_pool_free_pages(dpool), kvs_pool_total_pages(dpool));
-    kvs_pool_destroy(ppool);
-    kvs_pool_destroy(dpool);
-    kvs_model_destroy(m);
+    pair_close(&x);
 }
 
 static void test_disaggregated_equals_colocated(void **state)
@@ -677,37 +717,12 @@ static void run_random_admission(kvs_rng_t *rng)
     shuffle(rng, dorder, n);
     const uint32_t pace = (uint32_t) kvs_rng_range(rng, 1, 4); /* 1: a room per step */
 
-    kvs_clock_t clock = kvs_clock_monotonic();
-    kvs_model_t *m;
-    assert_int_equal(kvs_model_seeded(&CFG, MODEL_SEED, (kvs_tp_t){1, 0}, &m), KVS_OK);
-    kvs_pool_t *ppool = make_pool(m, ppages), *dpool = make_pool(m, dpages);
-    kvs_inproc_net_t *net;
-    assert_int_equal(kvs_inproc_net_create(1, 1, NULL, &clock, &net), KVS_OK);
-    kvs_link_t *pl, *dl;
-    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_PREFILL, 0, &pl), KVS_OK);
-    assert_int_equal(kvs_inproc_link_create(net, KVS_SIDE_DECODE, 0, &dl), KVS_OK);
-    kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(m),
-                             .prefill_tp = 1,
-                             .decode_tp = 1,
-                             .page_size = PAGE,
-                             .chunk_tokens = CHUNK};
     kvs_pd_timeouts_t to;
     kvs_pd_timeouts_default(&to);
     to.bootstrap_timeout_ns = 10000000000ull;
-    kvs_sender_config_t sc = {
-        .geo = geo, .rank = 0, .timeouts = to, .window_chunks = 2, .staging_buffers = 2};
-    kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 1 << 20};
-    kvs_sender_t *tx;
-    kvs_receiver_t *rx;
-    assert_int_equal(kvs_sender_create(&sc, ppool, pl, &clock, &tx), KVS_OK);
-    assert_int_equal(kvs_receiver_create(&rc, dpool, dl, &clock, &rx), KVS_OK);
-    single_t pre, dec;
+    pair_t x;
     g_max_context = RND_CTX;
-    g_max_running = pslots;
-    single_open(&pre, KVS_LLM_PREFILL, pradix, tx, NULL, m, ppool);
-    g_max_running = dslots;
-    single_open(&dec, KVS_LLM_DECODE, dradix, NULL, rx, m, dpool);
-    g_max_running = 3;
+    pair_open(&x, NULL, &to, ppages, dpages, pradix, dradix, pslots, dslots);
     g_max_context = 0;
     static rnd_outcome_t po, o;
     memset(&po, 0, sizeof(po));
@@ -726,20 +741,12 @@ static void run_random_admission(kvs_rng_t *rng)
                                    .sampling = GREEDY,
                                    .seed = 1,
                                    .eos = UINT32_MAX};
-            assert_int_equal(kvs_llm_submit(side ? dec.llm : pre.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(side ? x.dec.llm : x.pre.llm, &q), KVS_OK);
         }
-        int quit;
-        uint32_t w1 = 0, w2 = 0;
-        assert_int_equal(kvs_llm_step(pre.llm, 0, &quit, &w1), KVS_OK);
-        assert_int_equal(kvs_llm_step(dec.llm, 0, &quit, &w2), KVS_OK);
-        rnd_drain(pre.llm, &po);
-        rnd_drain(dec.llm, &o);
-        if (pnext == n && dnext == n && kvs_llm_live(dec.llm) == 0 && kvs_llm_live(pre.llm) == 0)
-            break;
-        if (w1 + w2 == 0) {
-            struct timespec ts = {0, 100000};
-            nanosleep(&ts, NULL);
-        }
+        pair_step(&x);
+        rnd_drain(x.pre.llm, &po);
+        rnd_drain(x.dec.llm, &o);
+        if (pnext == n && dnext == n && pair_idle(&x)) break;
     }
     for (int p = 0; p < n; p++) {
         if (!o.done[p] || o.last[p].status != KVS_OK || !po.done[p] || po.last[p].status != KVS_OK)
@@ -752,18 +759,7 @@ static void run_random_admission(kvs_rng_t *rng)
         assert_int_equal(o.ntokens[p], RND_NEW);
         assert_memory_equal(o.tokens[p], g_rnd_ref[p], RND_NEW * sizeof(uint32_t));
     }
-    expect_pages_back(pre.llm, ppool);
-    expect_pages_back(dec.llm, dpool);
-    single_close(&pre, 0);
-    single_close(&dec, 0);
-    kvs_sender_destroy(tx);
-    kvs_receiver_destroy(rx);
-    kvs_link_destroy(pl);
-    kvs_link_destroy(dl);
-    kvs_inproc_net_destroy(net);
-    kvs_pool_destroy(ppool);
-    kvs_pool_destroy(dpool);
-    kvs_model_destroy(m);
+    pair_close(&x);
 }
 
 static void test_random_admission(void **state)

@@ -450,6 +450,40 @@ static void test_plan_cases_on_gpu(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Copies of hundreds to thousands of thread blocks with their checksums: each of the copy's
+ * checksum lanes gathers many blocks' sums (counted in the lane itself), the block count is no
+ * multiple of the lanes, and in the first case the copy's last block has no vectors (V is half
+ * as wide as K); every sum must equal the CPU's. Each case runs with its table in the launch
+ * parameters and uploaded. */
+static void test_checksum_many_blocks(void **state)
+{
+    (void) state;
+    require_gpu();
+    const uint64_t seed = kvs_test_seed(0xc5b10c);
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, seed);
+    kvs_copy_backend_t cpu, gpu;
+    assert_int_equal(kvs_copy_cpu_create(&cpu), KVS_OK);
+    assert_int_equal(kvs_copy_cuda_create(0, &gpu), KVS_OK);
+    static const case_t cases[] = {
+        {MHA(2, 8, 128, 64, 2), 16, 256, 1, 1, KVS_POOL_HND, KVS_POOL_NHD, 8, 0, 0, 0},
+        {MHA(3, 8, 128, 128, 2), 16, 154, 1, 2, KVS_POOL_NHD, KVS_POOL_HND, 4, 2, 0, 0},
+        {MLA(1, 576, 2), 64, 300, 1, 1, KVS_POOL_NHD, KVS_POOL_HND, 1, 0, 0, 0},
+    };
+    const uint64_t ncases = sizeof(cases) / sizeof(cases[0]);
+    for (uint64_t k = 0; k < 2 * ncases; k++) {
+        assert_int_equal(kvs__copy_cuda_set_inline_max(&gpu, k < ncases ? SIZE_MAX : 0), KVS_OK);
+        const uint64_t iter = 2 * k; /* even: run_case asks for the checksums */
+        const case_t *c = &cases[k % ncases];
+        const kvs_cuda_plan_t plan = run_case(c, &cpu, &gpu, &rng, seed, iter);
+        CHECK((uint64_t) plan.blocks_x * plan.entries >= 600, "only %u x %u blocks", plan.blocks_x,
+              plan.entries);
+    }
+    kvs_copy_backend_destroy(&gpu);
+    kvs_copy_backend_destroy(&cpu);
+    kvs_assert_no_leaks();
+}
+
 static uint32_t pick_dim(kvs_rng_t *rng)
 {
     static const uint32_t dims[] = {1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 33, 64, 96, 128, 130, 256};
@@ -518,8 +552,8 @@ static void test_random_vs_cpu(void **state)
 /* More copies in flight than the backend has pinned slots, alternating scatters into one pool
  * and gathers out of it (each gather must see every scatter before it), with the caller's page
  * array rewritten right after every submit. Only the last ticket is waited for. Every copy but
- * every fifth asks for its checksum, so each slot's partial sums and block counter serve
- * several copies in flight: each must be left cleared for the next (the sums equal the CPU's). */
+ * every fifth asks for its checksum, so each slot's checksum lanes serve several copies in
+ * flight: each must be left cleared for the next (the sums equal the CPU's). */
 static void test_in_order_many_in_flight(void **state)
 {
     (void) state;
@@ -824,6 +858,7 @@ int main(void)
         cmocka_unit_test(test_random_vs_cpu),
         cmocka_unit_test(test_in_order_many_in_flight),
         cmocka_unit_test(test_batches_vs_cpu),
+        cmocka_unit_test(test_checksum_many_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

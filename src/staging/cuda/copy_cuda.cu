@@ -48,17 +48,23 @@ constexpr uint32_t NSLOTS = 16;                     /* copies in flight before s
 constexpr size_t SLOT_MIN_BYTES = 64 * 1024;        /* first pinned size of a slot */
 constexpr uint32_t MAX_UNITS = 0x7fffffffu - CHUNK; /* per block, so 32-bit indices never wrap */
 constexpr size_t INLINE_BYTES = 16384; /* table + page ids passed as kernel parameters */
-/* Checksum partial sums per copy: block b adds its sum into sum b % CSUM_SPREAD (so a copy's
- * additions do not all queue on one address) and then counts itself done on the copy's one
- * counter, with release and acquire ordering; the block that counts last folds the sums into
- * the result and clears them for the next copy through this slot (no clear and no copy back
- * per copy). */
-constexpr uint32_t CSUM_SPREAD = 64;
-/* Copies one launch may carry (kvs_copy_submit_batch), each with its own checksum lanes,
- * counter and result; larger batches go out as several launches. */
+/* Checksum lanes per copy: each block adds its sum into lane (block index % CSUM_LANES), as two
+ * words that each carry a count of the blocks added in their top CSUM_COUNT_BITS: the low
+ * word adds the sum's low 32 bits, the high word its high 32 bits (mod 2^64 only these matter).
+ * The copy's last block (in launch order) reads the lanes until every count is complete, folds
+ * them into the result and clears them for the next copy through this slot. No block waits for
+ * its own additions, and nothing orders them: a lane's value and its count change in the same
+ * atomic addition. */
+constexpr uint32_t CSUM_LANES = 64;
+constexpr uint32_t CSUM_COUNT_BITS = 16;
+constexpr uint32_t CSUM_COUNT_SHIFT = 64 - CSUM_COUNT_BITS;
+constexpr unsigned long long CSUM_ONE = 1ull << CSUM_COUNT_SHIFT; /* one block, counted */
+/* Blocks of one copy: no lane counts more than 2^16 - 1 of them, so neither word's sum of 32-bit
+ * halves reaches its count. */
+constexpr uint64_t CSUM_MAX_BLOCKS = (uint64_t) CSUM_LANES * ((1u << CSUM_COUNT_BITS) - 1);
+/* Copies one launch may carry (kvs_copy_submit_batch), each with its own checksum lanes and
+ * result; larger batches go out as several launches. */
 constexpr uint32_t MAX_BATCH = 8;
-/* The counter of a slot sits alone in its 128-byte line, apart from every slot's sums. */
-constexpr uint32_t CSUM_COUNTER_STRIDE = 32; /* unsigned ints per slot */
 
 /* ---- division by an invariant 32-bit divisor ----
  * q = (t + ((n - t) >> s1)) >> s2 with t = mulhi(m, n), exact for every n, d < 2^32
@@ -108,8 +114,7 @@ struct launch_t {
     const uint32_t *pages;         /* [npages], in the device scratch after the entries */
     fastdiv_t heads;               /* selected heads */
     fastdiv_t page_size;           /* P */
-    unsigned long long *csum;      /* [MAX_BATCH][CSUM_SPREAD] checksum partial sums; NULL: none */
-    unsigned int *csum_count;      /* [MAX_BATCH][CSUM_COUNTER_STRIDE]: [0] blocks done */
+    unsigned long long *csum;      /* [MAX_BATCH][2][CSUM_LANES] checksum lanes; NULL: none */
     unsigned long long *csum_out;  /* [MAX_BATCH] the sums, in host memory mapped into the device */
     uint8_t *region[MAX_BATCH];    /* each copy's writer region */
     int32_t head_shift[MAX_BATCH]; /* each copy's first pool head, less copy 0's */
@@ -220,51 +225,60 @@ __device__ __forceinline__ void csum_vec(kvs_csum_t &c, uint64_t off, unsigned c
     kvs_csum_small(&c, off, v, 1);
 }
 
-/* Adds this block's part of its copy's checksum (thread 0's `part`; every thread calls it);
- * the copy's block that finishes last folds its partial sums into the result, in host memory,
- * and leaves them and the counter zeroed for the next copy through this slot. The copies of a
- * batch count and fold apart, each on its own lanes.
+/* Hands this block's part of its copy's checksum (thread 0's `part`; every thread calls it) to
+ * its lane; the copy's last block instead waits for every other block's part and writes the
+ * result, to host memory, leaving the lanes cleared.
  *
- * The tail of every checksummed copy is this function's chain in its last block, so it is
- * kept to what the result needs: the block's addition into its partial sum (a reduction, no
- * answer awaited), one atomic on the copy's counter with release and acquire semantics (the
- * release orders the addition before the count, the acquire of the block that counts last
- * orders every other block's addition before its fold), then one exchange per thread of the
- * first two warps, all in flight at once, a warp reduction and the store of the result. A
- * fence.sc (__threadfence) per block and a second level of counters, as before, each added a
- * wait to that chain; no system fence is needed either, as the host reads the result only
- * after the copy's event, which follows the kernel's completion and so its writes. */
-__device__ __forceinline__ void csum_block_done(const launch_t &p, uint32_t copy,
-                                                unsigned long long part)
+ * The other blocks add and leave: two reductions from thread 0, no answer awaited and no fence,
+ * so a checksummed copy's blocks live no longer than plain ones. (The design before had each
+ * block count itself on one counter with release and acquire order and the last to count fold,
+ * which kept every block alive for its own stores and the atomic's round trip: bench/RESULTS.md,
+ * "Checksum lanes".) The waiting block is the copy's last in launch order, which the GPU starts
+ * after all the others; and even where it started earlier, at most MAX_BATCH blocks of a launch
+ * wait, so the others still find room to run. It knows a lane is complete from the lane's own
+ * counts. The host reads the result only after the copy's event, which follows the kernel's
+ * completion and so its writes. */
+__device__ __forceinline__ void csum_finish(const launch_t &p, uint32_t copy,
+                                            unsigned long long part)
 {
-    static_assert(CSUM_SPREAD == 64 && THREADS >= CSUM_SPREAD, "the fold uses two full warps");
-    __shared__ int last;
+    static_assert(CSUM_LANES == 64 && THREADS >= CSUM_LANES, "the fold uses two full warps");
     __shared__ unsigned long long fold[2];
-    unsigned long long *const lanes = p.csum + (size_t) copy * CSUM_SPREAD;
-    unsigned int *const count = p.csum_count + (size_t) copy * CSUM_COUNTER_STRIDE;
-    if (threadIdx.x == 0) {
-        const uint32_t g = (blockIdx.y * gridDim.x + blockIdx.x) % CSUM_SPREAD;
-        if (part != 0)
-            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&lanes[g]), "l"(part)
+    unsigned long long *const lo = p.csum + (size_t) copy * 2 * CSUM_LANES;
+    unsigned long long *const hi = lo + CSUM_LANES;
+    const uint32_t b = blockIdx.y * gridDim.x + blockIdx.x, last = gridDim.x * gridDim.y - 1;
+    if (b != last) {
+        if (threadIdx.x == 0) {
+            const uint32_t g = b % CSUM_LANES;
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&lo[g]),
+                         "l"((part & 0xffffffffull) + CSUM_ONE)
                          : "memory");
-        unsigned int before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                     : "=r"(before)
-                     : "l"(count)
-                     : "memory");
-        last = before == gridDim.x * gridDim.y - 1; /* the copy's blocks */
+            asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&hi[g]),
+                         "l"((part >> 32) + CSUM_ONE)
+                         : "memory");
+        }
+        return;
     }
-    /* The barrier carries thread 0's acquire to the folding threads (causality order). */
-    __syncthreads();
-    if (!last || threadIdx.x >= CSUM_SPREAD) return;
-    unsigned long long sum = atomicExch(&lanes[threadIdx.x], 0ull);
+    if (threadIdx.x >= CSUM_LANES) return;
+    const uint32_t g = threadIdx.x;
+    const unsigned long long want =
+        (unsigned long long) (last / CSUM_LANES + (g < last % CSUM_LANES ? 1 : 0))
+        << CSUM_COUNT_SHIFT;
+    unsigned long long l, h;
+    for (;;) {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(l) : "l"(&lo[g]) : "memory");
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(h) : "l"(&hi[g]) : "memory");
+        if ((l & ~(CSUM_ONE - 1)) == want && (h & ~(CSUM_ONE - 1)) == want) break;
+        __nanosleep(32);
+    }
+    lo[g] = 0; /* every block of this copy has added: none touches the lane again */
+    hi[g] = 0;
+    unsigned long long sum = (l & (CSUM_ONE - 1)) + ((h & (CSUM_ONE - 1)) << 32);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
     if ((threadIdx.x & 31) == 0) fold[threadIdx.x / 32] = sum;
-    asm volatile("bar.sync 1, %0;" ::"r"(CSUM_SPREAD)); /* the two folding warps only */
+    asm volatile("bar.sync 1, %0;" ::"r"(CSUM_LANES)); /* the two folding warps only */
     if (threadIdx.x != 0) return;
-    *count = 0; /* every block has counted: none of this copy reads it again */
-    *(volatile unsigned long long *) &p.csum_out[copy] = fold[0] + fold[1];
+    *(volatile unsigned long long *) &p.csum_out[copy] = fold[0] + fold[1] + part;
 }
 
 /* grid = (ceil(max units / CHUNK), layers * components, copies); a thread moves vectors
@@ -286,7 +300,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
     }
     const uint32_t base = blockIdx.x * CHUNK + threadIdx.x;
     if (blockIdx.x * CHUNK >= e.units) {
-        if (p.csum != nullptr) csum_block_done(p, copy, 0); /* every block counts */
+        if (p.csum != nullptr) csum_finish(p, copy, 0); /* every block counts */
         return;
     }
     uint32_t index[UNROLL];
@@ -340,7 +354,7 @@ __device__ __forceinline__ void copy_body(const entry_t *entries, const uint32_t
 #pragma unroll
             for (uint32_t w = 0; w < THREADS / 32; w++) total += warp_sums[w];
         }
-        csum_block_done(p, copy, total);
+        csum_finish(p, copy, total);
     }
 }
 
@@ -465,10 +479,10 @@ extern "C" kvs_status_t kvs__copy_cuda_plan(const kvs_copy_desc_t *d, kvs_cuda_p
         return KVS_ERR_UNSUPPORTED;
     }
     const uint64_t blocks_x = (max_units + CHUNK - 1) / CHUNK;
-    if (blocks_x * n > UINT32_MAX) { /* the checksum counts a copy's blocks in 32 bits */
-        kvs_error("copy(cuda): %llu thread blocks exceed one launch; split the copy into fewer "
-                  "pages",
-                  (unsigned long long) (blocks_x * n));
+    if (blocks_x * n > CSUM_MAX_BLOCKS) { /* the checksum lanes count a copy's blocks */
+        kvs_error("copy(cuda): %llu thread blocks exceed the %llu one copy may have (its "
+                  "checksum lanes count them); split the copy into fewer pages",
+                  (unsigned long long) (blocks_x * n), (unsigned long long) CSUM_MAX_BLOCKS);
         return KVS_ERR_UNSUPPORTED;
     }
     plan_p->vec_bytes = vec;
@@ -542,9 +556,8 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;  /* [NSLOTS][MAX_BATCH][CSUM_SPREAD] checksum partial sums */
-    unsigned int *csum_count;      /* [NSLOTS][MAX_BATCH][CSUM_COUNTER_STRIDE]: [0] blocks done */
-    unsigned long long *csum_host; /* [NSLOTS][MAX_BATCH] pinned and mapped: the last sums */
+    unsigned long long *csum_dev;      /* [NSLOTS][MAX_BATCH][2][CSUM_LANES] checksum lanes */
+    unsigned long long *csum_host;     /* [NSLOTS][MAX_BATCH] pinned and mapped: the last sums */
     unsigned long long *csum_host_dev; /* the same, as the device sees it */
     launch_inline_t params;            /* built here, snapshotted by the launch */
 };
@@ -732,8 +745,7 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const group_t
     }
     if (d->checksum != NULL) { /* every copy of a group has one, or none has */
         const size_t slot = (size_t) (s - c->slots);
-        p.csum = c->csum_dev + slot * MAX_BATCH * CSUM_SPREAD;
-        p.csum_count = c->csum_count + slot * MAX_BATCH * CSUM_COUNTER_STRIDE;
+        p.csum = c->csum_dev + slot * MAX_BATCH * 2 * CSUM_LANES;
         p.csum_out = c->csum_host_dev + slot * MAX_BATCH;
     }
     if (inl) c->params.p = p;
@@ -890,8 +902,6 @@ void release(cuda_ctx_t *c)
         (void) KVS_CUDA_CHECK(cudaStreamDestroy(c->stream), "copy(cuda): stream");
     }
     if (c->csum_dev != NULL) (void) KVS_CUDA_CHECK(cudaFree(c->csum_dev), "copy(cuda): checksums");
-    if (c->csum_count != NULL)
-        (void) KVS_CUDA_CHECK(cudaFree(c->csum_count), "copy(cuda): checksum counters");
     if (c->csum_host != NULL)
         (void) KVS_CUDA_CHECK(cudaFreeHost(c->csum_host), "copy(cuda): pinned checksums");
     for (uint32_t i = 0; i < NSLOTS; i++) {
@@ -972,20 +982,12 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
     /* Cleared once here; after that each copy's last block leaves them cleared. */
-    const size_t lanes = (size_t) NSLOTS * MAX_BATCH * CSUM_SPREAD * sizeof(unsigned long long);
-    const size_t counters =
-        (size_t) NSLOTS * MAX_BATCH * CSUM_COUNTER_STRIDE * sizeof(unsigned int);
+    const size_t lanes = (size_t) NSLOTS * MAX_BATCH * 2 * CSUM_LANES * sizeof(unsigned long long);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMemset(c->csum_dev, 0, lanes), "copy(cuda): checksum lanes");
-    if (st == KVS_OK)
-        st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_count, counters),
-                            "copy(cuda): checksum counters on device %d", device);
-    if (st == KVS_OK)
-        st =
-            KVS_CUDA_CHECK(cudaMemset(c->csum_count, 0, counters), "copy(cuda): checksum counters");
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaHostAlloc((void **) &c->csum_host,
                                           (size_t) NSLOTS * MAX_BATCH * sizeof(unsigned long long),

@@ -55,6 +55,7 @@ typedef struct {
     uint32_t group;    /* the link's peer group of the decode instance (set by the first message) */
     uint64_t meta_got; /* bit per decode rank */
     uint64_t aborted;  /* bit per decode rank */
+    kvs_status_t abort_reason; /* the first ABORT's */
     smeta_t meta[KVS_MAX_TP];
     uint64_t expires_at;
 } sstash_t;
@@ -404,6 +405,13 @@ static void send_abort_ack(kvs_sender_t *tx, uint64_t room, uint32_t group, uint
 
 /* ---- room lifecycle ---- */
 
+/* The failure an ABORT reports: the decode rank's own reason (a checksum mismatch, a failed
+ * scatter, a timeout...), or KVS_ERR_ABORTED where it gives none. */
+static kvs_status_t abort_reason(int32_t reason)
+{
+    return reason < 0 ? (kvs_status_t) reason : KVS_ERR_ABORTED;
+}
+
 static void fail_room(kvs_sender_t *tx, sroom_t *r, kvs_status_t reason, const char *why)
 {
     if (r->status == KVS_ROOM_FAILED || r->status == KVS_ROOM_SUCCESS) return;
@@ -493,7 +501,7 @@ kvs_status_t kvs_sender_add_room(kvs_sender_t *tx, uint64_t room, uint64_t promp
             if (s->aborted & KVS_BIT(d)) r->aborted_by |= KVS_BIT(i);
             if (s->meta_got & KVS_BIT(d)) apply_meta(tx, r, i, &s->meta[d]);
         }
-        if (r->aborted_by) fail_room(tx, r, KVS_ERR_ABORTED, "aborted by decode");
+        if (r->aborted_by) fail_room(tx, r, s->abort_reason, "aborted by decode");
         kvs_free(s);
     }
     return KVS_OK;
@@ -785,6 +793,7 @@ static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a, uint32_t group)
         if (s == NULL) return;
         int grouped = s->meta_got != 0 || s->aborted != 0;
         if (!claim(tx, &grouped, &s->group, group, a->room)) return;
+        if (s->aborted == 0) s->abort_reason = abort_reason(a->reason);
         s->aborted |= KVS_BIT(a->from_rank);
         send_abort_ack(tx, a->room, group, a->from_rank);
         return;
@@ -797,7 +806,7 @@ static void on_abort(kvs_sender_t *tx, const kvs_msg_abort_t *a, uint32_t group)
     if (!claim(tx, &r->grouped, &r->group, group, a->room)) return;
     r->aborted_by |= KVS_BIT(i);
     r->status_acked |= KVS_BIT(i);
-    fail_room(tx, r, KVS_ERR_ABORTED, "aborted by decode");
+    fail_room(tx, r, abort_reason(a->reason), "aborted by decode");
     if (r->writing == 0) send_abort_ack(tx, r->id, r->group, a->from_rank);
     /* Otherwise the ABORT_ACK goes out once the writes drain (pump_room), and again on every
      * repeated ABORT. */

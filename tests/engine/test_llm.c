@@ -773,6 +773,87 @@ static void test_random_admission(void **state)
     kvs_assert_no_leaks();
 }
 
+/* ---- one data write broken or corrupted ---- */
+
+/* The four requests one after another, with the nth data write of the run failed (corrupt 0) or
+ * landed with a bit flipped (corrupt 1); nth 0: none. The room that write belonged to fails
+ * alone, with the reason the side that found it saw (i/o error on prefill, checksum mismatch on
+ * decode) on both sides; every other room gives the reference's tokens, and both pools come back
+ * whole (pair_close). Returns the run's data writes. */
+static uint64_t run_write_fault(int corrupt, uint64_t nth)
+{
+    kvs_inproc_faults_t f = {.seed = 1};
+    if (corrupt)
+        f.corrupt_nth = nth;
+    else
+        f.write_fail_nth = nth;
+    kvs_pd_timeouts_t to;
+    kvs_pd_timeouts_default(&to);
+    to.retry_ns = 2000000;
+    pair_t x;
+    pair_open(&x, &f, &to, ROOMY_POOL, ROOMY_POOL, 0, 0, 3, 3);
+    static outcome_t po, o;
+    memset(&po, 0, sizeof(po));
+    memset(&o, 0, sizeof(o));
+    int next = 0;
+    const uint64_t deadline = kvs_now_ns() + 60000000000ull;
+    while (kvs_now_ns() < deadline) {
+        if (next < NPROMPTS && (next == 0 || (o.done[next - 1] && po.done[next - 1]))) {
+            kvs_llm_request_t q = request(next++);
+            assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(x.pre.llm, &q), KVS_OK);
+        }
+        pair_step(&x);
+        drain(x.pre.llm, &po);
+        drain(x.dec.llm, &o);
+        if (next == NPROMPTS && pair_idle(&x)) break;
+    }
+    kvs_inproc_stats_t ns;
+    kvs_inproc_net_stats(x.net, &ns);
+    const uint64_t hit = corrupt ? ns.corrupted : ns.write_failures;
+    const kvs_status_t want = corrupt ? KVS_ERR_CORRUPT : KVS_ERR_IO;
+    uint64_t failed = 0;
+    for (int p = 0; p < NPROMPTS; p++) {
+        if (!o.done[p] || !po.done[p])
+            fail_msg("%s write %llu: room %d never ended (decode %s, prefill %s)",
+                     corrupt ? "corrupted" : "failed", (unsigned long long) nth, p + 1,
+                     o.done[p] ? "done" : "live", po.done[p] ? "done" : "live");
+        if (o.last[p].status == KVS_OK && po.last[p].status == KVS_OK) {
+            expect_reference(&o, p);
+            continue;
+        }
+        /* Prefill ends with decode's reason, or ok where its writes had all been acknowledged
+         * before decode found the corruption (its part done). */
+        failed++;
+        if (o.last[p].status != want || (po.last[p].status != want && po.last[p].status != KVS_OK))
+            fail_msg("%s write %llu: room %d ended with decode %s, prefill %s; want %s",
+                     corrupt ? "corrupted" : "failed", (unsigned long long) nth, p + 1,
+                     kvs_status_str(o.last[p].status), kvs_status_str(po.last[p].status),
+                     kvs_status_str(want));
+    }
+    if (failed != hit)
+        fail_msg("%s write %llu: %llu rooms failed, %llu writes hit",
+                 corrupt ? "corrupted" : "failed", (unsigned long long) nth,
+                 (unsigned long long) failed, (unsigned long long) hit);
+    pair_close(&x);
+    return ns.writes;
+}
+
+/* Every data write of a clean run in turn, failed and then corrupted. */
+static void test_write_faults(void **state)
+{
+    (void) state;
+    const uint64_t writes = run_write_fault(0, 0);
+    assert_true(writes >= NPROMPTS);
+    for (uint64_t nth = 1; nth <= writes; nth++) {
+        run_write_fault(0, nth);
+        run_write_fault(1, nth);
+    }
+    print_message("%llu data writes, each failed and each corrupted in turn\n",
+                  (unsigned long long) writes);
+    kvs_assert_no_leaks();
+}
+
 /* Sampling: every token's draw depends on (seed, token index) only, and its penalties on the
  * prompt and the tokens before it, which the decode side has too (the prompt, and the first
  * token from the prefill side); so the prefill side's first token and the decode side's later
@@ -1303,6 +1384,7 @@ int main(void)
         cmocka_unit_test(test_disaggregated_hostile_network),
         cmocka_unit_test(test_opposite_orders),
         cmocka_unit_test(test_random_admission),
+        cmocka_unit_test(test_write_faults),
         cmocka_unit_test(test_disaggregated_sampling),
         cmocka_unit_test(test_submit_refusals),
         cmocka_unit_test(test_whole_context_max_new),

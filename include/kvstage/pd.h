@@ -38,7 +38,8 @@ void kvs_pd_timeouts_fill(kvs_pd_timeouts_t *timeouts, const kvs_pd_timeouts_t *
 
 typedef struct {
     kvs_room_status_t status;
-    kvs_status_t reason; /* why it failed; KVS_OK otherwise */
+    kvs_status_t reason; /* why it failed (on prefill, a decode ABORT's own reason); KVS_OK
+                          * otherwise */
     int quiescent;       /* no write or scatter can still touch the room's pages or slots */
     uint32_t final_len;  /* decode: final metadata from prefill (e.g. first token) */
     uint8_t final[KVS_MSG_FINAL_MAX];

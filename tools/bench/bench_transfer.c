@@ -1100,10 +1100,16 @@ static void print_header(const cfg_t *cfg, const char *hw)
     printf("targets: staged or direct >= %.0f%% of bulk from %u tokens; >= %.0fx per-page at "
            "page %u\n",
            TARGET_BULK_PCT, TARGET_MIN_TOKENS, TARGET_PP_X, TARGET_PP_PAGE);
-    if (cfg->cuda)
-        printf("  checksum cost <= %.0f%% of the transfer time from %u tokens\n\n", TARGET_SUM_GPU,
+    if (cfg->cuda) {
+        printf("  checksum cost <= %.0f%% of the transfer time from %u tokens\n", TARGET_SUM_GPU,
                TARGET_MIN_TOKENS);
-    else
+        if (cfg->gpu_p == cfg->gpu_d)
+            printf(
+                "  (one GPU: both sides' kernels share its multiprocessors, so the costs include "
+                "how they interleave; `kvstage bench kernels` times one side's kernels alone, "
+                "as each GPU of a pair runs them)\n");
+        printf("\n");
+    } else
         printf("  checksum cost <= %.0f%% of the transfer time (host memory)\n\n", TARGET_SUM_HOST);
     printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %-6s %7s %7s\n", "model", "tp",
            "page", "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page",

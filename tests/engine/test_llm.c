@@ -523,6 +523,37 @@ static void pair_close(pair_t *x)
     kvs_model_destroy(x->m);
 }
 
+/* Feeds the NPROMPTS requests to both engines of x and steps them until both are idle (at most
+ * 60 s), collecting rank 0's events into *po (prefill) and *o (decode). concurrent: all at once
+ * (prefill in reverse order with g_prefill_reversed); else one after another, each once decode
+ * ended the one before, so later ones can hit both radix caches. */
+static void pair_feed(pair_t *x, int concurrent, outcome_t *po, outcome_t *o)
+{
+    memset(po, 0, sizeof(*po));
+    memset(o, 0, sizeof(*o));
+    int next = 0;
+    const uint64_t deadline = kvs_now_ns() + 60000000000ull;
+    while (kvs_now_ns() < deadline) {
+        if (concurrent && g_prefill_reversed && next == 0) {
+            for (int p = 0; p < NPROMPTS; p++) {
+                kvs_llm_request_t q = request(p), r = request(NPROMPTS - 1 - p);
+                assert_int_equal(kvs_llm_submit(x->dec.llm, &q), KVS_OK);
+                assert_int_equal(kvs_llm_submit(x->pre.llm, &r), KVS_OK);
+            }
+            next = NPROMPTS;
+        }
+        if (next < NPROMPTS && (concurrent || next == 0 || o->done[next - 1])) {
+            kvs_llm_request_t q = request(next++);
+            assert_int_equal(kvs_llm_submit(x->dec.llm, &q), KVS_OK);
+            assert_int_equal(kvs_llm_submit(x->pre.llm, &q), KVS_OK);
+        }
+        pair_step(x);
+        drain(x->pre.llm, po);
+        drain(x->dec.llm, o);
+        if (next == NPROMPTS && pair_idle(x)) break;
+    }
+}
+
 /* concurrent: every request submitted at once (a step each) instead of one after another, into
  * a decode pool of g_pool_pages; the decode engine's preemptions go to *preemptions_p. */
 static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_radix,
@@ -536,30 +567,7 @@ static void run_disaggregated(const kvs_inproc_faults_t *faults, int prefill_rad
     pair_open(&x, faults, &to, g_prefill_pool_pages, g_pool_pages, prefill_radix, decode_radix,
               g_max_running, g_max_running);
     static outcome_t po, o;
-    memset(&po, 0, sizeof(po));
-    memset(&o, 0, sizeof(o));
-    int next = 0;
-    uint64_t deadline = kvs_now_ns() + 60000000000ull;
-    while (kvs_now_ns() < deadline) {
-        /* One request at a time, so later ones can hit both radix caches. */
-        if (concurrent && g_prefill_reversed && next == 0) {
-            for (int p = 0; p < NPROMPTS; p++) {
-                kvs_llm_request_t q = request(p), r = request(NPROMPTS - 1 - p);
-                assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
-                assert_int_equal(kvs_llm_submit(x.pre.llm, &r), KVS_OK);
-            }
-            next = NPROMPTS;
-        }
-        if (next < NPROMPTS && (concurrent || next == 0 || o.done[next - 1])) {
-            kvs_llm_request_t q = request(next++);
-            assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
-            assert_int_equal(kvs_llm_submit(x.pre.llm, &q), KVS_OK);
-        }
-        pair_step(&x);
-        drain(x.pre.llm, &po);
-        drain(x.dec.llm, &o);
-        if (next == NPROMPTS && pair_idle(&x)) break;
-    }
+    pair_feed(&x, concurrent, &po, &o);
     for (int p = 0; p < NPROMPTS; p++) {
         expect_reference(&o, p);
         /* prefill: the first token and a finished handoff */
@@ -793,21 +801,7 @@ static uint64_t run_write_fault(int corrupt, uint64_t nth)
     pair_t x;
     pair_open(&x, &f, &to, ROOMY_POOL, ROOMY_POOL, 0, 0, 3, 3);
     static outcome_t po, o;
-    memset(&po, 0, sizeof(po));
-    memset(&o, 0, sizeof(o));
-    int next = 0;
-    const uint64_t deadline = kvs_now_ns() + 60000000000ull;
-    while (kvs_now_ns() < deadline) {
-        if (next < NPROMPTS && (next == 0 || (o.done[next - 1] && po.done[next - 1]))) {
-            kvs_llm_request_t q = request(next++);
-            assert_int_equal(kvs_llm_submit(x.dec.llm, &q), KVS_OK);
-            assert_int_equal(kvs_llm_submit(x.pre.llm, &q), KVS_OK);
-        }
-        pair_step(&x);
-        drain(x.pre.llm, &po);
-        drain(x.dec.llm, &o);
-        if (next == NPROMPTS && pair_idle(&x)) break;
-    }
+    pair_feed(&x, 0, &po, &o);
     kvs_inproc_stats_t ns;
     kvs_inproc_net_stats(x.net, &ns);
     const uint64_t hit = corrupt ? ns.corrupted : ns.write_failures;

@@ -59,6 +59,7 @@ constexpr uint32_t CSUM_LANES = 64;
 constexpr uint32_t CSUM_COUNT_BITS = 16;
 constexpr uint32_t CSUM_COUNT_SHIFT = 64 - CSUM_COUNT_BITS;
 constexpr unsigned long long CSUM_ONE = 1ull << CSUM_COUNT_SHIFT; /* one block, counted */
+constexpr uint32_t CSUM_WORDS = 2 * CSUM_LANES; /* per copy: its low words, then its high */
 /* Blocks of one copy: no lane counts more than 2^16 - 1 of them, so neither word's sum of 32-bit
  * halves reaches its count. */
 constexpr uint64_t CSUM_MAX_BLOCKS = (uint64_t) CSUM_LANES * ((1u << CSUM_COUNT_BITS) - 1);
@@ -114,7 +115,7 @@ struct launch_t {
     const uint32_t *pages;         /* [npages], in the device scratch after the entries */
     fastdiv_t heads;               /* selected heads */
     fastdiv_t page_size;           /* P */
-    unsigned long long *csum;      /* [MAX_BATCH][2][CSUM_LANES] checksum lanes; NULL: none */
+    unsigned long long *csum;      /* [MAX_BATCH][CSUM_WORDS] checksum lanes; NULL: none */
     unsigned long long *csum_out;  /* [MAX_BATCH] the sums, in host memory mapped into the device */
     uint8_t *region[MAX_BATCH];    /* each copy's writer region */
     int32_t head_shift[MAX_BATCH]; /* each copy's first pool head, less copy 0's */
@@ -243,7 +244,7 @@ __device__ __forceinline__ void csum_finish(const launch_t &p, uint32_t copy,
 {
     static_assert(CSUM_LANES == 64 && THREADS >= CSUM_LANES, "the fold uses two full warps");
     __shared__ unsigned long long fold[2];
-    unsigned long long *const lo = p.csum + (size_t) copy * 2 * CSUM_LANES;
+    unsigned long long *const lo = p.csum + (size_t) copy * CSUM_WORDS;
     unsigned long long *const hi = lo + CSUM_LANES;
     const uint32_t b = blockIdx.y * gridDim.x + blockIdx.x, last = gridDim.x * gridDim.y - 1;
     if (b != last) {
@@ -556,7 +557,7 @@ struct cuda_ctx_t {
     uint64_t done;     /* every ticket <= done has finished */
     size_t inline_max; /* copies whose table fits go inline (INLINE_BYTES; 0 = never) */
     slot_t slots[NSLOTS];
-    unsigned long long *csum_dev;      /* [NSLOTS][MAX_BATCH][2][CSUM_LANES] checksum lanes */
+    unsigned long long *csum_dev;      /* [NSLOTS][MAX_BATCH][CSUM_WORDS] checksum lanes */
     unsigned long long *csum_host;     /* [NSLOTS][MAX_BATCH] pinned and mapped: the last sums */
     unsigned long long *csum_host_dev; /* the same, as the device sees it */
     launch_inline_t params;            /* built here, snapshotted by the launch */
@@ -745,7 +746,7 @@ kvs_status_t enqueue(cuda_ctx_t *c, slot_t *s, kvs_copy_dir_t dir, const group_t
     }
     if (d->checksum != NULL) { /* every copy of a group has one, or none has */
         const size_t slot = (size_t) (s - c->slots);
-        p.csum = c->csum_dev + slot * MAX_BATCH * 2 * CSUM_LANES;
+        p.csum = c->csum_dev + slot * MAX_BATCH * CSUM_WORDS;
         p.csum_out = c->csum_host_dev + slot * MAX_BATCH;
     }
     if (inl) c->params.p = p;
@@ -982,7 +983,7 @@ extern "C" kvs_status_t kvs_copy_cuda_create(int device, kvs_copy_backend_t *bac
         st = KVS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                             "copy(cuda): stream on device %d", device);
     /* Cleared once here; after that each copy's last block leaves them cleared. */
-    const size_t lanes = (size_t) NSLOTS * MAX_BATCH * 2 * CSUM_LANES * sizeof(unsigned long long);
+    const size_t lanes = (size_t) NSLOTS * MAX_BATCH * CSUM_WORDS * sizeof(unsigned long long);
     if (st == KVS_OK)
         st = KVS_CUDA_CHECK(cudaMalloc((void **) &c->csum_dev, lanes),
                             "copy(cuda): checksum lanes on device %d", device);

@@ -1541,6 +1541,7 @@ typedef struct {
     CURLcode c;
     long code;
     uint32_t mine;
+    uint64_t failures; /* the server's failure count when its check began */
 } check_t;
 
 /* Health checks in a row that must time out before a server counts as hung: one slow answer
@@ -1566,6 +1567,7 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
             ck[i].s = list[i];
             if (phase == 1 && !ck[i].ok) continue;
             ck[i].mine = __atomic_load_n(&list[i]->inflight, __ATOMIC_RELAXED);
+            if (phase == 0) ck[i].failures = __atomic_load_n(&list[i]->failures, __ATOMIC_RELAXED);
             if (leg_init(&legs[i], rt, NULL, list[i], phase ? "/internal/info" : "/health", NULL,
                          timeout, 0) != KVS_OK) {
                 leg_fini(&legs[i]);
@@ -1598,6 +1600,9 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
         rserver_t *s = ck[i].s;
         int ok = ck[i].ok;
         CURLcode c = ck[i].c;
+        /* A request found it unreachable while this check ran: the check's answer may be older
+         * than that, so it cannot bring the server back; the next pass decides. */
+        if (ok && __atomic_load_n(&s->failures, __ATOMIC_RELAXED) != ck[i].failures) continue;
         const int timed_out = !ok && c == CURLE_OPERATION_TIMEDOUT;
         s->silent = timed_out ? s->silent + 1 : 0;
         if (timed_out && s->silent < SILENT_STRIKES) {

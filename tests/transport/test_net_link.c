@@ -680,13 +680,16 @@ static void test_wait_wakes_on_message(void **state)
     pc.liveness_timeout_ns = dc.liveness_timeout_ns;
     pc.peers[0] = kvs_net_link_endpoint(d);
     assert_int_equal(kvs_net_link_create(&pc, &p), KVS_OK);
-    /* Connected both ways: a message from prefill reaches decode (and its first heartbeats). */
+    /* Connected both ways: a message from prefill reaches decode (and its first heartbeats).
+     * Sent before prefill's connection is up, it is held until prefill's link progresses. */
     tmsg_t m = {.kind = 7, .index = 1};
     assert_int_equal(tsend(p, &m), KVS_OK);
     tmsg_t got;
     int woke = 0;
-    for (uint64_t end = kvs_now_ns() + 5000 * MS; !trecv(d, &got);)
+    for (uint64_t end = kvs_now_ns() + 5000 * MS; !trecv(d, &got);) {
+        kvs_net_link_progress(p);
         if (kvs_now_ns() > end) fail_msg("no message within 5 s");
+    }
     while (trecv(d, &got)) {
     }
     kvs_net_link_progress(d);

@@ -660,6 +660,7 @@ static void test_opposite_orders(void **state)
 static uint32_t g_rnd_prompt[RND_ROOMS][MAX_TOKEN];
 static uint32_t g_rnd_len[RND_ROOMS];
 static uint32_t g_rnd_ref[RND_ROOMS][MAX_NEW];
+static uint64_t g_rnd_hostile, g_rnd_dropped; /* scenarios on a hostile network, their losses */
 
 /* Rank 0's events of one engine: each room's tokens and its end. */
 typedef struct {
@@ -698,9 +699,11 @@ static void shuffle(kvs_rng_t *rng, int *order, int n)
 
 /* One scenario: rooms of 1..128 tokens (half sharing a prefix with an earlier one), a prefill pool
  * from one largest prompt to three, a decode pool from one request to four, 1-4 slots on each side,
- * radix caches on or off, and each side fed the rooms in its own random order at its own
- * random pace. Every room must succeed with the reference's tokens well before the bootstrap
- * timeout (10 s): two sides that held each other's pages or slots would fail rooms there. */
+ * radix caches on or off, each side fed the rooms in its own random order at its own random
+ * pace, and one scenario in three on a hostile network (control messages lost, duplicated and
+ * delayed; writes delayed). Every room must succeed with the reference's tokens well before the
+ * bootstrap timeout (10 s): two sides that held each other's pages or slots would fail rooms
+ * there, and so would a lost message that nothing recovers. */
 static void run_random_admission(kvs_rng_t *rng)
 {
     const int n = (int) kvs_rng_range(rng, 3, RND_ROOMS);
@@ -725,12 +728,20 @@ static void run_random_admission(kvs_rng_t *rng)
     shuffle(rng, dorder, n);
     const uint32_t pace = (uint32_t) kvs_rng_range(rng, 1, 4); /* 1: a room per step */
 
+    const int hostile = kvs_rng_below(rng, 3) == 0;
+    const kvs_inproc_faults_t f = {.seed = kvs_rng_next(rng),
+                                   .delay_max_ns = 2000000,
+                                   .drop_permille = 50,
+                                   .dup_permille = 50,
+                                   .write_delay_max_ns = 1000000};
+
     kvs_pd_timeouts_t to;
     kvs_pd_timeouts_default(&to);
     to.bootstrap_timeout_ns = 10000000000ull;
+    to.retry_ns = 2000000; /* 2 ms: lost messages come back quickly */
     pair_t x;
     g_max_context = RND_CTX;
-    pair_open(&x, NULL, &to, ppages, dpages, pradix, dradix, pslots, dslots);
+    pair_open(&x, hostile ? &f : NULL, &to, ppages, dpages, pradix, dradix, pslots, dslots);
     g_max_context = 0;
     static rnd_outcome_t po, o;
     memset(&po, 0, sizeof(po));
@@ -759,13 +770,20 @@ static void run_random_admission(kvs_rng_t *rng)
     for (int p = 0; p < n; p++) {
         if (!o.done[p] || o.last[p].status != KVS_OK || !po.done[p] || po.last[p].status != KVS_OK)
             fail_msg("room %d of %d (%u tokens) did not succeed: decode %s, prefill %s; prefill "
-                     "pool %u pages, %u slots, radix %d; decode pool %u pages, %u slots, radix %d",
+                     "pool %u pages, %u slots, radix %d; decode pool %u pages, %u slots, radix "
+                     "%d; network %s",
                      p + 1, n, g_rnd_len[p], o.done[p] ? kvs_status_str(o.last[p].status) : "live",
                      po.done[p] ? kvs_status_str(po.last[p].status) : "live", ppages, pslots,
-                     pradix, dpages, dslots, dradix);
+                     pradix, dpages, dslots, dradix, hostile ? "hostile" : "reliable");
         assert_int_equal(po.last[p].finish, KVS_LLM_FINISH_HANDOFF);
         assert_int_equal(o.ntokens[p], RND_NEW);
         assert_memory_equal(o.tokens[p], g_rnd_ref[p], RND_NEW * sizeof(uint32_t));
+    }
+    if (hostile) {
+        kvs_inproc_stats_t ns;
+        kvs_inproc_net_stats(x.net, &ns);
+        g_rnd_hostile++;
+        g_rnd_dropped += ns.dropped;
     }
     pair_close(&x);
 }
@@ -778,6 +796,8 @@ static void test_random_admission(void **state)
     kvs_rng_seed(&rng, seed);
     const uint64_t iters = kvs_test_iters(48);
     for (uint64_t i = 0; i < iters; i++) run_random_admission(&rng);
+    /* The hostile scenarios did lose messages (some 5% of their control messages). */
+    if (g_rnd_hostile >= 4) assert_true(g_rnd_dropped > 0);
     kvs_assert_no_leaks();
 }
 

@@ -301,7 +301,8 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
          "instance with the other setting (on)",
          NULL, NULL},
         {"max-running", KVS_ARG_U32, &f->max_running,
-         "requests admitted at once (4); on a prefill server, prompts computing at once",
+         "requests admitted at once (4); on a prefill server, prompts computing at once; on a "
+         "decode server, requests generating or receiving their KV",
          "[1,1024]", NULL},
         {"max-model-len", KVS_ARG_U32, &f->max_model_len,
          "prompt + max_tokens of a request at most; a request without max_tokens may use the "

@@ -11,7 +11,7 @@
  * feeding a GPU decode, and the reverse, byte for byte as well.
  * The same harness runs everywhere on CPU models with bf16 K/V (host pools): there the tokens
  * equal the colocated ones in every mode (the CPU forward pass is bitwise independent of
- * batching). The GPU tests skip without a CUDA device (scripts/gpu-check.sh runs this binary on
+ * batching), and it drives admission under random pools, slots and orders with prefill TP2. The GPU tests skip without a CUDA device (scripts/gpu-check.sh runs this binary on
  * a GPU machine and fails if anything is skipped). */
 #include "kvs_test.h"
 
@@ -96,6 +96,13 @@ typedef struct {
     kvs_pool_layout_t layout;
     int prefill_radix, decode_radix;
     int concurrent; /* every request at once, else each once the previous one is done */
+    /* Admission under pressure (0 or NULL: the defaults): each side's pool pages and max_running,
+     * its engines' max_context, each side's order of submission (order[0] prefill, [1] decode: a
+     * permutation of the rooms) and its rank 0's pace (a room on one step in `pace`, drawn from
+     * `seed`), and the rooms' bootstrap timeout. */
+    uint32_t pages[2], slots[2], max_context, pace;
+    const int *order[2];
+    uint64_t seed, bootstrap_ns;
 } setup_t;
 
 static kvs_model_t *model_on(int device, kvs_tp_t tp)
@@ -107,14 +114,15 @@ static kvs_model_t *model_on(int device, kvs_tp_t tp)
     return m;
 }
 
-static kvs_pool_t *pool_for(const kvs_model_t *m, const setup_t *s)
+/* pages 0: POOL_TOKENS' worth. */
+static kvs_pool_t *pool_for(const kvs_model_t *m, const setup_t *s, uint32_t pages)
 {
     kvs_pool_config_t c;
     memset(&c, 0, sizeof(c));
     c.shape = kvs_model_kv_shape(m);
     c.tp = kvs_model_tp(m);
     c.page_size = s->page_size;
-    c.num_pages = POOL_TOKENS / s->page_size;
+    c.num_pages = pages ? pages : POOL_TOKENS / s->page_size;
     c.layout = s->layout;
     c.mem = kvs_model_device(m) < 0 ? KVS_MEM_HOST : KVS_MEM_DEVICE;
     c.device = kvs_model_device(m) < 0 ? 0 : kvs_model_device(m);
@@ -441,7 +449,7 @@ static void expect_ok(const outcome_t *o, int p, uint32_t tokens, kvs_llm_finish
 static void colocated(const setup_t *s, int device, int radix, outcome_t *o)
 {
     kvs_model_t *m = model_on(device, (kvs_tp_t){1, 0});
-    kvs_pool_t *pool = pool_for(m, s);
+    kvs_pool_t *pool = pool_for(m, s, 0);
     kvs_llm_config_t c = engine_config(KVS_LLM_COLOCATED, m, pool, radix);
     kvs_llm_t *e = NULL;
     assert_int_equal(kvs_llm_create(&c, &e), KVS_OK);
@@ -529,18 +537,26 @@ static void *rank_main(void *argp)
     c.group = k->group;
     c.sender = k->tx;
     c.receiver = k->rx;
+    if (s->slots[k->decode]) c.max_running = s->slots[k->decode];
+    c.max_context = s->max_context;
     c.test_kv_hook = kv_hook;
     c.test_kv_ctx = &k->hook;
     if (kvs_llm_create(&c, &e) != KVS_OK) RANK_FAIL(k, "kvs_llm_create failed");
     outcome_t *o = k->decode ? &run->o : &run->po;
     int submitted = 0, quit = 0;
+    kvs_rng_t pace;
+    kvs_rng_seed(&pace, s->seed ^ (uint64_t) k->decode);
     const uint64_t deadline = kvs_now_ns() + 300000000000ull;
     while (!quit) {
         if (kvs_now_ns() > deadline) RANK_FAIL(k, "not done within 300 s");
         if (atomic_load(&run->abandon) && k->group == NULL) break;
-        if (k->rank == 0)
-            while (submitted < atomic_load(&run->released)) {
-                kvs_llm_request_t q = request(submitted++);
+        /* Every room released so far, or with a pace at most one, on one step in `pace`. */
+        if (k->rank == 0 && (s->pace == 0 || kvs_rng_below(&pace, s->pace) == 0))
+            for (int most = s->pace ? 1 : NPROMPTS;
+                 most > 0 && submitted < atomic_load(&run->released); most--) {
+                const int *order = s->order[k->decode];
+                kvs_llm_request_t q = request(order ? order[submitted] : submitted);
+                submitted++;
                 if (kvs_llm_submit(e, &q) != KVS_OK) RANK_FAIL(k, "kvs_llm_submit failed");
             }
         /* Prefill rank 0 ends the group once decode has everything; decode ends alone. */
@@ -582,7 +598,7 @@ static void rank_open(run_t *run, rank_t *k, int decode, uint32_t rank, kvs_inpr
     k->decode = decode;
     k->rank = rank;
     k->model = model_on(decode ? s->decode_device : s->prefill_device, (kvs_tp_t){tp, rank});
-    k->pool = pool_for(k->model, s);
+    k->pool = pool_for(k->model, s, s->pages[decode]);
     k->link = locked_link(net, decode ? KVS_SIDE_DECODE : KVS_SIDE_PREFILL, rank);
     k->hook = (hook_ctx_t){.snaps = &run->snaps, .decode = decode, .rank = rank, .tp = tp};
     kvs_pd_geometry_t geo = {.shape = kvs_model_kv_shape(k->model),
@@ -593,6 +609,7 @@ static void rank_open(run_t *run, rank_t *k, int decode, uint32_t rank, kvs_inpr
     kvs_pd_timeouts_t to;
     kvs_pd_timeouts_default(&to);
     to.retry_ns = 20000000;
+    if (s->bootstrap_ns) to.bootstrap_timeout_ns = s->bootstrap_ns;
     if (decode) {
         kvs_receiver_config_t rc = {.geo = geo, .rank = 0, .timeouts = to, .ring_bytes = 4 << 20};
         assert_int_equal(kvs_receiver_create(&rc, k->pool, k->link, clock, &k->rx), KVS_OK);
@@ -623,6 +640,9 @@ static void disaggregated(const setup_t *s, outcome_t *out_p)
                   s->decode_device < 0 ? "CPU" : "GPU", s->page_size,
                   s->layout == KVS_POOL_NHD ? "NHD" : "HND", s->prefill_radix, s->decode_radix,
                   s->concurrent ? "all at once" : "one at a time");
+    if (s->pages[0])
+        print_message("    pools %u/%u pages, slots %u/%u, pace %u\n", s->pages[0], s->pages[1],
+                      s->slots[0], s->slots[1], s->pace);
     static run_t run;
     memset(&run, 0, sizeof(run));
     run.s = s;
@@ -710,6 +730,63 @@ static void test_cpu_bf16(void **state)
     kvs_assert_no_leaks();
 }
 
+/* Admission under random pressure with prefill TP2, on CPU models (so everywhere): the four
+ * rooms into a prefill pool from the largest prompt's pages to three times that and a decode pool
+ * from one request's to four times, 1-3 compute slots a side, radix caches on or off, either pool
+ * layout, each side fed in its own random order at its own random pace. The two prefill ranks
+ * must take the same admission decisions whatever comes (else their lockstep breaks), and every
+ * room must succeed with the colocated tokens, decode's KV byte for byte the prefill ranks',
+ * well before the bootstrap timeout (10 s), where two sides holding each other's pages or slots
+ * would fail rooms. */
+static void test_cpu_tp2_random_admission(void **state)
+{
+    (void) state;
+    uint32_t longest = 0;
+    for (int p = 0; p < NPROMPTS; p++) longest = LEN[p] > longest ? LEN[p] : longest;
+    const setup_t base = {.prefill_device = -1,
+                          .decode_device = -1,
+                          .prefill_tp = 2,
+                          .page_size = 16,
+                          .layout = KVS_POOL_NHD,
+                          .concurrent = 1,
+                          .max_context = longest + MAX_NEW,
+                          .bootstrap_ns = 10000000000ull};
+    static outcome_t colo, o;
+    colocated(&base, -1, 0, &colo);
+    const uint32_t page = base.page_size;
+    const uint32_t largest = (base.max_context - 1 + page - 1) / page;
+    const uint32_t whole = (base.max_context + page - 1) / page;
+    kvs_rng_t rng;
+    kvs_rng_seed(&rng, kvs_test_seed(9));
+    const uint64_t iters = kvs_test_iters(16);
+    for (uint64_t i = 0; i < iters; i++) {
+        setup_t s = base;
+        s.pages[0] = (uint32_t) kvs_rng_range(&rng, largest, 3 * largest);
+        s.pages[1] = (uint32_t) kvs_rng_range(&rng, whole, 4 * whole);
+        s.slots[0] = (uint32_t) kvs_rng_range(&rng, 1, 3);
+        s.slots[1] = (uint32_t) kvs_rng_range(&rng, 1, 3);
+        s.prefill_radix = (int) kvs_rng_below(&rng, 2);
+        s.decode_radix = (int) kvs_rng_below(&rng, 2);
+        s.layout = kvs_rng_below(&rng, 2) ? KVS_POOL_HND : KVS_POOL_NHD;
+        int order[2][NPROMPTS];
+        for (int side = 0; side < 2; side++) {
+            for (int p = 0; p < NPROMPTS; p++) order[side][p] = p;
+            for (int p = NPROMPTS - 1; p > 0; p--) {
+                const int j = (int) kvs_rng_below(&rng, (uint64_t) p + 1), t = order[side][p];
+                order[side][p] = order[side][j];
+                order[side][j] = t;
+            }
+            s.order[side] = order[side];
+        }
+        s.pace = (uint32_t) kvs_rng_range(&rng, 1, 4);
+        s.seed = kvs_rng_next(&rng);
+        disaggregated(&s, &o);
+        for (int p = 0; p < NPROMPTS; p++)
+            assert_memory_equal(o.tokens[p], colo.tokens[p], MAX_NEW * sizeof(uint32_t));
+    }
+    kvs_assert_no_leaks();
+}
+
 static void test_gpu_page16(void **state)
 {
     (void) state;
@@ -770,9 +847,9 @@ int main(int argc, char **argv)
 {
     if (argc > 1) cmocka_set_test_filter(argv[1]);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_cpu_bf16),        cmocka_unit_test(test_gpu_page16),
-        cmocka_unit_test(test_gpu_page1),       cmocka_unit_test(test_gpu_prefill_tp2),
-        cmocka_unit_test(test_gpu_mixed_pairs),
+        cmocka_unit_test(test_cpu_bf16),        cmocka_unit_test(test_cpu_tp2_random_admission),
+        cmocka_unit_test(test_gpu_page16),      cmocka_unit_test(test_gpu_page1),
+        cmocka_unit_test(test_gpu_prefill_tp2), cmocka_unit_test(test_gpu_mixed_pairs),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -11,8 +11,9 @@
  * feeding a GPU decode, and the reverse, byte for byte as well.
  * The same harness runs everywhere on CPU models with bf16 K/V (host pools): there the tokens
  * equal the colocated ones in every mode (the CPU forward pass is bitwise independent of
- * batching), and it drives admission under random pools, slots and orders with prefill TP2. The GPU tests skip without a CUDA device (scripts/gpu-check.sh runs this binary on
- * a GPU machine and fails if anything is skipped). */
+ * batching), and it drives admission under random pools, slots and orders with prefill TP2.
+ * The GPU tests skip without a CUDA device (scripts/gpu-check.sh runs this binary on a GPU
+ * machine and fails if anything is skipped). */
 #include "kvs_test.h"
 
 #include <pthread.h>

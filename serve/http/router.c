@@ -41,6 +41,7 @@ typedef struct {
     uint32_t inflight;
     uint32_t lost;   /* atomic: health checks that found it unreachable; legs on it then fail */
     uint32_t silent; /* under check_mu: health checks in a row that timed out */
+    uint32_t checks; /* under check_mu: health checks that came to a verdict */
     int from_config, from_file; /* under router->mu: given at creation; listed by servers_file */
 } rserver_t;
 
@@ -1604,6 +1605,7 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
          * than that, so it cannot bring the server back; the next pass decides. */
         if (ok && __atomic_load_n(&s->failures, __ATOMIC_RELAXED) != ck[i].failures) continue;
         const int timed_out = !ok && c == CURLE_OPERATION_TIMEDOUT;
+        const int first = s->checks++ == 0;
         s->silent = timed_out ? s->silent + 1 : 0;
         if (timed_out && s->silent < SILENT_STRIKES) {
             kvs_warn("router: %s server %s did not answer its health check in %u ms (%u of %u "
@@ -1625,6 +1627,16 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
                          side_name(s->side), s->url, ck[i].code);
         } else if (!was && ok) {
             kvs_info("router: %s server %s is in rotation", side_name(s->side), s->url);
+        } else if (first && !ok) {
+            /* Said once: a wrong URL, or a server still starting, is otherwise silent here. */
+            if (c != CURLE_OK)
+                kvs_warn("router: %s server %s is not in rotation yet: %s (it joins once its "
+                         "/health answers 200)",
+                         side_name(s->side), s->url, curl_easy_strerror(c));
+            else
+                kvs_warn("router: %s server %s is not in rotation yet: /health answered %ld (it "
+                         "joins once that is 200)",
+                         side_name(s->side), s->url, ck[i].code);
         }
     }
 out:

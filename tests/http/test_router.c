@@ -830,10 +830,10 @@ static void test_router_bad_inputs_and_metrics(void **state)
     kvs_assert_no_leaks();
 }
 
-/* Unknown fields: dropped (and named) by a lenient router before forwarding, so strict servers
- * behind it serve the request; refused by a strict router itself. */
+/* Warnings that contain `needle`, counted, the last one kept. */
 typedef struct {
     pthread_mutex_t mu;
+    const char *needle;
     int warnings;
     char last[512];
 } warn_capture_t;
@@ -842,7 +842,7 @@ static void warn_sink(void *arg, kvs_log_level_t level, const char *file, int li
 {
     (void) file, (void) line;
     warn_capture_t *c = arg;
-    if (level != KVS_LOG_WARN || strstr(msg, "unknown field") == NULL) return;
+    if (level != KVS_LOG_WARN || strstr(msg, c->needle) == NULL) return;
     pthread_mutex_lock(&c->mu);
     c->warnings++;
     snprintf(c->last, sizeof(c->last), "%s", msg);
@@ -862,6 +862,34 @@ static uint64_t submitted_total(deploy_t *d)
     return n;
 }
 
+/* A server that does not answer the router's first check of it (a wrong URL, one still
+ * starting) is named in one warning, not again at each later check. */
+static void test_first_check_names_server(void **state)
+{
+    (void) state;
+    deploy_t d;
+    deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", kvs_test_free_port());
+    warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER, .needle = "not in rotation yet"};
+    kvs_log_set_level(KVS_LOG_WARN);
+    kvs_log_set_sink(warn_sink, &cap);
+    size_t idx = 0;
+    assert_int_equal(kvs_router_add_server(d.rt, D, url, &idx), KVS_OK);
+    assert_int_equal(kvs_router_server_up(d.rt, D, idx), 0);
+    kvs_router_check_now(d.rt);
+    kvs_router_check_now(d.rt);
+    kvs_log_set_sink(NULL, NULL);
+    kvs_log_set_level(KVS_LOG_ERROR);
+    assert_int_equal(cap.warnings, 1);
+    assert_non_null(strstr(cap.last, "decode server"));
+    assert_non_null(strstr(cap.last, url));
+    deploy_stop(&d);
+    kvs_assert_no_leaks();
+}
+
+/* Unknown fields: dropped (and named) by a lenient router before forwarding, so strict servers
+ * behind it serve the request; refused by a strict router itself. */
 static void test_router_unknown_fields(void **state)
 {
     (void) state;
@@ -873,7 +901,7 @@ static void test_router_unknown_fields(void **state)
         "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true,\"service_tier\":\"auto\","
         "\"top_a\":1}",
     };
-    warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER, .needle = "unknown field"};
     kvs_log_set_level(KVS_LOG_WARN);
     kvs_log_set_sink(warn_sink, &cap);
     for (int i = 0; i < 2; i++) {
@@ -1654,6 +1682,7 @@ int main(void)
         cmocka_unit_test(test_client_hangs_up),
         cmocka_unit_test(test_waiting_client_hangs_up),
         cmocka_unit_test(test_admin_servers),
+        cmocka_unit_test(test_first_check_names_server),
         cmocka_unit_test(test_least_loaded),
         cmocka_unit_test(test_prefix_then_load),
         cmocka_unit_test(test_servers_file),

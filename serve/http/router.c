@@ -1617,26 +1617,24 @@ static void check_servers(kvs_router_t *rt, rserver_t **list, size_t n)
         if (!ok && c != CURLE_OK && connection_failure(c))
             __atomic_add_fetch(&s->lost, 1, __ATOMIC_RELAXED);
         int was = __atomic_exchange_n(&s->up, ok, __ATOMIC_RELAXED);
+        char why[96] = "";
+        if (!ok) {
+            if (c != CURLE_OK)
+                snprintf(why, sizeof(why), "%s", curl_easy_strerror(c));
+            else
+                snprintf(why, sizeof(why), "/health answered %ld", ck[i].code);
+        }
         if (was && !ok) {
             __atomic_add_fetch(&s->failures, 1, __ATOMIC_RELAXED);
-            if (c != CURLE_OK)
-                kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
-                         curl_easy_strerror(c));
-            else
-                kvs_warn("router: %s server %s is out of rotation: /health answered %ld",
-                         side_name(s->side), s->url, ck[i].code);
+            kvs_warn("router: %s server %s is out of rotation: %s", side_name(s->side), s->url,
+                     why);
         } else if (!was && ok) {
             kvs_info("router: %s server %s is in rotation", side_name(s->side), s->url);
         } else if (first && !ok) {
             /* Said once: a wrong URL, or a server still starting, is otherwise silent here. */
-            if (c != CURLE_OK)
-                kvs_warn("router: %s server %s is not in rotation yet: %s (it joins once its "
-                         "/health answers 200)",
-                         side_name(s->side), s->url, curl_easy_strerror(c));
-            else
-                kvs_warn("router: %s server %s is not in rotation yet: /health answered %ld (it "
-                         "joins once that is 200)",
-                         side_name(s->side), s->url, ck[i].code);
+            kvs_warn("router: %s server %s is not in rotation yet: %s (it joins once its /health "
+                     "answers 200)",
+                     side_name(s->side), s->url, why);
         }
     }
 out:

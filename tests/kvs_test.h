@@ -19,6 +19,7 @@
 
 #include "kvstage/alloc.h"
 #include "kvstage/log.h"
+#include "kvstage/rng.h"
 
 /* Asserts that no accounted allocation is live. */
 #define kvs_assert_no_leaks()                                                                      \
@@ -72,6 +73,17 @@ static inline uint16_t kvs_test_free_port(void)
     assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
     close(fd);
     return ntohs(a.sin_port);
+}
+
+/* order[0..n) = a random permutation of 0..n-1, drawn from rng (Fisher-Yates). */
+static inline void kvs_test_shuffle(kvs_rng_t *rng, int *order, int n)
+{
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        int j = (int) kvs_rng_below(rng, (uint64_t) i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
 }
 
 /* Iteration count: KVS_ITERS from the environment (for soaks), else the given default. */

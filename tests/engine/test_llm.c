@@ -687,16 +687,6 @@ static void rnd_drain(kvs_llm_t *e, rnd_outcome_t *o)
     }
 }
 
-static void shuffle(kvs_rng_t *rng, int *order, int n)
-{
-    for (int i = 0; i < n; i++) order[i] = i;
-    for (int i = n - 1; i > 0; i--) {
-        int j = (int) kvs_rng_below(rng, (uint64_t) i + 1), t = order[i];
-        order[i] = order[j];
-        order[j] = t;
-    }
-}
-
 /* One scenario: rooms of 1..128 tokens (half sharing a prefix with an earlier one), a prefill pool
  * from one largest prompt to three, a decode pool from one request to four, 1-4 slots on each side,
  * radix caches on or off, each side fed the rooms in its own random order at its own random
@@ -724,8 +714,8 @@ static void run_random_admission(kvs_rng_t *rng)
     const uint32_t dslots = (uint32_t) kvs_rng_range(rng, 1, 4);
     const int pradix = (int) kvs_rng_below(rng, 2), dradix = (int) kvs_rng_below(rng, 2);
     int porder[RND_ROOMS], dorder[RND_ROOMS];
-    shuffle(rng, porder, n);
-    shuffle(rng, dorder, n);
+    kvs_test_shuffle(rng, porder, n);
+    kvs_test_shuffle(rng, dorder, n);
     const uint32_t pace = (uint32_t) kvs_rng_range(rng, 1, 4); /* 1: a room per step */
 
     const int hostile = kvs_rng_below(rng, 3) == 0;

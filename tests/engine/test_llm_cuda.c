@@ -771,12 +771,7 @@ static void test_cpu_tp2_random_admission(void **state)
         s.layout = kvs_rng_below(&rng, 2) ? KVS_POOL_HND : KVS_POOL_NHD;
         int order[2][NPROMPTS];
         for (int side = 0; side < 2; side++) {
-            for (int p = 0; p < NPROMPTS; p++) order[side][p] = p;
-            for (int p = NPROMPTS - 1; p > 0; p--) {
-                const int j = (int) kvs_rng_below(&rng, (uint64_t) p + 1), t = order[side][p];
-                order[side][p] = order[side][j];
-                order[side][j] = t;
-            }
+            kvs_test_shuffle(&rng, order[side], NPROMPTS);
             s.order[side] = order[side];
         }
         s.pace = (uint32_t) kvs_rng_range(&rng, 1, 4);

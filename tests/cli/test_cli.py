@@ -13,6 +13,7 @@ Spawns the built tool (--tool) in a session of its own for each case and checks:
   protocol version;
 - a port in use: serve and router say "error: port P on HOST is in use" and exit 2;
 - the decode server's bootstrap wait ends at --startup-timeout-s;
+- `kvstage sim`'s verdict line: PASS, or FAIL naming what did not hold;
 - the router's --servers-file: a bad line is a usage error naming it, and SIGHUP re-reads it
   (the servers /metrics lists follow the file);
 - help and README agree: every flag the README names for a command is in that command's
@@ -323,6 +324,22 @@ def check_bootstrap_timeout(tool):
     s.close()
 
 
+def check_sim_verdict(tool):
+    """`kvstage sim`'s last line is its verdict: PASS, or FAIL saying which check did not hold.
+    The corruption fault with checksums off lets flipped bits land unseen, so the run fails on
+    the bytes and says why."""
+    small = ["sim", "--kv-heads", "2", "--prefill-tp", "1", "--decode-tp", "2", "--layers", "2",
+             "--prompt-len", "200", "--prefix-len", "50", "--requests", "20", "--faults", "corrupt"]
+    rc, out, err, _, _ = run(tool, small + ["--seed", "2"], timeout=30)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if rc != 0 or not last.startswith("PASS:"):
+        fail("sim under the corruption fault: exit %s, last line %r, %r" % (rc, last, err[-300:]))
+    rc, out, err, _, _ = run(tool, small + ["--seed", "2", "--checksum", "off"], timeout=30)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if rc != 1 or not re.match(r"FAIL: [1-9]\d* bytes .* differ in rooms that succeeded \(.*--checksum off\)$", last):
+        fail("sim under the corruption fault with --checksum off: exit %s, last line %r" % (rc, last))
+
+
 def servers_file(text):
     f = tempfile.NamedTemporaryFile("w", prefix="kvs-servers-", suffix=".txt", delete=False)
     f.write(text)
@@ -447,6 +464,7 @@ def main():
     check_port_in_use(tool)
     check_bootstrap_timeout(tool)
     check_servers_file(tool)
+    check_sim_verdict(tool)
     check_readme(tool, a.readme, helps, benches)
     print("%d usage-error cases over %d commands, %d failures, %.1f s" %
           (len(cases), len(cmd_lists), len(failures), time.monotonic() - t0))

@@ -109,6 +109,31 @@ static void print_json(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int
     kvs_json_end(&j);
 }
 
+/* What made a run fail, one clause per check that did not hold (kvs_sim_result_ok). */
+static void print_failure(const kvs_sim_config_t *c, const kvs_sim_result_t *r)
+{
+    printf("\nFAIL:");
+    const char *sep = " ";
+    if (r->unexpected_failures) {
+        printf("%s%u rooms failed that should have succeeded", sep, r->unexpected_failures);
+        sep = "; ";
+    }
+    if (r->mismatched_bytes || r->meta_mismatches || !r->exact) {
+        printf("%s%llu bytes and %u final metadata differ in rooms that succeeded", sep,
+               (unsigned long long) r->mismatched_bytes, r->meta_mismatches);
+        if ((c->faults & KVS_SIM_FAULT_CORRUPT) && c->no_checksum)
+            printf(" (the corruption fault's flipped bits went undetected: --checksum off)");
+        sep = "; ";
+    }
+    if (r->leaked_slots || r->leaked_pages || r->leaked_rooms || r->leaked_allocs) {
+        printf("%sleaks (see the leaks line)", sep);
+        sep = "; ";
+    }
+    if (r->stalled || r->succeeded + r->failed != r->requests)
+        printf("%s%u requests never concluded", sep, r->requests - r->succeeded - r->failed);
+    printf("\n");
+}
+
 static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, int ok)
 {
     char faults[64];
@@ -191,9 +216,11 @@ static void print_table(const kvs_sim_config_t *c, const kvs_sim_result_t *r, in
            (unsigned long long) r->iterations);
     if (r->stalled)
         printf("  %-20s gave up with %u requests unconcluded\n", "STALLED", r->unconcluded);
-    printf("\n%s\n",
-           ok ? "PASS: every room that should succeed succeeded byte-exact, nothing leaked"
-              : "FAIL");
+    if (ok) {
+        printf("\nPASS: every room that should succeed succeeded byte-exact, nothing leaked\n");
+        return;
+    }
+    print_failure(c, r);
 }
 
 /* Flag values that do not map one-to-one onto kvs_sim_config_t: they are checked against each

@@ -154,9 +154,11 @@ typedef struct kvs_sender kvs_sender_t;
 typedef enum {
     KVS_WRITE_AUTO = 0,   /* direct where the link maps the destination ring, else staged */
     KVS_WRITE_STAGED = 1, /* gather into a staging buffer, then one transport write */
-    KVS_WRITE_DIRECT = 2, /* the gather kernel stores straight into the granted remote slot;
-                             needs a device pool and a link that maps the ring, else the room
-                             fails with KVS_ERR_UNSUPPORTED */
+    KVS_WRITE_DIRECT = 2, /* the gather stores straight into the granted remote slot; needs a
+                             link that maps the ring into this pool's memory kind (the net link:
+                             UCX shared memory for host pools, CUDA IPC for device pools; the
+                             in-process link: device rings only), else the room fails with
+                             KVS_ERR_UNSUPPORTED */
 } kvs_write_mode_t;
 
 typedef struct {

@@ -923,7 +923,7 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
     uint8_t *direct = map_slot(tx, peer_of(r, dest->decode_rank), sd->offset + at, bytes);
     if (direct == NULL && tx->cfg.write_mode == KVS_WRITE_DIRECT) {
         kvs_error("room %llu chunk %llu: direct write, but the link cannot map decode rank %u's "
-                  "slot for this GPU",
+                  "slot into this rank's memory",
                   (unsigned long long) r->id, (unsigned long long) k, dest->decode_rank);
         return KVS_ERR_UNSUPPORTED;
     }

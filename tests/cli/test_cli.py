@@ -224,6 +224,8 @@ def combo_cases(have_model):
         (["demo", "--rank", "1"], "--rank", None),
         (["demo", "--transport"], "--transport", None),
         (["demo", "--transport", "carrier-pigeon"], "--transport", "ucx|inproc"),
+        (["demo", "--data", "tcp", "--write-mode", "direct"], "--write-mode", "staged with --data tcp"),
+        (["sim", "--write-mode", "direct"], "--write-mode", "direct with --device cuda"),
         (["prefill", "--decode-tp", "3"], "--decode-tp", None),
         (["serve", "--seeded", SEEDED, "--tp", "3"], "--tp", "accepted: 1, 2, 4 ("),
         (["serve", "--seeded", SEEDED, "--role", "prefill", "--peer-tp", "3"], "--peer-tp", "1, 2, 4"),

@@ -270,7 +270,8 @@ static void add_device_flags(kvs_arg_table_t *t, sim_opts_t *o)
          KVS_ARGS_GPUS_ACCEPTED, &o->seen_gpus},
         {"write-mode", KVS_ARG_CHOICE, &o->write_mode,
          "auto: gather straight into the decode ring where the link maps it (device rings); "
-         "staged: always through a staging buffer; direct: always straight (auto)",
+         "staged: always through a staging buffer; direct: always straight, with --device cuda "
+         "(auto)",
          "auto|staged|direct", NULL},
     };
     KVS_ARG_TABLE_ADD(t, g);
@@ -477,6 +478,11 @@ static int build_device_shape(sim_opts_t *o)
     c->write_mode = (kvs_write_mode_t) o->write_mode;
     if (o->seen_gpus && !o->device)
         return kvs_args_error("--gpus", "--gpus with --device cuda", "needs --device cuda");
+    /* The in-process link maps only device rings: host rings take the delayable write path. */
+    if (c->write_mode == KVS_WRITE_DIRECT && !o->device)
+        return kvs_args_error("--write-mode", "direct with --device cuda",
+                              "direct needs --device cuda (host rings are written through the "
+                              "simulated transport)");
     if (kvs_args_parse_gpus(o->gpus, &c->prefill_device, &c->decode_device) != 0)
         return kvs_args_error("--gpus", KVS_ARGS_GPUS_ACCEPTED, "'%s' is malformed", o->gpus);
     c->shape.layers = o->layers;

@@ -153,6 +153,13 @@ int kvs_rank_flags_check(const kvs_rank_flags_t *f, const char *cmd)
                                   "%u: %s", tps[i], cap.msg);
     }
     if (kvs_args_check_layout(&c->geo) != 0) return 2;
+    /* A host pool's direct write stores through a mapping of the decode ring; UCX over tcp has
+     * none, so every room would fail (KVS_ERR_UNSUPPORTED). */
+    if (c->write_mode == KVS_WRITE_DIRECT && c->mem == KVS_MEM_HOST && c->data == KVS_NET_DATA_TCP)
+        return kvs_args_error("--write-mode", "auto or staged with --data tcp",
+                              "direct stores into a mapping of the decode ring, which --data tcp "
+                              "does not give (it needs --data shm or auto on one host, or "
+                              "--device cuda)");
     const kvs_workload_config_t *w = &c->workload;
     if (w->kind == KVS_WORKLOAD_SHARED_PREFIX && w->prefix_len >= w->prompt_len)
         return kvs_args_error("--prefix-len", "below --prompt-len",

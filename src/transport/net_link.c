@@ -135,8 +135,21 @@ static void drop_remote(net_t *n, uint32_t peer, int peer_gone, const char *why)
 {
     npeer_t *p = &n->peers[peer];
     if (!wired(p)) return;
-    kvs_info("net link: prefill rank %u drops its endpoint to decode rank %u: %s", n->cfg.rank,
-             peer, why);
+    /* A peer that leaves between transfers (the end of a run, a scale-down) is routine; one
+     * that takes writes down with it is worth a warning (their rooms fail with their own). */
+    uint32_t inflight = 0;
+    void *v;
+    for (size_t it = 0; kvs_map_next(&n->writes, &it, NULL, &v);) {
+        const nwrite_t *w = v;
+        if (w->peer == peer && w->status == KVS_INPROGRESS && !w->wiring) inflight++;
+    }
+    if (inflight != 0)
+        kvs_warn("net link: prefill rank %u drops its endpoint to decode rank %u with %u writes "
+                 "in flight: %s",
+                 n->cfg.rank, peer, inflight, why);
+    else
+        kvs_info("net link: prefill rank %u drops its endpoint to decode rank %u: %s", n->cfg.rank,
+                 peer, why);
     kvs_ucx_remote_destroy(p->remote, peer_gone);
     p->remote = NULL;
     p->ipc_ready = 0;

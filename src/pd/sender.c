@@ -878,21 +878,30 @@ static int take_buffer(kvs_sender_t *tx)
     return -1;
 }
 
-/* The granted slot as a pointer this rank's gather can store to, or NULL: staged mode, a link
- * that cannot map the ring, or a ring this rank's copy backend cannot reach (a device ring for
- * a host pool, another GPU's ring without peer access). */
-static uint8_t *map_slot(kvs_sender_t *tx, uint32_t peer, uint64_t offset, uint64_t len)
+/* The granted slot as a pointer this rank's gather can store to (*ptr_p), or why not:
+ * KVS_INPROGRESS while the link is still wiring the peer's ring up, KVS_ERR_UNSUPPORTED for
+ * staged mode, a link that cannot map the ring, or a ring this rank's copy backend cannot reach
+ * (a device ring for a host pool, another GPU's ring without peer access); the link's error for
+ * a bad or dead peer. */
+static kvs_status_t map_slot(kvs_sender_t *tx, uint32_t peer, uint64_t offset, uint64_t len,
+                             uint8_t **ptr_p)
 {
     const kvs_pool_config_t *pc = kvs_pool_config(tx->pool);
-    if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL) return NULL;
+    if (tx->cfg.write_mode == KVS_WRITE_STAGED || tx->link->ops->map == NULL)
+        return KVS_ERR_UNSUPPORTED;
     int host = 0;
-    uint8_t *p = tx->link->ops->map(tx->link->ctx, peer, offset, len, &host);
-    if (p == NULL || (pc->mem == KVS_MEM_HOST) != host) return NULL;
-    if (kvs_map_get(&tx->direct_ok, peer) != NULL) return p;
-    /* A host pool asks no CUDA call: initialising CUDA could stall progress for seconds. */
-    if (pc->mem == KVS_MEM_DEVICE && !kvs_mem_device_can_access(pc->device, p)) return NULL;
-    if (kvs_map_put(&tx->direct_ok, peer, (void *) 1) != KVS_OK) return NULL;
-    return p;
+    uint8_t *p = NULL;
+    kvs_status_t st = tx->link->ops->map(tx->link->ctx, peer, offset, len, &p, &host);
+    if (st != KVS_OK) return st;
+    if ((pc->mem == KVS_MEM_HOST) != host) return KVS_ERR_UNSUPPORTED;
+    if (kvs_map_get(&tx->direct_ok, peer) == NULL) {
+        /* A host pool asks no CUDA call: initialising CUDA could stall progress for seconds. */
+        if (pc->mem == KVS_MEM_DEVICE && !kvs_mem_device_can_access(pc->device, p))
+            return KVS_ERR_UNSUPPORTED;
+        if (kvs_map_put(&tx->direct_ok, peer, (void *) 1) != KVS_OK) return KVS_ERR_NOMEM;
+    }
+    *ptr_p = p;
+    return KVS_OK;
 }
 
 /* Gathers chunk k's head slice for destination d and starts the write into the granted slot. */
@@ -920,13 +929,19 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
                   (unsigned long long) bytes, (unsigned long long) sd->size);
         return KVS_ERR_PROTOCOL;
     }
-    uint8_t *direct = map_slot(tx, peer_of(r, dest->decode_rank), sd->offset + at, bytes);
-    if (direct == NULL && tx->cfg.write_mode == KVS_WRITE_DIRECT) {
+    uint8_t *direct = NULL;
+    kvs_status_t mapped =
+        map_slot(tx, peer_of(r, dest->decode_rank), sd->offset + at, bytes, &direct);
+    if (mapped != KVS_OK && tx->cfg.write_mode == KVS_WRITE_DIRECT) {
+        /* Not wired up yet: the next progress asks again (the transfer timeout bounds it). */
+        if (mapped == KVS_INPROGRESS) return KVS_INPROGRESS;
         kvs_error("room %llu chunk %llu: direct write, but the link cannot map decode rank %u's "
-                  "slot into this rank's memory",
-                  (unsigned long long) r->id, (unsigned long long) k, dest->decode_rank);
-        return KVS_ERR_UNSUPPORTED;
+                  "slot into this rank's memory: %s",
+                  (unsigned long long) r->id, (unsigned long long) k, dest->decode_rank,
+                  kvs_status_str(mapped));
+        return mapped;
     }
+    if (mapped != KVS_OK) direct = NULL;
     int b = -1;
     if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
     kvs_copy_desc_t desc = {

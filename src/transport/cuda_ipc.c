@@ -104,14 +104,18 @@ static kvs_status_t ipc_write_poll(void *ctx, uint64_t ticket)
     return kvs_mem_queue_poll(c->queue, ticket);
 }
 
-static void *ipc_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
+static kvs_status_t ipc_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len,
+                            uint8_t **ptr_p, int *host_p)
 {
     ipc_t *c = ctx;
-    if (c->cfg.side != KVS_SIDE_PREFILL || peer >= c->cfg.peer_tp) return NULL;
+    if (c->cfg.side != KVS_SIDE_PREFILL) return KVS_ERR_INVALID;
+    if (peer >= c->cfg.peer_tp) return KVS_ERR_NOT_FOUND;
     const ipc_remote_t *r = &c->remotes[peer];
-    if (r->base == NULL || offset > r->size || len > r->size - offset) return NULL;
+    if (r->base == NULL) return KVS_INPROGRESS; /* its ring is not imported yet */
+    if (offset > r->size || len > r->size - offset) return KVS_ERR_INVALID;
     *host_p = 0;
-    return r->base + offset;
+    *ptr_p = r->base + offset;
+    return KVS_OK;
 }
 
 static kvs_status_t ipc_expose(void *ctx, void *ring, uint64_t size)

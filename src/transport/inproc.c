@@ -370,17 +370,20 @@ static kvs_status_t ep_write_poll(void *ctx, uint64_t ticket)
     return st;
 }
 
-static void *ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
+static kvs_status_t ep_map(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, uint8_t **ptr_p,
+                           int *host_p)
 {
     inproc_ep_t *ep = ctx;
     inproc_ep_t *to = endpoint(ep->net, KVS_SIDE_DECODE, peer);
+    if (ep->side != KVS_SIDE_PREFILL || to == NULL) return KVS_ERR_INVALID;
+    if (to->ring == NULL) return KVS_INPROGRESS; /* not exposed yet */
     /* Host rings are written through the (delayable) write path only, so CPU runs keep their
      * adversarial landing schedule. */
-    if (ep->side != KVS_SIDE_PREFILL || to == NULL || to->ring == NULL || to->ring_device < 0)
-        return NULL;
-    if (offset > to->ring_size || len > to->ring_size - offset) return NULL;
+    if (to->ring_device < 0) return KVS_ERR_UNSUPPORTED;
+    if (offset > to->ring_size || len > to->ring_size - offset) return KVS_ERR_INVALID;
     *host_p = 0;
-    return to->ring + offset;
+    *ptr_p = to->ring + offset;
+    return KVS_OK;
 }
 
 static kvs_status_t ep_expose(void *ctx, void *ring, uint64_t size)

@@ -27,13 +27,16 @@ typedef struct {
     /* Prefill: KVS_OK when the write is complete (src may be reused), KVS_INPROGRESS, or an
      * error (the write failed; its room fails). */
     kvs_status_t (*write_poll)(void *ctx, uint64_t ticket);
-    /* Prefill: a pointer through which a kernel of this process can store straight into
-     * [offset, offset + len) of decode rank peer's ring (direct write: no staging buffer and
-     * no separate copy), or NULL when the link cannot map it (remote hosts, a ring not yet
-     * known). *host_p says whether it is host memory (CPU stores) or device memory (kernel
-     * stores); the caller needs no CUDA call to find out. Bytes stored there are visible to
-     * the decode rank once the storing copy has completed. NULL op: the link never maps. */
-    void *(*map)(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, int *host_p);
+    /* Prefill: *ptr_p, a pointer through which a kernel of this process can store straight
+     * into [offset, offset + len) of decode rank peer's ring (direct write: no staging buffer
+     * and no separate copy). *host_p says whether it is host memory (CPU stores) or device
+     * memory (kernel stores); the caller needs no CUDA call to find out. Bytes stored there are
+     * visible to the decode rank once the storing copy has completed. KVS_OK; KVS_INPROGRESS:
+     * not yet (the peer's ring is still being wired up; ask again); KVS_ERR_UNSUPPORTED: this
+     * link cannot map that ring (remote hosts, tcp, a host ring in process); another error: a
+     * bad peer or range, or a dead peer. NULL op: the link never maps. */
+    kvs_status_t (*map)(void *ctx, uint32_t peer, uint64_t offset, uint64_t len, uint8_t **ptr_p,
+                        int *host_p);
     /* Decode: allocates a host ring of size bytes that writers on this host can map (direct
      * writes), zeroed; freed with ring_free after expose(NULL). NULL op, or KVS_ERR_UNSUPPORTED:
      * the receiver allocates the ring itself. */

@@ -716,22 +716,28 @@ static void net_ring_free(void *ctx, void *ring)
 }
 
 /* Prefill: the decode ring through shared memory, once wired up to it (else staged writes). */
-static void *net_map(void *ctx, uint32_t id, uint64_t offset, uint64_t len, int *host_p)
+static kvs_status_t net_map(void *ctx, uint32_t id, uint64_t offset, uint64_t len, uint8_t **ptr_p,
+                            int *host_p)
 {
     net_t *n = ctx;
     uint32_t peer = 0;
-    if (n->cfg.side != KVS_SIDE_PREFILL) return NULL;
+    if (n->cfg.side != KVS_SIDE_PREFILL) return KVS_ERR_INVALID;
     maybe_service(n);
-    if (kvs_zch_peer_index(n->ch, id, &peer) != KVS_OK) return NULL;
+    if (kvs_zch_peer_index(n->ch, id, &peer) != KVS_OK) return KVS_ERR_NOT_FOUND;
     npeer_t *p = &n->peers[peer];
-    if (!wired(p) || p->dead) {
-        /* Ask now so that a later chunk finds the ring mapped. */
-        if (!p->dead) send_wireup_req(n, peer, kvs_now_ns());
-        return NULL;
+    if (p->dead) return KVS_ERR_IO;
+    if (!wired(p)) {
+        /* Ask now: the caller asks again and finds the ring mapped once the wireup lands. */
+        send_wireup_req(n, peer, kvs_now_ns());
+        return KVS_INPROGRESS;
     }
-    if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len, host_p);
+    if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len, ptr_p, host_p);
     *host_p = 1; /* UCX moves host memory only */
-    return kvs_ucx_remote_map(p->remote, offset, len);
+    if (kvs_ucx_remote_failed(p->remote)) return KVS_ERR_IO;
+    uint8_t *m = kvs_ucx_remote_map(p->remote, offset, len);
+    if (m == NULL) return KVS_ERR_UNSUPPORTED; /* tcp: not mappable */
+    *ptr_p = m;
+    return KVS_OK;
 }
 
 static kvs_status_t net_flush(void *ctx)

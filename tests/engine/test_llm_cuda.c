@@ -310,12 +310,13 @@ static kvs_status_t l_write_poll(void *c, uint64_t ticket)
     return st;
 }
 
-static void *l_map(void *c, uint32_t peer, uint64_t offset, uint64_t len, int *host_p)
+static kvs_status_t l_map(void *c, uint32_t peer, uint64_t offset, uint64_t len, uint8_t **ptr_p,
+                          int *host_p)
 {
     kvs_link_t *in = ((locked_t *) c)->inner;
-    void *p = NULL;
-    if (in->ops->map != NULL) LOCKED(p = in->ops->map(in->ctx, peer, offset, len, host_p));
-    return p;
+    kvs_status_t st = KVS_ERR_UNSUPPORTED;
+    if (in->ops->map != NULL) LOCKED(st = in->ops->map(in->ctx, peer, offset, len, ptr_p, host_p));
+    return st;
 }
 
 static kvs_status_t l_ring_alloc(void *c, uint64_t size, void **ring_p)

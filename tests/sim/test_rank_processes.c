@@ -100,6 +100,28 @@ static void test_tp4_to_tp2_shm(void **state)
     demo_ok("--requests 24 --concurrency 8 --data shm");
 }
 
+/* Direct writes from host pools: each gather stores straight into the decode ring through its
+ * shared-memory mapping. A chunk granted before its ring is wired up waits for the wireup (it
+ * used to fail its room as unsupported). */
+static void test_direct_writes_shm(void **state)
+{
+    (void) state;
+    if (tool() == NULL) skip();
+    static const char *const runs[] = {
+        "--requests 32 --concurrency 16 --prefill-tp 4 --decode-tp 1 --kv-heads 4 --chunk 32 "
+        "--prompt-len 1000 --data shm --write-mode direct",
+        "--requests 16 --prefill-tp 2 --decode-tp 2 --mla --head-dim 48 --chunk 32 "
+        "--prompt-len 1000 --data shm --write-mode direct"};
+    for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++) {
+        const char *out = demo_ok(runs[i]);
+        const char *b = strstr(out, "\"bulk_writes\":"), *d = strstr(out, "\"direct_writes\":");
+        if (b == NULL || d == NULL) fail_msg("no bulk_writes or direct_writes in:\n%s", out);
+        unsigned long long bulk = strtoull(b + strlen("\"bulk_writes\":"), NULL, 10);
+        unsigned long long direct = strtoull(d + strlen("\"direct_writes\":"), NULL, 10);
+        if (bulk == 0 || direct != bulk) fail_msg("%llu of %llu writes direct", direct, bulk);
+    }
+}
+
 static void test_tp2_to_tp4_tcp(void **state)
 {
     (void) state;
@@ -250,6 +272,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tp4_to_tp2_shm),
         cmocka_unit_test(test_demo_retries_at_most_2_percent),
+        cmocka_unit_test(test_direct_writes_shm),
         cmocka_unit_test(test_tp2_to_tp4_tcp),
         cmocka_unit_test(test_replicated_and_mla),
         cmocka_unit_test(test_page_sizes_per_side),

@@ -207,8 +207,10 @@ static int child_main(int in_fd, int out_fd, int device)
     if (rc != CHILD_OK) goto out;
     /* the direct path: the gather kernel stores through the mapped ring */
     int is_host = 1;
-    uint8_t *mapped = link->ops->map(link->ctx, 0, MAP_OFFSET, GATHER_N * PAGE_BYTES, &is_host);
-    if (mapped == NULL || is_host) {
+    uint8_t *mapped = NULL;
+    if (link->ops->map(link->ctx, 0, MAP_OFFSET, GATHER_N * PAGE_BYTES, &mapped, &is_host) !=
+            KVS_OK ||
+        mapped == NULL || is_host) {
         rc = CHILD_MAP;
         goto out;
     }
@@ -232,8 +234,8 @@ static int child_main(int in_fd, int out_fd, int device)
     uint64_t t = 0;
     uint8_t msg[8] = {0};
     size_t len = 0;
-    if (link->ops->map(link->ctx, 0, RING_BYTES - 10, 11, &is_host) != NULL ||
-        link->ops->map(link->ctx, 1, 0, 1, &is_host) != NULL ||
+    if (link->ops->map(link->ctx, 0, RING_BYTES - 10, 11, &mapped, &is_host) != KVS_ERR_INVALID ||
+        link->ops->map(link->ctx, 1, 0, 1, &mapped, &is_host) != KVS_ERR_NOT_FOUND ||
         link->ops->write(link->ctx, 0, RING_BYTES - 10, src, 11, &t) != KVS_ERR_INVALID ||
         link->ops->write(link->ctx, 1, 0, src, 1, &t) != KVS_ERR_NOT_FOUND ||
         link->ops->send(link->ctx, 0, msg, sizeof(msg)) != KVS_ERR_UNSUPPORTED ||

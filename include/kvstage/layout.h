@@ -173,6 +173,13 @@ typedef struct {
  * size (a positive multiple of kvs_pd_geometry_unit); logs what is wrong, naming the numbers. */
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo);
 
+/* Whether one side's pools may live on a GPU (kvs_sender_create and kvs_receiver_create ask it
+ * of device pools): the CUDA copy kernels move whole pages only, so a GPU prefill pool needs
+ * its page size to divide the decode page size, a GPU decode pool needs its page size to divide
+ * the prefill page size (both: equal sizes), and neither runs decode context parallelism. The
+ * CPU backend does partial pages and DCP runs. KVS_ERR_UNSUPPORTED, logged with the numbers. */
+kvs_status_t kvs_pd_geometry_check_device(const kvs_pd_geometry_t *geo, kvs_side_t side);
+
 /* The page size of one side's pools: page_size for decode, prefill_page_size (or page_size when
  * that is 0) for prefill. */
 uint32_t kvs_pd_geometry_page(const kvs_pd_geometry_t *geo, kvs_side_t side);

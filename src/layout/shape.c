@@ -131,6 +131,32 @@ uint32_t kvs_tp_first_head(const kvs_kv_shape_t *shape, uint32_t tp_size, uint32
     return (rank / kvs_tp_replication(shape, tp_size)) * kvs_tp_heads_per_rank(shape, tp_size);
 }
 
+kvs_status_t kvs_pd_geometry_check_device(const kvs_pd_geometry_t *geo, kvs_side_t side)
+{
+    const uint32_t own = kvs_pd_geometry_page(geo, side);
+    const uint32_t other =
+        kvs_pd_geometry_page(geo, side == KVS_SIDE_PREFILL ? KVS_SIDE_DECODE : KVS_SIDE_PREFILL);
+    /* Every chunk starts on a decode page; the last ends where both sides' pages do
+     * (protocol.md §1), so this side's copies are whole pages exactly when its page size
+     * divides the other's. */
+    if (own == 0 || other % own != 0) {
+        kvs_error("%s pools on a GPU need their page size (%u) to divide the %s page size (%u): "
+                  "the CUDA copy kernels move whole pages only (partial pages are the CPU "
+                  "backend's for now)",
+                  kvs_side_str(side), own,
+                  kvs_side_str(side == KVS_SIDE_PREFILL ? KVS_SIDE_DECODE : KVS_SIDE_PREFILL),
+                  other);
+        return KVS_ERR_UNSUPPORTED;
+    }
+    if (kvs_pd_geometry_dcp(geo) > 1) {
+        kvs_error("%s pools on a GPU cannot run decode context parallelism (DCP %u): the CUDA "
+                  "copy kernels move whole pages only (DCP runs are the CPU backend's for now)",
+                  kvs_side_str(side), kvs_pd_geometry_dcp(geo));
+        return KVS_ERR_UNSUPPORTED;
+    }
+    return KVS_OK;
+}
+
 kvs_status_t kvs_pd_geometry_validate(const kvs_pd_geometry_t *geo)
 {
     kvs_status_t st = kvs_kv_shape_validate(&geo->shape);

@@ -132,6 +132,9 @@ kvs_status_t kvs_receiver_create(const kvs_receiver_config_t *config, kvs_pool_t
                   pc->page_size);
         return KVS_ERR_INVALID;
     }
+    if (pc->mem == KVS_MEM_DEVICE &&
+        (st = kvs_pd_geometry_check_device(&config->geo, KVS_SIDE_DECODE)) != KVS_OK)
+        return st;
     if (config->ring_bytes == 0) {
         kvs_error("receiver: ring size must be > 0");
         return KVS_ERR_INVALID;

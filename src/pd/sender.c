@@ -136,6 +136,9 @@ kvs_status_t kvs_sender_create(const kvs_sender_config_t *config, kvs_pool_t *po
                   pc->tp.tp_size, pc->shape.layers, pc->page_size);
         return KVS_ERR_INVALID;
     }
+    if (pc->mem == KVS_MEM_DEVICE &&
+        (st = kvs_pd_geometry_check_device(&config->geo, KVS_SIDE_PREFILL)) != KVS_OK)
+        return st;
     if (config->window_chunks == 0 || config->staging_buffers == 0) {
         kvs_error("sender: window_chunks and staging_buffers must be >= 1");
         return KVS_ERR_INVALID;

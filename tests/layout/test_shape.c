@@ -5,6 +5,7 @@
 
 #include <string.h>
 
+#include "kvstage/grid.h"
 #include "kvstage/layout.h"
 #include "kvstage/log.h"
 
@@ -293,6 +294,67 @@ static void test_geometry_page_sizes(void **state)
     }
 }
 
+/* GPU pools: kvs_pd_geometry_check_device accepts a side exactly when every copy that side
+ * makes is whole pages of its own size (what the CUDA kernels move): each chunk's slot, from
+ * the grid (kvs_grid_slot_tokens), starts and ends on that side's pages, for every prompt
+ * length and decode prefix. DCP is refused on both sides. */
+static void test_geometry_check_device(void **state)
+{
+    (void) state;
+    static const uint32_t sizes[] = {1, 2, 4, 8, 16, 24, 32, 48, 64};
+    const size_t n = sizeof(sizes) / sizeof(sizes[0]);
+    kvs_pd_geometry_t g = {.shape = mha(8), .prefill_tp = 4, .decode_tp = 2};
+    for (size_t i = 0; i < n; i++) {
+        for (size_t j = 0; j < n; j++) {
+            g.prefill_page_size = sizes[i];
+            g.page_size = sizes[j];
+            g.chunk_tokens = 2 * sizes[j];
+            assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+            const uint64_t grid = kvs_grid_tokens(g.chunk_tokens, g.page_size);
+            for (int side = KVS_SIDE_PREFILL; side <= KVS_SIDE_DECODE; side++) {
+                const uint32_t P = kvs_pd_geometry_page(&g, (kvs_side_t) side);
+                int whole = 1;
+                for (uint64_t len = 1; len <= 200 && whole; len++) {
+                    for (uint64_t base = 0; base < len && whole; base += g.page_size) {
+                        for (uint64_t k = 0;; k++) {
+                            uint64_t t = kvs_grid_slot_tokens(k, len, base, grid, g.page_size,
+                                                              g.prefill_page_size);
+                            if (t == 0) break;
+                            if ((base + k * grid) % P != 0 || t % P != 0) whole = 0;
+                        }
+                    }
+                }
+                kvs_log_capture_t cap = {.errors_only = 1};
+                kvs_log_set_sink(kvs_log_capture_sink, &cap);
+                kvs_status_t st = kvs_pd_geometry_check_device(&g, (kvs_side_t) side);
+                kvs_log_set_sink(NULL, NULL);
+                if ((st == KVS_OK) != whole)
+                    fail_msg("%s side, prefill page %u, decode page %u: check says %s, the grid "
+                             "%s",
+                             kvs_side_str((kvs_side_t) side), g.prefill_page_size, g.page_size,
+                             kvs_status_str(st), whole ? "has whole pages only" : "cuts a page");
+                if (st != KVS_OK && strstr(cap.msg, "move whole pages only") == NULL)
+                    fail_msg("refusal without its reason: '%s'", cap.msg);
+            }
+        }
+    }
+    /* DCP: refused on both sides, naming it */
+    g = (kvs_pd_geometry_t){.shape = mha(2),
+                            .prefill_tp = 2,
+                            .decode_tp = 4,
+                            .page_size = 16,
+                            .chunk_tokens = 64,
+                            .decode_dcp = 2};
+    assert_int_equal(kvs_pd_geometry_validate(&g), KVS_OK);
+    for (int side = KVS_SIDE_PREFILL; side <= KVS_SIDE_DECODE; side++) {
+        kvs_log_capture_t cap = {.errors_only = 1};
+        kvs_log_set_sink(kvs_log_capture_sink, &cap);
+        assert_int_equal(kvs_pd_geometry_check_device(&g, (kvs_side_t) side), KVS_ERR_UNSUPPORTED);
+        kvs_log_set_sink(NULL, NULL);
+        assert_non_null(strstr(cap.msg, "decode context parallelism (DCP 2)"));
+    }
+}
+
 /* Decode context parallelism: N divides the decode ranks holding each head (every rank for
  * MLA), T divides the decode page, the chunk is a multiple of N x Pd; refusals name the
  * numbers. */
@@ -372,6 +434,7 @@ int main(void)
         cmocka_unit_test(test_tp_validate),
         cmocka_unit_test(test_tp_layout_exhaustive),
         cmocka_unit_test(test_geometry_page_sizes),
+        cmocka_unit_test(test_geometry_check_device),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

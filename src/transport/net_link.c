@@ -727,6 +727,9 @@ static kvs_status_t net_map(void *ctx, uint32_t id, uint64_t offset, uint64_t le
     npeer_t *p = &n->peers[peer];
     if (p->dead) return KVS_ERR_IO;
     if (!wired(p)) {
+        /* A wireup this life of the peer refused (as waiting writes fail with it). */
+        if (p->wire_error != KVS_OK && p->wire_error_inc == kvs_zch_peer_incarnation(n->ch, peer))
+            return p->wire_error;
         /* Ask now: the caller asks again and finds the ring mapped once the wireup lands. */
         send_wireup_req(n, peer, kvs_now_ns());
         return KVS_INPROGRESS;

@@ -737,6 +737,8 @@ static kvs_status_t net_map(void *ctx, uint32_t id, uint64_t offset, uint64_t le
     if (p->ipc_ready) return n->ipc->ops->map(n->ipc->ctx, peer, offset, len, ptr_p, host_p);
     *host_p = 1; /* UCX moves host memory only */
     if (kvs_ucx_remote_failed(p->remote)) return KVS_ERR_IO;
+    const uint64_t size = kvs_ucx_remote_size(p->remote);
+    if (offset > size || len > size - offset) return KVS_ERR_INVALID;
     uint8_t *m = kvs_ucx_remote_map(p->remote, offset, len);
     if (m == NULL) return KVS_ERR_UNSUPPORTED; /* tcp: not mappable */
     *ptr_p = m;

@@ -311,6 +311,16 @@ static void run_visibility(kvs_net_data_t data)
     kvs_link_t *link = prefill_for(&ch, data, 1, NULL);
     uint64_t n = kvs_test_iters(40);
     write_verified(link, a.seed, 0, n, a.ring_bytes, 0, 2);
+    /* Wired up now, to a ring the decode process allocated itself (not through the link's
+     * ring_alloc): not shared memory, so it cannot be mapped over either transport (a
+     * link-allocated one is: test_rank_processes's direct writes); a range past the ring and an
+     * unknown peer are refused. */
+    uint8_t *mapped = NULL;
+    int host = 0;
+    assert_int_equal(link->ops->map(link->ctx, 0, 4096, 4096, &mapped, &host), KVS_ERR_UNSUPPORTED);
+    assert_int_equal(link->ops->map(link->ctx, 0, a.ring_bytes - 10, 11, &mapped, &host),
+                     KVS_ERR_INVALID);
+    assert_int_equal(link->ops->map(link->ctx, 7, 0, 1, &mapped, &host), KVS_ERR_NOT_FOUND);
     tmsg_t bye = {.kind = T_BYE};
     assert_int_equal(tsend(link, &bye), KVS_OK);
     assert_int_equal(nh_reap(ch.pid, 30000), 0);
@@ -749,6 +759,10 @@ static void test_mismatched_transports(void **state)
     uint8_t src[64] = {0};
     uint64_t t;
     uint64_t t0 = kvs_now_ns();
+    uint8_t *mapped = NULL;
+    int host = 0;
+    /* Not wired up yet: a direct write would wait and ask again. */
+    assert_int_equal(p->ops->map(p->ctx, 0, 0, sizeof(src), &mapped, &host), KVS_INPROGRESS);
     assert_int_equal(p->ops->write(p->ctx, 0, 0, src, sizeof(src), &t), KVS_OK);
     kvs_status_t st;
     while ((st = p->ops->write_poll(p->ctx, t)) == KVS_INPROGRESS) {
@@ -756,6 +770,8 @@ static void test_mismatched_transports(void **state)
         assert_true(kvs_now_ns() - t0 < 10000 * MS);
     }
     assert_int_equal(st, KVS_ERR_INCOMPATIBLE);
+    /* The refused wireup: a direct write fails at once with it too, instead of waiting. */
+    assert_int_equal(p->ops->map(p->ctx, 0, 0, sizeof(src), &mapped, &host), KVS_ERR_INCOMPATIBLE);
     d->ops->expose(d->ctx, NULL, 0);
     kvs_link_destroy(p);
     kvs_link_destroy(d);

@@ -91,6 +91,8 @@ kvs_status_t kvs_engine_check_pools(const char *who, const char *side, kvs_pool_
  * decode rank cannot hold the largest slot of some decode rank. */
 kvs_status_t kvs_engine_check_ring(const char *who, const kvs_pd_geometry_t *geo,
                                    uint32_t max_prompt_len, uint64_t ring_bytes);
+/* kvs_pd_geometry_check_device for both sides: a deployment with every pool on a GPU. */
+kvs_status_t kvs_engine_check_devices(const kvs_pd_geometry_t *geo);
 
 /* ---- prefill ---- */
 

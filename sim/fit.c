@@ -78,3 +78,9 @@ kvs_status_t kvs_engine_check_ring(const char *who, const kvs_pd_geometry_t *geo
               (unsigned long long) need);
     return KVS_ERR_INVALID;
 }
+
+kvs_status_t kvs_engine_check_devices(const kvs_pd_geometry_t *geo)
+{
+    kvs_status_t st = kvs_pd_geometry_check_device(geo, KVS_SIDE_PREFILL);
+    return st == KVS_OK ? kvs_pd_geometry_check_device(geo, KVS_SIDE_DECODE) : st;
+}

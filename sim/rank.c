@@ -72,10 +72,7 @@ kvs_status_t kvs_rank_check(const kvs_rank_config_t *c, const char *who)
     kvs_status_t st = kvs_pd_geometry_validate(&c->geo);
     if (st != KVS_OK) return st;
     /* Every rank of a deployment takes the same --device: both sides' pools on GPUs. */
-    if (c->mem == KVS_MEM_DEVICE &&
-        ((st = kvs_pd_geometry_check_device(&c->geo, KVS_SIDE_PREFILL)) != KVS_OK ||
-         (st = kvs_pd_geometry_check_device(&c->geo, KVS_SIDE_DECODE)) != KVS_OK))
-        return st;
+    if (c->mem == KVS_MEM_DEVICE && (st = kvs_engine_check_devices(&c->geo)) != KVS_OK) return st;
     if (c->workload.requests == 0 || c->workload.prompt_len == 0 || c->concurrency == 0) {
         kvs_error("%s: requests (%u), prompt length (%u) and concurrency (%u) must be > 0", who,
                   c->workload.requests, c->workload.prompt_len, c->concurrency);

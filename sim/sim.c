@@ -229,11 +229,7 @@ static kvs_status_t sim_validate(const kvs_sim_config_t *c, const kvs_pd_geometr
         kvs_error("sim: a misaligned decode prefix needs a page size > 1");
         return KVS_ERR_INVALID;
     }
-    if (c->mem == KVS_MEM_DEVICE) {
-        st = kvs_pd_geometry_check_device(geo, KVS_SIDE_PREFILL);
-        return st == KVS_OK ? kvs_pd_geometry_check_device(geo, KVS_SIDE_DECODE) : st;
-    }
-    return KVS_OK;
+    return c->mem == KVS_MEM_DEVICE ? kvs_engine_check_devices(geo) : KVS_OK;
 }
 
 /* ---- the run ---- */

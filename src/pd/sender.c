@@ -944,7 +944,6 @@ static kvs_status_t start_write(kvs_sender_t *tx, sroom_t *r, uint64_t k, uint32
                   kvs_status_str(mapped));
         return mapped;
     }
-    if (mapped != KVS_OK) direct = NULL;
     int b = -1;
     if (direct == NULL && (b = take_buffer(tx)) < 0) return KVS_INPROGRESS;
     kvs_copy_desc_t desc = {

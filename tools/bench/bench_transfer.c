@@ -1100,11 +1100,6 @@ static void print_header(const cfg_t *cfg, const char *hw)
     printf("targets: staged or direct >= %.0f%% of bulk from %u tokens; >= %.0fx per-page at "
            "page %u\n",
            TARGET_BULK_PCT, TARGET_MIN_TOKENS, TARGET_PP_X, TARGET_PP_PAGE);
-    if (!cfg->cuda)
-        printf("  (the GPU's targets: in host memory in one process, staged is three memcpys of "
-               "the bytes (gather, write, scatter) against per-page's and bulk's one, so it lands "
-               "near a third of bulk; this run checks the benchmark and the checksum's host cost, "
-               "`--transport ucx` measures the host path between processes)\n");
     if (cfg->cuda) {
         printf("  checksum cost <= %.0f%% of the transfer time from %u tokens\n", TARGET_SUM_GPU,
                TARGET_MIN_TOKENS);
@@ -1114,8 +1109,13 @@ static void print_header(const cfg_t *cfg, const char *hw)
                 "how they interleave; `kvstage bench kernels` times one side's kernels alone, "
                 "as each GPU of a pair runs them)\n");
         printf("\n");
-    } else
+    } else {
+        printf("  (the GPU's targets: in host memory in one process, staged is three memcpys of "
+               "the bytes (gather, write, scatter) against per-page's and bulk's one, so it lands "
+               "near a third of bulk; this run checks the benchmark and the checksum's host cost, "
+               "`--transport ucx` measures the host path between processes)\n");
         printf("  checksum cost <= %.0f%% of the transfer time (host memory)\n\n", TARGET_SUM_HOST);
+    }
     printf("%-10s %-5s %4s %6s %9s %8s %8s %6s %8s %6s %8s %6s %8s %-6s %7s %7s\n", "model", "tp",
            "page", "tokens", "MiB", "bulk", "staged", "%bulk", "direct", "%bulk", "per-page",
            "%bulk", "best/pp", "check", "sum-st", "sum-dir");

@@ -82,9 +82,11 @@ def run(tool, args, timeout=10.0):
 
 
 def expect_usage_error(tool, args, flag=None, accepted=None):
-    rc, _, err, secs, left = run(tool, args)
+    rc, out, err, secs, left = run(tool, args)
     what = "kvstage " + " ".join(args)
     lines = err.splitlines()
+    if out.strip():
+        fail("%s: printed %r on stdout before refusing" % (what, out[:200]))
     if rc != 2:
         fail("%s: exit %s, want 2 (stderr: %r)" % (what, rc, err[-300:]))
     elif len(lines) != 1 or not lines[0].startswith("error: "):

@@ -444,16 +444,7 @@ int kvs_cmd_demo(int argc, char **argv)
             rest[n++] = argv[i];
     }
     rest[n] = NULL;
-    if (strcmp(transport, "inproc") == 0) {
-        int quiet = 0;
-        for (int i = 1; i < n; i++)
-            quiet |= strcmp(rest[i], "--json") == 0 || strcmp(rest[i], "--help") == 0;
-        if (!quiet) {
-            printf("%s", intro);
-            fflush(stdout);
-        }
-        return kvs_cmd_sim(n, rest);
-    }
+    if (strcmp(transport, "inproc") == 0) return kvs_cmd_sim_intro(n, rest, intro);
     if (strcmp(transport, "ucx") != 0)
         return kvs_args_error("--transport", "ucx|inproc", "'%s' is not one of the choices",
                               transport);

@@ -534,7 +534,9 @@ static int sim_config_build(sim_opts_t *o)
 
 /* Runs the simulation and prints its result; the exit code: 0 pass, 1 fail, 2 a configuration
  * the library refused. name is the command, for the hint. */
-static int sim_run(kvs_sim_config_t *c, int json, const char *name)
+/* Runs the simulation and prints its verdict; `intro` (or NULL) leads the table, so that it shows
+ * only once the configuration was accepted and never before a usage error. */
+static int sim_run(kvs_sim_config_t *c, int json, const char *name, const char *intro)
 {
     progress_t pr = {.tty = isatty(fileno(stderr))};
     if (!json && pr.tty) {
@@ -559,10 +561,12 @@ static int sim_run(kvs_sim_config_t *c, int json, const char *name)
         return 1;
     }
     int ok = kvs_sim_result_ok(&r);
-    if (json)
+    if (json) {
         print_json(c, &r, ok);
-    else
+    } else {
+        if (intro != NULL) printf("%s", intro);
         print_table(c, &r, ok);
+    }
     if (!ok && !json) {
         char cmd[1024];
         kvs_sim_config_cmdline(c, cmd, sizeof(cmd));
@@ -571,7 +575,7 @@ static int sim_run(kvs_sim_config_t *c, int json, const char *name)
     return ok ? 0 : 1;
 }
 
-int kvs_cmd_sim(int argc, char **argv)
+int kvs_cmd_sim_intro(int argc, char **argv, const char *intro)
 {
     sim_opts_t o;
     sim_opts_default(&o);
@@ -586,5 +590,10 @@ int kvs_cmd_sim(int argc, char **argv)
     if (rc == KVS_ARGS_HELP) return 0;
     if (rc != KVS_ARGS_OK) return 2;
     if (sim_config_build(&o) != 0) return 2;
-    return sim_run(&o.c, o.json, argv[0]);
+    return sim_run(&o.c, o.json, argv[0], intro);
+}
+
+int kvs_cmd_sim(int argc, char **argv)
+{
+    return kvs_cmd_sim_intro(argc, argv, NULL);
 }

@@ -22,6 +22,8 @@ int kvs_cmd_demo(int argc, char **argv);
 int kvs_cmd_prefill(int argc, char **argv);
 int kvs_cmd_decode(int argc, char **argv);
 int kvs_cmd_sim(int argc, char **argv);
+/* `sim` with `intro` printed above its table (demo --transport inproc); never before an error. */
+int kvs_cmd_sim_intro(int argc, char **argv, const char *intro);
 int kvs_cmd_generate(int argc, char **argv);
 int kvs_cmd_serve(int argc, char **argv);
 int kvs_cmd_router(int argc, char **argv);

@@ -656,7 +656,7 @@ static kvs_status_t op_submit(void *ctx, const kvs_server_request_t *q,
 
     pthread_mutex_lock(&b->mu);
     if (!b->ready || b->ended || b->quit_queued) {
-        st = b->ready ? KVS_ERR_IO : KVS_ERR_STATE;
+        st = KVS_ERR_STATE; /* not ready, or its ranks ended: the health detail says which */
     } else if (kvs_map_get(&b->rooms, q->room) != NULL) {
         kvs_debug("rank backend: room %llu is already live", (unsigned long long) q->room);
         st = KVS_ERR_INVALID;

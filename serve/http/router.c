@@ -701,8 +701,13 @@ static void fail_passthrough(job_t *j, leg_t *leg)
         if (j->fail_body) memcpy(j->fail_body, leg->resp.ptr, leg->resp.len + 1);
     }
     pthread_mutex_unlock(&j->mu);
-    job_fail(j, (unsigned) leg->status, "upstream_error", "%s server %s answered %ld",
-             side_name(leg->server->side), leg->server->url, leg->status);
+    /* Its error's message goes with the status, for a client the answer no longer reaches. */
+    json_t *ans = leg->resp.len ? json_loadb(leg->resp.ptr, leg->resp.len, 0, NULL) : NULL;
+    const char *why = json_string_value(json_object_get(json_object_get(ans, "error"), "message"));
+    job_fail(j, (unsigned) leg->status, "upstream_error", "%s server %s answered %ld%s%s",
+             side_name(leg->server->side), leg->server->url, leg->status, why ? ": " : "",
+             why ? why : "");
+    json_decref(ans);
 }
 
 /* Tells server s to give up room (POST /internal/cancel): the other side refused or failed

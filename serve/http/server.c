@@ -581,7 +581,12 @@ static void sse_chunk(req_t *r, uint32_t index, json_t *content, const char *fin
 static const char *failure_message(const req_t *r, char *buf, size_t cap)
 {
     if (LOAD(r->shutdown)) return "the server is shutting down";
-    snprintf(buf, cap, "generation failed: %s", kvs_status_str(r->finish_status));
+    /* An I/O error is the backend's end (its ranks died): its health says what became of it. */
+    char why[200] = "";
+    if (r->finish_status == KVS_ERR_IO && r->srv->backend.health_detail != NULL)
+        r->srv->backend.health_detail(r->srv->backend.ctx, why, sizeof(why));
+    snprintf(buf, cap, "generation failed: %s%s%s%s", kvs_status_str(r->finish_status),
+             why[0] ? " (" : "", why, why[0] ? ")" : "");
     return buf;
 }
 
@@ -592,7 +597,7 @@ static void sse_finish(req_t *r)
 {
     r->stream_ended = 1;
     if (r->finish == KVS_SERVER_FINISH_ERROR) {
-        char buf[160];
+        char buf[256];
         char *err =
             kvs__json_error(failure_message(r, buf, sizeof(buf)), "server_error", NULL, NULL);
         if (err == NULL) {
@@ -636,7 +641,7 @@ static enum MHD_Result send_final(req_t *r)
                           "--kv-tokens)",
                           NULL, NULL);
     if (r->finish == KVS_SERVER_FINISH_ERROR) {
-        char buf[160];
+        char buf[256];
         return send_error(r, LOAD(r->shutdown) ? 503 : 500, failure_message(r, buf, sizeof(buf)),
                           NULL, NULL);
     }

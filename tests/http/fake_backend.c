@@ -418,6 +418,19 @@ static kvs_status_t fake_health(void *ctx)
     return ok ? KVS_OK : KVS_ERR_STATE;
 }
 
+/* What a real backend says of its failure (its ranks' end): here the injected one. */
+static void fake_health_detail(void *ctx, char *buf, size_t cap)
+{
+    kvs_server_fake_t *f = ctx;
+    pthread_mutex_lock(&f->mu);
+    uint32_t at = f->fail_at;
+    pthread_mutex_unlock(&f->mu);
+    if (at != 0)
+        snprintf(buf, cap, "the fake fails every request at token %u", at);
+    else
+        buf[0] = '\0';
+}
+
 static kvs_status_t fake_match(void *ctx, const uint32_t *prompt, uint32_t len, uint32_t *cached_p)
 {
     kvs_server_fake_t *f = ctx;
@@ -518,6 +531,7 @@ kvs_server_backend_t kvs_server_fake_backend(kvs_server_fake_t *fake)
     b.submit = fake_submit;
     b.cancel = fake_cancel;
     b.health = fake_health;
+    b.health_detail = fake_health_detail;
     b.match = fake_match;
     b.stats = fake_stats;
     return b;

@@ -299,8 +299,11 @@ static void test_lines_and_events(void **state)
     assert_int_equal(r.d.status, KVS_ERR_IO);
     assert_true(kvs_rank_backend_ended(f.b));
     assert_int_not_equal(f.ops.health(f.ops.ctx), KVS_OK);
-    q.room = 21;
-    assert_int_not_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_OK);
+    q.room = 21; /* refused as not ready (the server's 503), saying why */
+    assert_int_equal(f.ops.submit(f.ops.ctx, &q, &sink), KVS_ERR_STATE);
+    char why[128];
+    f.ops.health_detail(f.ops.ctx, why, sizeof(why));
+    assert_string_equal(why, "the instance has ended");
     uint32_t cached = 77;
     assert_int_not_equal(f.ops.match(f.ops.ctx, prompt, 10, &cached), KVS_OK);
     fix_close(&f);

@@ -506,12 +506,15 @@ static void test_prefill_failure(void **state)
     expect_error_json(&r, 500, "server_error", NULL);
     http_resp_fini(&r);
     assert_true(wait_until(decode_cancelled, &d, 3000));
-    /* Streaming: the decode stream had started; it ends with an error event. */
+    /* Streaming: the decode stream had started; it ends with an error event, which says what
+     * the prefill server answered. */
     http_call(d.rport, NULL, "/v1/completions",
               "{\"prompt\":\"abc\",\"max_tokens\":3,\"stream\":true}", &r);
     assert_int_equal(r.status, 200);
     char *ev[16];
-    sse_expect_failed(&r.body, ev, 16, "answered 500");
+    sse_expect_failed(&r.body, ev, 16,
+                      "answered 500: generation failed: i/o error (the fake fails every request "
+                      "at token 1)");
     http_resp_fini(&r);
     /* Both prefill servers stay in rotation: they answered. */
     assert_int_equal(kvs_router_server_up(d.rt, P, 0), 1);

@@ -595,7 +595,8 @@ static void test_backend_failure(void **state)
     /* The tokens before the failure, then the error event alone: no chunk with a finish
      * reason, no [DONE]. */
     char *ev[64];
-    size_t n = sse_expect_failed(&r.body, ev, 64, "generation failed");
+    size_t n = sse_expect_failed(
+        &r.body, ev, 64, "generation failed: i/o error (the fake fails every request at token 3)");
     assert_true(n >= 2);
     char text[64];
     sse_concat(ev, n - 1, "choices.0.text", text);

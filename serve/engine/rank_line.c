@@ -201,14 +201,14 @@ kvs_status_t kvs_rank_line_event_encode(const kvs_rank_line_event_t *ev, char *b
             "{\"event\":\"stats\",\"role\":\"%s\",\"rank\":%u,\"steps\":%llu,"
             "\"forward_passes\":%llu,\"forward_ns\":%llu,\"prompt_tokens\":%llu,"
             "\"cached_tokens\":%llu,\"decode_tokens\":%llu,\"requests_ok\":%llu,"
-            "\"requests_failed\":%llu,\"radix_pages\":%llu,\"pages_total\":%u,"
-            "\"pages_free\":%u",
+            "\"requests_failed\":%llu,\"radix_pages\":%llu,\"preemptions\":%llu,"
+            "\"pages_total\":%u,\"pages_free\":%u",
             kvs_rank_line_role_str(ev->role), ev->rank, (unsigned long long) s->steps,
             (unsigned long long) s->forward_passes, (unsigned long long) s->forward_ns,
             (unsigned long long) s->prompt_tokens, (unsigned long long) s->cached_tokens,
             (unsigned long long) s->decode_tokens, (unsigned long long) s->requests_ok,
             (unsigned long long) s->requests_failed, (unsigned long long) s->radix_pages,
-            s->pages_total, s->pages_free);
+            (unsigned long long) s->preemptions, s->pages_total, s->pages_free);
         uint32_t nf;
         const kvs_pd_metric_field_t *f = kvs_pd_metrics_fields(&nf);
         for (uint32_t i = 0; i < nf; i++)
@@ -862,8 +862,9 @@ kvs_status_t kvs_rank_line_event_decode(const char *line, size_t len, kvs_rank_l
                 U64("prompt_tokens", s->prompt_tokens) || U64("cached_tokens", s->cached_tokens) ||
                 U64("decode_tokens", s->decode_tokens) || U64("requests_ok", s->requests_ok) ||
                 U64("requests_failed", s->requests_failed) || U64("radix_pages", s->radix_pages) ||
-                U32("pages_total", s->pages_total) || U32("pages_free", s->pages_free) ||
-                get_metrics(&o, m) || U32("queued", s->queued) || U32("running", s->running) ||
+                U64("preemptions", s->preemptions) || U32("pages_total", s->pages_total) ||
+                U32("pages_free", s->pages_free) || get_metrics(&o, m) ||
+                U32("queued", s->queued) || U32("running", s->running) ||
                 get_double(&o, "load_s", &ev->load_s) < 0 ||
                 get_double(&o, "wall_s", &ev->wall_s) < 0 || get_bool(&o, "final", &ev->final) < 0;
     } else {

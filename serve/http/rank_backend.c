@@ -96,6 +96,7 @@ struct kvs_rank_backend {
     query_t *qhead, *qtail;
     kvs_server_backend_stats_t last; /* the last stats answer */
     kvs_pd_metrics_t base;           /* the counters of the instances before this one (restart) */
+    uint64_t base_preemptions;       /* likewise */
     uint32_t restarts;
     char restart_why[128];                     /* why the last instance ended (restart) */
     uint32_t peers_down, peers_of, first_down; /* rank 0's last peers event */
@@ -348,6 +349,7 @@ static void on_answer(kvs_rank_backend_t *b, const kvs_rank_line_event_t *ev, qk
         s.metrics = ev->metrics;
         s.queued = ev->stats.queued;
         s.running = ev->stats.running;
+        s.preemptions = ev->stats.preemptions;
         s.pages_total = ev->stats.pages_total;
         s.pages_free = ev->stats.pages_free;
         q->stats = s;
@@ -819,6 +821,7 @@ static void op_stats(void *ctx, kvs_server_backend_stats_t *stats_p)
     /* Else the last answer, when rank 0 is slow or gone (zero gauges while it restarts). */
     kvs_server_backend_stats_t s = st == KVS_OK ? a.stats : b->last;
     counters_add(&s.metrics, &b->base);
+    s.preemptions += b->base_preemptions;
     s.restarts = b->restarts;
     pthread_mutex_unlock(&b->mu);
     *stats_p = s;
@@ -961,6 +964,7 @@ kvs_status_t kvs_rank_backend_restart(kvs_rank_backend_t *b, int in_fd, int out_
     b->peers_down = b->peers_of = b->first_down = 0;
     /* The old instance's counters carry on; its gauges are gone with it. */
     counters_add(&b->base, &b->last.metrics);
+    b->base_preemptions += b->last.preemptions;
     memset(&b->last, 0, sizeof(b->last));
     b->restarts++;
     snprintf(b->restart_why, sizeof(b->restart_why), "%s", why ? why : "the instance ended");

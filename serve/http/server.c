@@ -1610,6 +1610,9 @@ kvs_status_t kvs_server_metrics(kvs_server_t *srv, char **text_p)
     counter(&sb, "kvstage_instance_restarts_total",
             "The instance's ranks restarted after a rank died (serve --restart-ranks).",
             bs.restarts);
+    counter(&sb, "kvstage_preemptions_total",
+            "Running requests sent back to the queue for want of KV pages, recomputed later.",
+            bs.preemptions);
     char *text = kvs__sb_take(&sb);
     if (text == NULL) {
         kvs_error("server: no memory for the metrics text");

@@ -71,7 +71,8 @@
  *                          instance's ranks),
  *                          kvstage_requests_{queued,running}, kvstage_kv_pages_{total,free,used}
  *                          (rank 0's pool); gauge kvstage_requests_live (submitted, not ended);
- *                          counter kvstage_instance_restarts_total (`serve --restart-ranks`).
+ *                          counters kvstage_instance_restarts_total (`serve --restart-ranks`)
+ *                          and kvstage_preemptions_total (rank 0's).
  *   POST /internal/match   body: a completions or chat request; answers {"cached_tokens": N,
  *                          "prompt_tokens": M} from the backend's match() (the router's
  *                          prefix-aware choice).
@@ -247,6 +248,8 @@ typedef struct {
     uint32_t pages_total; /* gauge: KV pool pages (of one rank: the ranks' pools are alike) */
     uint32_t pages_free;  /* gauge: of which free now */
     uint32_t restarts;    /* counter: the instance's ranks restarted (serve --restart-ranks) */
+    uint64_t preemptions; /* counter: running requests sent back to the queue for want of KV
+                             pages (recomputed when pages free up) */
 } kvs_server_backend_stats_t;
 
 /* The serving engine behind the server. Every function may be called from several server

@@ -585,6 +585,7 @@ static void test_events_round_trip(void **state)
     s->requests_ok = 7;
     s->requests_failed = 8;
     s->radix_pages = 9;
+    s->preemptions = 26;
     s->pages_total = 30;
     s->pages_free = 29;
     s->queued = 10;
@@ -608,7 +609,8 @@ static void test_events_round_trip(void **state)
         &ev, "{\"event\":\"stats\",\"role\":\"prefill\",\"rank\":1,\"steps\":1,"
              "\"forward_passes\":2,\"forward_ns\":3,\"prompt_tokens\":4,\"cached_tokens\":5,"
              "\"decode_tokens\":6,\"requests_ok\":7,\"requests_failed\":8,\"radix_pages\":9,"
-             "\"pages_total\":30,\"pages_free\":29,\"rooms_succeeded\":12,\"rooms_failed\":13,"
+             "\"preemptions\":26,\"pages_total\":30,\"pages_free\":29,\"rooms_succeeded\":12,"
+             "\"rooms_failed\":13,"
              "\"live_rooms\":23,\"quarantined_rooms\":24,\"stashed_rooms\":25,\"chunks\":14,"
              "\"bulk_writes\":15,"
              "\"direct_writes\":16,\"bytes_moved\":17,\"control_messages\":18,\"retries\":19,"

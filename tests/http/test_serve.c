@@ -963,6 +963,60 @@ static void test_sigterm_to_process_group(void **state)
                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
 }
 
+/* One request of test_preemption: its prompt and answer. */
+typedef struct {
+    uint16_t port;
+    int id;
+    long status;
+    char text[256];
+} preempt_req_t;
+
+static void *preempt_main(void *arg)
+{
+    preempt_req_t *q = arg;
+    char prompt[64];
+    snprintf(prompt, sizeof(prompt), "request %d of a pool too small for all", q->id);
+    q->status = complete(q->port, prompt, 16, q->id % 2, q->text, sizeof(q->text), NULL);
+    return NULL;
+}
+
+/* A pool that holds one request but not four at once: the server preempts the newest running
+ * request when a sequence has no page to grow into and recomputes it later. Every answer is
+ * the one it gets alone, and /metrics counts the preemptions. */
+static void test_preemption(void **state)
+{
+    (void) state;
+    const char *args[] = {"serve", "--role",          "colocated", "--seeded",
+                          SEEDED,  "--model-seed",    "11",        "--port",
+                          "0",     "--page-size",     "4",         "--chunk",
+                          "8",     "--max-model-len", "64",        "--kv-tokens",
+                          "80",    "--max-running",   "4",         NULL};
+    proc_t *p = spawn_tool(args);
+    wait_up(p, "serving on");
+    enum { N = 4 };
+    preempt_req_t alone[N], together[N];
+    for (int i = 0; i < N; i++) {
+        alone[i] = (preempt_req_t){.port = p->port, .id = i};
+        preempt_main(&alone[i]);
+        assert_int_equal(alone[i].status, 200);
+    }
+    assert_true(metric_of(p->port, "kvstage_preemptions_total") == 0);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        together[i] = (preempt_req_t){.port = p->port, .id = i};
+        assert_int_equal(pthread_create(&th[i], NULL, preempt_main, &together[i]), 0);
+    }
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++) {
+        if (together[i].status != 200)
+            fail_msg("request %d: %ld %s", i, together[i].status, together[i].text);
+        if (strcmp(together[i].text, alone[i].text) != 0)
+            fail_msg("request %d: '%s' with the others, '%s' alone", i, together[i].text,
+                     alone[i].text);
+    }
+    assert_true(metric_of(p->port, "kvstage_preemptions_total") > 0);
+}
+
 /* The HTTP flags of both commands: --strict, --api-key (or KVS_API_KEY), --server-api-key,
  * --max-connections, --idle-timeout-s. */
 static void test_http_flags(void **state)
@@ -1894,6 +1948,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_sigterm_to_process_group, demo_teardown),
         cmocka_unit_test_teardown(test_prefill_restart, demo_teardown),
         cmocka_unit_test_teardown(test_http_flags, demo_teardown),
+        cmocka_unit_test_teardown(test_preemption, demo_teardown),
     };
     const struct CMUnitTest fleet[] = {
         cmocka_unit_test(test_fleet_two_prefill), cmocka_unit_test(test_fleet_incompatible),

@@ -258,8 +258,8 @@ typedef struct {
     void *ctx;
     /* Takes a request (copying what it keeps). KVS_OK: the sink will get on_done.
      * Errors (no sink call follows): KVS_ERR_INVALID or KVS_ERR_UNSUPPORTED (answered 400),
-     * KVS_ERR_NOSPACE (503, overloaded), KVS_ERR_STATE (503, not ready: starting or
-     * restarting), anything else (500). */
+     * KVS_ERR_NOSPACE (503, overloaded), KVS_ERR_STATE (503, not ready: starting,
+     * restarting or its ranks ended; health_detail says which), anything else (500). */
     kvs_status_t (*submit)(void *ctx, const kvs_server_request_t *request,
                            const kvs_server_sink_t *sink);
     /* Ends choice `choice` of a live request soon (a stop string matched in it), or every choice

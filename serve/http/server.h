@@ -269,7 +269,8 @@ typedef struct {
     kvs_status_t (*cancel)(void *ctx, uint64_t room, uint32_t choice);
     /* KVS_OK while the backend can serve. NULL: always healthy. */
     kvs_status_t (*health)(void *ctx);
-    /* Why health() fails, into buf[cap] ("" when it does not); shown by /health. NULL: none. */
+    /* Why health() fails, into buf[cap] ("" when it does not); shown by /health, a submit's
+     * 503 and the error of a request that ended with KVS_ERR_IO. NULL: none. */
     void (*health_detail)(void *ctx, char *buf, size_t cap);
     /* The longest prefix of prompt in this instance's prefix cache. NULL: 0. */
     kvs_status_t (*match)(void *ctx, const uint32_t *prompt, uint32_t prompt_len,

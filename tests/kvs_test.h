@@ -57,10 +57,11 @@ static inline void kvs_log_capture_sink(void *arg, kvs_log_level_t level, const 
     snprintf(c->msg, sizeof(c->msg), "%s", msg);
 }
 
-/* A loopback TCP port free at the time of the call (the kernel's pick for port 0), for a test
- * that must name a port another process binds. Ports a test derives itself (from its pid, say)
- * can fall in the ephemeral range and collide with another test's connection. */
-static inline uint16_t kvs_test_free_port(void)
+/* A loopback TCP port bound but never listened on, for a test that needs an endpoint nobody
+ * answers: connects to it are refused, and while *fd_p stays open no other process can bind it
+ * (a port merely free when the test looked can be taken meanwhile by another test running at
+ * the same time, whose listener then answers). Close *fd_p at the end. */
+static inline uint16_t kvs_test_dead_port(int *fd_p)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
@@ -71,8 +72,19 @@ static inline uint16_t kvs_test_free_port(void)
     socklen_t len = sizeof(a);
     assert_int_equal(bind(fd, (struct sockaddr *) &a, sizeof(a)), 0);
     assert_int_equal(getsockname(fd, (struct sockaddr *) &a, &len), 0);
-    close(fd);
+    *fd_p = fd;
     return ntohs(a.sin_port);
+}
+
+/* A loopback TCP port free at the time of the call (the kernel's pick for port 0), for a test
+ * that must name a port another process binds. Ports a test derives itself (from its pid, say)
+ * can fall in the ephemeral range and collide with another test's connection. */
+static inline uint16_t kvs_test_free_port(void)
+{
+    int fd;
+    uint16_t port = kvs_test_dead_port(&fd);
+    close(fd);
+    return port;
 }
 
 /* order[0..n) = a random permutation of 0..n-1, drawn from rng (Fisher-Yates). */

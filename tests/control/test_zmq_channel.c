@@ -389,19 +389,18 @@ static void test_rejects_hostile_frames(void **state)
 
 /* ---- failures of the other side ---- */
 
-/* A free loopback endpoint nobody listens on. */
-static void dead_endpoint(char *buf, size_t cap)
+/* A loopback endpoint nobody listens on, kept so until *fd_p is closed. */
+static void dead_endpoint(char *buf, size_t cap, int *fd_p)
 {
-    kvs_zch_t *tmp = make(KVS_SIDE_DECODE, 0, 1, "tcp://127.0.0.1:0");
-    snprintf(buf, cap, "%s", kvs_zch_endpoint(tmp));
-    kvs_zch_destroy(tmp);
+    snprintf(buf, cap, "tcp://127.0.0.1:%u", kvs_test_dead_port(fd_p));
 }
 
 static void test_dead_peer_never_blocks(void **state)
 {
     (void) state;
     char ep[256];
-    dead_endpoint(ep, sizeof(ep));
+    int dead_fd;
+    dead_endpoint(ep, sizeof(ep), &dead_fd);
     kvs_zch_t *p = make(KVS_SIDE_PREFILL, 0, 1, "tcp://127.0.0.1:0");
     /* No endpoint yet: held, as are the first frames after it while the connection may still
      * come up; then sends fail. */
@@ -420,6 +419,7 @@ static void test_dead_peer_never_blocks(void **state)
     assert_int_equal(st.send_failures, 20001); /* the held frames too, dropped once it died */
     assert_int_equal(st.dead_peers, 1);
     kvs_zch_destroy(p);
+    close(dead_fd);
     kvs_assert_no_leaks();
 }
 

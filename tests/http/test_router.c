@@ -873,7 +873,8 @@ static void test_first_check_names_server(void **state)
     deploy_t d;
     deploy_start(&d, KVS_ROUTER_ROUND_ROBIN, NULL, 60000);
     char url[64];
-    snprintf(url, sizeof(url), "http://127.0.0.1:%u", kvs_test_free_port());
+    int dead_fd;
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", kvs_test_dead_port(&dead_fd));
     warn_capture_t cap = {.mu = PTHREAD_MUTEX_INITIALIZER, .needle = "not in rotation yet"};
     kvs_log_set_level(KVS_LOG_WARN);
     kvs_log_set_sink(warn_sink, &cap);
@@ -888,6 +889,7 @@ static void test_first_check_names_server(void **state)
     assert_non_null(strstr(cap.last, "decode server"));
     assert_non_null(strstr(cap.last, url));
     deploy_stop(&d);
+    close(dead_fd);
     kvs_assert_no_leaks();
 }
 

@@ -580,13 +580,15 @@ static void test_refusal_frees_prefill(void **state)
         for (int i = 0; i < 2; i++) kvs_server_fake_counts(d.fake[P][i], &c[i]);
         http_resp_t m = {0};
         http_call(d.rport, NULL, "/metrics", NULL, &m);
+        double sent =
+            m.status == 200 ? metric_value(m.body.ptr, "kvstage_router_cancels_total") : -1;
+        http_resp_fini(&m);
         fail_msg("prefill fakes: submitted %llu + %llu, cancelled %llu + %llu, live %llu + %llu "
                  "(want at most 8 submitted, each cancelled, none live); the router sent %g "
                  "cancels",
                  (unsigned long long) c[0].submitted, (unsigned long long) c[1].submitted,
                  (unsigned long long) c[0].cancelled, (unsigned long long) c[1].cancelled,
-                 (unsigned long long) c[0].live, (unsigned long long) c[1].live,
-                 m.status == 200 ? metric_value(m.body.ptr, "kvstage_router_cancels_total") : -1.0);
+                 (unsigned long long) c[0].live, (unsigned long long) c[1].live, sent);
     }
     http_resp_t r = {0};
     /* The router counts a cancel once its server answered it, after the client's answer. */

@@ -311,9 +311,8 @@ static void add_engine_flags(kvs_arg_table_t *t, serve_flags_t *f)
         {"kv-tokens", KVS_ARG_U64, &f->kv_tokens,
          "KV pool of each rank, tokens; pages are taken as sequences grow, and the newest request "
          "is preempted and recomputed when it runs out (kvstage_preemptions_total in /metrics); a "
-         "prefill server starts a prompt before "
-         "decode asks for it only in what its pool holds beyond one --max-model-len (default: "
-         "twice --max-model-len)",
+         "prefill server starts a prompt before decode asks for it only in what its pool holds "
+         "beyond one --max-model-len (default: twice --max-model-len)",
          "[2,4294967296]", NULL},
         {"threads", KVS_ARG_U32, &f->threads, "HTTP worker threads (4)", "[1,1024]", NULL},
         {"data", KVS_ARG_CHOICE, &f->data, "UCX data transports", "auto|shm|tcp", NULL},

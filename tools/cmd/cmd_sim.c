@@ -533,9 +533,8 @@ static int sim_config_build(sim_opts_t *o)
 }
 
 /* Runs the simulation and prints its result; the exit code: 0 pass, 1 fail, 2 a configuration
- * the library refused. name is the command, for the hint. */
-/* Runs the simulation and prints its verdict; `intro` (or NULL) leads the table, so that it shows
- * only once the configuration was accepted and never before a usage error. */
+ * the library refused. name is the command, for the hint; `intro` (or NULL) leads the table, so
+ * that it shows only once the configuration was accepted, never before a usage error. */
 static int sim_run(kvs_sim_config_t *c, int json, const char *name, const char *intro)
 {
     progress_t pr = {.tty = isatty(fileno(stderr))};
